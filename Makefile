@@ -1,0 +1,118 @@
+# lethe - one Makefile.
+#
+#   make            build build/lethe (CPU; + CUDA objects when nvcc is present)
+#   make test       install deps if missing, fetch the default model, run the whole suite
+#   make test-asan  the C unit tests under ASan + UBSan
+#   make test-gpu   CUDA op/model tests (needs a GPU; run on the GPU machine)
+#   make run        start the server on the default model
+#   make clean
+#
+# Layout: every src/**/*.c goes into build/liblethe.a; src/backend/cuda/*.cu
+# into build/liblethe_cuda.a; every tests/test_*.c is one test binary;
+# tools/*.c make the `lethe` binary. Adding a file needs no Makefile edit.
+
+CC      ?= gcc
+NVCC    ?= nvcc
+BUILD   ?= build
+SAN     ?= 0
+OPT     ?= -O2
+CUDA    ?= auto
+
+CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) \
+               -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP
+LDLIBS  := -lcjson -lpcre2-8 -lmicrohttpd -lm -lpthread -fopenmp
+
+ifeq ($(SAN),1)
+  BUILD := build-asan
+  CFLAGS_BASE += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+  LDLIBS += -fsanitize=address,undefined
+  CUDA := 0
+endif
+
+ifeq ($(CUDA),auto)
+  CUDA := $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+endif
+
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
+CFLAGS := $(CFLAGS_BASE)
+ifeq ($(CUDA),1)
+  CFLAGS += -DLETHE_HAVE_CUDA=1
+  CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
+  NVCCFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Iinclude -Isrc -Xcompiler -fPIC,-Wall -lineinfo \
+               -DLETHE_HAVE_CUDA=1 -MMD -MP
+  LDLIBS += -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -lstdc++ -ldl -lrt
+endif
+
+SRC       := $(shell find src -name '*.c' | sort)
+CU_SRC    := $(shell find src -name '*.cu' | sort)
+TOOL_SRC  := $(shell find tools -name '*.c' | sort)
+TEST_SRC  := $(shell find tests -maxdepth 1 -name 'test_*.c' | sort)
+GPU_TEST_SRC := $(shell find tests/gpu -name 'test_*.c' 2>/dev/null | sort)
+BENCH_SRC := $(shell find bench -maxdepth 1 -name '*.c' 2>/dev/null | sort)
+
+OBJ       := $(SRC:%.c=$(BUILD)/%.o)
+CU_OBJ    := $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
+TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
+TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
+
+LIB := $(BUILD)/liblethe.a
+ifeq ($(CUDA),1)
+  LIB_CUDA := $(BUILD)/liblethe_cuda.a
+endif
+
+.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench
+all: $(BUILD)/lethe $(TEST_BIN)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(LIB): $(OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/liblethe_cuda.a: $(CU_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/lethe: $(TOOL_OBJ) $(LIB) $(LIB_CUDA)
+	$(CC) $(CFLAGS) -o $@ $(TOOL_OBJ) $(LIB) $(LIB_CUDA) $(LDLIBS)
+
+$(BUILD)/tests/%: tests/%.c $(LIB) $(LIB_CUDA) tests/test.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(LIB) $(LIB_CUDA) $(LDLIBS)
+
+# The suite: deps + model first, then every C test, then the Python/e2e tests.
+test: deps model all
+	@bash tests/run.sh $(BUILD)
+
+test-c: all
+	@bash tests/run.sh $(BUILD) --c-only
+
+test-asan:
+	$(MAKE) SAN=1 all
+	@LETHE_SKIP_SLOW=1 bash tests/run.sh build-asan --c-only
+
+test-gpu: all $(GPU_TEST_BIN)
+	@bash tests/gpu/run.sh $(BUILD)
+
+bench: all
+
+run: deps model all
+	@bash scripts/run.sh
+
+deps:
+	@bash scripts/setup.sh
+
+model:
+	@bash scripts/fetch-model.sh
+
+clean:
+	rm -rf build build-asan
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,167 @@
+/* lethe.h - the public C API of the lethe engine.
+ *
+ * One engine owns a model, a backend, the KV pool, the scheduler, the prefix
+ * cache and the sparse method. Two ways to drive it:
+ *
+ *  1. Synchronous (offline tools, tests): lethe_engine_add_request() then
+ *     lethe_engine_step() until lethe_engine_has_work() is false. Every call
+ *     happens on the caller's thread.
+ *  2. Threaded (the server): lethe_engine_start() spawns the engine thread,
+ *     which then owns all state; any thread may call lethe_engine_submit() and
+ *     lethe_engine_cancel() (they go through a bounded queue and are applied
+ *     at the start of the next step). lethe_engine_stop() joins the thread.
+ *
+ * Results come back through the request's callback, always on the thread that
+ * runs lethe_engine_step() (the engine thread in mode 2). A callback must not
+ * call back into the engine except lethe_engine_cancel(). */
+#ifndef LETHE_H
+#define LETHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lethe_engine lethe_engine;
+
+#define LETHE_MAX_STOP 8
+#define LETHE_MAX_TOP_LOGPROBS 20
+
+typedef struct lethe_sampling_params {
+    float temperature;          /* 0 = greedy; default 1.0 */
+    int32_t top_k;              /* <= 0: off */
+    float top_p;                /* 1.0: off */
+    float min_p;                /* 0: off */
+    float repetition_penalty;   /* 1.0: off (HF/vLLM semantics, prompt + output tokens) */
+    float presence_penalty;     /* 0: off (OpenAI semantics, output tokens) */
+    float frequency_penalty;    /* 0: off */
+    uint64_t seed;              /* used when has_seed; else a per-request random seed */
+    bool has_seed;
+    int32_t max_tokens;         /* completion tokens; -1 = until max_model_len */
+    bool ignore_eos;
+    const char *stop[LETHE_MAX_STOP]; /* stop strings (copied at submit); NULL-terminated */
+    int32_t stop_token_ids[LETHE_MAX_STOP];
+    int32_t n_stop_token_ids;
+    int32_t logprobs;           /* -1: none; 0: sampled token only; k: + top-k alternatives */
+} lethe_sampling_params;
+
+void lethe_sampling_default_params(lethe_sampling_params *p);
+
+typedef enum lethe_finish_reason {
+    LETHE_FINISH_NONE = 0,      /* still running */
+    LETHE_FINISH_STOP,          /* EOS, stop token or stop string */
+    LETHE_FINISH_LENGTH,        /* max_tokens or max_model_len */
+    LETHE_FINISH_ABORT,         /* cancelled */
+    LETHE_FINISH_ERROR,         /* rejected (e.g. prompt too long); see error */
+} lethe_finish_reason;
+
+typedef struct lethe_top_logprob {
+    int32_t token;
+    float logprob;
+} lethe_top_logprob;
+
+/* One event per sampled token, plus a final event (finished = true; it may
+ * carry the last token or none, n_tokens == 0). text is the newly completed
+ * UTF-8 text (stop strings already removed); valid only during the callback. */
+typedef struct lethe_event {
+    uint64_t request_id;
+    int32_t n_tokens;           /* 0 or 1 */
+    int32_t token;
+    const char *text;
+    float logprob;
+    int32_t n_top;
+    const lethe_top_logprob *top;
+    bool finished;
+    lethe_finish_reason finish_reason;
+    const char *error;          /* finish_reason == ERROR */
+    /* usage, filled on every event */
+    int32_t prompt_tokens;
+    int32_t completion_tokens;
+    int32_t cached_tokens;      /* prompt tokens reused from the prefix cache */
+    double ttft_s;              /* time to first token (from submit); set once known */
+} lethe_event;
+
+typedef void (*lethe_event_cb)(void *user, const lethe_event *ev);
+
+typedef struct lethe_request_params {
+    const int32_t *prompt;      /* token ids (copied at submit) */
+    int32_t n_prompt;
+    lethe_sampling_params sampling;
+    lethe_event_cb cb;
+    void *user;
+} lethe_request_params;
+
+typedef struct lethe_engine_params {
+    const char *model;          /* .gguf, HF folder, or config.json (dummy) */
+    const char *load_format;    /* "auto" | "gguf" | "hf" | "dummy" */
+    uint64_t seed;              /* dummy weights and default sampling seed */
+    const char *device;         /* "cpu" | "cuda" */
+    int32_t n_threads;          /* CPU threads, 0 = all cores */
+    int32_t max_model_len;      /* 0 = model's max_pos */
+    int32_t max_num_seqs;       /* default 256 */
+    int32_t max_num_batched_tokens; /* per-step token budget, default 2048 */
+    size_t kv_cache_bytes;      /* CPU KV budget; 0 = default (1 GiB) */
+    float gpu_memory_utilization; /* CUDA: fraction of device memory, default 0.9 */
+    bool enable_prefix_caching; /* default true */
+    const char *sparse_method;  /* default "dense" */
+    const char *sparse_config;  /* "knob=value,knob=value" (sink_keep_tokens, ...), may be NULL */
+    bool check_invariants;      /* run the KV ownership checker after every step */
+    bool progress;              /* progress bar while loading */
+} lethe_engine_params;
+
+void lethe_engine_default_params(lethe_engine_params *p);
+
+/* Returns 0 and *out on success; otherwise a non-zero status (lethe_status
+ * values from src/core/status.h) and lethe_engine_last_error() says why. */
+int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out);
+void lethe_engine_destroy(lethe_engine *e); /* NULL-safe; stops the thread if running */
+const char *lethe_engine_last_error(void);
+
+/* Tokenizer access (text in / text out for tools and the server). */
+int lethe_engine_tokenize(lethe_engine *e, const char *text, bool add_bos, bool parse_special,
+                          int32_t **ids, int32_t *n_ids); /* *ids malloc'd */
+/* Renders chat messages (roles/contents arrays) with the model's template. */
+int lethe_engine_apply_chat(lethe_engine *e, const char *const *roles,
+                            const char *const *contents, size_t n, bool add_generation_prompt,
+                            char **out); /* *out malloc'd */
+char *lethe_engine_detokenize(lethe_engine *e, const int32_t *ids, int32_t n); /* malloc'd */
+const char *lethe_engine_token_text(lethe_engine *e, int32_t id, size_t *n_bytes);
+int32_t lethe_engine_max_model_len(const lethe_engine *e);
+const char *lethe_engine_model_name(const lethe_engine *e); /* file / folder base name */
+
+/* Synchronous mode. add_request validates (prompt length, sampling fields) and
+ * returns non-zero with an error message instead of queuing a bad request. */
+int lethe_engine_add_request(lethe_engine *e, const lethe_request_params *p, uint64_t *id_out);
+int lethe_engine_step(lethe_engine *e); /* one scheduler step; 0 on success */
+bool lethe_engine_has_work(const lethe_engine *e);
+int lethe_engine_abort(lethe_engine *e, uint64_t id); /* frees its KV now; final event ABORT */
+
+/* Threaded mode. */
+int lethe_engine_start(lethe_engine *e);
+void lethe_engine_stop(lethe_engine *e);
+int lethe_engine_submit(lethe_engine *e, const lethe_request_params *p, uint64_t *id_out);
+void lethe_engine_cancel(lethe_engine *e, uint64_t id); /* thread-safe, idempotent */
+
+typedef struct lethe_engine_stats {
+    int32_t n_running, n_waiting;
+    int64_t kv_slots_total, kv_slots_used;   /* summed over layers / rows */
+    double kv_usage;                         /* used / total in [0, 1] */
+    int64_t prefix_queries_tokens, prefix_hit_tokens; /* cumulative */
+    int64_t prompt_tokens_total, generation_tokens_total;
+    int64_t prefill_tokens_computed;         /* tokens that went through the forward as prompt */
+    int64_t n_preemptions;
+    int64_t n_steps;
+    int64_t n_requests_finished;
+} lethe_engine_stats;
+
+/* Thread-safe snapshot (updated at the end of every step). */
+void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LETHE_H */

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# scripts/setup.sh - installs what lethe needs to build and test, if missing:
+# Debian packages (compiler deps) and the PyPI packages the e2e tests use.
+set -euo pipefail
+pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libmicrohttpd-dev curl python3-pip)
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}" >&2
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+py_missing=()
+python3 -c 'import openai' 2>/dev/null || py_missing+=("openai>=1.40")
+python3 -c 'import pytest' 2>/dev/null || py_missing+=("pytest")
+python3 -c 'import requests' 2>/dev/null || py_missing+=("requests")
+if [ ${#py_missing[@]} -gt 0 ]; then
+    echo "setup: installing PyPI packages: ${py_missing[*]}" >&2
+    python3 -m pip install -q "${py_missing[@]}"
+fi

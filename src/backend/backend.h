@@ -1,0 +1,126 @@
+/* backend.h - the compute backend interface: an ops table + private state.
+ *
+ * The model forward (model/arch_*.c) is written once against these ops; the
+ * CPU backend (backend/cpu/, fp32, the reference) and the CUDA backend
+ * (backend/cuda/, bf16 weights, fp32 accumulation) implement them. Every op
+ * has a CPU twin with the same name and a row in the CUDA comparison test.
+ *
+ * Memory model: pointers handed to ops (`void *`) are backend memory
+ * ("device pointers"): activations in the backend's activation type
+ * (ops->act_size bytes per element), weights in its weight type, KV in its KV
+ * type. Index arrays (tokens, positions, slots, selections) are always HOST
+ * int32 arrays; a device backend stages them itself. Only the host-transfer
+ * ops move data between the two worlds.
+ *
+ * Layout conventions (row-major, last index fastest):
+ *   activations x      [n_tokens, dim]
+ *   q                  [n_tokens, n_heads, head_dim]
+ *   k, v (new)         [n_tokens, n_kv_heads, head_dim]
+ *   weight W           [out_dim, in_dim]  (HF nn.Linear layout; y = x W^T)
+ *   KV cache per layer K, V: [n_slots, n_kv_heads, head_dim], a slot = one token
+ *
+ * Ops never allocate after init and never fail: invalid arguments are bugs
+ * (asserted). Failures that can happen (allocation, device errors at init)
+ * surface through alloc / weight_upload / the backend constructor. */
+#ifndef LETHE_BACKEND_H
+#define LETHE_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/status.h"
+#include "model/config.h"
+
+typedef struct lethe_backend lethe_backend;
+
+/* What one layer's attention reads, for every sequence of the step.
+ *
+ * For sequence s the query tokens are batch rows [q_begin[s], q_begin[s+1]) and
+ * the keys are the slots sel_slots[sel_begin[s] .. sel_begin[s+1]). The LAST
+ * n_q(s) entries of a sequence's selection are its new tokens, in order, so
+ * causality is positional: query j (0-based within the sequence) attends to
+ * selection entries [0, n_sel(s) - n_q(s) + j]. Dense attention selects every
+ * resident slot; sparse methods pass subsets (ascending logical position). */
+typedef struct lethe_attn_args {
+    void *out;                   /* [n_tokens, n_heads, head_dim] activations */
+    const void *q;               /* [n_tokens, n_heads, head_dim] after RoPE */
+    const void *k_cache;         /* [n_slots, n_kv_heads, head_dim] this layer */
+    const void *v_cache;
+    int32_t n_tokens;
+    int32_t n_seqs;
+    const int32_t *q_begin;      /* host [n_seqs + 1] */
+    const int32_t *sel_begin;    /* host [n_seqs + 1] */
+    const int32_t *sel_slots;    /* host [sel_begin[n_seqs]] */
+    int32_t n_heads, n_kv_heads, head_dim;
+    float scale;                 /* usually 1/sqrt(head_dim) */
+    /* Optional score output for sparse methods (NULL = not wanted):
+     * scores[h, i, e] = scale * q_i,h . k_e (pre-softmax) for query row i of the
+     * batch and selection entry e within its sequence, written as HOST float
+     * [n_heads, n_tokens, score_stride]; entries past the causal limit = -INF. */
+    float *scores;
+    int32_t score_stride;
+} lethe_attn_args;
+
+typedef struct lethe_backend_ops {
+    const char *name;            /* "cpu", "cuda" */
+    size_t act_size;             /* bytes per activation element */
+    size_t kv_size;              /* bytes per K/V cache element */
+    void (*destroy)(lethe_backend *be);
+
+    /* memory: init/load time only */
+    lethe_status (*alloc)(lethe_backend *be, size_t n_bytes, void **out);
+    void (*release)(lethe_backend *be, void *p);
+    /* f32 host weights -> backend weight memory (converted to the weight type) */
+    lethe_status (*weight_upload)(lethe_backend *be, const float *host, size_t n, void **out);
+    void (*act_to_host)(lethe_backend *be, float *dst, const void *src, size_t n);
+    void (*act_from_host)(lethe_backend *be, void *dst, const float *src, size_t n);
+    void (*sync)(lethe_backend *be);
+    size_t (*free_memory)(lethe_backend *be); /* device bytes free; CPU returns 0 */
+
+    /* ops */
+    void (*embed)(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
+                  int32_t n, int32_t dim);
+    void (*rmsnorm)(lethe_backend *be, void *out, const void *x, const void *w, int32_t n_rows,
+                    int32_t dim, float eps);
+    void (*add)(lethe_backend *be, void *x, const void *y, size_t n); /* x += y */
+    void (*matmul)(lethe_backend *be, void *y, const void *x, const void *w, int32_t n,
+                   int32_t out_dim, int32_t in_dim); /* y[n,out] = x[n,in] W[out,in]^T */
+    void (*add_bias)(lethe_backend *be, void *y, const void *b, int32_t n, int32_t dim);
+    /* HF rotate-half RoPE in place on x [n, n_heads, head_dim] at host positions pos[n] */
+    void (*rope)(lethe_backend *be, void *x, const int32_t *pos, int32_t n, int32_t n_heads,
+                 int32_t head_dim, const lethe_rope_config *rope);
+    void (*swiglu)(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);
+    /* writes new k/v [n, kv_dim] into cache rows slots[n] */
+    void (*kv_store)(lethe_backend *be, void *k_cache, void *v_cache, const void *k,
+                     const void *v, const int32_t *slots, int32_t n, int32_t kv_dim);
+    void (*attention)(lethe_backend *be, const lethe_attn_args *a);
+    /* logits to host: out[n, n_vocab] f32 */
+    void (*logits_to_host)(lethe_backend *be, float *dst, const void *src, size_t n);
+    /* copy activation rows: dst row i = src row idx[i] (host idx), rows of `dim` elements */
+    void (*gather_rows)(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
+                        int32_t n, int32_t dim);
+} lethe_backend_ops;
+
+struct lethe_backend {
+    const lethe_backend_ops *ops;
+    int n_threads;   /* CPU worker threads (0 = all cores) */
+    void *ctx;       /* backend-private */
+};
+
+typedef struct lethe_backend_params {
+    const char *device;        /* "cpu" or "cuda" */
+    int n_threads;             /* CPU: 0 = all cores */
+    int device_index;          /* CUDA ordinal */
+} lethe_backend_params;
+
+/* Creates the named backend. "cuda" returns LETHE_ERR_UNSUPPORTED with a clear
+ * message when lethe was built without CUDA or no device is present. */
+lethe_status lethe_backend_create(const lethe_backend_params *p, lethe_backend **out);
+void lethe_backend_destroy(lethe_backend *be); /* NULL-safe */
+
+/* Implemented in backend/cpu/backend_cpu.c and backend/cuda/backend_cuda.cu. */
+lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out);
+lethe_status lethe_backend_cuda_create(const lethe_backend_params *p, lethe_backend **out);
+
+#endif /* LETHE_BACKEND_H */

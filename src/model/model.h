@@ -1,0 +1,135 @@
+/* model.h - a loaded model: config, backend weights, and the forward pass.
+ *
+ * The forward pass is one fixed execution path per architecture family
+ * (arch_<family>.c). It never decides which KV a layer reads: at each layer
+ * it asks the caller (the engine, through lethe_fwd_hooks) where to store the
+ * new tokens' K/V and which slots attention reads. That is where KV layouts,
+ * prefix reuse and sparse methods step in without the model code changing.
+ *
+ * Life of one forward call, per layer l:
+ *   x -> rmsnorm -> q,k,v projections (+bias) (+q/k head norm) -> RoPE(pos)
+ *     -> hooks->plan_layer(l, q)  : store slots + attention selection
+ *     -> kv_store, attention(selection) -> hooks->after_attn (optional)
+ *     -> o projection + residual -> rmsnorm -> SwiGLU MLP + residual
+ * then final norm and the lm_head for the rows that want logits. */
+#ifndef LETHE_MODEL_H
+#define LETHE_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "model/config.h"
+
+typedef struct lethe_tokenizer lethe_tokenizer;
+
+/* Backend pointers (see backend.h); NULL when the family has no such tensor. */
+typedef struct lethe_layer_weights {
+    void *attn_norm;            /* [dim] */
+    void *wq, *wk, *wv;         /* [n_heads*head_dim, dim], [n_kv_heads*head_dim, dim] x2 */
+    void *bq, *bk, *bv;         /* qkv bias (qwen2) [n_heads*head_dim] / [kv_dim] */
+    void *q_norm, *k_norm;      /* qwen3 per-head RMSNorm weights [head_dim] */
+    void *wo;                   /* [dim, n_heads*head_dim] */
+    void *ffn_norm;             /* [dim] */
+    void *w_gate, *w_up;        /* [ffn_dim, dim] */
+    void *w_down;               /* [dim, ffn_dim] */
+} lethe_layer_weights;
+
+typedef struct lethe_weights {
+    void *tok_embd;             /* [n_vocab, dim] */
+    void *out_norm;             /* [dim] */
+    void *lm_head;              /* [n_vocab, dim]; == tok_embd when tied */
+    lethe_layer_weights *layers;/* owned, [n_layers] */
+} lethe_weights;
+
+/* One step's tokens: several sequences, each a contiguous run of rows. */
+typedef struct lethe_fwd_batch {
+    int32_t n_tokens;
+    const int32_t *tokens;      /* [n_tokens] */
+    const int32_t *pos;         /* [n_tokens] logical positions (RoPE) */
+    int32_t n_seqs;
+    const int32_t *seq_begin;   /* [n_seqs + 1] rows of sequence s: [seq_begin[s], seq_begin[s+1]) */
+    int32_t n_logits;
+    const int32_t *logit_rows;  /* [n_logits] rows whose next-token logits are wanted */
+} lethe_fwd_batch;
+
+/* The caller's answer for one layer (host arrays valid until the next call). */
+typedef struct lethe_layer_plan {
+    const int32_t *store_slots; /* [n_tokens] cache slot receiving each new token */
+    const int32_t *sel_begin;   /* [n_seqs + 1] see lethe_attn_args */
+    const int32_t *sel_slots;   /* selection, last n_q(s) entries = the new tokens */
+    float *scores;              /* optional score output (see lethe_attn_args), NULL = none */
+    int32_t score_stride;
+} lethe_layer_plan;
+
+typedef struct lethe_fwd_hooks {
+    void *ctx;
+    /* required. q: backend activations [n_tokens, n_heads, head_dim] after RoPE,
+     * for methods that select with the current query (read with act_to_host). */
+    void (*plan_layer)(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                       lethe_layer_plan *out);
+    /* optional: after the layer's attention ran (scores filled if requested). */
+    void (*after_attn)(void *ctx, int32_t layer, const lethe_fwd_batch *b,
+                       const lethe_layer_plan *plan);
+} lethe_fwd_hooks;
+
+typedef struct lethe_arch lethe_arch;
+
+typedef struct lethe_model {
+    lethe_model_config cfg;
+    const lethe_arch *arch;
+    lethe_backend *be;          /* not owned */
+    lethe_weights w;
+    lethe_tokenizer *tok;       /* owned; NULL for dummy weights without tokenizer.json */
+    char *path;                 /* owned copy */
+    /* per-layer KV cache buffers, allocated by the KV pool (kv/), not by the model */
+    /* forward workspace, sized for n_tokens_max at lethe_model_workspace_init */
+    int32_t n_tokens_max;
+    void *ws;                   /* arch-private workspace struct */
+} lethe_model;
+
+typedef enum lethe_load_format {
+    LETHE_LOAD_AUTO = 0,        /* .gguf file -> gguf; folder with config.json -> hf */
+    LETHE_LOAD_GGUF,
+    LETHE_LOAD_HF,              /* config.json + *.safetensors (+ index) */
+    LETHE_LOAD_DUMMY,           /* config.json only; weights from a seed */
+} lethe_load_format;
+
+typedef struct lethe_model_load_params {
+    const char *path;           /* .gguf file, HF folder, or config.json / folder for dummy */
+    lethe_load_format format;
+    uint64_t seed;              /* dummy weights */
+    bool progress;              /* progress bar on stderr while loading */
+} lethe_model_load_params;
+
+lethe_status lethe_load_format_parse(const char *s, lethe_load_format *out);
+
+/* Loads config, tokenizer and weights into `be`. On failure nothing stays
+ * allocated and lethe_last_error() names the file and the problem. */
+lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *be,
+                              lethe_model *out);
+void lethe_model_free(lethe_model *m); /* NULL-safe */
+
+/* Allocates forward activations for up to n_tokens_max rows per call. */
+lethe_status lethe_model_workspace_init(lethe_model *m, int32_t n_tokens_max);
+
+/* Runs the forward pass; logits_out is HOST [b->n_logits, n_vocab] f32.
+ * k_cache[l] / v_cache[l] are the per-layer KV buffers (backend memory). */
+void lethe_model_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
+                         void *const *v_cache, const lethe_fwd_hooks *hooks, float *logits_out);
+
+/* Families: one file each (arch_llama.c serves llama, qwen2, qwen3). */
+struct lethe_arch {
+    const char *names[4];       /* GGUF/HF spellings this family serves, NULL-terminated */
+    /* checks config fields the family needs; names what is unsupported otherwise */
+    lethe_status (*check)(const lethe_model_config *c);
+    lethe_status (*workspace_init)(lethe_model *m, int32_t n_tokens_max);
+    void (*workspace_free)(lethe_model *m);
+    void (*forward)(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
+                    void *const *v_cache, const lethe_fwd_hooks *hooks, float *logits_out);
+};
+
+/* NULL (with a clear error set) when no family serves `arch`. */
+const lethe_arch *lethe_arch_find(const char *arch);
+
+#endif /* LETHE_MODEL_H */

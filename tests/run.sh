@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# tests/run.sh BUILD [--c-only] - runs every test binary in BUILD/tests, then
+# (unless --c-only) the Python end-to-end tests; prints PASS/FAIL per test
+# and a closing "N passed, N failed" line. Exits non-zero if anything failed.
+set -u
+build=${1:-build}
+c_only=0
+[ "${2:-}" = "--c-only" ] && c_only=1
+cd "$(dirname "$0")/.." || exit 1
+pass=0; fail=0; failed=()
+logdir="$build/test-logs"; mkdir -p "$logdir"
+for t in "$build"/tests/test_*; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    start=$(date +%s)
+    if timeout 900 "$t" >"$logdir/$name.log" 2>&1; then
+        echo "PASS $name ($(( $(date +%s) - start ))s)"; pass=$((pass+1))
+    else
+        echo "FAIL $name ($(( $(date +%s) - start ))s)"; tail -n 20 "$logdir/$name.log" | sed 's/^/    /'
+        fail=$((fail+1)); failed+=("$name")
+    fi
+done
+if [ $c_only = 0 ]; then
+    for t in tests/e2e/test_*.py; do
+        [ -f "$t" ] || continue
+        name=$(basename "$t" .py)
+        start=$(date +%s)
+        if timeout 900 python3 -m pytest -x -q "$t" >"$logdir/$name.log" 2>&1; then
+            echo "PASS $name ($(( $(date +%s) - start ))s)"; pass=$((pass+1))
+        else
+            echo "FAIL $name ($(( $(date +%s) - start ))s)"; tail -n 30 "$logdir/$name.log" | sed 's/^/    /'
+            fail=$((fail+1)); failed+=("$name")
+        fi
+    done
+fi
+[ $fail -gt 0 ] && echo "failed: ${failed[*]}"
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ] && [ $pass -gt 0 ]

@@ -1,0 +1,11 @@
+/* cmd_serve.c - placeholder until its issue lands; replaced by the real command. */
+#include <stdio.h>
+
+#include "commands.h"
+
+int lethe_cmd_serve(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "lethe serve: not built yet in this version\n");
+    return 2;
+}

@@ -1,0 +1,11 @@
+/* commands.h - the `lethe` subcommands, one file each (tools/cmd_<name>.c). */
+#ifndef LETHE_TOOLS_COMMANDS_H
+#define LETHE_TOOLS_COMMANDS_H
+
+int lethe_cmd_generate(int argc, char **argv); /* cmd_generate.c: one-shot / chat / --input JSONL */
+int lethe_cmd_serve(int argc, char **argv);    /* cmd_serve.c: OpenAI-compatible server */
+int lethe_cmd_bench(int argc, char **argv);    /* cmd_bench.c: engine / replay / serve benchmarks */
+int lethe_cmd_eval(int argc, char **argv);     /* cmd_eval.c: long-context quality suite */
+int lethe_cmd_methods(int argc, char **argv);  /* cmd_methods.c: list sparse methods and knobs */
+
+#endif /* LETHE_TOOLS_COMMANDS_H */
