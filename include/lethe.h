@@ -82,6 +82,8 @@ typedef struct lethe_event {
     int32_t completion_tokens;
     int32_t cached_tokens;      /* prompt tokens reused from the prefix cache */
     double ttft_s;              /* time to first token (from submit); set once known */
+    const float *logits;        /* want_logits: [n_vocab], valid during the callback */
+    int32_t n_vocab;
 } lethe_event;
 
 typedef void (*lethe_event_cb)(void *user, const lethe_event *ev);
@@ -92,6 +94,14 @@ typedef struct lethe_request_params {
     lethe_sampling_params sampling;
     lethe_event_cb cb;
     void *user;
+    /* Forced output (teacher forcing / trace replay): when n_forced > 0 the
+     * i-th generated token is forced[i] instead of a sample, for i < n_forced,
+     * and the request finishes (LENGTH) after n_forced tokens. Copied at submit. */
+    const int32_t *forced;
+    int32_t n_forced;
+    /* When true, every token event carries the full next-token logits
+     * (raw, before penalties/temperature) that produced it. */
+    bool want_logits;
 } lethe_request_params;
 
 typedef struct lethe_engine_params {

@@ -21,8 +21,6 @@
 #include "backend/backend.h"
 #include "model/config.h"
 
-typedef struct lethe_tokenizer lethe_tokenizer;
-
 /* Backend pointers (see backend.h); NULL when the family has no such tensor. */
 typedef struct lethe_layer_weights {
     void *attn_norm;            /* [dim] */
@@ -80,7 +78,6 @@ typedef struct lethe_model {
     const lethe_arch *arch;
     lethe_backend *be;          /* not owned */
     lethe_weights w;
-    lethe_tokenizer *tok;       /* owned; NULL for dummy weights without tokenizer.json */
     char *path;                 /* owned copy */
     /* per-layer KV cache buffers, allocated by the KV pool (kv/), not by the model */
     /* forward workspace, sized for n_tokens_max at lethe_model_workspace_init */
@@ -104,7 +101,8 @@ typedef struct lethe_model_load_params {
 
 lethe_status lethe_load_format_parse(const char *s, lethe_load_format *out);
 
-/* Loads config, tokenizer and weights into `be`. On failure nothing stays
+/* Loads config and weights into `be` (the tokenizer is loaded separately by
+ * lethe_tokenizer_load, so the two modules do not depend on each other). On failure nothing stays
  * allocated and lethe_last_error() names the file and the problem. */
 lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *be,
                               lethe_model *out);

@@ -20,6 +20,11 @@ lethe_status lethe_tokenizer_from_gguf(const lethe_gguf *g, lethe_tokenizer **ou
 /* tokenizer_config_path may be NULL (then BOS/EOS/chat template come from tokenizer.json alone). */
 lethe_status lethe_tokenizer_from_hf(const char *tokenizer_json_path,
                                      const char *tokenizer_config_path, lethe_tokenizer **out);
+/* From a model path as given to --model: a .gguf file (its metadata), an HF
+ * folder (tokenizer.json + tokenizer_config.json), or a config.json / folder
+ * used with dummy weights (tokenizer.json beside it if present, else
+ * LETHE_ERR_NOT_FOUND with a message saying dummy models take token ids). */
+lethe_status lethe_tokenizer_load(const char *model_path, lethe_tokenizer **out);
 void lethe_tokenizer_free(lethe_tokenizer *t); /* NULL-safe */
 
 int32_t lethe_tokenizer_n_vocab(const lethe_tokenizer *t);
