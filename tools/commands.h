@@ -8,4 +8,9 @@ int lethe_cmd_bench(int argc, char **argv);    /* cmd_bench.c: engine / replay /
 int lethe_cmd_eval(int argc, char **argv);     /* cmd_eval.c: long-context quality suite */
 int lethe_cmd_methods(int argc, char **argv);  /* cmd_methods.c: list sparse methods and knobs */
 
+/* `lethe bench <kind>`: cmd_bench.c dispatches; one file per kind. */
+int lethe_bench_engine(int argc, char **argv); /* bench_engine.c: offline throughput vs roofline */
+int lethe_bench_serve(int argc, char **argv);  /* bench_serve.c: HTTP client, vllm bench serve style */
+int lethe_bench_replay(int argc, char **argv); /* bench_replay.c: agent-trace replay */
+
 #endif /* LETHE_TOOLS_COMMANDS_H */
