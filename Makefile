@@ -29,8 +29,9 @@ ifeq ($(SAN),1)
   CUDA := 0
 endif
 
+# CUDA is built when nvcc is present and the CUDA backend sources exist.
 ifeq ($(CUDA),auto)
-  CUDA := $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+  CUDA := $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard src/backend/cuda/backend_cuda.cu)),1,0)
 endif
 
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
