@@ -41,6 +41,8 @@ typedef struct lethe_gguf_kv {
     lethe_gguf_type arr_type;    /* type == ARRAY: element type */
     uint64_t arr_n;              /* type == ARRAY: element count */
     const void *arr_data;        /* type == ARRAY: first element in the mapping */
+    uint64_t *arr_str_off;       /* owned; ARRAY of STRING: offset of element i's length prefix
+                                    in the mapping (built at open) */
 } lethe_gguf_kv;
 
 #define LETHE_GGUF_MAX_DIMS 4
@@ -64,6 +66,10 @@ typedef struct lethe_gguf {
     uint64_t n_tensors;
     lethe_gguf_tensor *tensors; /* owned, [n_tensors] */
     uint64_t alignment;
+    uint64_t data_offset;  /* start of the data section in the file */
+    /* open-addressing name indexes (slot = index + 1, 0 = empty), built at open */
+    uint64_t *kv_index, *tensor_index;
+    uint64_t kv_index_mask, tensor_index_mask;
 } lethe_gguf;
 
 /* Opens and validates `path`. On failure nothing is left allocated and the
