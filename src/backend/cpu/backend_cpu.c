@@ -1,0 +1,92 @@
+/* backend_cpu.c - the CPU reference backend: ops table, memory, transfers.
+ *
+ * Everything is fp32 in host memory (act_size = kv_size = 4): alloc is a
+ * 64-byte aligned malloc, weight_upload copies, the host-transfer ops are
+ * memcpy. The math lives in the per-op files listed in cpu_ops.h. This
+ * backend is the reference the CUDA backend and the HF fixtures are checked
+ * against, so it favours clarity and determinism, then speed. */
+#include "backend/cpu/cpu_ops.h"
+
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+
+#define CPU_ALIGN 64
+
+int lethe_cpu_threads(const lethe_backend *be) {
+    int n = be->n_threads;
+    return n > 0 ? n : omp_get_num_procs();
+}
+
+static void cpu_destroy(lethe_backend *be) { free(be); }
+
+static lethe_status cpu_alloc(lethe_backend *be, size_t n_bytes, void **out) {
+    size_t n = (n_bytes + CPU_ALIGN - 1) / CPU_ALIGN * CPU_ALIGN;
+    void *p = aligned_alloc(CPU_ALIGN, n ? n : CPU_ALIGN);
+    if (!p) return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes", n_bytes);
+    *out = p;
+    return LETHE_OK;
+}
+
+static void cpu_release(lethe_backend *be, void *p) { free(p); }
+
+static lethe_status cpu_weight_upload(lethe_backend *be, const float *host, size_t n, void **out) {
+    void *p = NULL;
+    lethe_status st = cpu_alloc(be, n * sizeof(float), &p);
+    if (st != LETHE_OK) return st;
+    memcpy(p, host, n * sizeof(float));
+    *out = p;
+    return LETHE_OK;
+}
+
+static void cpu_copy_floats(lethe_backend *be, float *dst, const void *src, size_t n) {
+    memcpy(dst, src, n * sizeof(float));
+}
+
+static void cpu_act_from_host(lethe_backend *be, void *dst, const float *src, size_t n) {
+    memcpy(dst, src, n * sizeof(float));
+}
+
+static void cpu_sync(lethe_backend *be) {}
+
+static size_t cpu_free_memory(lethe_backend *be) { return 0; }
+
+static const lethe_backend_ops cpu_ops = {
+    .name = "cpu",
+    .act_size = sizeof(float),
+    .kv_size = sizeof(float),
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .weight_upload = cpu_weight_upload,
+    .act_to_host = cpu_copy_floats,
+    .act_from_host = cpu_act_from_host,
+    .sync = cpu_sync,
+    .free_memory = cpu_free_memory,
+    .embed = lethe_cpu_embed,
+    .rmsnorm = lethe_cpu_rmsnorm,
+    .add = lethe_cpu_add,
+    .matmul = lethe_cpu_matmul,
+    .add_bias = lethe_cpu_add_bias,
+    .rope = lethe_cpu_rope,
+    .swiglu = lethe_cpu_swiglu,
+    .kv_store = lethe_cpu_kv_store,
+    .attention = lethe_cpu_attention,
+    .logits_to_host = cpu_copy_floats,
+    .gather_rows = lethe_cpu_gather_rows,
+};
+
+lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {
+    if (p->n_threads < 0)
+        return lethe_errorf(LETHE_ERR_INVALID, "--threads %d: must be >= 0 (0 = all cores)",
+                            p->n_threads);
+    lethe_backend *be = calloc(1, sizeof(*be));
+    if (!be) return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
+    be->ops = &cpu_ops;
+    be->n_threads = p->n_threads;
+    be->ctx = NULL;
+    *out = be;
+    return LETHE_OK;
+}

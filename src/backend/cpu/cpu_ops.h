@@ -1,0 +1,47 @@
+/* cpu_ops.h - the CPU reference backend's op functions (internal).
+ *
+ * The CPU backend computes everything in fp32 on host memory: activations,
+ * weights and KV are plain float arrays, so a "device pointer" is a host
+ * pointer. One file per op family, mirrored by name in backend/cuda/ (.cu files):
+ *   backend_cpu.c  ops table, memory, host transfers
+ *   matmul.c       y = x W^T (deterministic register-tiled GEMM)
+ *   norm.c         rmsnorm
+ *   rope.c         rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
+ *   attention.c    kv_store + attention over a slot selection
+ *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
+ *
+ * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
+ * and each output element is computed by the same sequence of float
+ * operations whatever the thread count or batch composition: a request's
+ * results are bit-identical alone or inside a batch. */
+#ifndef LETHE_BACKEND_CPU_OPS_H
+#define LETHE_BACKEND_CPU_OPS_H
+
+#include "backend/backend.h"
+
+/* OpenMP thread count for ops: be->n_threads, or all cores when 0. */
+int lethe_cpu_threads(const lethe_backend *be);
+
+void lethe_cpu_matmul(lethe_backend *be, void *y, const void *x, const void *w, int32_t n,
+                      int32_t out_dim, int32_t in_dim);
+void lethe_cpu_rmsnorm(lethe_backend *be, void *out, const void *x, const void *w, int32_t n_rows,
+                       int32_t dim, float eps);
+void lethe_cpu_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n, int32_t n_heads,
+                    int32_t head_dim, const lethe_rope_config *rope);
+void lethe_cpu_kv_store(lethe_backend *be, void *k_cache, void *v_cache, const void *k,
+                        const void *v, const int32_t *slots, int32_t n, int32_t kv_dim);
+void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a);
+void lethe_cpu_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
+                     int32_t n, int32_t dim);
+void lethe_cpu_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
+                           int32_t n, int32_t dim);
+void lethe_cpu_add(lethe_backend *be, void *x, const void *y, size_t n);
+void lethe_cpu_add_bias(lethe_backend *be, void *y, const void *b, int32_t n, int32_t dim);
+void lethe_cpu_swiglu(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);
+
+/* RoPE inverse frequencies [head_dim/2] exactly as HF computes them in fp32
+ * (rope_type default / linear / llama3). Shared with tests and the CUDA
+ * backend's host-side setup. */
+void lethe_rope_inv_freq(const lethe_rope_config *rope, int32_t head_dim, float *inv_freq);
+
+#endif /* LETHE_BACKEND_CPU_OPS_H */
