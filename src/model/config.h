@@ -63,6 +63,12 @@ void lethe_model_config_init(lethe_model_config *c); /* zero + sane defaults (-1
  * Returns LETHE_ERR_FORMAT naming `source` and the field otherwise. */
 lethe_status lethe_model_config_validate(const lethe_model_config *c, const char *source);
 
+/* Reads GGUF metadata ({arch}.* keys, tokenizer.ggml.* ids) and probes tensors for
+ * tied embeddings / qkv bias / qk norm. Llama-3 RoPE scaling stored as a
+ * rope_freqs.weight tensor is converted back to its parameters. */
+typedef struct lethe_gguf lethe_gguf;
+lethe_status lethe_gguf_config_load(const lethe_gguf *g, lethe_model_config *out);
+
 /* Reads an HF config.json (and, if present beside it, generation_config.json). */
 lethe_status lethe_hf_config_load(const char *config_path, lethe_model_config *out);
 

@@ -1,0 +1,93 @@
+/* config.c - defaults and validation of lethe_model_config.
+ *
+ * Both loaders (GGUF metadata, HF config.json) fill the same struct; this file
+ * holds the one set of rules every forward relies on: positive sizes, query
+ * heads a multiple of KV heads, an even head_dim (RoPE rotates pairs),
+ * consistent RoPE scaling parameters, MoE counts that make sense, and token
+ * ids inside the vocabulary. Sizes are also bounded so that products such as
+ * n_vocab * dim cannot overflow while allocating. Errors name the source file
+ * and the field. */
+#include <string.h>
+
+#include "model/config.h"
+
+void lethe_model_config_init(lethe_model_config *c) {
+    memset(c, 0, sizeof(*c));
+    c->rms_eps = 1e-5f;
+    c->rope.theta = 10000.0f;
+    c->rope.scaling = LETHE_ROPE_SCALING_NONE;
+    c->rope.factor = 1.0f;
+    c->bos_id = -1;
+    for (int i = 0; i < LETHE_MAX_EOS_IDS; i++) c->eos_ids[i] = -1;
+}
+
+#define SIZE_LIMIT (1 << 24) /* any single dimension: 16M */
+
+static lethe_status bad(const char *source, const char *field, long long v, const char *why) {
+    return lethe_errorf(LETHE_ERR_FORMAT, "%s: %s = %lld: %s", source, field, v, why);
+}
+
+lethe_status lethe_model_config_validate(const lethe_model_config *c, const char *source) {
+    if (!source) source = "model config";
+    if (!c->arch[0]) return lethe_errorf(LETHE_ERR_FORMAT, "%s: architecture name is missing", source);
+    struct { const char *name; int32_t v; } req[] = {
+        {"n_vocab (vocab_size)", c->n_vocab},
+        {"dim (hidden_size)", c->dim},
+        {"n_layers (num_hidden_layers)", c->n_layers},
+        {"n_heads (num_attention_heads)", c->n_heads},
+        {"n_kv_heads (num_key_value_heads)", c->n_kv_heads},
+        {"head_dim", c->head_dim},
+        {"max_pos (max_position_embeddings)", c->max_pos},
+    };
+    for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++)
+        if (req[i].v <= 0 || req[i].v > SIZE_LIMIT)
+            return bad(source, req[i].name, req[i].v, "must be in 1..16777216");
+    if (c->n_heads % c->n_kv_heads != 0)
+        return lethe_errorf(LETHE_ERR_FORMAT,
+                            "%s: n_heads (%d) is not a multiple of n_kv_heads (%d)", source,
+                            c->n_heads, c->n_kv_heads);
+    if (c->head_dim % 2 != 0) return bad(source, "head_dim", c->head_dim, "must be even (RoPE)");
+    if ((long long)c->n_heads * c->head_dim > SIZE_LIMIT)
+        return bad(source, "n_heads * head_dim", (long long)c->n_heads * c->head_dim, "too large");
+    if (c->n_experts < 0 || c->n_experts > 65536)
+        return bad(source, "n_experts", c->n_experts, "must be in 0..65536");
+    if (c->n_experts > 0) {
+        if (c->n_experts_used <= 0 || c->n_experts_used > c->n_experts)
+            return bad(source, "n_experts_used (num_experts_per_tok)", c->n_experts_used,
+                       "must be in 1..n_experts");
+        if (c->moe_ffn_dim <= 0 || c->moe_ffn_dim > SIZE_LIMIT)
+            return bad(source, "moe_ffn_dim (moe_intermediate_size)", c->moe_ffn_dim,
+                       "must be in 1..16777216");
+        if (c->ffn_dim < 0 || c->ffn_dim > SIZE_LIMIT)
+            return bad(source, "ffn_dim (intermediate_size)", c->ffn_dim, "out of range");
+    } else if (c->ffn_dim <= 0 || c->ffn_dim > SIZE_LIMIT) {
+        return bad(source, "ffn_dim (intermediate_size)", c->ffn_dim, "must be in 1..16777216");
+    }
+    if (!(c->rms_eps > 0.0f && c->rms_eps < 1.0f))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: rms_eps = %g: must be in (0, 1)", source,
+                            (double)c->rms_eps);
+    if (!(c->rope.theta > 0.0f))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: rope theta = %g: must be positive", source,
+                            (double)c->rope.theta);
+    if (c->rope.scaling != LETHE_ROPE_SCALING_NONE && !(c->rope.factor > 0.0f))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: rope scaling factor = %g: must be positive",
+                            source, (double)c->rope.factor);
+    if (c->rope.scaling == LETHE_ROPE_SCALING_LLAMA3) {
+        if (c->rope.original_max_pos <= 0)
+            return bad(source, "rope original_max_position_embeddings", c->rope.original_max_pos,
+                       "must be positive for llama3 scaling");
+        if (!(c->rope.low_freq_factor > 0.0f && c->rope.high_freq_factor > c->rope.low_freq_factor))
+            return lethe_errorf(LETHE_ERR_FORMAT,
+                                "%s: llama3 rope scaling needs 0 < low_freq_factor (%g) < "
+                                "high_freq_factor (%g)", source,
+                                (double)c->rope.low_freq_factor, (double)c->rope.high_freq_factor);
+    }
+    if (c->bos_id < -1 || c->bos_id >= c->n_vocab)
+        return bad(source, "bos_token_id", c->bos_id, "outside the vocabulary");
+    if (c->n_eos_ids < 0 || c->n_eos_ids > LETHE_MAX_EOS_IDS)
+        return bad(source, "n_eos_ids", c->n_eos_ids, "out of range");
+    for (int i = 0; i < c->n_eos_ids; i++)
+        if (c->eos_ids[i] < 0 || c->eos_ids[i] >= c->n_vocab)
+            return bad(source, "eos_token_id", c->eos_ids[i], "outside the vocabulary");
+    return LETHE_OK;
+}

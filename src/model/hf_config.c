@@ -1,0 +1,253 @@
+/* hf_config.c - lethe_model_config from a Hugging Face config.json.
+ *
+ * Reads the transformers field names (hidden_size, num_hidden_layers, ...),
+ * RoPE scaling from `rope_scaling` or transformers v5's `rope_parameters`
+ * (rope_type|type: default, linear, llama3), MoE counts, and special token ids
+ * from config.json, overridden by generation_config.json beside it when that
+ * file exists (it is what generation uses: Llama-3.1 lists three EOS ids).
+ * Multimodal wrappers that keep the language model under "text_config" are
+ * read from there. Family defaults that the file leaves implicit: qwen2 has
+ * q/k/v biases, qwen3 has per-head q/k RMSNorm.
+ * Errors name the file and key: "<path>: missing key 'hidden_size'". */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+
+#include "core/util.h"
+#include "model/config.h"
+
+static const char *json_type_name(const cJSON *j) {
+    if (cJSON_IsNumber(j)) return "number";
+    if (cJSON_IsString(j)) return "string";
+    if (cJSON_IsBool(j)) return "bool";
+    if (cJSON_IsNull(j)) return "null";
+    if (cJSON_IsArray(j)) return "array";
+    if (cJSON_IsObject(j)) return "object";
+    return "invalid";
+}
+
+static const cJSON *get(const cJSON *o, const char *key) {
+    return cJSON_GetObjectItemCaseSensitive(o, key);
+}
+
+/* Integer field; absent or null leaves *out unchanged unless required. */
+static lethe_status jint(const cJSON *o, const char *key, bool required, const char *path,
+                         int32_t *out) {
+    const cJSON *j = get(o, key);
+    if (!j || cJSON_IsNull(j)) {
+        if (required) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing key '%s'", path, key);
+        return LETHE_OK;
+    }
+    double v = j->valuedouble;
+    if (!cJSON_IsNumber(j) || v != floor(v) || v < INT32_MIN || v > INT32_MAX)
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: key '%s' must be an integer (got %s)", path,
+                            key, json_type_name(j));
+    *out = (int32_t)v;
+    return LETHE_OK;
+}
+
+static lethe_status jfloat(const cJSON *o, const char *key, bool required, const char *path,
+                           float *out) {
+    const cJSON *j = get(o, key);
+    if (!j || cJSON_IsNull(j)) {
+        if (required) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing key '%s'", path, key);
+        return LETHE_OK;
+    }
+    if (!cJSON_IsNumber(j))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: key '%s' must be a number (got %s)", path, key,
+                            json_type_name(j));
+    *out = (float)j->valuedouble;
+    return LETHE_OK;
+}
+
+static lethe_status jbool(const cJSON *o, const char *key, const char *path, bool *out) {
+    const cJSON *j = get(o, key);
+    if (!j || cJSON_IsNull(j)) return LETHE_OK;
+    if (!cJSON_IsBool(j))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: key '%s' must be true or false (got %s)", path,
+                            key, json_type_name(j));
+    *out = cJSON_IsTrue(j);
+    return LETHE_OK;
+}
+
+static lethe_status parse_json_file(const char *path, cJSON **out) {
+    char *text;
+    size_t len;
+    lethe_status s = lethe_read_file(path, &text, &len);
+    if (s) return s;
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, false);
+    if (!root) {
+        size_t off = end && end >= text && end <= text + len ? (size_t)(end - text) : 0;
+        int line = 1, col = 1;
+        for (size_t i = 0; i < off; i++, col++)
+            if (text[i] == '\n') line++, col = 0;
+        free(text);
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: invalid JSON near line %d, column %d", path,
+                            line, col);
+    }
+    free(text);
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: top level must be a JSON object", path);
+    }
+    *out = root;
+    return LETHE_OK;
+}
+
+/* bos_token_id (int) and eos_token_id (int or list) from o; absent keys keep c's values. */
+static lethe_status read_token_ids(const cJSON *o, const char *path, lethe_model_config *c) {
+    lethe_status s = jint(o, "bos_token_id", false, path, &c->bos_id);
+    if (s) return s;
+    const cJSON *e = get(o, "eos_token_id");
+    if (!e || cJSON_IsNull(e)) return LETHE_OK;
+    const cJSON *items[LETHE_MAX_EOS_IDS];
+    int n = 0;
+    if (cJSON_IsArray(e)) {
+        const cJSON *it;
+        cJSON_ArrayForEach(it, e) {
+            if (n == LETHE_MAX_EOS_IDS)
+                return lethe_errorf(LETHE_ERR_UNSUPPORTED, "%s: more than %d eos_token_id values",
+                                    path, LETHE_MAX_EOS_IDS);
+            items[n++] = it;
+        }
+    } else {
+        items[n++] = e;
+    }
+    for (int i = 0; i < n; i++) {
+        double v = items[i]->valuedouble;
+        if (!cJSON_IsNumber(items[i]) || v != floor(v) || v < 0 || v > INT32_MAX)
+            return lethe_errorf(LETHE_ERR_FORMAT,
+                                "%s: key 'eos_token_id' must be an integer or a list of integers",
+                                path);
+        c->eos_ids[i] = (int32_t)v;
+    }
+    for (int i = n; i < LETHE_MAX_EOS_IDS; i++) c->eos_ids[i] = -1;
+    c->n_eos_ids = n;
+    return LETHE_OK;
+}
+
+static lethe_status read_rope(const cJSON *o, const char *path, lethe_model_config *c) {
+    lethe_status s = jfloat(o, "rope_theta", false, path, &c->rope.theta);
+    if (s) return s;
+    const char *rs_key = "rope_scaling";
+    const cJSON *rs = get(o, rs_key);
+    const cJSON *rp = get(o, "rope_parameters"); /* transformers v5 */
+    if ((!rs || cJSON_IsNull(rs)) && rp && !cJSON_IsNull(rp)) rs = rp, rs_key = "rope_parameters";
+    if (!rs || cJSON_IsNull(rs)) return LETHE_OK;
+    if (!cJSON_IsObject(rs))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: key '%s' must be an object (got %s)", path,
+                            rs_key, json_type_name(rs));
+    if ((s = jfloat(rs, "rope_theta", false, path, &c->rope.theta))) return s;
+    const cJSON *t = get(rs, "rope_type");
+    if (!t) t = get(rs, "type");
+    if (!t || cJSON_IsNull(t)) return LETHE_OK;
+    if (!cJSON_IsString(t))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: %s.rope_type must be a string (got %s)", path,
+                            rs_key, json_type_name(t));
+    const char *type = t->valuestring;
+    if (!strcmp(type, "default")) return LETHE_OK;
+    if (!strcmp(type, "linear")) {
+        c->rope.scaling = LETHE_ROPE_SCALING_LINEAR;
+        return jfloat(rs, "factor", true, path, &c->rope.factor);
+    }
+    if (!strcmp(type, "llama3")) {
+        c->rope.scaling = LETHE_ROPE_SCALING_LLAMA3;
+        if ((s = jfloat(rs, "factor", true, path, &c->rope.factor))) return s;
+        if ((s = jfloat(rs, "low_freq_factor", true, path, &c->rope.low_freq_factor))) return s;
+        if ((s = jfloat(rs, "high_freq_factor", true, path, &c->rope.high_freq_factor))) return s;
+        return jint(rs, "original_max_position_embeddings", true, path,
+                    &c->rope.original_max_pos);
+    }
+    return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                        "%s: %s type '%s' is not supported (supported: default, linear, llama3)",
+                        path, rs_key, type);
+}
+
+static lethe_status read_config(const cJSON *root, const char *path, lethe_model_config *c) {
+    const cJSON *mt = get(root, "model_type");
+    if (!mt) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing key 'model_type'", path);
+    if (!cJSON_IsString(mt))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: key 'model_type' must be a string (got %s)",
+                            path, json_type_name(mt));
+    if (!mt->valuestring[0] || strlen(mt->valuestring) >= LETHE_ARCH_NAME_MAX)
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: key 'model_type' is not a valid name", path);
+    snprintf(c->arch, sizeof(c->arch), "%s", mt->valuestring);
+
+    /* language-model fields may sit under text_config (multimodal wrappers) */
+    const cJSON *o = root;
+    const cJSON *tc = get(root, "text_config");
+    if (!get(root, "hidden_size") && cJSON_IsObject(tc)) {
+        o = tc;
+        const cJSON *tmt = get(tc, "model_type");
+        if (cJSON_IsString(tmt) && tmt->valuestring[0] &&
+            strlen(tmt->valuestring) < LETHE_ARCH_NAME_MAX)
+            snprintf(c->arch, sizeof(c->arch), "%s", tmt->valuestring);
+    }
+
+    lethe_status s;
+    if ((s = jint(o, "hidden_size", true, path, &c->dim))) return s;
+    if ((s = jint(o, "num_hidden_layers", true, path, &c->n_layers))) return s;
+    if ((s = jint(o, "num_attention_heads", true, path, &c->n_heads))) return s;
+    if ((s = jint(o, "vocab_size", true, path, &c->n_vocab))) return s;
+    if ((s = jint(o, "max_position_embeddings", true, path, &c->max_pos))) return s;
+    if ((s = jfloat(o, "rms_norm_eps", true, path, &c->rms_eps))) return s;
+    c->n_kv_heads = c->n_heads;
+    if ((s = jint(o, "num_key_value_heads", false, path, &c->n_kv_heads))) return s;
+    if (c->n_heads > 0 && c->dim % c->n_heads == 0) c->head_dim = c->dim / c->n_heads;
+    if ((s = jint(o, "head_dim", false, path, &c->head_dim))) return s;
+    if (c->head_dim <= 0)
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: hidden_size %d is not a multiple of "
+                            "num_attention_heads %d and 'head_dim' is absent",
+                            path, c->dim, c->n_heads);
+    /* MoE: qwen3_moe spells num_experts, deepseek/glm n_routed_experts */
+    if ((s = jint(o, "num_experts", false, path, &c->n_experts))) return s;
+    if ((s = jint(o, "n_routed_experts", false, path, &c->n_experts))) return s;
+    if ((s = jint(o, "num_experts_per_tok", false, path, &c->n_experts_used))) return s;
+    if ((s = jint(o, "moe_intermediate_size", false, path, &c->moe_ffn_dim))) return s;
+    if ((s = jint(o, "intermediate_size", c->n_experts == 0, path, &c->ffn_dim))) return s;
+    if ((s = read_rope(o, path, c))) return s;
+
+    if (!strcmp(c->arch, "qwen2")) c->qkv_bias = true;
+    if (!strcmp(c->arch, "qwen3") || !strcmp(c->arch, "qwen3_moe")) c->qk_norm = true;
+    if ((s = jbool(o, "attention_bias", path, &c->qkv_bias))) return s;
+    if ((s = jbool(root, "tie_word_embeddings", path, &c->tie_embeddings))) return s;
+    if (o != root && (s = jbool(o, "tie_word_embeddings", path, &c->tie_embeddings))) return s;
+
+    const cJSON *dt = get(root, "torch_dtype");
+    if (!dt) dt = get(root, "dtype"); /* transformers v5 */
+    if (cJSON_IsString(dt)) snprintf(c->torch_dtype, sizeof(c->torch_dtype), "%s", dt->valuestring);
+    if ((s = read_token_ids(root, path, c))) return s;
+    if (o != root && (s = read_token_ids(o, path, c))) return s;
+    return LETHE_OK;
+}
+
+lethe_status lethe_hf_config_load(const char *config_path, lethe_model_config *out) {
+    lethe_model_config_init(out);
+    cJSON *root;
+    lethe_status s = parse_json_file(config_path, &root);
+    if (s) return s;
+    s = read_config(root, config_path, out);
+    cJSON_Delete(root);
+    if (s) return s;
+
+    /* generation_config.json beside config.json */
+    size_t n = strlen(config_path);
+    const char *slash = strrchr(config_path, '/');
+    size_t dir_len = slash ? (size_t)(slash - config_path) + 1 : 0;
+    char *gen = lethe_xmalloc(n + 32);
+    memcpy(gen, config_path, dir_len);
+    strcpy(gen + dir_len, "generation_config.json");
+    FILE *f = fopen(gen, "rb");
+    if (f) {
+        fclose(f);
+        s = parse_json_file(gen, &root);
+        if (!s) {
+            s = read_token_ids(root, gen, out);
+            cJSON_Delete(root);
+        }
+    }
+    free(gen);
+    if (s) return s;
+    return lethe_model_config_validate(out, config_path);
+}
