@@ -108,8 +108,10 @@ lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *b
                               lethe_model *out);
 void lethe_model_free(lethe_model *m); /* NULL-safe */
 
-/* Allocates forward activations for up to n_tokens_max rows per call. */
+/* Allocates forward activations for up to n_tokens_max rows per call (frees a previous one). */
 lethe_status lethe_model_workspace_init(lethe_model *m, int32_t n_tokens_max);
+/* Frees the forward workspace (NULL-safe, idempotent); lethe_model_free calls it. */
+void lethe_model_workspace_free(lethe_model *m);
 
 /* Runs the forward pass; logits_out is HOST [b->n_logits, n_vocab] f32.
  * k_cache[l] / v_cache[l] are the per-layer KV buffers (backend memory). */
