@@ -1,6 +1,7 @@
 /* chat_template.h - renders chat messages to a prompt string.
  *
- * Two built-in formats chosen from model metadata: ChatML (SmolLM2, Qwen)
+ * Built-in formats chosen from model metadata: ChatML (plain), SmolLM2
+ * (ChatML + its default system prompt), Qwen3 (ChatML + its <think> rules)
  * and Llama-3. Full Jinja templates come later; detection looks at the
  * template text stored in the model (or the special tokens present). */
 #ifndef LETHE_CHAT_TEMPLATE_H
@@ -16,6 +17,15 @@ typedef struct lethe_tokenizer lethe_tokenizer;
 typedef enum lethe_chat_format {
     LETHE_CHAT_CHATML = 0,   /* <|im_start|>role\ncontent<|im_end|>\n */
     LETHE_CHAT_LLAMA3,       /* <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> */
+    /* added by the tokenizer helper: */
+    LETHE_CHAT_SMOLLM2,      /* ChatML; a conversation not starting with a system message gets
+                                SmolLM2's default one ("You are a helpful AI assistant named SmolLM,
+                                trained by Hugging Face") */
+    LETHE_CHAT_QWEN3,        /* ChatML as Qwen3's template renders it: assistant turns after the
+                                last user message carry a <think>...</think> block (empty when the
+                                content has none), earlier ones have their reasoning stripped;
+                                tool messages become <tool_response> blocks in a user turn. Not
+                                supported: tools / tool_calls, enable_thinking=false. */
 } lethe_chat_format;
 
 typedef struct lethe_chat_msg {

@@ -38,13 +38,20 @@ const char *lethe_tokenizer_chat_template(const lethe_tokenizer *t);
 int32_t lethe_tokenizer_find_token(const lethe_tokenizer *t, const char *piece); /* -1 if absent */
 
 /* Encodes text. add_bos: prepend BOS if the tokenizer has one. parse_special:
- * recognise special/added tokens written in the text ("<|im_start|>").
+ * recognise special tokens written in the text ("<|im_start|>"); non-special
+ * added tokens (HF "special": false, GGUF user-defined, e.g. Qwen's
+ * "<tool_call>") are always recognised, as HF does. Text that is not valid
+ * UTF-8 is accepted: its bytes are encoded as they are.
  * *ids is malloc'd (caller frees). */
 lethe_status lethe_tokenize(const lethe_tokenizer *t, const char *text, size_t len, bool add_bos,
                             bool parse_special, int32_t **ids, int32_t *n_ids);
 
 /* Raw bytes of a token (byte-level decoded); *n_bytes set; NULL for out-of-range ids. */
 const char *lethe_token_bytes(const lethe_tokenizer *t, int32_t id, size_t *n_bytes);
+
+/* Longest lethe_token_bytes of any token (added by the tokenizer helper):
+ * lethe_detok_push never truncates when cap >= 3 * (this + 4) + 1. */
+size_t lethe_tokenizer_max_token_bytes(const lethe_tokenizer *t);
 
 /* Full decode of ids to a malloc'd NUL-terminated string (invalid UTF-8 kept as is). */
 char *lethe_detokenize(const lethe_tokenizer *t, const int32_t *ids, int32_t n, bool skip_special);
@@ -59,7 +66,8 @@ typedef struct lethe_detok {
     int n_pending;
 } lethe_detok;
 void lethe_detok_init(lethe_detok *d, const lethe_tokenizer *t, bool skip_special);
-/* Appends the newly complete text to *out (NUL-terminated, cap bytes); returns bytes written. */
+/* Writes the newly complete text to out (NUL-terminated, cap bytes); returns bytes written.
+ * Characters that do not fit in cap are dropped (see lethe_tokenizer_max_token_bytes). */
 size_t lethe_detok_push(lethe_detok *d, int32_t id, char *out, size_t cap);
 size_t lethe_detok_flush(lethe_detok *d, char *out, size_t cap);
 
