@@ -1,0 +1,422 @@
+/* radix.c - block-level prefix cache: hash-chained 16-token blocks in a tree,
+ * reference-counted shared slots, LRU eviction of unreferenced leaves.
+ *
+ * Data structures:
+ *  - blocks live in an id table (blocks[id]); ids are recycled, and a
+ *    generation number per id makes stale heap entries detectable;
+ *  - a chained hash table maps block hash -> blocks (verified by parent
+ *    pointer and tokens, so collisions cannot return wrong KV);
+ *  - a binary min-heap of (last_access, id, gen) candidates for eviction
+ *    with lazy deletion: an entry is acted on only if the block is still
+ *    alive, still an unreferenced leaf and was not touched since the push.
+ * last_access is a logical clock bumped when a request acquires or releases
+ * a block, so "least recently used" means least recently held by a request. */
+#include "cache/radix.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+
+struct lethe_radix_block {
+    uint64_t hash;
+    lethe_radix_block *parent;
+    lethe_radix_block *hnext;   /* hash bucket chain */
+    uint64_t last_access;
+    int32_t id;
+    uint32_t gen;
+    int32_t req_ref;
+    int32_t n_children;
+    int32_t depth;              /* 0 for a first block */
+    int32_t tokens[LETHE_RADIX_BLOCK];
+    int32_t slots[];            /* [n_spaces][LETHE_RADIX_BLOCK] */
+};
+
+typedef struct heap_ent {
+    uint64_t key;
+    int32_t id;
+    uint32_t gen;
+} heap_ent;
+
+struct lethe_radix {
+    lethe_kv_pool *pool;
+    int32_t n_spaces;
+    uint64_t fingerprint;
+    uint64_t clock;
+    /* id table */
+    lethe_radix_block **blocks;
+    uint32_t *gens;             /* generation per id (survives the block) */
+    int32_t cap_ids, n_ids_used;
+    int32_t *free_ids;
+    int32_t n_free_ids;
+    int32_t n_blocks, n_unref;
+    /* hash table */
+    lethe_radix_block **buckets;
+    uint64_t n_buckets;         /* power of two */
+    /* eviction heap */
+    heap_ent *heap;
+    int32_t heap_len, heap_cap;
+};
+
+static uint64_t block_hash(uint64_t seed, const int32_t *tokens) {
+    return lethe_hash64(tokens, sizeof(int32_t) * LETHE_RADIX_BLOCK, seed);
+}
+
+lethe_radix *lethe_radix_create(lethe_kv_pool *pool, uint64_t fingerprint) {
+    lethe_radix *r = lethe_xcalloc(1, sizeof(*r));
+    r->pool = pool;
+    r->n_spaces = lethe_kv_n_spaces(pool);
+    r->fingerprint = fingerprint;
+    r->n_buckets = 1024;
+    r->buckets = lethe_xcalloc(r->n_buckets, sizeof(*r->buckets));
+    return r;
+}
+
+static void block_free_slots(lethe_radix *r, lethe_radix_block *b) {
+    for (int32_t sp = 0; sp < r->n_spaces; sp++)
+        for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++)
+            lethe_kv_unref(r->pool, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
+}
+
+void lethe_radix_destroy(lethe_radix *r) {
+    if (!r) return;
+    for (int32_t id = 0; id < r->n_ids_used; id++) {
+        if (!r->blocks[id]) continue;
+        block_free_slots(r, r->blocks[id]);
+        free(r->blocks[id]);
+    }
+    free(r->blocks);
+    free(r->gens);
+    free(r->free_ids);
+    free(r->buckets);
+    free(r->heap);
+    free(r);
+}
+
+/* ---- hash table ---- */
+
+static lethe_radix_block *lookup(const lethe_radix *r, uint64_t h, const lethe_radix_block *parent,
+                                 const int32_t *tokens) {
+    for (lethe_radix_block *b = r->buckets[h & (r->n_buckets - 1)]; b; b = b->hnext)
+        if (b->hash == h && b->parent == parent &&
+            !memcmp(b->tokens, tokens, sizeof(b->tokens)))
+            return b;
+    return NULL;
+}
+
+static void table_insert(lethe_radix *r, lethe_radix_block *b) {
+    if ((uint64_t)r->n_blocks + 1 > r->n_buckets) {
+        uint64_t nb = r->n_buckets * 2;
+        lethe_radix_block **nbk = lethe_xcalloc(nb, sizeof(*nbk));
+        for (uint64_t i = 0; i < r->n_buckets; i++) {
+            lethe_radix_block *x = r->buckets[i];
+            while (x) {
+                lethe_radix_block *next = x->hnext;
+                x->hnext = nbk[x->hash & (nb - 1)];
+                nbk[x->hash & (nb - 1)] = x;
+                x = next;
+            }
+        }
+        free(r->buckets);
+        r->buckets = nbk;
+        r->n_buckets = nb;
+    }
+    lethe_radix_block **head = &r->buckets[b->hash & (r->n_buckets - 1)];
+    b->hnext = *head;
+    *head = b;
+}
+
+static void table_remove(lethe_radix *r, lethe_radix_block *b) {
+    lethe_radix_block **p = &r->buckets[b->hash & (r->n_buckets - 1)];
+    while (*p && *p != b) p = &(*p)->hnext;
+    LETHE_ASSERT(*p == b);
+    *p = b->hnext;
+}
+
+/* ---- eviction heap ---- */
+
+static bool ent_less(heap_ent a, heap_ent b) {
+    return a.key != b.key ? a.key < b.key : a.id < b.id;
+}
+
+static void heap_push(lethe_radix *r, const lethe_radix_block *b) {
+    if (r->heap_len == r->heap_cap) {
+        r->heap_cap = r->heap_cap ? r->heap_cap * 2 : 256;
+        r->heap = lethe_xrealloc(r->heap, (size_t)r->heap_cap * sizeof(heap_ent));
+    }
+    heap_ent e = {b->last_access, b->id, b->gen};
+    int32_t i = r->heap_len++;
+    while (i > 0) {
+        int32_t p = (i - 1) / 2;
+        if (!ent_less(e, r->heap[p])) break;
+        r->heap[i] = r->heap[p];
+        i = p;
+    }
+    r->heap[i] = e;
+}
+
+static void heap_sift_down(lethe_radix *r, int32_t i) {
+    heap_ent e = r->heap[i];
+    for (;;) {
+        int32_t c = 2 * i + 1;
+        if (c >= r->heap_len) break;
+        if (c + 1 < r->heap_len && ent_less(r->heap[c + 1], r->heap[c])) c++;
+        if (!ent_less(r->heap[c], e)) break;
+        r->heap[i] = r->heap[c];
+        i = c;
+    }
+    r->heap[i] = e;
+}
+
+static heap_ent heap_pop(lethe_radix *r) {
+    heap_ent top = r->heap[0];
+    r->heap[0] = r->heap[--r->heap_len];
+    if (r->heap_len > 0) heap_sift_down(r, 0);
+    return top;
+}
+
+static bool evictable(const lethe_radix_block *b) { return b->req_ref == 0 && b->n_children == 0; }
+
+/* the block an entry names, if the entry is still current */
+static lethe_radix_block *ent_block(const lethe_radix *r, heap_ent e) {
+    if (e.id < 0 || e.id >= r->n_ids_used) return NULL;
+    lethe_radix_block *b = r->blocks[e.id];
+    if (!b || b->gen != e.gen || !evictable(b) || b->last_access != e.key) return NULL;
+    return b;
+}
+
+/* drops stale entries when they outnumber live blocks (keeps memory bounded) */
+static void heap_compact(lethe_radix *r) {
+    if (r->heap_len <= 2 * r->n_blocks + 1024) return;
+    int32_t n = 0;
+    for (int32_t i = 0; i < r->heap_len; i++)
+        if (ent_block(r, r->heap[i])) r->heap[n++] = r->heap[i];
+    r->heap_len = n;
+    for (int32_t i = n / 2 - 1; i >= 0; i--) heap_sift_down(r, i);
+}
+
+/* ---- queries ---- */
+
+int32_t lethe_radix_match(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                          lethe_radix_block **out, int32_t max_blocks) {
+    if (n <= 0) return 0;
+    int32_t limit = LETHE_MIN((n - 1) / LETHE_RADIX_BLOCK, max_blocks);
+    lethe_radix_block *parent = NULL;
+    int32_t k = 0;
+    for (; k < limit; k++) {
+        const int32_t *t = tokens + (size_t)k * LETHE_RADIX_BLOCK;
+        uint64_t h = block_hash(parent ? parent->hash : r->fingerprint, t);
+        lethe_radix_block *b = lookup(r, h, parent, t);
+        if (!b) break;
+        out[k] = b;
+        parent = b;
+    }
+    return k;
+}
+
+int64_t lethe_radix_reclaimable(const lethe_radix *r) {
+    return (int64_t)r->n_unref * LETHE_RADIX_BLOCK;
+}
+
+int32_t lethe_radix_count_unreferenced(lethe_radix_block *const *blocks, int32_t n) {
+    int32_t c = 0;
+    for (int32_t i = 0; i < n; i++) c += blocks[i]->req_ref == 0;
+    return c;
+}
+
+void lethe_radix_acquire(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n, int32_t row) {
+    if (n <= 0) return;
+    LETHE_ASSERT(lethe_kv_row_len(r->pool, 0, row) == 0);
+    size_t nt = (size_t)n * LETHE_RADIX_BLOCK;
+    int32_t *slots = lethe_xmalloc(nt * (size_t)r->n_spaces * sizeof(int32_t));
+    int32_t *pos = lethe_xmalloc(nt * sizeof(int32_t));
+    uint64_t now = ++r->clock;
+    for (int32_t k = 0; k < n; k++) {
+        lethe_radix_block *b = blocks[k];
+        LETHE_ASSERT(b->depth == k && (k == 0 ? b->parent == NULL : b->parent == blocks[k - 1]));
+        if (b->req_ref++ == 0) r->n_unref--;
+        b->last_access = now;
+        for (int32_t sp = 0; sp < r->n_spaces; sp++)
+            memcpy(slots + (size_t)sp * nt + (size_t)k * LETHE_RADIX_BLOCK,
+                   b->slots + sp * LETHE_RADIX_BLOCK, LETHE_RADIX_BLOCK * sizeof(int32_t));
+    }
+    for (size_t i = 0; i < nt; i++) pos[i] = (int32_t)i;
+    lethe_kv_row_attach(r->pool, row, slots, pos, (int32_t)nt);
+    free(slots);
+    free(pos);
+}
+
+void lethe_radix_release(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n) {
+    uint64_t now = ++r->clock;
+    for (int32_t k = 0; k < n; k++) {
+        lethe_radix_block *b = blocks[k];
+        LETHE_ASSERT(b->req_ref > 0);
+        b->last_access = now;
+        if (--b->req_ref == 0) {
+            r->n_unref++;
+            if (b->n_children == 0) heap_push(r, b);
+        }
+    }
+    heap_compact(r);
+}
+
+lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
+                                      const int32_t *tokens, int32_t row, int32_t first) {
+    uint64_t h = block_hash(parent ? parent->hash : r->fingerprint, tokens);
+    lethe_radix_block *b = lookup(r, h, parent, tokens);
+    uint64_t now = ++r->clock;
+    if (b) {
+        if (b->req_ref++ == 0) r->n_unref--;
+        b->last_access = now;
+        return b;
+    }
+    b = lethe_xcalloc(1, sizeof(*b) + sizeof(int32_t) * (size_t)r->n_spaces * LETHE_RADIX_BLOCK);
+    b->hash = h;
+    b->parent = parent;
+    b->depth = parent ? parent->depth + 1 : 0;
+    b->req_ref = 1;
+    b->last_access = now;
+    memcpy(b->tokens, tokens, sizeof(b->tokens));
+    for (int32_t sp = 0; sp < r->n_spaces; sp++) {
+        LETHE_ASSERT(lethe_kv_row_len(r->pool, sp, row) >= first + LETHE_RADIX_BLOCK);
+        const int32_t *rs = lethe_kv_row_slots(r->pool, sp, row);
+        const int32_t *rp = lethe_kv_row_pos(r->pool, sp, row);
+        for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) {
+            /* a block is only published from an uncompacted row: entry == position */
+            LETHE_ASSERT(rp[first + i] == b->depth * LETHE_RADIX_BLOCK + i);
+            b->slots[sp * LETHE_RADIX_BLOCK + i] = rs[first + i];
+            lethe_kv_ref(r->pool, sp, rs[first + i]);
+        }
+    }
+    if (parent) parent->n_children++;
+    /* id */
+    if (r->n_free_ids > 0) {
+        b->id = r->free_ids[--r->n_free_ids];
+    } else {
+        if (r->n_ids_used == r->cap_ids) {
+            r->cap_ids = r->cap_ids ? r->cap_ids * 2 : 256;
+            r->blocks = lethe_xrealloc(r->blocks, (size_t)r->cap_ids * sizeof(*r->blocks));
+            r->gens = lethe_xrealloc(r->gens, (size_t)r->cap_ids * sizeof(*r->gens));
+            r->free_ids = lethe_xrealloc(r->free_ids, (size_t)r->cap_ids * sizeof(*r->free_ids));
+        }
+        b->id = r->n_ids_used++;
+        r->gens[b->id] = 0;
+    }
+    b->gen = ++r->gens[b->id];
+    r->blocks[b->id] = b;
+    r->n_blocks++;
+    table_insert(r, b);
+    return b;
+}
+
+static void evict_one(lethe_radix *r, lethe_radix_block *b) {
+    LETHE_ASSERT(evictable(b));
+    block_free_slots(r, b);
+    table_remove(r, b);
+    r->blocks[b->id] = NULL;
+    r->free_ids[r->n_free_ids++] = b->id;
+    r->n_blocks--;
+    r->n_unref--;
+    lethe_radix_block *p = b->parent;
+    free(b);
+    if (p && --p->n_children == 0 && p->req_ref == 0) heap_push(r, p);
+}
+
+int32_t lethe_radix_evict(lethe_radix *r, int32_t want_free) {
+    int32_t n = 0;
+    while (lethe_kv_min_free(r->pool) < want_free && r->heap_len > 0) {
+        lethe_radix_block *b = ent_block(r, heap_pop(r));
+        if (!b) continue;
+        evict_one(r, b);
+        n++;
+    }
+    return n;
+}
+
+int32_t lethe_radix_n_blocks(const lethe_radix *r) { return r->n_blocks; }
+int32_t lethe_radix_n_unreferenced(const lethe_radix *r) { return r->n_unref; }
+uint64_t lethe_radix_block_hash(const lethe_radix_block *b) { return b->hash; }
+int32_t lethe_radix_block_req_refs(const lethe_radix_block *b) { return b->req_ref; }
+
+/* ---- checking ---- */
+
+static void holder_for_each(void *ctx, void (*visit)(void *, int32_t, int32_t), void *vctx) {
+    lethe_radix *r = ctx;
+    for (int32_t id = 0; id < r->n_ids_used; id++) {
+        const lethe_radix_block *b = r->blocks[id];
+        if (!b) continue;
+        for (int32_t sp = 0; sp < r->n_spaces; sp++)
+            for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) visit(vctx, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
+    }
+}
+
+lethe_kv_holder lethe_radix_holder(lethe_radix *r) {
+    return (lethe_kv_holder){.ctx = r, .for_each = holder_for_each};
+}
+
+lethe_status lethe_radix_check(const lethe_radix *r) {
+    int32_t n_live = 0, n_unref = 0;
+    int32_t *children = lethe_xcalloc((size_t)LETHE_MAX(r->n_ids_used, 1), sizeof(int32_t));
+    lethe_status st = LETHE_OK;
+    for (int32_t id = 0; id < r->n_ids_used && st == LETHE_OK; id++) {
+        const lethe_radix_block *b = r->blocks[id];
+        if (!b) continue;
+        n_live++;
+        n_unref += b->req_ref == 0;
+        if (b->id != id || b->gen != r->gens[id] || b->req_ref < 0)
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: bad id/generation/req_ref", id);
+        else if (b->hash != block_hash(b->parent ? b->parent->hash : r->fingerprint, b->tokens))
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: hash does not match its chain", id);
+        else if (lookup(r, b->hash, b->parent, b->tokens) != b)
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d is not reachable through the table", id);
+        else if (b->parent) {
+            const lethe_radix_block *p = b->parent;
+            if (p->id < 0 || p->id >= r->n_ids_used || r->blocks[p->id] != p)
+                st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d has an evicted parent", id);
+            else if (p->req_ref < b->req_ref)
+                st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d has %d request refs, its parent %d",
+                                  id, b->req_ref, p->req_ref);
+            else if (b->depth != p->depth + 1)
+                st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: depth %d under parent depth %d", id, b->depth, p->depth);
+            else
+                children[p->id]++;
+        }
+        if (st == LETHE_OK && b->req_ref == 0) {
+            for (int32_t sp = 0; sp < r->n_spaces && st == LETHE_OK; sp++)
+                for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) {
+                    int32_t c = lethe_kv_refcount(r->pool, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
+                    if (c != 1) {
+                        st = lethe_errorf(LETHE_ERR_INVALID,
+                                          "radix check: unreferenced block %d: slot %d has count %d (expected 1)",
+                                          id, b->slots[sp * LETHE_RADIX_BLOCK + i], c);
+                        break;
+                    }
+                }
+        }
+    }
+    for (int32_t id = 0; id < r->n_ids_used && st == LETHE_OK; id++) {
+        const lethe_radix_block *b = r->blocks[id];
+        if (b && b->n_children != children[id])
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d counts %d children, has %d", id,
+                              b->n_children, children[id]);
+    }
+    if (st == LETHE_OK && (n_live != r->n_blocks || n_unref != r->n_unref))
+        st = lethe_errorf(LETHE_ERR_INVALID, "radix check: %d blocks / %d unreferenced, counters say %d / %d",
+                          n_live, n_unref, r->n_blocks, r->n_unref);
+    /* every evictable block must have a current heap entry, or it could never be evicted */
+    if (st == LETHE_OK) {
+        bool *has = lethe_xcalloc((size_t)LETHE_MAX(r->n_ids_used, 1), sizeof(bool));
+        for (int32_t i = 0; i < r->heap_len; i++) {
+            const lethe_radix_block *b = ent_block(r, r->heap[i]);
+            if (b) has[b->id] = true;
+        }
+        for (int32_t id = 0; id < r->n_ids_used && st == LETHE_OK; id++) {
+            const lethe_radix_block *b = r->blocks[id];
+            if (b && evictable(b) && !has[id])
+                st = lethe_errorf(LETHE_ERR_INVALID, "radix check: evictable block %d has no LRU entry", id);
+        }
+        free(has);
+    }
+    free(children);
+    return st;
+}

@@ -1,0 +1,84 @@
+/* radix.h - block-level prefix cache over the token-slot KV pool.
+ *
+ * Prompts are cut into full blocks of LETHE_RADIX_BLOCK (16) tokens. A block
+ * is identified by a hash chain: id = H(tokens, seed = parent id, or the
+ * engine fingerprint for the first block), so equal ids mean equal prefixes
+ * up to that block (ids are verified against stored tokens and the parent
+ * pointer, so a 64-bit collision can never attach wrong KV). The blocks form
+ * a tree (a radix tree at block granularity): each block knows its parent and
+ * how many children it has.
+ *
+ * A block holds one reference on each of its slots: 16 slots per slot space
+ * (in the per-layer layout one slot per layer per token). Requests that use a
+ * block hold a request reference (req_ref) on it and every ancestor. Blocks
+ * with req_ref == 0 are "unreferenced": their slots are held by the cache
+ * alone, so evicting them frees block-size slots in every slot space.
+ * Eviction takes least-recently-used unreferenced LEAVES first (a block with
+ * children is never evicted before them), under memory pressure only.
+ *
+ * Life of a block: lethe_radix_match() finds the longest cached prefix (read
+ * only); lethe_radix_acquire() attaches it to a request row (shared slots,
+ * req_ref++); after the step that computed a new full block the engine calls
+ * lethe_radix_insert() with the row's slots, which publishes it (or finds
+ * that another request published the same content first); when the request
+ * ends or is preempted lethe_radix_release() drops its req_refs. */
+#ifndef LETHE_RADIX_H
+#define LETHE_RADIX_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kv/kv_pool.h"
+
+#define LETHE_RADIX_BLOCK 16
+
+typedef struct lethe_radix lethe_radix;
+typedef struct lethe_radix_block lethe_radix_block;
+
+/* fingerprint: covers everything that changes KV content for the same tokens
+ * (model, method and its knobs, block size); folded into the first block. */
+lethe_radix *lethe_radix_create(lethe_kv_pool *pool, uint64_t fingerprint);
+void lethe_radix_destroy(lethe_radix *r); /* returns every block's slots; NULL-safe */
+
+/* Longest cached prefix of tokens[0..n) in full blocks, capped so that at
+ * least one token is left to compute: at most floor((n - 1) / 16) blocks.
+ * Writes the chain into out[] (root first) and returns its length. Read-only. */
+int32_t lethe_radix_match(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                          lethe_radix_block **out, int32_t max_blocks);
+
+/* Slots per slot space that evicting every unreferenced block would free. */
+int64_t lethe_radix_reclaimable(const lethe_radix *r);
+/* Of the chain blocks[0..n), how many are unreferenced now (acquiring them
+ * makes their slots non-reclaimable: the scheduler subtracts this). */
+int32_t lethe_radix_count_unreferenced(lethe_radix_block *const *blocks, int32_t n);
+
+/* Takes request references on blocks[0..n) (a chain from the root) and
+ * appends their slots to `row` at positions [0, n * 16) (the row must be
+ * empty). */
+void lethe_radix_acquire(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n, int32_t row);
+/* Drops request references (any order). */
+void lethe_radix_release(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n);
+
+/* Publishes the block after `parent` (NULL = first block) with tokens[16]
+ * whose KV sits in row entries [first, first + 16) of `row` (every slot
+ * space). Returns the block (new, or the existing one with the same content)
+ * with one request reference taken for the caller. */
+lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
+                                      const int32_t *tokens, int32_t row, int32_t first);
+
+/* Evicts LRU unreferenced leaves until every slot space has at least
+ * `want_free` free slots or nothing is left to evict. Returns blocks evicted. */
+int32_t lethe_radix_evict(lethe_radix *r, int32_t want_free);
+
+int32_t lethe_radix_n_blocks(const lethe_radix *r);
+int32_t lethe_radix_n_unreferenced(const lethe_radix *r);
+uint64_t lethe_radix_block_hash(const lethe_radix_block *b);
+int32_t lethe_radix_block_req_refs(const lethe_radix_block *b);
+
+/* A holder for lethe_kv_check(): enumerates the slot references of all blocks. */
+lethe_kv_holder lethe_radix_holder(lethe_radix *r);
+/* The cache's own invariants (tree links, child counts, req_refs of
+ * ancestors >= descendants, unreferenced blocks own their slots alone). */
+lethe_status lethe_radix_check(const lethe_radix *r);
+
+#endif /* LETHE_RADIX_H */

@@ -1,0 +1,58 @@
+/* runner.h - what the engine calls to run the model: the forward behind a
+ * function pointer.
+ *
+ * The real runner (runner.c) wraps lethe_model_forward with the KV pool's
+ * per-layer buffers. The fake runner (runner_fake.c) is a deterministic
+ * stand-in with no backend: it keeps a 64-bit "K/V" per slot and per layer,
+ * derives each token's state from the slots attention selects, and produces
+ * logits from that state, so scheduler, KV and prefix-cache bugs (a wrong
+ * slot, a stale slot, a lost token) change its output exactly like they
+ * would change a real model's. lethe_fake_reference() computes the same
+ * model directly from a token list (no KV at all) for comparison. */
+#ifndef LETHE_RUNNER_H
+#define LETHE_RUNNER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/status.h"
+#include "kv/kv_pool.h"
+#include "model/config.h"
+#include "model/model.h"
+
+typedef struct lethe_runner {
+    void *ctx;
+    const char *kind;               /* "model" or "fake" */
+    lethe_model_config cfg;         /* shapes, vocab, max_pos, eos ids */
+    lethe_backend *be;              /* NULL for the fake runner */
+    /* called once the pool exists: forward workspace for n_tokens_max rows */
+    lethe_status (*bind)(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max);
+    /* logits: host [b->n_logits, n_vocab] */
+    void (*forward)(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks, float *logits);
+    void (*destroy)(void *ctx);
+} lethe_runner;
+
+/* Real model (the runner takes ownership of model and backend). */
+lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_runner *out);
+
+typedef struct lethe_fake_params {
+    int32_t n_layers;       /* default 2 */
+    int32_t n_vocab;        /* default 64 */
+    int32_t max_pos;        /* default 4096 */
+    int32_t eos;            /* -1 = none */
+    uint64_t seed;
+    bool check_dense;       /* assert every selection is exactly positions 0..p (dense method) */
+} lethe_fake_params;
+
+void lethe_fake_default_params(lethe_fake_params *p);
+lethe_status lethe_runner_fake(const lethe_fake_params *p, lethe_runner *out);
+
+/* Greedy continuation of tokens[0..n_prompt) by the fake model with dense
+ * attention, computed without KV: writes n_gen tokens into out (stops early
+ * at eos unless ignore_eos; returns the count written). */
+int32_t lethe_fake_reference(const lethe_fake_params *p, const int32_t *tokens, int32_t n_prompt,
+                             int32_t n_gen, bool ignore_eos, int32_t *out);
+/* The fake model's logits for a state (shared by runner and reference). */
+void lethe_fake_logits(const lethe_fake_params *p, uint64_t state, float *logits);
+
+#endif /* LETHE_RUNNER_H */

@@ -1,0 +1,38 @@
+/* kv_internal.h - the KV pool's data layout, shared by kv_pool.c and the
+ * ownership checker kv_check.c. Nothing outside src/kv/ includes this. */
+#ifndef LETHE_KV_INTERNAL_H
+#define LETHE_KV_INTERNAL_H
+
+#include "kv/kv_pool.h"
+
+/* One row in one slot space: entries ascending by logical position. */
+typedef struct kv_rowtab {
+    int32_t *slot;       /* [cap] slot ids */
+    int32_t *pos;        /* [cap] logical positions */
+    int32_t len, cap;
+    float *meta;         /* [meta_cap_pages * page_meta_floats] or NULL */
+    int32_t meta_cap_pages;
+    int32_t meta_valid;  /* leading pages whose metadata is current */
+} kv_rowtab;
+
+/* A slot space: free stack + per-slot reference counts. */
+typedef struct kv_space {
+    int32_t *free_stack; /* [n_slots], top at n_free - 1 */
+    int32_t n_free;
+    int32_t *ref;        /* [n_slots] */
+} kv_space;
+
+struct lethe_kv_pool {
+    lethe_kv_pool_params p;
+    int32_t n_spaces;
+    kv_space *spaces;    /* [n_spaces] */
+    void **k, **v;       /* [n_layers] backend buffers (NULL without a backend) */
+    /* rows: tabs[row * n_spaces + sp] */
+    kv_rowtab *tabs;
+    bool *row_used;      /* [max_rows] */
+    int32_t max_rows;
+    int32_t *free_rows;  /* stack of unused row ids */
+    int32_t n_free_rows;
+};
+
+#endif /* LETHE_KV_INTERNAL_H */

@@ -1,0 +1,319 @@
+/* kv_pool.c - token-slot KV pool: free lists, rows, compaction, references.
+ *
+ * See kv_pool.h for the model. Implementation notes:
+ *  - free lists are stacks of slot ids; a fresh pool pops slot 0 first, so
+ *    tests and small workloads see deterministic slot numbers;
+ *  - rows grow by doubling (host bookkeeping only; the K/V buffers never
+ *    move), so a pool sized for 256 requests x 8K context does not pay
+ *    256 x 8K x n_layers int32 up front as a preallocated table would;
+ *  - all mutations keep the reference counts exact; lethe_kv_check() can
+ *    therefore recount everything from scratch and compare. */
+#include "kv/kv_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+
+size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
+                            size_t kv_elem_size) {
+    return (size_t)n_layers * 2u * (size_t)n_kv_heads * (size_t)head_dim * kv_elem_size;
+}
+
+lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool **out) {
+    *out = NULL;
+    if (p->n_layers <= 0 || p->n_kv_heads <= 0 || p->head_dim <= 0)
+        return lethe_errorf(LETHE_ERR_INVALID, "kv pool: bad shape (layers %d, kv heads %d, head dim %d)",
+                            p->n_layers, p->n_kv_heads, p->head_dim);
+    if (p->n_slots <= 0)
+        return lethe_errorf(LETHE_ERR_CAPACITY, "kv pool: no KV slots fit the memory budget");
+    if (p->page_meta_floats < 0)
+        return lethe_errorf(LETHE_ERR_INVALID, "kv pool: page_meta_floats < 0");
+    lethe_kv_pool *pool = lethe_xcalloc(1, sizeof(*pool));
+    pool->p = *p;
+    pool->n_spaces = p->per_layer ? p->n_layers : 1;
+    pool->spaces = lethe_xcalloc((size_t)pool->n_spaces, sizeof(kv_space));
+    for (int32_t s = 0; s < pool->n_spaces; s++) {
+        kv_space *sp = &pool->spaces[s];
+        sp->free_stack = malloc((size_t)p->n_slots * sizeof(int32_t));
+        sp->ref = calloc((size_t)p->n_slots, sizeof(int32_t));
+        if (!sp->free_stack || !sp->ref) {
+            lethe_kv_pool_destroy(pool);
+            return lethe_errorf(LETHE_ERR_NOMEM, "kv pool: %d slots: out of host memory", p->n_slots);
+        }
+        for (int32_t i = 0; i < p->n_slots; i++) sp->free_stack[i] = p->n_slots - 1 - i;
+        sp->n_free = p->n_slots;
+    }
+    pool->k = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
+    pool->v = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
+    if (p->be) {
+        size_t bytes = (size_t)p->n_slots * (size_t)p->n_kv_heads * (size_t)p->head_dim *
+                       p->be->ops->kv_size;
+        for (int32_t l = 0; l < p->n_layers; l++) {
+            lethe_status st = p->be->ops->alloc(p->be, bytes, &pool->k[l]);
+            if (st == LETHE_OK) st = p->be->ops->alloc(p->be, bytes, &pool->v[l]);
+            if (st != LETHE_OK) {
+                lethe_kv_pool_destroy(pool);
+                return lethe_errorf(st, "kv pool: allocating K/V of layer %d (%zu bytes each, %d slots): %s",
+                                    l, bytes, p->n_slots, lethe_last_error());
+            }
+        }
+    }
+    *out = pool;
+    return LETHE_OK;
+}
+
+static void rowtab_free(kv_rowtab *t) {
+    free(t->slot);
+    free(t->pos);
+    free(t->meta);
+    memset(t, 0, sizeof(*t));
+}
+
+void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
+    if (!pool) return;
+    if (pool->p.be) {
+        for (int32_t l = 0; l < pool->p.n_layers; l++) {
+            if (pool->k && pool->k[l]) pool->p.be->ops->release(pool->p.be, pool->k[l]);
+            if (pool->v && pool->v[l]) pool->p.be->ops->release(pool->p.be, pool->v[l]);
+        }
+    }
+    free(pool->k);
+    free(pool->v);
+    for (int32_t s = 0; s < pool->n_spaces && pool->spaces; s++) {
+        free(pool->spaces[s].free_stack);
+        free(pool->spaces[s].ref);
+    }
+    free(pool->spaces);
+    for (int64_t i = 0; i < (int64_t)pool->max_rows * pool->n_spaces; i++) rowtab_free(&pool->tabs[i]);
+    free(pool->tabs);
+    free(pool->row_used);
+    free(pool->free_rows);
+    free(pool);
+}
+
+int32_t lethe_kv_n_layers(const lethe_kv_pool *pool) { return pool->p.n_layers; }
+int32_t lethe_kv_n_slots(const lethe_kv_pool *pool) { return pool->p.n_slots; }
+int32_t lethe_kv_n_spaces(const lethe_kv_pool *pool) { return pool->n_spaces; }
+bool lethe_kv_per_layer(const lethe_kv_pool *pool) { return pool->p.per_layer; }
+
+int32_t lethe_kv_space_of(const lethe_kv_pool *pool, int32_t layer) {
+    LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
+    return lethe_kv_space_of_(pool->p.per_layer, layer);
+}
+
+int32_t lethe_kv_n_free(const lethe_kv_pool *pool, int32_t sp) {
+    LETHE_ASSERT(sp >= 0 && sp < pool->n_spaces);
+    return pool->spaces[sp].n_free;
+}
+
+int32_t lethe_kv_min_free(const lethe_kv_pool *pool) {
+    int32_t m = pool->spaces[0].n_free;
+    for (int32_t s = 1; s < pool->n_spaces; s++) m = LETHE_MIN(m, pool->spaces[s].n_free);
+    return m;
+}
+
+int64_t lethe_kv_total_free(const lethe_kv_pool *pool) {
+    int64_t t = 0;
+    for (int32_t s = 0; s < pool->n_spaces; s++) t += pool->spaces[s].n_free;
+    return t;
+}
+
+void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer) {
+    LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
+    return pool->k[layer];
+}
+void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer) {
+    LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
+    return pool->v[layer];
+}
+
+/* ---- slot references ---- */
+
+static inline void slot_ref(lethe_kv_pool *pool, int32_t sp, int32_t slot) {
+    kv_space *s = &pool->spaces[sp];
+    LETHE_ASSERT(slot >= 0 && slot < pool->p.n_slots && s->ref[slot] > 0);
+    s->ref[slot]++;
+}
+
+static inline void slot_unref(lethe_kv_pool *pool, int32_t sp, int32_t slot) {
+    kv_space *s = &pool->spaces[sp];
+    LETHE_ASSERT(slot >= 0 && slot < pool->p.n_slots && s->ref[slot] > 0);
+    if (--s->ref[slot] == 0) {
+        LETHE_ASSERT(s->n_free < pool->p.n_slots);
+        s->free_stack[s->n_free++] = slot;
+    }
+}
+
+void lethe_kv_ref(lethe_kv_pool *pool, int32_t sp, int32_t slot) {
+    LETHE_ASSERT(sp >= 0 && sp < pool->n_spaces);
+    slot_ref(pool, sp, slot);
+}
+void lethe_kv_unref(lethe_kv_pool *pool, int32_t sp, int32_t slot) {
+    LETHE_ASSERT(sp >= 0 && sp < pool->n_spaces);
+    slot_unref(pool, sp, slot);
+}
+int32_t lethe_kv_refcount(const lethe_kv_pool *pool, int32_t sp, int32_t slot) {
+    LETHE_ASSERT(sp >= 0 && sp < pool->n_spaces && slot >= 0 && slot < pool->p.n_slots);
+    return pool->spaces[sp].ref[slot];
+}
+
+/* ---- rows ---- */
+
+static kv_rowtab *tab(const lethe_kv_pool *pool, int32_t sp, int32_t row) {
+    LETHE_ASSERT(row >= 0 && row < pool->max_rows && pool->row_used[row]);
+    LETHE_ASSERT(sp >= 0 && sp < pool->n_spaces);
+    return &pool->tabs[(size_t)row * (size_t)pool->n_spaces + (size_t)sp];
+}
+
+int32_t lethe_kv_row_alloc(lethe_kv_pool *pool) {
+    if (pool->n_free_rows == 0) {
+        int32_t old = pool->max_rows, nw = old ? old * 2 : 16;
+        pool->tabs = lethe_xrealloc(pool->tabs, (size_t)nw * (size_t)pool->n_spaces * sizeof(kv_rowtab));
+        memset(pool->tabs + (size_t)old * (size_t)pool->n_spaces, 0,
+               (size_t)(nw - old) * (size_t)pool->n_spaces * sizeof(kv_rowtab));
+        pool->row_used = lethe_xrealloc(pool->row_used, (size_t)nw * sizeof(bool));
+        memset(pool->row_used + old, 0, (size_t)(nw - old) * sizeof(bool));
+        pool->free_rows = lethe_xrealloc(pool->free_rows, (size_t)nw * sizeof(int32_t));
+        for (int32_t r = nw - 1; r >= old; r--) pool->free_rows[pool->n_free_rows++] = r;
+        pool->max_rows = nw;
+    }
+    int32_t row = pool->free_rows[--pool->n_free_rows];
+    LETHE_ASSERT(!pool->row_used[row]);
+    pool->row_used[row] = true;
+    return row;
+}
+
+void lethe_kv_row_release(lethe_kv_pool *pool, int32_t row) {
+    for (int32_t sp = 0; sp < pool->n_spaces; sp++) {
+        kv_rowtab *t = tab(pool, sp, row);
+        for (int32_t i = 0; i < t->len; i++) slot_unref(pool, sp, t->slot[i]);
+        t->len = 0;
+        t->meta_valid = 0;
+    }
+    pool->row_used[row] = false;
+    pool->free_rows[pool->n_free_rows++] = row;
+}
+
+bool lethe_kv_row_in_use(const lethe_kv_pool *pool, int32_t row) {
+    return row >= 0 && row < pool->max_rows && pool->row_used[row];
+}
+int32_t lethe_kv_max_rows(const lethe_kv_pool *pool) { return pool->max_rows; }
+
+int32_t lethe_kv_row_len(const lethe_kv_pool *pool, int32_t sp, int32_t row) {
+    return tab(pool, sp, row)->len;
+}
+const int32_t *lethe_kv_row_slots(const lethe_kv_pool *pool, int32_t sp, int32_t row) {
+    return tab(pool, sp, row)->slot;
+}
+const int32_t *lethe_kv_row_pos(const lethe_kv_pool *pool, int32_t sp, int32_t row) {
+    return tab(pool, sp, row)->pos;
+}
+
+static void tab_reserve(kv_rowtab *t, int32_t need) {
+    if (need <= t->cap) return;
+    int32_t cap = t->cap ? t->cap : 64;
+    while (cap < need) cap *= 2;
+    t->slot = lethe_xrealloc(t->slot, (size_t)cap * sizeof(int32_t));
+    t->pos = lethe_xrealloc(t->pos, (size_t)cap * sizeof(int32_t));
+    t->cap = cap;
+}
+
+static void meta_invalidate_from(kv_rowtab *t, int32_t first_entry) {
+    int32_t page = first_entry / LETHE_KV_PAGE;
+    if (t->meta_valid > page) t->meta_valid = page;
+}
+
+bool lethe_kv_row_append(lethe_kv_pool *pool, int32_t row, int32_t n, const int32_t *pos) {
+    LETHE_ASSERT(n >= 0);
+    for (int32_t sp = 0; sp < pool->n_spaces; sp++)
+        if (pool->spaces[sp].n_free < n) return false;
+    for (int32_t sp = 0; sp < pool->n_spaces; sp++) {
+        kv_rowtab *t = tab(pool, sp, row);
+        kv_space *s = &pool->spaces[sp];
+        tab_reserve(t, t->len + n);
+        int32_t prev = t->len ? t->pos[t->len - 1] : -1;
+        meta_invalidate_from(t, t->len);
+        for (int32_t i = 0; i < n; i++) {
+            LETHE_ASSERT(pos[i] > prev);
+            prev = pos[i];
+            int32_t slot = s->free_stack[--s->n_free];
+            LETHE_ASSERT(s->ref[slot] == 0);
+            s->ref[slot] = 1;
+            t->slot[t->len] = slot;
+            t->pos[t->len] = pos[i];
+            t->len++;
+        }
+    }
+    return true;
+}
+
+void lethe_kv_row_attach(lethe_kv_pool *pool, int32_t row, const int32_t *slots,
+                         const int32_t *pos, int32_t n) {
+    for (int32_t sp = 0; sp < pool->n_spaces; sp++) {
+        kv_rowtab *t = tab(pool, sp, row);
+        tab_reserve(t, t->len + n);
+        int32_t prev = t->len ? t->pos[t->len - 1] : -1;
+        meta_invalidate_from(t, t->len);
+        for (int32_t i = 0; i < n; i++) {
+            int32_t slot = slots[(size_t)sp * (size_t)n + (size_t)i];
+            LETHE_ASSERT(pos[i] > prev);
+            prev = pos[i];
+            slot_ref(pool, sp, slot);
+            t->slot[t->len] = slot;
+            t->pos[t->len] = pos[i];
+            t->len++;
+        }
+    }
+}
+
+void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_t *keep,
+                   int32_t n) {
+    int32_t sp = lethe_kv_space_of(pool, layer);
+    kv_rowtab *t = tab(pool, sp, row);
+    LETHE_ASSERT(n >= 0 && n <= t->len);
+    /* keep[] ascending, so entry keep[i] >= i: compacting in place is safe. */
+    int32_t next = 0, first_change = -1;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t k = keep[i];
+        LETHE_ASSERT(k >= next && k < t->len);
+        for (int32_t d = next; d < k; d++) slot_unref(pool, sp, t->slot[d]);
+        if (k != i && first_change < 0) first_change = i;
+        t->slot[i] = t->slot[k];
+        t->pos[i] = t->pos[k];
+        next = k + 1;
+    }
+    for (int32_t d = next; d < t->len; d++) slot_unref(pool, sp, t->slot[d]);
+    if (n < t->len && first_change < 0) first_change = n;
+    t->len = n;
+    if (first_change >= 0) meta_invalidate_from(t, first_change);
+}
+
+/* ---- page metadata ---- */
+
+int32_t lethe_kv_page_meta_floats(const lethe_kv_pool *pool) { return pool->p.page_meta_floats; }
+
+float *lethe_kv_page_meta(lethe_kv_pool *pool, int32_t sp, int32_t row, int32_t page) {
+    int32_t f = pool->p.page_meta_floats;
+    LETHE_ASSERT(f > 0);
+    kv_rowtab *t = tab(pool, sp, row);
+    int32_t n_pages = LETHE_CEIL_DIV(t->len, LETHE_KV_PAGE);
+    LETHE_ASSERT(page >= 0 && page < n_pages);
+    if (page >= t->meta_cap_pages) {
+        int32_t cap = t->meta_cap_pages ? t->meta_cap_pages : 8;
+        while (cap <= page) cap *= 2;
+        t->meta = lethe_xrealloc(t->meta, (size_t)cap * (size_t)f * sizeof(float));
+        t->meta_cap_pages = cap;
+    }
+    return t->meta + (size_t)page * (size_t)f;
+}
+
+int32_t lethe_kv_page_meta_valid(const lethe_kv_pool *pool, int32_t sp, int32_t row) {
+    return tab(pool, sp, row)->meta_valid;
+}
+
+void lethe_kv_page_meta_set_valid(lethe_kv_pool *pool, int32_t sp, int32_t row, int32_t n_pages) {
+    kv_rowtab *t = tab(pool, sp, row);
+    LETHE_ASSERT(n_pages >= 0 && n_pages <= LETHE_CEIL_DIV(t->len, LETHE_KV_PAGE));
+    t->meta_valid = n_pages;
+}

@@ -1,0 +1,133 @@
+/* kv_pool.h - token-slot KV memory built for eviction.
+ *
+ * A slot holds ONE token's K and V for all KV heads of one layer. Every KV
+ * layer l has two backend buffers, K[l] and V[l], each [n_slots, n_kv_heads,
+ * head_dim], allocated once at start-up (be->ops->alloc) and never resized.
+ *
+ * Slot ids live in "slot spaces" (sp). Two layouts behind one interface:
+ *   shared     one slot space for all layers: slot s means K[l][s] for every
+ *              layer l; one row per request (dense, logical-selection methods).
+ *   per-layer  one slot space per layer, each with its own free list and its
+ *              own row per request, so each layer can keep different tokens
+ *              (physical-eviction methods).
+ * sp = lethe_kv_space_of(pool, layer) maps a layer to its slot space.
+ *
+ * A request owns a row id. In each slot space the row is an ordered list of
+ * entries (slot, logical position), ascending by position; the last entries
+ * are the newest tokens. Positions stay logical: after compaction a new token
+ * keeps its true position (K is stored after RoPE, nothing is re-rotated).
+ *
+ * Ownership: each slot has a reference count = (row entries pointing at it) +
+ * (references held by the prefix cache). 0 = on the free list. A slot is
+ * returned to its free list when the count drops to 0. lethe_kv_check()
+ * verifies all of this (kv_check.c).
+ *
+ * Optional per-page metadata (16-token pages of a row, for methods that score
+ * pages): page_meta_floats floats per page per row per slot space, host
+ * memory; "valid_pages" says how many leading pages are current. Appends and
+ * compaction lower valid_pages to the first page they changed; the method
+ * recomputes pages [valid_pages, n_pages) and raises it. */
+#ifndef LETHE_KV_POOL_H
+#define LETHE_KV_POOL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "core/status.h"
+
+#define LETHE_KV_PAGE 16
+
+typedef struct lethe_kv_pool lethe_kv_pool;
+
+typedef struct lethe_kv_pool_params {
+    int32_t n_layers;         /* KV (attention) layers */
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t n_slots;          /* slots per layer */
+    bool per_layer;           /* one slot space + row per layer (eviction methods) */
+    int32_t page_meta_floats; /* floats of metadata per 16-token page; 0 = none */
+    lethe_backend *be;        /* NULL: bookkeeping only (fake-model tests), no K/V buffers */
+} lethe_kv_pool_params;
+
+/* Bytes one token costs across all layers (K and V). */
+size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
+                            size_t kv_elem_size);
+
+lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool **out);
+void lethe_kv_pool_destroy(lethe_kv_pool *pool); /* NULL-safe */
+
+int32_t lethe_kv_n_layers(const lethe_kv_pool *pool);
+int32_t lethe_kv_n_slots(const lethe_kv_pool *pool);  /* per slot space */
+int32_t lethe_kv_n_spaces(const lethe_kv_pool *pool); /* 1 (shared) or n_layers */
+bool lethe_kv_per_layer(const lethe_kv_pool *pool);
+static inline int32_t lethe_kv_space_of_(bool per_layer, int32_t layer) {
+    return per_layer ? layer : 0;
+}
+int32_t lethe_kv_space_of(const lethe_kv_pool *pool, int32_t layer);
+int32_t lethe_kv_n_free(const lethe_kv_pool *pool, int32_t sp);
+int32_t lethe_kv_min_free(const lethe_kv_pool *pool); /* over slot spaces */
+int64_t lethe_kv_total_free(const lethe_kv_pool *pool); /* summed over slot spaces */
+
+/* Backend K/V buffers of one layer (NULL without a backend). */
+void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer);
+void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer);
+
+/* ---- rows ---- */
+int32_t lethe_kv_row_alloc(lethe_kv_pool *pool);            /* a fresh empty row id */
+void lethe_kv_row_release(lethe_kv_pool *pool, int32_t row); /* drops every entry, frees the id */
+bool lethe_kv_row_in_use(const lethe_kv_pool *pool, int32_t row);
+int32_t lethe_kv_max_rows(const lethe_kv_pool *pool);         /* row ids are < this */
+
+int32_t lethe_kv_row_len(const lethe_kv_pool *pool, int32_t sp, int32_t row);
+const int32_t *lethe_kv_row_slots(const lethe_kv_pool *pool, int32_t sp, int32_t row);
+const int32_t *lethe_kv_row_pos(const lethe_kv_pool *pool, int32_t sp, int32_t row);
+
+/* Appends n new tokens at positions pos[0..n) (ascending, after the row's
+ * last position) to the row in EVERY slot space, taking fresh slots from each
+ * free list. All-or-nothing: returns false and changes nothing when some slot
+ * space has fewer than n free slots. */
+bool lethe_kv_row_append(lethe_kv_pool *pool, int32_t row, int32_t n, const int32_t *pos);
+
+/* Appends already-owned slots (from the prefix cache) to the row: slots is
+ * [n_spaces][n] (space-major), pos [n]; each slot's count goes up by one. */
+void lethe_kv_row_attach(lethe_kv_pool *pool, int32_t row, const int32_t *slots,
+                         const int32_t *pos, int32_t n);
+
+/* Physical compaction of one layer's row: keeps entries keep[0..n) (strictly
+ * ascending indices into the current row), drops the rest and returns their
+ * slots to that slot space's free list when no one else holds them. In the
+ * shared layout this changes the one row every layer reads. */
+void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_t *keep,
+                   int32_t n);
+
+/* ---- references held outside rows (the prefix cache) ---- */
+void lethe_kv_ref(lethe_kv_pool *pool, int32_t sp, int32_t slot);
+void lethe_kv_unref(lethe_kv_pool *pool, int32_t sp, int32_t slot);
+int32_t lethe_kv_refcount(const lethe_kv_pool *pool, int32_t sp, int32_t slot);
+
+/* ---- optional per-page metadata ---- */
+int32_t lethe_kv_page_meta_floats(const lethe_kv_pool *pool);
+/* metadata of page `page` of the row in slot space sp: [page_meta_floats] */
+float *lethe_kv_page_meta(lethe_kv_pool *pool, int32_t sp, int32_t row, int32_t page);
+int32_t lethe_kv_page_meta_valid(const lethe_kv_pool *pool, int32_t sp, int32_t row);
+void lethe_kv_page_meta_set_valid(lethe_kv_pool *pool, int32_t sp, int32_t row, int32_t n_pages);
+
+/* ---- ownership checker (kv_check.c) ---- */
+/* Something outside the rows that holds slot references (the prefix cache):
+ * for_each calls visit(visit_ctx, sp, slot) once per reference it holds. */
+typedef struct lethe_kv_holder {
+    void *ctx;
+    void (*for_each)(void *ctx, void (*visit)(void *visit_ctx, int32_t sp, int32_t slot),
+                     void *visit_ctx);
+} lethe_kv_holder;
+
+/* Verifies: every slot is free (count 0, on its free list exactly once) or
+ * referenced exactly `count` times by rows + holders; no row points at a free
+ * slot or twice at the same slot; positions ascend; free-list sizes add up.
+ * Returns LETHE_OK or LETHE_ERR_INVALID with a message naming the violation. */
+lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *holders,
+                            int32_t n_holders);
+
+#endif /* LETHE_KV_POOL_H */

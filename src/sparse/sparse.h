@@ -1,0 +1,196 @@
+/* sparse.h - the sparse-method contract: how a method changes what attention
+ * reads (logical selection) and what KV stays resident (physical eviction)
+ * without the engine, the scheduler or the model naming it.
+ *
+ * A method is a lethe_sparse_ops table (one static const per method, listed
+ * in registry.c) plus per-engine private state. The engine drives it; the
+ * scheduler only asks it capacity questions (peak slots per layer).
+ *
+ * Call order for one engine step (a step may mix prefill chunks and decode
+ * tokens; each sequence says which it is):
+ *
+ *   prepare(step)                                   once, before the forward
+ *   for each layer l:                               inside the model forward
+ *       needs_scores(l)                             should attention emit scores?
+ *       for each sequence s of the step:
+ *           build_prefill_selection(l, s)           if s.is_prefill
+ *           build_decode_selection(l, s, q)         otherwise (may read q)
+ *       -- the model stores the new K/V and runs attention over the selections --
+ *       after_attn(l, scores)                       scores only if needs_scores(l)
+ *       layer_end(l)                                end of the layer's attention
+ *   finish_step(step)                               after the forward, before
+ *                                                   tokens are published: the ONLY
+ *                                                   place physical eviction
+ *                                                   (lethe_kv_keep) may happen
+ *
+ * Per request: request_init when the request is admitted (again after a
+ * preemption: recompute rebuilds the state from scratch, is_recompute tells),
+ * request_finished when it ends, is preempted or aborted. snapshot/restore
+ * serialise per-request state (for prefix chains that resume a conversation).
+ *
+ * Selection convention (backend.h lethe_attn_args): a sequence's selection is
+ * a list of slot ids of its row in this layer's slot space, ascending by
+ * logical position, whose LAST n_new entries are the sequence's new tokens
+ * (the engine appended them to the row before the forward). Every resident
+ * slot is readable; the new tokens must always be selected.
+ *
+ * Flags decide the row layout: a method that evicts per layer sets
+ * LETHE_SPARSE_PER_LAYER_ROWS (each layer its own slot space and row); one
+ * whose per-token KV does not depend on history sets LETHE_SPARSE_PREFIX_CACHE
+ * (shared prefixes may be reused through the radix cache). */
+#ifndef LETHE_SPARSE_H
+#define LETHE_SPARSE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "kv/kv_pool.h"
+#include "model/model.h"
+
+/* ---- knobs ---- */
+
+#define LETHE_SPARSE_SINK_DEFAULT 64
+#define LETHE_SPARSE_RECENT_DEFAULT 512
+#define LETHE_SPARSE_DECODE_KEEP_DEFAULT 4096
+
+/* Budget knobs shared by every method; token counts, never ratios. What they
+ * mean depends on the method (`lethe methods` lists it). */
+typedef struct lethe_sparse_knobs {
+    int32_t sink_keep_tokens;   /* first tokens always kept (attention sinks), 64 */
+    int32_t recent_keep_tokens; /* most recent tokens always kept, 512 */
+    int32_t decode_keep_tokens; /* middle tokens kept / selected at decode, 4096 */
+} lethe_sparse_knobs;
+
+void lethe_sparse_knobs_default(lethe_sparse_knobs *k);
+
+/* ---- what the method sees of a step ---- */
+
+typedef struct lethe_sparse_seq {
+    uint64_t request_id;
+    void *state;               /* per-request state from request_init (or NULL) */
+    int32_t row;               /* KV row id */
+    int32_t q_row;             /* first batch row of this sequence's new tokens */
+    int32_t n_new;             /* new tokens this step (rows q_row .. q_row + n_new) */
+    int32_t first_pos;         /* logical position of the first new token */
+    int32_t n_prompt;          /* tokens to prefill before decoding (prompt, or prompt +
+                                * generated tokens when recomputing after preemption) */
+    bool is_prefill;           /* the new tokens are prompt tokens */
+    bool is_final_chunk;       /* this chunk completes the prompt: logits follow */
+    bool is_recompute;         /* re-prefill after a preemption */
+} lethe_sparse_seq;
+
+typedef struct lethe_sparse_step {
+    int64_t index;             /* engine step counter */
+    int32_t n_seqs;
+    const lethe_sparse_seq *seqs;
+    const lethe_fwd_batch *batch; /* tokens, positions, rows of each sequence */
+} lethe_sparse_step;
+
+/* Engine facilities a method may use. */
+typedef struct lethe_sparse_env {
+    lethe_kv_pool *pool;       /* rows, slots, lethe_kv_keep, page metadata */
+    lethe_backend *be;         /* to read q / K with act_to_host; NULL with the fake model */
+    int32_t n_layers, n_heads, n_kv_heads, head_dim;
+    int32_t max_model_len;
+} lethe_sparse_env;
+
+typedef struct lethe_sparse_ops lethe_sparse_ops;
+
+typedef struct lethe_sparse_method {
+    const lethe_sparse_ops *ops;
+    lethe_sparse_env env;
+    lethe_sparse_knobs knobs;
+    void *priv;                /* method-private engine-wide state */
+} lethe_sparse_method;
+
+enum {
+    LETHE_SPARSE_PER_LAYER_ROWS = 1u << 0, /* a slot space and row per layer (per-layer eviction) */
+    LETHE_SPARSE_PREFIX_CACHE = 1u << 1,   /* radix prefix reuse is valid for this method */
+    LETHE_SPARSE_PAGE_META = 1u << 2,      /* wants per-page metadata (page_meta_floats) */
+};
+
+struct lethe_sparse_ops {
+    const char *name;          /* canonical name, e.g. "dense" */
+    const char *aliases[4];    /* other accepted spellings, NULL-terminated */
+    const char *summary;       /* one line for `lethe methods` */
+    unsigned flags;
+    int32_t page_meta_floats;  /* with LETHE_SPARSE_PAGE_META */
+    /* method-specific knob names (besides the shared three), NULL-terminated;
+     * values reach set_knob. NULL = none. */
+    const char *const *knob_names;
+
+    /* ---- engine lifetime (all optional) ---- */
+    lethe_status (*init)(lethe_sparse_method *m);            /* allocate m->priv */
+    void (*destroy)(lethe_sparse_method *m);
+    lethe_status (*set_knob)(lethe_sparse_method *m, const char *key, const char *value);
+
+    /* ---- per request (optional) ---- */
+    lethe_status (*request_init)(lethe_sparse_method *m, const lethe_sparse_seq *s, void **state);
+    void (*request_finished)(lethe_sparse_method *m, void *state);
+    size_t (*snapshot)(lethe_sparse_method *m, const void *state, void *buf, size_t cap);
+    lethe_status (*restore)(lethe_sparse_method *m, void *state, const void *buf, size_t n);
+
+    /* ---- capacity questions (optional; the scheduler asks them before it
+     * allocates). Peak new slots per layer (in every slot space) the step
+     * needs for this sequence, counted before finish_step evicts anything.
+     * Defaults: n_chunk for a prefill chunk, 1 for a decode token. */
+    int32_t (*prefill_peak_slots)(const lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                  int32_t n_resident, int32_t n_chunk);
+    int32_t (*decode_peak_slots)(const lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                 int32_t n_resident);
+
+    /* ---- step hooks ---- */
+    void (*prepare)(lethe_sparse_method *m, const lethe_sparse_step *st);       /* optional */
+    bool (*needs_scores)(lethe_sparse_method *m, int32_t layer);                 /* optional: false */
+    /* REQUIRED. Write the selection of sequence `seq` for `layer` into
+     * sel[0..cap) and return its length (cap >= the row length). */
+    int32_t (*build_prefill_selection)(lethe_sparse_method *m, int32_t layer,
+                                       const lethe_sparse_step *st, int32_t seq, int32_t *sel,
+                                       int32_t cap);
+    /* REQUIRED. As above for a decode token; q is the backend activation
+     * [n_tokens, n_heads, head_dim] after RoPE (rows of this sequence from q_row). */
+    int32_t (*build_decode_selection)(lethe_sparse_method *m, int32_t layer,
+                                      const lethe_sparse_step *st, int32_t seq, const void *q,
+                                      int32_t *sel, int32_t cap);
+    /* optional: scores (host, [n_heads, n_tokens, stride], see lethe_attn_args)
+     * when needs_scores(layer) was true, else NULL */
+    void (*after_attn)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                       const float *scores, int32_t stride);
+    void (*layer_end)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st);
+    void (*finish_step)(lethe_sparse_method *m, const lethe_sparse_step *st); /* optional */
+};
+
+/* ---- registry (registry.c) ---- */
+
+int32_t lethe_sparse_n_methods(void);
+const lethe_sparse_ops *lethe_sparse_method_at(int32_t i);
+/* by canonical name or alias ('-' and '_' are interchangeable, case-insensitive);
+ * NULL with an error naming the known methods otherwise */
+const lethe_sparse_ops *lethe_sparse_find(const char *name);
+
+/* Parses "knob=value,knob=value" into knobs (shared ones) and hands others
+ * to the method's set_knob. Unknown knobs and bad values are errors. */
+lethe_status lethe_sparse_parse_config(lethe_sparse_method *m, const char *config);
+
+/* Creates the method `name` (NULL = "dense") with `config` for an engine. */
+lethe_status lethe_sparse_create(const char *name, const char *config, const lethe_sparse_env *env,
+                                 lethe_sparse_method **out);
+void lethe_sparse_destroy(lethe_sparse_method *m); /* NULL-safe */
+
+/* Defaults applied when a hook is absent (what the scheduler calls). */
+int32_t lethe_sparse_prefill_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                  int32_t n_resident, int32_t n_chunk);
+int32_t lethe_sparse_decode_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                 int32_t n_resident);
+
+/* Helper for methods: copies a row's slots for `layer` into sel (the "select
+ * everything resident" selection) and returns the count. */
+int32_t lethe_sparse_select_all(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                                int32_t *sel, int32_t cap);
+
+extern const lethe_sparse_ops lethe_sparse_dense;
+
+#endif /* LETHE_SPARSE_H */
