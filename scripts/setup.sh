@@ -2,7 +2,7 @@
 # scripts/setup.sh - installs what lethe needs to build and test, if missing:
 # Debian packages (compiler deps) and the PyPI packages the e2e tests use.
 set -euo pipefail
-pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libmicrohttpd-dev curl python3-pip)
+pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libmicrohttpd-dev libcurl4-openssl-dev curl python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,6 +17,7 @@ py_missing=()
 python3 -c 'import openai' 2>/dev/null || py_missing+=("openai>=1.40")
 python3 -c 'import pytest' 2>/dev/null || py_missing+=("pytest")
 python3 -c 'import requests' 2>/dev/null || py_missing+=("requests")
+python3 -c 'import matplotlib' 2>/dev/null || py_missing+=("matplotlib")   # plots: scripts/gen_docs.py
 if [ ${#py_missing[@]} -gt 0 ]; then
     echo "setup: installing PyPI packages: ${py_missing[*]}" >&2
     python3 -m pip install -q "${py_missing[@]}"
