@@ -1,0 +1,364 @@
+/* loader.c - lethe_model_load: config + weights from GGUF, HF safetensors or
+ * a seed (dummy), uploaded to a backend.
+ *
+ * One table of weights per model (weight_spec: backend slot, GGUF name, HF
+ * name, shape [rows, cols] in HF order) drives all three sources. Shapes are
+ * checked against the config (GGUF ne = {cols, rows}); a mismatch names the
+ * tensor, the expected and the found shape. Each tensor is converted into
+ * one reused f32 host buffer (sized for the largest tensor) and handed to
+ * be->ops->weight_upload, so the model never sits in host f32 memory twice.
+ *
+ * llama.cpp's converter permutes the rows of Q and K of arch "llama" so that
+ * RoPE pairs are interleaved: within each head (n rows = head_dim), GGUF row
+ * 2j + i holds HF row i*head_dim/2 + j (i in {0,1}). The forward uses HF
+ * rotate-half RoPE, so those rows are put back on load. qwen2/qwen3 GGUFs are
+ * not permuted. Tied embeddings: lm_head is the tok_embd pointer. */
+#include <inttypes.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/util.h"
+#include "model/dummy.h"
+#include "model/gguf.h"
+#include "model/model.h"
+#include "model/safetensors.h"
+
+lethe_status lethe_load_format_parse(const char *s, lethe_load_format *out) {
+    static const struct { const char *name; lethe_load_format f; } t[] = {
+        {"auto", LETHE_LOAD_AUTO}, {"gguf", LETHE_LOAD_GGUF}, {"hf", LETHE_LOAD_HF},
+        {"safetensors", LETHE_LOAD_HF}, {"dummy", LETHE_LOAD_DUMMY},
+    };
+    for (size_t i = 0; s && i < LETHE_ARRAY_LEN(t); i++)
+        if (!strcmp(s, t[i].name)) {
+            *out = t[i].f;
+            return LETHE_OK;
+        }
+    return lethe_errorf(LETHE_ERR_INVALID,
+                        "--load-format %s: unknown format (expected auto, gguf, hf or dummy)",
+                        s ? s : "(null)");
+}
+
+typedef struct weight_spec {
+    void **slot;
+    char gguf[64];
+    char hf[96];
+    int64_t rows, cols;     /* cols == 0: vector [rows] */
+    lethe_dummy_kind kind;
+    int32_t permute_heads;  /* GGUF llama Q/K: heads to un-permute (0 = none) */
+} weight_spec;
+
+typedef struct source {
+    lethe_load_format fmt;
+    const char *path;       /* for messages */
+    lethe_gguf gguf;
+    lethe_safetensors st;
+    uint64_t seed;
+    bool permute;           /* GGUF of arch llama */
+} source;
+
+static bool is_dir(const char *p) {
+    struct stat sb;
+    return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+static bool is_file(const char *p) {
+    struct stat sb;
+    return stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+static bool ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && !strcmp(s + a - b, suf);
+}
+static bool has_gguf_magic(const char *p) {
+    FILE *f = fopen(p, "rb");
+    char m[4] = {0};
+    bool ok = f && fread(m, 1, 4, f) == 4 && !memcmp(m, "GGUF", 4);
+    if (f) fclose(f);
+    return ok;
+}
+
+/* path/config.json (or path itself if it is a file) -> malloc'd config path */
+static char *config_path_of(const char *path) {
+    if (is_file(path)) return lethe_xstrdup(path);
+    size_t n = strlen(path) + 16;
+    char *c = lethe_xmalloc(n);
+    snprintf(c, n, "%s/config.json", path);
+    return c;
+}
+
+static lethe_status resolve_format(const char *path, lethe_load_format *f) {
+    if (*f != LETHE_LOAD_AUTO) return LETHE_OK;
+    if (is_file(path)) {
+        if (ends_with(path, ".gguf") || has_gguf_magic(path)) {
+            *f = LETHE_LOAD_GGUF;
+            return LETHE_OK;
+        }
+        if (ends_with(path, ".json"))
+            return lethe_errorf(LETHE_ERR_INVALID,
+                                "%s: a config.json alone has no weights; use --load-format dummy "
+                                "for random weights, or pass the folder holding config.json and "
+                                "*.safetensors", path);
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: not a GGUF file (expected a .gguf file or an "
+                            "HF model folder)", path);
+    }
+    if (is_dir(path)) {
+        char *c = config_path_of(path);
+        bool ok = is_file(c);
+        free(c);
+        if (ok) {
+            *f = LETHE_LOAD_HF;
+            return LETHE_OK;
+        }
+        return lethe_errorf(LETHE_ERR_NOT_FOUND, "%s: folder has no config.json (expected a "
+                            ".gguf file or an HF model folder)", path);
+    }
+    return lethe_errorf(LETHE_ERR_IO, "%s: no such file or folder", path);
+}
+
+/* ---- the weight table ---- */
+
+static int add_spec(weight_spec *s, int n, void **slot, const char *gguf, const char *hf,
+                    int64_t rows, int64_t cols, lethe_dummy_kind kind, int32_t permute) {
+    s[n] = (weight_spec){.slot = slot, .rows = rows, .cols = cols, .kind = kind,
+                         .permute_heads = permute};
+    snprintf(s[n].gguf, sizeof(s[n].gguf), "%s", gguf);
+    snprintf(s[n].hf, sizeof(s[n].hf), "%s", hf);
+    return n + 1;
+}
+
+static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
+    const lethe_model_config *c = &m->cfg;
+    const int64_t dim = c->dim, hd = c->head_dim, qd = (int64_t)c->n_heads * hd,
+                  kvd = (int64_t)c->n_kv_heads * hd, ff = c->ffn_dim;
+    weight_spec *s = lethe_xcalloc((size_t)c->n_layers * 14 + 3, sizeof(weight_spec));
+    int n = 0;
+    n = add_spec(s, n, &m->w.tok_embd, "token_embd.weight", "model.embed_tokens.weight",
+                 c->n_vocab, dim, LETHE_DUMMY_EMBED, 0);
+    n = add_spec(s, n, &m->w.out_norm, "output_norm.weight", "model.norm.weight", dim, 0,
+                 LETHE_DUMMY_NORM, 0);
+    if (!c->tie_embeddings)
+        n = add_spec(s, n, &m->w.lm_head, "output.weight", "lm_head.weight", c->n_vocab, dim,
+                     LETHE_DUMMY_MATRIX, 0);
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        lethe_layer_weights *L = &m->w.layers[l];
+        char g[64], h[96];
+#define W(slot, gn, hn, r, cc, kind, perm)                                         \
+    do {                                                                           \
+        snprintf(g, sizeof(g), "blk.%d." gn, l);                                   \
+        snprintf(h, sizeof(h), "model.layers.%d." hn, l);                          \
+        n = add_spec(s, n, (void **)&L->slot, g, h, r, cc, kind, perm);            \
+    } while (0)
+        W(attn_norm, "attn_norm.weight", "input_layernorm.weight", dim, 0, LETHE_DUMMY_NORM, 0);
+        W(wq, "attn_q.weight", "self_attn.q_proj.weight", qd, dim, LETHE_DUMMY_MATRIX,
+          permute ? c->n_heads : 0);
+        W(wk, "attn_k.weight", "self_attn.k_proj.weight", kvd, dim, LETHE_DUMMY_MATRIX,
+          permute ? c->n_kv_heads : 0);
+        W(wv, "attn_v.weight", "self_attn.v_proj.weight", kvd, dim, LETHE_DUMMY_MATRIX, 0);
+        if (c->qkv_bias) {
+            W(bq, "attn_q.bias", "self_attn.q_proj.bias", qd, 0, LETHE_DUMMY_BIAS, 0);
+            W(bk, "attn_k.bias", "self_attn.k_proj.bias", kvd, 0, LETHE_DUMMY_BIAS, 0);
+            W(bv, "attn_v.bias", "self_attn.v_proj.bias", kvd, 0, LETHE_DUMMY_BIAS, 0);
+        }
+        if (c->qk_norm) {
+            W(q_norm, "attn_q_norm.weight", "self_attn.q_norm.weight", hd, 0, LETHE_DUMMY_NORM, 0);
+            W(k_norm, "attn_k_norm.weight", "self_attn.k_norm.weight", hd, 0, LETHE_DUMMY_NORM, 0);
+        }
+        W(wo, "attn_output.weight", "self_attn.o_proj.weight", dim, qd, LETHE_DUMMY_MATRIX, 0);
+        W(ffn_norm, "ffn_norm.weight", "post_attention_layernorm.weight", dim, 0,
+          LETHE_DUMMY_NORM, 0);
+        W(w_gate, "ffn_gate.weight", "mlp.gate_proj.weight", ff, dim, LETHE_DUMMY_MATRIX, 0);
+        W(w_up, "ffn_up.weight", "mlp.up_proj.weight", ff, dim, LETHE_DUMMY_MATRIX, 0);
+        W(w_down, "ffn_down.weight", "mlp.down_proj.weight", dim, ff, LETHE_DUMMY_MATRIX, 0);
+#undef W
+    }
+    *n_out = n;
+    return s;
+}
+
+static void shape_str(char *buf, size_t n, int nd, const int64_t *d) {
+    int k = snprintf(buf, n, "[");
+    for (int i = 0; i < nd && k < (int)n; i++)
+        k += snprintf(buf + k, n - (size_t)k, "%s%" PRId64, i ? ", " : "", d[i]);
+    if (k < (int)n) snprintf(buf + k, n - (size_t)k, "]");
+}
+
+static lethe_status shape_mismatch(const char *path, const char *name, const weight_spec *w,
+                                   int nd, const int64_t *found) {
+    char e[64], f[96];
+    int64_t exp[2] = {w->rows, w->cols};
+    shape_str(e, sizeof(e), w->cols ? 2 : 1, exp);
+    shape_str(f, sizeof(f), nd, found);
+    return lethe_errorf(LETHE_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s from the "
+                        "config", path, name, f, e);
+}
+
+/* GGUF llama row order -> HF: within each head, row 2j+i -> i*half + j */
+static void unpermute_rows(float *dst, const float *src, int64_t rows, int64_t cols,
+                           int32_t heads) {
+    int64_t hd = rows / heads, half = hd / 2;
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t h = r / hd, k = r % hd, i = k % 2, j = k / 2;
+        memcpy(dst + (h * hd + i * half + j) * cols, src + r * cols, (size_t)cols * sizeof(float));
+    }
+}
+
+/* Fills buf (n = rows * max(cols,1) floats) with tensor w from the source. */
+static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *tmp) {
+    uint64_t n = (uint64_t)w->rows * (uint64_t)(w->cols ? w->cols : 1);
+    if (src->fmt == LETHE_LOAD_DUMMY) {
+        lethe_dummy_fill(buf, n, w->kind, w->cols ? w->cols : w->rows, src->seed, w->hf);
+        return LETHE_OK;
+    }
+    lethe_status s;
+    if (src->fmt == LETHE_LOAD_GGUF) {
+        const lethe_gguf_tensor *t = lethe_gguf_find_tensor(&src->gguf, w->gguf);
+        if (!t)
+            return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing tensor '%s'", src->path, w->gguf);
+        int64_t found[4];
+        int nd = (int)t->n_dims;
+        for (int i = 0; i < nd; i++) found[i] = (int64_t)t->ne[nd - 1 - i]; /* to [rows, cols] */
+        bool ok = w->cols ? (nd == 2 && found[0] == w->rows && found[1] == w->cols)
+                          : (nd == 1 && found[0] == w->rows);
+        if (!ok) return shape_mismatch(src->path, w->gguf, w, nd, found);
+        float *dst = w->permute_heads ? tmp : buf;
+        if ((s = lethe_ggml_dequantize(t->type, t->data, dst, n))) {
+            char why[512];
+            snprintf(why, sizeof(why), "%s", lethe_last_error());
+            return lethe_errorf(s, "%s: tensor '%s': %s", src->path, w->gguf, why);
+        }
+        if (w->permute_heads) {
+            if (w->rows % w->permute_heads || (w->rows / w->permute_heads) % 2)
+                return lethe_errorf(LETHE_ERR_FORMAT, "%s: tensor '%s': %" PRId64 " rows do not "
+                                    "split into %d heads of even size", src->path, w->gguf,
+                                    w->rows, w->permute_heads);
+            unpermute_rows(buf, tmp, w->rows, w->cols, w->permute_heads);
+        }
+        return LETHE_OK;
+    }
+    const lethe_st_tensor *t = lethe_st_find(&src->st, w->hf);
+    if (!t) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing tensor '%s'", src->path, w->hf);
+    bool ok = w->cols ? (t->n_dims == 2 && t->shape[0] == w->rows && t->shape[1] == w->cols)
+                      : (t->n_dims == 1 && t->shape[0] == w->rows);
+    if (!ok) return shape_mismatch(src->path, w->hf, w, t->n_dims, t->shape);
+    return lethe_st_to_f32(&src->st, t, buf);
+}
+
+static void progress(int done, int total, double mb, double total_mb, double t0) {
+    int width = 30, fill = total ? done * width / total : width;
+    char bar[40];
+    for (int i = 0; i < width; i++) bar[i] = i < fill ? '=' : ' ';
+    bar[width] = '\0';
+    fprintf(stderr, "\rloading weights [%s] %d/%d tensors, %.0f/%.0f MB, %.1fs", bar, done, total,
+            mb, total_mb, lethe_time_s() - t0);
+    if (done == total) fputc('\n', stderr);
+    fflush(stderr);
+}
+
+static lethe_status load_weights(lethe_model *m, source *src, bool show) {
+    int n;
+    weight_spec *specs = build_specs(m, src->permute, &n);
+    uint64_t max_n = 0, max_perm = 0;
+    double total_mb = 0;
+    for (int i = 0; i < n; i++) {
+        uint64_t e = (uint64_t)specs[i].rows * (uint64_t)(specs[i].cols ? specs[i].cols : 1);
+        max_n = LETHE_MAX(max_n, e);
+        if (specs[i].permute_heads) max_perm = LETHE_MAX(max_perm, e);
+        total_mb += (double)e * 4 / 1e6;
+    }
+    float *buf = malloc(max_n * sizeof(float));
+    float *tmp = max_perm ? malloc(max_perm * sizeof(float)) : NULL;
+    lethe_status s = LETHE_OK;
+    if (!buf || (max_perm && !tmp))
+        s = lethe_errorf(LETHE_ERR_NOMEM, "%s: cannot allocate a %.0f MB staging buffer",
+                         src->path, (double)max_n * 4 / 1e6);
+    double t0 = lethe_time_s(), last = 0, mb = 0;
+    for (int i = 0; i < n && !s; i++) {
+        const weight_spec *w = &specs[i];
+        size_t e = (size_t)w->rows * (size_t)(w->cols ? w->cols : 1);
+        if ((s = fetch(src, w, buf, tmp))) break;
+        if ((s = m->be->ops->weight_upload(m->be, buf, e, w->slot))) break;
+        mb += (double)e * 4 / 1e6;
+        if (show && (i + 1 == n || lethe_time_s() - last > 0.2)) {
+            progress(i + 1, n, mb, total_mb, t0);
+            last = lethe_time_s();
+        }
+    }
+    if (show && s) fputc('\n', stderr);
+    if (!s && m->cfg.tie_embeddings) m->w.lm_head = m->w.tok_embd;
+    free(buf);
+    free(tmp);
+    free(specs);
+    return s;
+}
+
+static lethe_status check_arch(lethe_model *m) {
+    m->arch = lethe_arch_find(m->cfg.arch);
+    if (!m->arch) return LETHE_ERR_UNSUPPORTED; /* lethe_arch_find set the message */
+    if (m->arch->check) return m->arch->check(&m->cfg);
+    return LETHE_OK;
+}
+
+lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *be,
+                              lethe_model *out) {
+    memset(out, 0, sizeof(*out));
+    if (!p || !p->path || !p->path[0])
+        return lethe_errorf(LETHE_ERR_INVALID, "--model: no model path given");
+    lethe_load_format fmt = p->format;
+    lethe_status s = resolve_format(p->path, &fmt);
+    if (s) return s;
+    out->be = be;
+    out->path = lethe_xstrdup(p->path);
+    source src = {.fmt = fmt, .path = p->path, .seed = p->seed};
+
+    if (fmt == LETHE_LOAD_GGUF) {
+        if ((s = lethe_gguf_open(p->path, &src.gguf))) goto fail;
+        if ((s = lethe_gguf_config_load(&src.gguf, &out->cfg))) goto fail;
+        src.permute = !strcmp(out->cfg.arch, "llama");
+    } else {
+        char *cp = config_path_of(p->path);
+        if (fmt == LETHE_LOAD_HF && !is_dir(p->path)) {
+            s = lethe_errorf(LETHE_ERR_INVALID, "%s: --load-format hf expects the model folder "
+                             "(config.json + *.safetensors)", p->path);
+            free(cp);
+            goto fail;
+        }
+        s = lethe_hf_config_load(cp, &out->cfg);
+        free(cp);
+        if (s) goto fail;
+    }
+    if ((s = check_arch(out))) goto fail;
+    if (fmt == LETHE_LOAD_HF && (s = lethe_st_open_dir(p->path, &src.st))) goto fail;
+    out->w.layers = lethe_xcalloc((size_t)out->cfg.n_layers, sizeof(lethe_layer_weights));
+    if ((s = load_weights(out, &src, p->progress))) goto fail;
+    lethe_gguf_close(&src.gguf);
+    lethe_st_close(&src.st);
+    return LETHE_OK;
+fail:
+    lethe_gguf_close(&src.gguf);
+    lethe_st_close(&src.st);
+    lethe_model_free(out);
+    return s;
+}
+
+void lethe_model_free(lethe_model *m) {
+    if (!m) return;
+    if (m->ws && m->arch && m->arch->workspace_free) m->arch->workspace_free(m);
+    lethe_backend *be = m->be;
+    if (be) {
+        void *tied = m->w.lm_head == m->w.tok_embd ? m->w.lm_head : NULL;
+        void *g[] = {m->w.tok_embd, m->w.out_norm, tied ? NULL : m->w.lm_head};
+        for (size_t i = 0; i < LETHE_ARRAY_LEN(g); i++)
+            if (g[i]) be->ops->release(be, g[i]);
+        for (int32_t l = 0; m->w.layers && l < m->cfg.n_layers; l++) {
+            lethe_layer_weights *L = &m->w.layers[l];
+            void *lw[] = {L->attn_norm, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv, L->q_norm,
+                          L->k_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+            for (size_t i = 0; i < LETHE_ARRAY_LEN(lw); i++)
+                if (lw[i]) be->ops->release(be, lw[i]);
+        }
+    }
+    free(m->w.layers);
+    free(m->path);
+    memset(m, 0, sizeof(*m));
+}
