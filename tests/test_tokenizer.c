@@ -14,37 +14,6 @@
 #include "tok_golden.h"
 #include "tokenizer/tok_internal.h"
 
-typedef struct text_case {
-    char name[64];
-    const char *text;
-    size_t len;
-} text_case;
-
-static text_case g_texts[64];
-static int g_n_texts;
-static gcur g_texts_file;
-
-static void load_texts(void) {
-    g_texts_file = gopen(GOLDEN_DIR "texts.txt");
-    while (!gat_end(&g_texts_file)) {
-        char *h = gline(&g_texts_file);
-        size_t n;
-        CHECK(g_n_texts < 64);
-        text_case *tc = &g_texts[g_n_texts++];
-        CHECK(sscanf(h, "T %63s %zu", tc->name, &n) == 2);
-        tc->text = gbytes(&g_texts_file, n);
-        tc->len = n;
-    }
-    CHECK(g_n_texts >= 20);
-}
-
-static const text_case *find_text(const char *name) {
-    for (int i = 0; i < g_n_texts; i++)
-        if (!strcmp(g_texts[i].name, name)) return &g_texts[i];
-    CHECK_MSG(0, "no text %s", name);
-    return NULL;
-}
-
 static bool valid_utf8(const char *s, size_t n) {
     for (size_t i = 0; i < n;) {
         uint32_t cp;
@@ -363,6 +332,29 @@ static void test_long_inputs(void) {
     lethe_tokenizer_free(t);
 }
 
+/* one tokenizer shared by several threads (the server tokenizes on request threads) */
+static void test_concurrent(void) {
+    lethe_tokenizer *t = load_named_tokenizer("qwen3");
+    int32_t *ref_ids[64], ref_n[64];
+    for (int i = 0; i < g_n_texts; i++)
+        CHECK(lethe_tokenize(t, g_texts[i].text, g_texts[i].len, false, true, &ref_ids[i], &ref_n[i]) == LETHE_OK);
+    int bad = 0;
+#pragma omp parallel for num_threads(4) schedule(dynamic) reduction(+ : bad)
+    for (int k = 0; k < 8 * g_n_texts; k++) {
+        int i = k % g_n_texts;
+        int32_t *ids, n;
+        if (lethe_tokenize(t, g_texts[i].text, g_texts[i].len, false, true, &ids, &n) != LETHE_OK) {
+            bad++;
+            continue;
+        }
+        bad += n != ref_n[i] || memcmp(ids, ref_ids[i], (size_t)n * sizeof(int32_t)) != 0;
+        free(ids);
+    }
+    CHECK_EQ_INT(bad, 0);
+    for (int i = 0; i < g_n_texts; i++) free(ref_ids[i]);
+    lethe_tokenizer_free(t);
+}
+
 static void test_speed_whole_speech(void) {
     char path[512];
     struct stat sb;
@@ -401,6 +393,7 @@ int main(void) {
     TEST_RUN(test_special_ids);
     TEST_RUN(test_load_paths);
     TEST_RUN(test_long_inputs);
+    TEST_RUN(test_concurrent);
     TEST_RUN(test_speed_whole_speech);
     free(g_texts_file.buf);
     fprintf(stderr, "test_tokenizer: all passed\n");

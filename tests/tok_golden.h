@@ -70,4 +70,35 @@ static inline lethe_tokenizer *load_named_tokenizer(const char *name) {
     return t;
 }
 
+typedef struct text_case {
+    char name[64];
+    const char *text;
+    size_t len;
+} text_case;
+
+static text_case g_texts[64];
+static int g_n_texts;
+static gcur g_texts_file;
+
+static inline void load_texts(void) {
+    g_texts_file = gopen(GOLDEN_DIR "texts.txt");
+    while (!gat_end(&g_texts_file)) {
+        char *h = gline(&g_texts_file);
+        size_t n;
+        CHECK(g_n_texts < 64);
+        text_case *tc = &g_texts[g_n_texts++];
+        CHECK(sscanf(h, "T %63s %zu", tc->name, &n) == 2);
+        tc->text = gbytes(&g_texts_file, n);
+        tc->len = n;
+    }
+    CHECK(g_n_texts >= 20);
+}
+
+static inline const text_case *find_text(const char *name) {
+    for (int i = 0; i < g_n_texts; i++)
+        if (!strcmp(g_texts[i].name, name)) return &g_texts[i];
+    CHECK_MSG(0, "no text %s", name);
+    return NULL;
+}
+
 #endif /* LETHE_TOK_GOLDEN_H */

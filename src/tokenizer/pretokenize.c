@@ -12,11 +12,18 @@
  *   smollm          \p{N} then GPT-2: SmolLM/SmolLM2's HF pre-tokenizer is
  *                   Sequence[Digits(individual_digits), ByteLevel]
  *   llama-bpe       Llama-3 (numbers in groups of up to 3)
- *   qwen2           Qwen2/Qwen3 (single digits)
+ *   qwen2           Qwen2/Qwen3 (single digits), with NFC normalization
  * Patterns compile with PCRE2_UTF | PCRE2_UCP (Unicode \s, \p{L}, \p{N}) and
  * PCRE2_MATCH_INVALID_UTF, so bytes that are not UTF-8 never match and end up
  * in the gaps (they still round-trip through byte-level BPE). JIT is used
- * when available, with the interpreter as fallback. */
+ * when available, with the interpreter as fallback.
+ *
+ * \s: HF's Oniguruma reads it as the Unicode White_Space property, while
+ * PCRE2's UCP \s also takes U+180E MONGOLIAN VOWEL SEPARATOR (in its \h
+ * list). Patterns are therefore rewritten before compiling: \s becomes the
+ * explicit White_Space set (inside or outside a character class) and \S
+ * outside a class its negation. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/log.h"
@@ -33,19 +40,69 @@ const char *const TOK_RE_QWEN2 =
     "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 static const char *const RE_DIGIT = "\\p{N}";
 
-lethe_status tok_add_pre_regex(lethe_tokenizer *t, const char *pattern) {
+/* Unicode White_Space, as class members */
+static const char WS_MEMBERS[] =
+    "\\t-\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
+
+/* Copies pattern with \s / \S replaced (see the top comment). Tracks
+ * escapes and character classes, including a leading ']' in a class. */
+static char *rewrite_ws(const char *pat) {
+    size_t n = strlen(pat), cap = (n + 1) * (sizeof(WS_MEMBERS) + 4), o = 0; /* worst case: every 2 chars grow */
+    char *out = lethe_xmalloc(cap);
+    bool in_class = false;
+    for (size_t i = 0; i < n; i++) {
+        char c = pat[i];
+        if (c == '\\' && i + 1 < n) {
+            char e = pat[i + 1];
+            const char *rep = NULL;
+            char buf[sizeof(WS_MEMBERS) + 4];
+            if (e == 's') {
+                snprintf(buf, sizeof(buf), in_class ? "%s" : "[%s]", WS_MEMBERS);
+                rep = buf;
+            } else if (e == 'S' && !in_class) {
+                snprintf(buf, sizeof(buf), "[^%s]", WS_MEMBERS);
+                rep = buf;
+            }
+            if (rep) {
+                size_t k = strlen(rep);
+                memcpy(out + o, rep, k);
+                o += k;
+            } else {
+                out[o++] = c;
+                out[o++] = e;
+            }
+            i++;
+            continue;
+        }
+        if (!in_class && c == '[') {
+            in_class = true;
+            out[o++] = c;
+            if (i + 1 < n && pat[i + 1] == '^') out[o++] = pat[++i];
+            if (i + 1 < n && pat[i + 1] == ']') out[o++] = pat[++i]; /* literal ']' first in a class */
+            continue;
+        }
+        if (in_class && c == ']') in_class = false;
+        out[o++] = c;
+    }
+    out[o] = '\0';
+    return out;
+}
+
+lethe_status tok_add_pre_regex(lethe_tokenizer *t, const char *pattern_in) {
     if (t->n_pre >= TOK_MAX_PRE_STEPS)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "tokenizer: more than %d pre-tokenizer steps",
                             TOK_MAX_PRE_STEPS);
     int err;
     PCRE2_SIZE erroff;
+    char *pattern = rewrite_ws(pattern_in);
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
                                    PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &erroff, NULL);
+    free(pattern);
     if (!re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof(msg));
-        return lethe_errorf(LETHE_ERR_FORMAT, "tokenizer: pre-tokenizer regex does not compile at %zu: %s",
-                            (size_t)erroff, (const char *)msg);
+        return lethe_errorf(LETHE_ERR_FORMAT, "tokenizer: pre-tokenizer regex /%s/ does not compile: %s",
+                            pattern_in, (const char *)msg);
     }
     if (pcre2_jit_compile(re, PCRE2_JIT_COMPLETE) != 0)
         LOG_DEBUG("tokenizer: PCRE2 JIT unavailable, using the interpreter");
@@ -65,7 +122,10 @@ lethe_status tok_set_pre_by_name(lethe_tokenizer *t, const char *name) {
         t->ignore_merges = true; /* the Llama-3 tokenizer.json sets model.ignore_merges */
         return tok_add_pre_regex(t, TOK_RE_LLAMA3);
     }
-    if (!strcmp(name, "qwen2")) return tok_add_pre_regex(t, TOK_RE_QWEN2);
+    if (!strcmp(name, "qwen2")) {
+        t->norm = TOK_NORM_NFC; /* Qwen2/3's tokenizer.json normalizer; HF applies it, so do we */
+        return tok_add_pre_regex(t, TOK_RE_QWEN2);
+    }
     return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                         "tokenizer: pre-tokenizer \"%s\" is not supported (supported: gpt2, smollm, "
                         "llama-bpe, qwen2)", name);

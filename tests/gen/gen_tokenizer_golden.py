@@ -125,6 +125,9 @@ def make_texts():
               "@user #tag $5 %20 ^_^ ~/path\\to\\file | a&b * + = < > ;:,."))
     t.append(("url_email", "See https://example.com/path?q=1&x=%20y#frag or mail john.doe+tag@mail.example.org."))
     t.append(("control_chars", "bell\x07 esc\x1b[0m nul-free \x01\x02\x7f del, form\x0cfeed, vt\x0b."))
+    t.append(("mongolian_vs", " \u180e'm the\u180e'll x \u180e\u180e y\u180e \u180e"))
+    # whole-word vocabulary entries that merges alone would split (Llama-3 ignore_merges)
+    t.append(("ignore_merges_words", "Tôi làm việc ở Việt Nam; nhiều điều hợp lý, jeho dům, ایران ngoài tự nhiên."))
     t.append(("long_word", "Pneumonoultramicroscopicsilicovolcanoconiosis " * 3 + "a" * 300))
     return t
 
