@@ -292,11 +292,18 @@ static lethe_status load_weights(lethe_model *m, source *src, bool show) {
     return s;
 }
 
-static lethe_status check_arch(lethe_model *m) {
+/* family lookup + its own config check; messages get the model path in front */
+static lethe_status check_arch(lethe_model *m, const char *path) {
+    lethe_status s = LETHE_OK;
     m->arch = lethe_arch_find(m->cfg.arch);
-    if (!m->arch) return LETHE_ERR_UNSUPPORTED; /* lethe_arch_find set the message */
-    if (m->arch->check) return m->arch->check(&m->cfg);
-    return LETHE_OK;
+    if (!m->arch) s = LETHE_ERR_UNSUPPORTED;
+    else if (m->arch->check) s = m->arch->check(&m->cfg);
+    if (s) {
+        char why[512];
+        snprintf(why, sizeof(why), "%s", lethe_last_error());
+        lethe_errorf(s, "%s: %s", path, why);
+    }
+    return s;
 }
 
 lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *be,
@@ -327,7 +334,7 @@ lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *b
         free(cp);
         if (s) goto fail;
     }
-    if ((s = check_arch(out))) goto fail;
+    if ((s = check_arch(out, p->path))) goto fail;
     if (fmt == LETHE_LOAD_HF && (s = lethe_st_open_dir(p->path, &src.st))) goto fail;
     out->w.layers = lethe_xcalloc((size_t)out->cfg.n_layers, sizeof(lethe_layer_weights));
     if ((s = load_weights(out, &src, p->progress))) goto fail;
@@ -343,7 +350,7 @@ fail:
 
 void lethe_model_free(lethe_model *m) {
     if (!m) return;
-    if (m->ws && m->arch && m->arch->workspace_free) m->arch->workspace_free(m);
+    lethe_model_workspace_free(m);
     lethe_backend *be = m->be;
     if (be) {
         void *tied = m->w.lm_head == m->w.tok_embd ? m->w.lm_head : NULL;
