@@ -11,8 +11,19 @@
 #include "core/util.h"
 #include "sparse/sparse.h"
 
+extern const lethe_sparse_ops lethe_sparse_streamingllm, lethe_sparse_snapkv, lethe_sparse_pyramidkv,
+    lethe_sparse_h2o, lethe_sparse_quest, lethe_sparse_omnikv, lethe_sparse_kivi, lethe_sparse_fp8_kv;
+
 static const lethe_sparse_ops *const g_methods[] = {
     &lethe_sparse_dense,
+    &lethe_sparse_streamingllm,
+    &lethe_sparse_snapkv,
+    &lethe_sparse_pyramidkv,
+    &lethe_sparse_h2o,
+    &lethe_sparse_quest,
+    &lethe_sparse_omnikv,
+    &lethe_sparse_kivi,
+    &lethe_sparse_fp8_kv,
 };
 
 void lethe_sparse_knobs_default(lethe_sparse_knobs *k) {
@@ -92,11 +103,16 @@ lethe_status lethe_sparse_parse_config(lethe_sparse_method *m, const char *confi
         else {
             bool known = false;
             for (const char *const *k = m->ops->knob_names; k && *k; k++) known |= !strcmp(*k, key);
+            for (int32_t k = 0; k < m->ops->n_knob_table; k++) known |= !strcmp(m->ops->knob_table[k].name, key);
             if (!known || !m->ops->set_knob) {
-                char names[256] = "sink_keep_tokens, recent_keep_tokens, decode_keep_tokens";
+                char names[768] = "sink_keep_tokens, recent_keep_tokens, decode_keep_tokens";
                 for (const char *const *k = m->ops->knob_names; k && *k; k++) {
                     size_t l = strlen(names);
                     snprintf(names + l, sizeof(names) - l, ", %s", *k);
+                }
+                for (int32_t k = 0; k < m->ops->n_knob_table; k++) {
+                    size_t l = strlen(names);
+                    snprintf(names + l, sizeof(names) - l, ", %s", m->ops->knob_table[k].name);
                 }
                 st = lethe_errorf(LETHE_ERR_INVALID, "--sparse-config: unknown knob '%s' for method %s (knobs: %s)",
                                   key, m->ops->name, names);
@@ -121,6 +137,7 @@ lethe_status lethe_sparse_create(const char *name, const char *config, const let
     lethe_sparse_knobs_default(&m->knobs);
     lethe_status st = ops->init ? ops->init(m) : LETHE_OK;
     if (st == LETHE_OK) st = lethe_sparse_parse_config(m, config);
+    if (st == LETHE_OK && ops->configure) st = ops->configure(m);
     if (st != LETHE_OK) {
         lethe_sparse_destroy(m);
         return st;

@@ -99,6 +99,36 @@ typedef struct lethe_sparse_env {
 
 typedef struct lethe_sparse_ops lethe_sparse_ops;
 
+/* What a method does to the KV (for `lethe methods` and capacity reasoning). */
+typedef enum lethe_sparse_kind {
+    LETHE_SPARSE_KIND_DENSE = 0,
+    LETHE_SPARSE_KIND_EVICTION,      /* physical: frees slots (lethe_kv_keep in finish_step) */
+    LETHE_SPARSE_KIND_SELECTION,     /* logical: reads a subset, never frees a slot */
+    LETHE_SPARSE_KIND_QUANTIZATION,  /* changes what a slot stores */
+} lethe_sparse_kind;
+const char *lethe_sparse_kind_name(lethe_sparse_kind k);
+
+/* A method-specific knob with its type, default, bounds and help (one
+ * spelling everywhere: --sparse-config, API, `lethe methods`). */
+typedef enum lethe_knob_type { LETHE_KNOB_INT, LETHE_KNOB_FLOAT, LETHE_KNOB_BOOL, LETHE_KNOB_STR } lethe_knob_type;
+typedef struct lethe_sparse_knob {
+    const char *name;
+    lethe_knob_type type;
+    const char *def;           /* default as text: "32", "0.5", "true", "auto" */
+    double min, max;           /* numeric bounds, inclusive */
+    const char *help;
+} lethe_sparse_knob;
+
+#define LETHE_SPARSE_MAX_KNOBS 16
+/* Values of a method's knob table (kept in the method's priv). */
+typedef struct lethe_knob_values {
+    double num[LETHE_SPARSE_MAX_KNOBS];    /* INT / FLOAT / BOOL (0/1) */
+    char str[LETHE_SPARSE_MAX_KNOBS][64];  /* STR values (and the text of every value) */
+} lethe_knob_values;
+
+/* bits of lethe_sparse_ops.shared_knobs: which shared knobs a method reads */
+enum { LETHE_USES_SINK = 1u << 0, LETHE_USES_RECENT = 1u << 1, LETHE_USES_KEEP = 1u << 2 };
+
 typedef struct lethe_sparse_method {
     const lethe_sparse_ops *ops;
     lethe_sparse_env env;
@@ -161,6 +191,22 @@ struct lethe_sparse_ops {
                        const float *scores, int32_t stride);
     void (*layer_end)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st);
     void (*finish_step)(lethe_sparse_method *m, const lethe_sparse_step *st); /* optional */
+
+    /* ---- added by the sparse-methods issue (all optional) ---- */
+    lethe_sparse_kind kind;
+    unsigned shared_knobs;                 /* LETHE_USES_* */
+    const lethe_sparse_knob *knob_table;   /* typed method knobs (accepted like knob_names) */
+    int32_t n_knob_table;
+    /* after init and the knob parse: cross-knob checks, derived budgets */
+    lethe_status (*configure)(lethe_sparse_method *m);
+    /* prefill policy: the final prompt chunk must hold at least this many
+     * tokens (SnapKV's observation window lies in it); NULL = 0 */
+    int32_t (*min_final_chunk)(const lethe_sparse_method *m);
+    /* admission bound: most slots one layer of the request may hold at once
+     * (prompt n_prompt, n_total tokens in all, prefill chunks <= chunk);
+     * NULL = n_total (nothing is ever freed) */
+    int32_t (*max_resident)(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
+                            int32_t n_total, int32_t chunk);
 };
 
 /* ---- registry (registry.c) ---- */
@@ -190,6 +236,47 @@ int32_t lethe_sparse_decode_peak(const lethe_sparse_method *m, const lethe_spars
  * everything resident" selection) and returns the count. */
 int32_t lethe_sparse_select_all(const lethe_sparse_method *m, int32_t layer, int32_t row,
                                 int32_t *sel, int32_t cap);
+
+/* Typed knob helpers (sparse_common.c): defaults of a table, one key=value
+ * (LETHE_ERR_INVALID naming knob and method when out of range / malformed),
+ * lookup by name (asserts the knob exists). */
+void lethe_knobs_defaults(const lethe_sparse_ops *o, lethe_knob_values *v);
+lethe_status lethe_knobs_set(const lethe_sparse_ops *o, lethe_knob_values *v, const char *key,
+                             const char *value);
+double lethe_knob_num(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name);
+const char *lethe_knob_str(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name);
+
+int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m); /* 0 without the hook */
+int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
+                                  int32_t n_total, int32_t chunk);
+
+/* Host view of a layer's stored K / V ([n_slots, n_kv_heads, head_dim] f32),
+ * NULL when the backend's KV memory is not host f32 (CUDA: the method ops
+ * need CUDA twins there). */
+float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value);
+
+/* Converts ascending row-entry indices sel[0..n) of `row` in `layer` into slot
+ * ids in place (selections are slot lists). */
+void lethe_sparse_entries_to_slots(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                                   int32_t *sel, int32_t n);
+
+static inline int32_t lethe_sparse_row_len(const lethe_sparse_method *m, int32_t layer, int32_t row) {
+    return lethe_kv_row_len(m->env.pool, lethe_kv_space_of(m->env.pool, layer), row);
+}
+
+/* A float vector aligned with a request's row entries in one layer (per-token
+ * scores that must follow compaction). */
+typedef struct lethe_rowvec {
+    float *v;
+    int32_t n, cap;
+} lethe_rowvec;
+void lethe_rowvec_resize(lethe_rowvec *r, int32_t n, float fill); /* grow with fill / shrink */
+void lethe_rowvec_keep(lethe_rowvec *r, const int32_t *keep, int32_t n);
+void lethe_rowvec_free(lethe_rowvec *r);
+/* snapshot of n_vecs vectors: [int32 n][float v[n]] each; save returns the
+ * size (writes only when it fits cap) */
+size_t lethe_rowvecs_save(const lethe_rowvec *r, int32_t n_vecs, void *buf, size_t cap);
+lethe_status lethe_rowvecs_load(lethe_rowvec *r, int32_t n_vecs, const void *buf, size_t n);
 
 extern const lethe_sparse_ops lethe_sparse_dense;
 

@@ -1,0 +1,173 @@
+/* sparse_common.c - helpers every sparse method shares on top of the contract:
+ * typed knob tables (defaults, parsing with bounds, lookup), the prefill-
+ * policy and admission wrappers, host access to stored K/V (CPU backend),
+ * entry -> slot conversion, and row-aligned score vectors that follow
+ * compaction (with their chain-cache snapshot format). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+#include "sparse/select_util.h"
+#include "sparse/sparse.h"
+
+const char *lethe_sparse_kind_name(lethe_sparse_kind k) {
+    switch (k) {
+    case LETHE_SPARSE_KIND_DENSE: return "dense";
+    case LETHE_SPARSE_KIND_EVICTION: return "eviction";
+    case LETHE_SPARSE_KIND_SELECTION: return "selection";
+    case LETHE_SPARSE_KIND_QUANTIZATION: return "quantization";
+    }
+    return "?";
+}
+
+static int32_t knob_index(const lethe_sparse_ops *o, const char *name) {
+    for (int32_t i = 0; i < o->n_knob_table; i++)
+        if (!strcmp(o->knob_table[i].name, name)) return i;
+    return -1;
+}
+
+static lethe_status set_value(const lethe_sparse_ops *o, int32_t i, lethe_knob_values *v,
+                              const char *val) {
+    const lethe_sparse_knob *k = &o->knob_table[i];
+    if (strlen(val) >= sizeof(v->str[i]))
+        return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config %s=%s: value too long (method %s)",
+                            k->name, val, o->name);
+    double x = 0;
+    if (k->type == LETHE_KNOB_BOOL) {
+        if (!strcmp(val, "true") || !strcmp(val, "1") || !strcmp(val, "on")) x = 1;
+        else if (!strcmp(val, "false") || !strcmp(val, "0") || !strcmp(val, "off")) x = 0;
+        else
+            return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config %s=%s: expected true or false "
+                                "(method %s)", k->name, val, o->name);
+    } else if (k->type != LETHE_KNOB_STR) {
+        char *end;
+        errno = 0;
+        x = strtod(val, &end);
+        if (end == val || *end || errno || !isfinite(x) || (k->type == LETHE_KNOB_INT && x != floor(x)))
+            return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config %s=%s: expected %s (method %s)",
+                                k->name, val, k->type == LETHE_KNOB_INT ? "an integer" : "a number",
+                                o->name);
+        if (x < k->min || x > k->max)
+            return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config %s=%s: outside [%g, %g] (method %s)",
+                                k->name, val, k->min, k->max, o->name);
+    }
+    v->num[i] = x;
+    snprintf(v->str[i], sizeof(v->str[i]), "%s", val);
+    return LETHE_OK;
+}
+
+void lethe_knobs_defaults(const lethe_sparse_ops *o, lethe_knob_values *v) {
+    LETHE_ASSERT(o->n_knob_table <= LETHE_SPARSE_MAX_KNOBS);
+    memset(v, 0, sizeof(*v));
+    for (int32_t i = 0; i < o->n_knob_table; i++) {
+        lethe_status st = set_value(o, i, v, o->knob_table[i].def);
+        LETHE_ASSERT(st == LETHE_OK); /* a default outside its own bounds is a bug */
+    }
+}
+
+lethe_status lethe_knobs_set(const lethe_sparse_ops *o, lethe_knob_values *v, const char *key,
+                             const char *value) {
+    int32_t i = knob_index(o, key);
+    if (i < 0)
+        return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config: unknown knob '%s' for method %s",
+                            key, o->name);
+    return set_value(o, i, v, value);
+}
+
+double lethe_knob_num(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name) {
+    int32_t i = knob_index(o, name);
+    LETHE_ASSERT(i >= 0);
+    return v->num[i];
+}
+
+const char *lethe_knob_str(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name) {
+    int32_t i = knob_index(o, name);
+    LETHE_ASSERT(i >= 0);
+    return v->str[i];
+}
+
+int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m) {
+    return m && m->ops->min_final_chunk ? m->ops->min_final_chunk(m) : 0;
+}
+
+int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
+                                  int32_t n_total, int32_t chunk) {
+    if (m && m->ops->max_resident) return m->ops->max_resident(m, layer, n_prompt, n_total, chunk);
+    return n_total;
+}
+
+float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value) {
+    lethe_backend *be = m->env.be;
+    if (!be || strcmp(be->ops->name, "cpu") || be->ops->kv_size != sizeof(float)) return NULL;
+    return value ? lethe_kv_v(m->env.pool, layer) : lethe_kv_k(m->env.pool, layer);
+}
+
+void lethe_sparse_entries_to_slots(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                                   int32_t *sel, int32_t n) {
+    int32_t sp = lethe_kv_space_of(m->env.pool, layer);
+    const int32_t *slots = lethe_kv_row_slots(m->env.pool, sp, row);
+    int32_t len = lethe_kv_row_len(m->env.pool, sp, row);
+    int32_t prev = -1;
+    for (int32_t i = 0; i < n; i++) {
+        LETHE_ASSERT(sel[i] > prev && sel[i] < len); /* ascending entries of the row */
+        prev = sel[i];
+        sel[i] = slots[sel[i]];
+    }
+}
+
+void lethe_rowvec_resize(lethe_rowvec *r, int32_t n, float fill) {
+    if (n > r->cap) {
+        int32_t cap = r->cap ? r->cap : 64;
+        while (cap < n) cap *= 2;
+        r->v = lethe_xrealloc(r->v, (size_t)cap * sizeof(float));
+        r->cap = cap;
+    }
+    for (int32_t i = r->n; i < n; i++) r->v[i] = fill;
+    r->n = n;
+}
+
+void lethe_rowvec_keep(lethe_rowvec *r, const int32_t *keep, int32_t n) {
+    LETHE_ASSERT(n <= r->n);
+    lethe_gather_f32(r->v, r->v, keep, n);
+    r->n = n;
+}
+
+void lethe_rowvec_free(lethe_rowvec *r) {
+    free(r->v);
+    memset(r, 0, sizeof(*r));
+}
+
+size_t lethe_rowvecs_save(const lethe_rowvec *r, int32_t n_vecs, void *buf, size_t cap) {
+    size_t need = 0;
+    for (int32_t i = 0; i < n_vecs; i++) need += sizeof(int32_t) + (size_t)r[i].n * sizeof(float);
+    if (!buf || cap < need) return need;
+    char *p = buf;
+    for (int32_t i = 0; i < n_vecs; i++) {
+        memcpy(p, &r[i].n, sizeof(int32_t));
+        p += sizeof(int32_t);
+        if (r[i].n) memcpy(p, r[i].v, (size_t)r[i].n * sizeof(float));
+        p += (size_t)r[i].n * sizeof(float);
+    }
+    return need;
+}
+
+lethe_status lethe_rowvecs_load(lethe_rowvec *r, int32_t n_vecs, const void *buf, size_t n) {
+    const char *p = buf, *end = p + n;
+    for (int32_t i = 0; i < n_vecs; i++) {
+        int32_t len;
+        if ((size_t)(end - p) < sizeof(int32_t)) goto bad;
+        memcpy(&len, p, sizeof(int32_t));
+        p += sizeof(int32_t);
+        if (len < 0 || (size_t)(end - p) / sizeof(float) < (size_t)len) goto bad;
+        r[i].n = 0;
+        lethe_rowvec_resize(&r[i], len, 0.0f);
+        if (len) memcpy(r[i].v, p, (size_t)len * sizeof(float));
+        p += (size_t)len * sizeof(float);
+    }
+    if (p == end) return LETHE_OK;
+bad:
+    return lethe_errorf(LETHE_ERR_FORMAT, "sparse state snapshot: truncated or malformed (%zu bytes)", n);
+}

@@ -1,0 +1,557 @@
+/* test_sparse_methods.c - every registered sparse method through the contract
+ * (src/sparse/sparse.h) on the real KV pool and the CPU backend's attention
+ * op, with synthetic per-layer q/k/v (a deterministic function of request,
+ * layer, position), so that methods are checked without a model:
+ *
+ *  - conformance: the same scripted lifecycle for every method (two requests,
+ *    chunked prefill, decode, abort, preemption + recompute, chain
+ *    snapshot/restore) with the KV ownership checker after every step;
+ *  - identity (T0): with budgets >= the context every method's attention
+ *    outputs are bit-identical to dense (fp8_kv: within the E4M3 bound);
+ *  - eviction methods free exactly the expected slots; logical ones none;
+ *  - per-method properties: StreamingLLM's kept ranges and decode cycle,
+ *    SnapKV's kept set == oracle top-k of window logits, PyramidKV per-layer
+ *    budgets, H2O compaction between chunks, Quest page count and
+ *    current-page rule, OmniKV sparse layers == sink + oracle top-K + recent,
+ *    KIVI / FP8 stored values within their bounds and tail pages exact;
+ *  - registry and knob parsing errors, the OmniKV layer picker. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/util.h"
+#include "kv/kv_pool.h"
+#include "sparse/quant.h"
+#include "sparse/select_util.h"
+#include "sparse/sparse.h"
+#include "test.h"
+
+enum { NL = 4, H = 4, HK = 2, D = 32, KVD = HK * D, NSLOTS = 512, MAXR = 4, MAXT = 256 };
+
+/* deterministic synthetic activations in [-1, 1] */
+static float gen(uint64_t req, int layer, int pos, int which, int i) {
+    uint64_t s = req * 0x9E3779B97F4A7C15ull ^ ((uint64_t)layer << 48) ^ ((uint64_t)pos << 20) ^
+                 ((uint64_t)which << 16) ^ (uint64_t)i;
+    float x = (float)((lethe_splitmix64(&s) >> 40) * 0x1p-24) * 2.0f - 1.0f;
+    if (which == 1 && pos % 7 == 3) x *= 2.5f; /* some keys stand out */
+    return x;
+}
+
+typedef struct hreq {
+    bool active;
+    uint64_t id;
+    int32_t row, n_prompt, n_total, n_done;
+    void *state;
+    float out[NL][H * D];       /* attention output of the last new token, per layer */
+    float (*by_pos)[NL][H * D]; /* optional: output of every token by position */
+} hreq;
+
+typedef struct harness {
+    lethe_backend *be;
+    lethe_kv_pool *pool;
+    lethe_sparse_method *m;
+    hreq r[MAXR];
+    int32_t chunk;
+    /* the last step's selections (positions) of request 0, per layer */
+    int32_t sel_pos[NL][NSLOTS], n_sel[NL];
+} harness;
+
+static void h_open(harness *h, const char *method, const char *cfg) {
+    memset(h, 0, sizeof(*h));
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 1};
+    CHECK(lethe_backend_create(&bp, &h->be) == LETHE_OK);
+    const lethe_sparse_ops *o = lethe_sparse_find(method);
+    CHECK_MSG(o, "%s", lethe_last_error());
+    lethe_kv_pool_params pp = {.n_layers = NL, .n_kv_heads = HK, .head_dim = D, .n_slots = NSLOTS,
+                               .per_layer = (o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0, .be = h->be};
+    CHECK(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK);
+    lethe_sparse_env env = {.pool = h->pool, .be = h->be, .n_layers = NL, .n_heads = H,
+                            .n_kv_heads = HK, .head_dim = D, .max_model_len = 4096};
+    CHECK_MSG(lethe_sparse_create(method, cfg, &env, &h->m) == LETHE_OK, "%s", lethe_last_error());
+    h->chunk = 24;
+}
+
+static void h_add(harness *h, int i, uint64_t id, int32_t n_prompt, int32_t n_total) {
+    hreq *r = &h->r[i];
+    memset(r, 0, sizeof(*r));
+    r->active = true;
+    r->id = id;
+    r->row = lethe_kv_row_alloc(h->pool);
+    r->n_prompt = n_prompt;
+    r->n_total = n_total;
+    lethe_sparse_seq s = {.request_id = id, .row = r->row, .n_prompt = n_prompt};
+    r->state = NULL;
+    if (h->m->ops->request_init) CHECK(h->m->ops->request_init(h->m, &s, &r->state) == LETHE_OK);
+}
+
+static void h_drop(harness *h, int i) { /* finished, aborted or preempted */
+    hreq *r = &h->r[i];
+    if (h->m->ops->request_finished) h->m->ops->request_finished(h->m, r->state);
+    lethe_kv_row_release(h->pool, r->row);
+    r->active = false;
+}
+
+static int64_t row_slots_total(harness *h) {
+    int64_t n = 0;
+    for (int i = 0; i < MAXR; i++)
+        if (h->r[i].active)
+            for (int sp = 0; sp < lethe_kv_n_spaces(h->pool); sp++) n += lethe_kv_row_len(h->pool, sp, h->r[i].row);
+    return n;
+}
+
+static void check_invariants(harness *h) {
+    lethe_status st = lethe_kv_check(h->pool, NULL, 0);
+    CHECK_MSG(st == LETHE_OK, "%s", lethe_last_error());
+    int64_t cap = (int64_t)NSLOTS * lethe_kv_n_spaces(h->pool);
+    CHECK_EQ_INT(lethe_kv_total_free(h->pool) + row_slots_total(h), cap);
+}
+
+/* one engine step over every active request that still has tokens to run */
+static void h_step(harness *h) {
+    lethe_sparse_seq seqs[MAXR];
+    int idx[MAXR], n_seqs = 0, n_tok = 0;
+    static int32_t pos[MAXT], seq_begin[MAXR + 1], q_begin[MAXR + 1];
+    for (int i = 0; i < MAXR; i++) {
+        hreq *r = &h->r[i];
+        if (!r->active || r->n_done >= r->n_total) continue;
+        bool pre = r->n_done < r->n_prompt;
+        int32_t rem = r->n_prompt - r->n_done, n = pre ? LETHE_MIN(h->chunk, rem) : 1;
+        int32_t mfc = lethe_sparse_min_final_chunk(h->m); /* prefill policy: a long enough final chunk */
+        if (pre && rem > n && rem - n < mfc) n = LETHE_MAX(1, rem - mfc);
+        for (int32_t t = 0; t < n; t++) pos[n_tok + t] = r->n_done + t;
+        CHECK(lethe_kv_row_append(h->pool, r->row, n, pos + n_tok));
+        seqs[n_seqs] = (lethe_sparse_seq){.request_id = r->id, .state = r->state, .row = r->row,
+                                          .q_row = n_tok, .n_new = n, .first_pos = r->n_done,
+                                          .n_prompt = r->n_prompt, .is_prefill = pre,
+                                          .is_final_chunk = pre && r->n_done + n == r->n_prompt};
+        seq_begin[n_seqs] = q_begin[n_seqs] = n_tok;
+        idx[n_seqs++] = i;
+        n_tok += n;
+    }
+    if (!n_seqs) return;
+    seq_begin[n_seqs] = q_begin[n_seqs] = n_tok;
+    lethe_fwd_batch b = {.n_tokens = n_tok, .pos = pos, .n_seqs = n_seqs, .seq_begin = seq_begin};
+    lethe_sparse_step st = {.index = 0, .n_seqs = n_seqs, .seqs = seqs, .batch = &b};
+    lethe_sparse_method *m = h->m;
+    if (m->ops->prepare) m->ops->prepare(m, &st);
+    static float q[MAXT * H * D], k[MAXT * KVD], v[MAXT * KVD], out[MAXT * H * D];
+    static int32_t sel[MAXR * NSLOTS], sel_begin[MAXR + 1], store[MAXT];
+    static float scores[H * MAXT * NSLOTS];
+    for (int l = 0; l < NL; l++) {
+        for (int s = 0; s < n_seqs; s++)
+            for (int t = 0; t < seqs[s].n_new; t++) {
+                int row = seqs[s].q_row + t, p = pos[row];
+                uint64_t id = h->r[idx[s]].id;
+                for (int i = 0; i < H * D; i++) q[row * H * D + i] = gen(id, l, p, 0, i);
+                for (int i = 0; i < KVD; i++) k[row * KVD + i] = gen(id, l, p, 1, i);
+                for (int i = 0; i < KVD; i++) v[row * KVD + i] = gen(id, l, p, 2, i);
+            }
+        bool want = m->ops->needs_scores && m->ops->needs_scores(m, l);
+        int32_t n_sel = 0, stride = 0;
+        int32_t sp = lethe_kv_space_of(h->pool, l);
+        for (int s = 0; s < n_seqs; s++) {
+            int32_t L = lethe_kv_row_len(h->pool, sp, seqs[s].row);
+            const int32_t *rs = lethe_kv_row_slots(h->pool, sp, seqs[s].row);
+            for (int t = 0; t < seqs[s].n_new; t++) store[seqs[s].q_row + t] = rs[L - seqs[s].n_new + t];
+            sel_begin[s] = n_sel;
+            int32_t n = seqs[s].is_prefill
+                            ? m->ops->build_prefill_selection(m, l, &st, s, sel + n_sel, L)
+                            : m->ops->build_decode_selection(m, l, &st, s, q, sel + n_sel, L);
+            CHECK(n >= seqs[s].n_new && n <= L);
+            for (int t = 0; t < seqs[s].n_new; t++) /* the new tokens last, in order */
+                CHECK_EQ_INT(sel[n_sel + n - seqs[s].n_new + t], rs[L - seqs[s].n_new + t]);
+            if (idx[s] == 0) { /* record positions for the property tests */
+                h->n_sel[l] = n;
+                const int32_t *rp = lethe_kv_row_pos(h->pool, sp, seqs[s].row);
+                for (int32_t e = 0, j = 0; e < n; e++) {
+                    while (rs[j] != sel[n_sel + e]) j++;
+                    h->sel_pos[l][e] = rp[j];
+                }
+            }
+            n_sel += n;
+            stride = LETHE_MAX(stride, n);
+        }
+        sel_begin[n_seqs] = n_sel;
+        h->be->ops->kv_store(h->be, lethe_kv_k(h->pool, l), lethe_kv_v(h->pool, l), k, v, store, n_tok, KVD);
+        lethe_attn_args a = {.out = out, .q = q, .k_cache = lethe_kv_k(h->pool, l),
+                             .v_cache = lethe_kv_v(h->pool, l), .n_tokens = n_tok, .n_seqs = n_seqs,
+                             .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel,
+                             .n_heads = H, .n_kv_heads = HK, .head_dim = D, .scale = 0.25f,
+                             .scores = want ? scores : NULL, .score_stride = stride};
+        h->be->ops->attention(h->be, &a);
+        if (m->ops->after_attn) m->ops->after_attn(m, l, &st, want ? scores : NULL, stride);
+        if (m->ops->layer_end) m->ops->layer_end(m, l, &st);
+        for (int s = 0; s < n_seqs; s++) {
+            hreq *r = &h->r[idx[s]];
+            memcpy(r->out[l], out + (size_t)(seqs[s].q_row + seqs[s].n_new - 1) * H * D, sizeof(float) * H * D);
+            for (int t = 0; r->by_pos && t < seqs[s].n_new; t++)
+                memcpy(r->by_pos[r->n_done + t][l], out + (size_t)(seqs[s].q_row + t) * H * D,
+                       sizeof(float) * H * D);
+        }
+    }
+    if (m->ops->finish_step) m->ops->finish_step(m, &st);
+    for (int s = 0; s < n_seqs; s++) h->r[idx[s]].n_done += seqs[s].n_new;
+    check_invariants(h);
+}
+
+static void h_close(harness *h) {
+    for (int i = 0; i < MAXR; i++)
+        if (h->r[i].active) h_drop(h, i);
+    CHECK_EQ_INT(lethe_kv_total_free(h->pool), (int64_t)NSLOTS * lethe_kv_n_spaces(h->pool));
+    lethe_sparse_destroy(h->m);
+    lethe_kv_pool_destroy(h->pool);
+    lethe_backend_destroy(h->be);
+}
+
+/* ---- identity: budgets >= context => bit-identical to dense ---- */
+
+typedef struct trace {
+    float out[80][NL][H * D]; /* request 0's outputs by position */
+    int n;
+} trace;
+
+static void run_script(const char *method, const char *cfg, trace *tr) {
+    harness h;
+    h_open(&h, method, cfg);
+    h_add(&h, 0, 11, 70, 80);
+    h_add(&h, 1, 22, 45, 52);
+    h.r[0].by_pos = tr->out;
+    while (h.r[0].n_done < h.r[0].n_total) h_step(&h);
+    tr->n = h.r[0].n_total;
+    h_close(&h);
+}
+
+static const char *big_cfg(const char *name) {
+    if (!strcmp(name, "h2o")) return "h2o_prefill_budget=1000,h2o_decode_budget=1000";
+    if (!strcmp(name, "kivi")) return "kivi_bits=16";
+    if (!strcmp(name, "streamingllm")) return "sink_keep_tokens=4,recent_keep_tokens=1000";
+    return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=100000";
+}
+
+static void test_identity(void) {
+    static trace dense, tr;
+    run_script("dense", NULL, &dense);
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const lethe_sparse_ops *o = lethe_sparse_method_at(i);
+        if (!strcmp(o->name, "fp8_kv")) continue;
+        run_script(o->name, big_cfg(o->name), &tr);
+        CHECK_EQ_INT(tr.n, dense.n);
+        CHECK_MSG(memcmp(tr.out, dense.out, sizeof(tr.out[0]) * (size_t)tr.n) == 0,
+                  "%s with budgets >= context differs from dense", o->name);
+    }
+    /* fp8: close, not identical (the prompt's own step is full precision) */
+    run_script("fp8_kv", NULL, &tr);
+    double e = rel_err(&tr.out[0][0][0], &dense.out[0][0][0], (size_t)tr.n * NL * H * D);
+    CHECK_MSG(e > 0 && e < 0.05, "fp8 rel err %g", e);
+}
+
+/* ---- lifecycle: abort, preemption + recompute, chain snapshot/restore ---- */
+
+static void lifecycle(const char *method, const char *cfg) {
+    harness h;
+    h_open(&h, method, cfg);
+    h.chunk = 16;
+    h_add(&h, 0, 1, 60, 75);
+    h_add(&h, 1, 2, 90, 95);
+    h_add(&h, 2, 3, 40, 44);
+    h_step(&h);
+    h_step(&h);
+    h_drop(&h, 2); /* abort mid-prefill */
+    check_invariants(&h);
+    for (int i = 0; i < 4; i++) h_step(&h);
+    /* preempt request 1 (recompute: prompt = everything it had) */
+    int32_t done = h.r[1].n_done;
+    h_drop(&h, 1);
+    check_invariants(&h);
+    h_add(&h, 1, 2, done, done + 5);
+    while (h.r[0].n_done < h.r[0].n_total || h.r[1].n_done < h.r[1].n_total) h_step(&h);
+    /* chain: snapshot request 0's state, free it, restore into a fresh one, resume a new turn */
+    if (h.m->ops->snapshot) {
+        size_t n = h.m->ops->snapshot(h.m, h.r[0].state, NULL, 0);
+        char *buf = malloc(n + 1), *buf2 = malloc(n + 1);
+        CHECK_EQ_INT(h.m->ops->snapshot(h.m, h.r[0].state, buf, n), n);
+        h.m->ops->request_finished(h.m, h.r[0].state);
+        lethe_sparse_seq s = {.row = h.r[0].row, .n_prompt = h.r[0].n_total + 20};
+        CHECK(h.m->ops->request_init(h.m, &s, &h.r[0].state) == LETHE_OK);
+        CHECK(h.m->ops->restore(h.m, h.r[0].state, buf, n) == LETHE_OK);
+        CHECK_EQ_INT(h.m->ops->snapshot(h.m, h.r[0].state, buf2, n), n);
+        CHECK(memcmp(buf, buf2, n) == 0);
+        if (n > 4) CHECK(h.m->ops->restore(h.m, h.r[0].state, buf, n - 1) != LETHE_OK);
+        CHECK(h.m->ops->restore(h.m, h.r[0].state, buf, n) == LETHE_OK);
+        free(buf);
+        free(buf2);
+    }
+    h.r[0].n_prompt = h.r[0].n_total + 20; /* the next turn's suffix is a prefill */
+    h.r[0].n_total += 26;
+    while (h.r[0].n_done < h.r[0].n_total) h_step(&h);
+    h_close(&h);
+}
+
+static void test_lifecycle_all(void) {
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const char *name = lethe_sparse_method_at(i)->name;
+        fprintf(stderr, "    %s\n", name);
+        lifecycle(name, NULL); /* defaults: budgets > context, nothing evicted */
+        const char *small = !strcmp(name, "h2o") ? "h2o_prefill_budget=40,h2o_decode_budget=24"
+                            : !strcmp(name, "kivi") || !strcmp(name, "fp8_kv") ? NULL
+                            : !strcmp(name, "dense") ? NULL
+                            : "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=12";
+        if (small) lifecycle(name, small);
+    }
+}
+
+/* ---- properties ---- */
+
+static int32_t len_of(harness *h, int l, int i) {
+    return lethe_kv_row_len(h->pool, lethe_kv_space_of(h->pool, l), h->r[i].row);
+}
+static const int32_t *pos_of(harness *h, int l, int i) {
+    return lethe_kv_row_pos(h->pool, lethe_kv_space_of(h->pool, l), h->r[i].row);
+}
+
+static void test_streamingllm(void) {
+    harness h;
+    h_open(&h, "attention-sink", "sink_keep_tokens=4,recent_keep_tokens=12");
+    h_add(&h, 0, 5, 70, 120);
+    int64_t free0 = lethe_kv_total_free(h.pool);
+    while (h.r[0].n_done < 70) h_step(&h);
+    for (int l = 0; l < NL; l++) { /* exactly [0, 4) and [58, 70) */
+        CHECK_EQ_INT(len_of(&h, l, 0), 16);
+        for (int e = 0; e < 16; e++) CHECK_EQ_INT(pos_of(&h, l, 0)[e], e < 4 ? e : 54 + e);
+    }
+    CHECK_EQ_INT(lethe_kv_total_free(h.pool), free0 - 16 * NL); /* 54 slots per layer freed */
+    int lo = 1000, hi = 0;
+    while (h.r[0].n_done < h.r[0].n_total) {
+        h_step(&h);
+        lo = LETHE_MIN(lo, len_of(&h, 0, 0));
+        hi = LETHE_MAX(hi, len_of(&h, 0, 0));
+    }
+    CHECK_EQ_INT(lo, 16); /* between s + r and 2 (s + r) */
+    CHECK_EQ_INT(hi, 31);
+    h_close(&h);
+}
+
+/* oracle: SnapKV logits score of position j at layer l = max over heads and
+ * the last w prompt queries of scale * q . k (GQA head h reads KV head h / 2) */
+static float snap_oracle(uint64_t id, int l, int j, int n_prompt, int w) {
+    float best = -INFINITY;
+    for (int p = n_prompt - w; p < n_prompt; p++)
+        for (int hh = 0; hh < H; hh++) {
+            float d = 0;
+            for (int c = 0; c < D; c++)
+                d += gen(id, l, p, 0, hh * D + c) * gen(id, l, j, 1, (hh / 2) * D + c);
+            best = fmaxf(best, 0.25f * d);
+        }
+    return best;
+}
+
+static void test_snapkv(void) {
+    harness h;
+    h_open(&h, "snapkv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=10,snapkv_window_size=8");
+    CHECK_EQ_INT(lethe_sparse_min_final_chunk(h.m), 8);
+    h_add(&h, 0, 77, 100, 100);
+    h_add(&h, 1, 78, 30, 30); /* shorter than the budget: kept whole */
+    while (h.r[0].n_done < 100) h_step(&h);
+    CHECK_EQ_INT(len_of(&h, 0, 1), 22); /* 30 > 22: compacted too */
+    for (int l = 0; l < NL; l++) {
+        CHECK_EQ_INT(len_of(&h, l, 0), 22);
+        const int32_t *p = pos_of(&h, l, 0);
+        float sc[100];
+        for (int j = 0; j < 100; j++) sc[j] = j >= 4 && j < 92 ? snap_oracle(77, l, j, 100, 8) : -INFINITY;
+        int32_t keep[100];
+        int32_t n = lethe_keep_sink_recent_topk(sc, NULL, 100, 4, 8, 10, keep);
+        CHECK_EQ_INT(n, 22);
+        for (int e = 0; e < 22; e++) CHECK_EQ_INT(p[e], keep[e]); /* window (recent) + top scores */
+    }
+    h_close(&h);
+    /* short prompt: nothing evicted */
+    h_open(&h, "snapkv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=10");
+    h_add(&h, 0, 1, 20, 25);
+    while (h.r[0].n_done < 25) h_step(&h);
+    CHECK_EQ_INT(len_of(&h, 2, 0), 25);
+    h_close(&h);
+}
+
+static void test_pyramidkv(void) {
+    harness h;
+    h_open(&h, "pyramidkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=60,"
+                            "decode_eviction_interval=5");
+    h_add(&h, 0, 9, 120, 140);
+    while (h.r[0].n_done < 120) h_step(&h);
+    int32_t b[NL];
+    lethe_pyramid_budgets(NL, 2, 60, 6, 0.6f, 0.01f, b);
+    for (int l = 0; l < NL; l++) CHECK_EQ_INT(len_of(&h, l, 0), b[l]);
+    CHECK(b[0] > b[NL - 1]);
+    /* decode eviction (on by default): each layer returns to its budget at budget + interval */
+    for (int t = 0; t < 20; t++) {
+        h_step(&h);
+        for (int l = 0; l < NL; l++) CHECK(len_of(&h, l, 0) >= b[l] && len_of(&h, l, 0) < b[l] + 5);
+    }
+    h_close(&h);
+}
+
+static void test_h2o(void) {
+    harness h;
+    h_open(&h, "h2o_prefill", "h2o_prefill_budget=30,h2o_decode_budget=20,h2o_recent_ratio=0.25");
+    h.chunk = 24;
+    h_add(&h, 0, 4, 90, 95);
+    h_step(&h); /* 24 <= 30 */
+    CHECK_EQ_INT(len_of(&h, 0, 0), 24);
+    h_step(&h); /* 48 -> 30 */
+    for (int l = 0; l < NL; l++) CHECK_EQ_INT(len_of(&h, l, 0), 30);
+    const int32_t *p = pos_of(&h, 1, 0);
+    for (int e = 0; e < 7; e++) CHECK_EQ_INT(p[30 - 1 - e], 47 - e); /* recent = floor(30 * 0.25) */
+    h_step(&h);
+    h_step(&h); /* final chunk (90): -> 20, recent 5 */
+    for (int l = 0; l < NL; l++) {
+        CHECK_EQ_INT(len_of(&h, l, 0), 20);
+        for (int e = 0; e < 5; e++) CHECK_EQ_INT(pos_of(&h, l, 0)[19 - e], 89 - e);
+    }
+    while (h.r[0].n_done < 95) h_step(&h); /* decode: score-free, rows grow */
+    CHECK_EQ_INT(len_of(&h, 0, 0), 25);
+    /* scores follow compaction: the snapshot holds one value per resident entry */
+    size_t n = h.m->ops->snapshot(h.m, h.r[0].state, NULL, 0);
+    CHECK_EQ_INT(n, NL * (4 + 25 * 4));
+    h_close(&h);
+}
+
+static void test_quest(void) {
+    harness h;
+    /* budget 4 + 24 + 4 = 32 tokens -> K = max(3, 32/16) = 3 pages */
+    h_open(&h, "quest", "sink_keep_tokens=4,recent_keep_tokens=4,decode_keep_tokens=24,quest_skip_layers=1");
+    h_add(&h, 0, 3, 100, 103);
+    while (h.r[0].n_done < 101) h_step(&h);
+    /* L = 101: pages 0..6, the current page 6 holds positions 96..100 */
+    CHECK_EQ_INT(h.n_sel[0], 101); /* skipped layer: dense */
+    for (int l = 1; l < NL; l++) {
+        CHECK_EQ_INT(h.n_sel[l], 2 * 16 + 5);
+        for (int e = 0; e < 32; e++) CHECK_EQ_INT(h.sel_pos[l][e] % 16, e % 16); /* whole pages */
+        CHECK_EQ_INT(h.sel_pos[l][32], 96);
+        CHECK_EQ_INT(len_of(&h, l, 0), 101); /* logical: nothing freed */
+    }
+    h_close(&h);
+}
+
+static void test_omnikv(void) {
+    harness h;
+    h_open(&h, "omnikv", "sink_keep_tokens=3,recent_keep_tokens=5,decode_keep_tokens=10,omnikv_full_layers=0:2");
+    h_add(&h, 0, 8, 60, 62);
+    while (h.r[0].n_done < 61) h_step(&h);
+    /* decode token at position 60; layers 0, 2 full; 1 and 3 read from filters 0 and 2 */
+    CHECK_EQ_INT(h.n_sel[0], 61);
+    CHECK_EQ_INT(h.n_sel[2], 61);
+    for (int l = 1; l < NL; l += 2) {
+        int f = l - 1, L = 61;
+        float sc[61];
+        for (int j = 3; j < L - 5; j++) {
+            float best = 0;
+            for (int hh = 0; hh < H; hh++) { /* softmax over candidates [3, 56), max over heads */
+                double m = -INFINITY, z = 0, lg[61];
+                for (int t = 3; t < L - 5; t++) {
+                    double d = 0;
+                    for (int c = 0; c < D; c++) d += gen(8, f, 60, 0, hh * D + c) * gen(8, f, t, 1, (hh / 2) * D + c);
+                    lg[t] = 0.25 * d;
+                    m = fmax(m, lg[t]);
+                }
+                for (int t = 3; t < L - 5; t++) z += exp(lg[t] - m);
+                best = fmaxf(best, (float)(exp(lg[j] - m) / z));
+            }
+            sc[j - 3] = best;
+        }
+        int32_t top[10];
+        CHECK_EQ_INT(lethe_topk_indices(sc, L - 8, 10, top), 10);
+        CHECK_EQ_INT(h.n_sel[l], 3 + 10 + 5);
+        for (int e = 0; e < 3; e++) CHECK_EQ_INT(h.sel_pos[l][e], e);
+        for (int e = 0; e < 10; e++) CHECK_EQ_INT(h.sel_pos[l][3 + e], top[e] + 3);
+        for (int e = 0; e < 5; e++) CHECK_EQ_INT(h.sel_pos[l][13 + e], 56 + e);
+    }
+    h_close(&h);
+    /* the layer picker: a chain 0 -> 1 -> 2 -> 3 of strong overlaps prefers all */
+    float ov[5 * 5] = {0};
+    ov[0 * 5 + 1] = 0.9f, ov[0 * 5 + 2] = 0.1f, ov[0 * 5 + 3] = 0.1f, ov[0 * 5 + 4] = 0.1f;
+    ov[2 * 5 + 3] = 0.9f, ov[2 * 5 + 4] = 0.9f, ov[1 * 5 + 3] = 0.2f, ov[1 * 5 + 4] = 0.2f;
+    bool full[5];
+    extern void lethe_omnikv_pick_layers(const float *overlap, int32_t N, int32_t n_full, bool *full);
+    lethe_omnikv_pick_layers(ov, 5, 2, full);
+    CHECK(full[0] && full[2] && !full[1] && !full[3] && !full[4]);
+}
+
+static void test_quantizers(void) {
+    harness h;
+    h_open(&h, "kivi", "kivi_bits=4,kv_quant_page_size=16");
+    h_add(&h, 0, 6, 40, 41);
+    while (h.r[0].n_done < 41) h_step(&h);
+    /* pages [0,16) and [16,32) quantized; the tail 32..40 bit-exact */
+    const float *K = lethe_kv_k(h.pool, 1);
+    const int32_t *slots = lethe_kv_row_slots(h.pool, 0, h.r[0].row);
+    for (int pg = 0; pg < 2; pg++)
+        for (int c = 0; c < KVD; c++) {
+            float mn = INFINITY, mx = -INFINITY;
+            for (int t = pg * 16; t < pg * 16 + 16; t++) mn = fminf(mn, gen(6, 1, t, 1, c)), mx = fmaxf(mx, gen(6, 1, t, 1, c));
+            float s = (mx - mn) / 15.0f;
+            for (int t = pg * 16; t < pg * 16 + 16; t++)
+                CHECK(fabsf(K[(size_t)slots[t] * KVD + c] - gen(6, 1, t, 1, c)) <= s * 0.5f * 1.0001f + 1e-6f);
+        }
+    for (int t = 32; t < 41; t++)
+        for (int c = 0; c < KVD; c++) CHECK(K[(size_t)slots[t] * KVD + c] == gen(6, 1, t, 1, c));
+    bool changed = false;
+    for (int c = 0; c < KVD; c++) changed |= K[(size_t)slots[0] * KVD + c] != gen(6, 1, 0, 1, c);
+    CHECK(changed);
+    h_close(&h);
+    h_open(&h, "fp8", NULL);
+    h_add(&h, 0, 6, 30, 31);
+    while (h.r[0].n_done < 31) h_step(&h);
+    const float *V = lethe_kv_v(h.pool, 2);
+    slots = lethe_kv_row_slots(h.pool, 0, h.r[0].row);
+    for (int t = 0; t < 31; t++)
+        for (int hh = 0; hh < HK; hh++) {
+            float amax = 0;
+            for (int c = 0; c < D; c++) amax = fmaxf(amax, fabsf(gen(6, 2, t, 2, hh * D + c)));
+            for (int c = 0; c < D; c++) {
+                float x = gen(6, 2, t, 2, hh * D + c), y = V[(size_t)slots[t] * KVD + hh * D + c];
+                CHECK(fabsf(x - y) <= fmaxf(0x1p-4f * fabsf(x), 0x1p-10f * amax / 448.0f) * 1.0001f);
+            }
+        }
+    h_close(&h);
+}
+
+static void test_registry_knobs(void) {
+    CHECK(lethe_sparse_find("attention_sink") == lethe_sparse_find("streamingllm"));
+    CHECK(lethe_sparse_find("H2O-PREFILL") == lethe_sparse_find("h2o"));
+    CHECK(lethe_sparse_find("nope") == NULL);
+    lethe_sparse_env env = {.n_layers = NL, .n_heads = H, .n_kv_heads = HK, .head_dim = D};
+    lethe_sparse_method *m;
+    CHECK(lethe_sparse_create("snapkv", "pool_kernel_size=0", &env, &m) == LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "pool_kernel_size");
+    CHECK(lethe_sparse_create("snapkv", "snapkv_window=3", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(lethe_sparse_create("snapkv", "sparse_prefill_score_mode=softmax", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(lethe_sparse_create("pyramidkv", "pyramidkv_least_ratio=0.9,pyramidkv_start_ratio=0.5", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(lethe_sparse_create("omnikv", "omnikv_full_layers=0:9", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(lethe_sparse_create("kivi", "kivi_bits=3", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(lethe_sparse_create("h2o", "h2o_prefill=maybe", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(lethe_sparse_create("h2o", "h2o_recent_ratio=0.3,h2o_prefill=false", &env, &m) == LETHE_OK);
+    lethe_sparse_destroy(m);
+    /* every method: kind set, defaults parse, knob names unique across the shared three */
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const lethe_sparse_ops *o = lethe_sparse_method_at(i);
+        CHECK_MSG(lethe_sparse_create(o->name, NULL, &env, &m) == LETHE_OK, "%s: %s", o->name, lethe_last_error());
+        CHECK((o->kind == LETHE_SPARSE_KIND_EVICTION) == ((o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0));
+        lethe_sparse_destroy(m);
+    }
+}
+
+int main(void) {
+    TEST_RUN(test_registry_knobs);
+    TEST_RUN(test_identity);
+    TEST_RUN(test_streamingllm);
+    TEST_RUN(test_snapkv);
+    TEST_RUN(test_pyramidkv);
+    TEST_RUN(test_h2o);
+    TEST_RUN(test_quest);
+    TEST_RUN(test_omnikv);
+    TEST_RUN(test_quantizers);
+    TEST_RUN(test_lifecycle_all);
+    return 0;
+}
