@@ -1,0 +1,40 @@
+"""`lethe methods`: the listing comes from the registry, so it names every
+method of the issue with its kind, aliases and the knob defaults of
+methods.md / the anchor, and rejects unknown names with exit code 2."""
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LETHE = os.path.join(ROOT, os.environ.get("LETHE_BUILD", "build"), "lethe")
+
+
+def run(*args):
+    return subprocess.run([LETHE, "methods", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_json_lists_every_method_with_kind_and_defaults():
+    p = run("--json")
+    assert p.returncode == 0, p.stderr
+    methods = {m["name"]: m for m in json.loads(p.stdout)}
+    kinds = {"dense": "dense", "streamingllm": "eviction", "snapkv": "eviction", "pyramidkv": "eviction",
+             "h2o": "eviction", "quest": "selection", "omnikv": "selection", "kivi": "quantization",
+             "fp8_kv": "quantization"}
+    for name, kind in kinds.items():
+        assert methods[name]["kind"] == kind
+    knobs = {k["name"]: k["default"] for k in methods["snapkv"]["knobs"]}
+    assert knobs["sink_keep_tokens"] == "64" and knobs["recent_keep_tokens"] == "512"
+    assert knobs["decode_keep_tokens"] == "4096" and knobs["snapkv_window_size"] == "32"
+    h2o = {k["name"]: k["default"] for k in methods["h2o"]["knobs"]}
+    assert h2o["h2o_prefill_budget"] == "8192" and h2o["h2o_decode_budget"] == "4096"
+    assert "h2o_prefill" in methods["h2o"]["aliases"]
+    assert "attention-sink" in methods["streamingllm"]["aliases"]
+    assert {k["name"]: k["default"] for k in methods["kivi"]["knobs"]}["kivi_bits"] == "4"
+
+
+def test_one_method_by_alias_and_unknown():
+    p = run("attention_sink")
+    assert p.returncode == 0 and p.stdout.startswith("streamingllm")
+    assert "sink_keep_tokens" in p.stdout and "decode_keep_tokens" not in p.stdout
+    p = run("no-such-method")
+    assert p.returncode == 2 and "unknown method" in p.stderr
