@@ -7,7 +7,9 @@
  * says (needle offsets and depths, the asked key's value, the variable chain,
  * the word frequencies), same seed -> same text, different seeds differ, the
  * measured length is within one haystack unit of the target, and errors for
- * targets too small or too large for the corpus. */
+ * targets too small or too large for the corpus. test_real_tokenizer then
+ * measures with SmolLM2's own tokenizer and chat template (the model file in
+ * models/, as `lethe eval` does) and checks the lengths in real tokens. */
 #include <ctype.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +18,8 @@
 
 #include "eval/eval.h"
 #include "test.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
 
 #define CORPUS "tests/data/eval_corpus"
 #define OVERHEAD 20 /* stand-in for the chat template tokens */
@@ -273,6 +277,44 @@ static void test_errors(void) {
     CHECK_EQ_INT(lethe_eval_task_from_name("nope"), -1);
 }
 
+/* SmolLM2's tokenizer + chat template, as lethe_eval_measure_engine renders prompts */
+typedef struct real_tok {
+    lethe_tokenizer *t;
+    lethe_chat_format f;
+} real_tok;
+
+static int32_t measure_real(void *ctx, const char *user, const char *prefix) {
+    real_tok *rt = ctx;
+    lethe_chat_msg m = {"user", user};
+    char *chat = NULL;
+    CHECK_EQ_INT(lethe_chat_render(rt->f, &m, 1, true, true, &chat), LETHE_OK);
+    size_t a = strlen(chat), b = strlen(prefix);
+    chat = realloc(chat, a + b + 1);
+    memcpy(chat + a, prefix, b + 1);
+    int32_t *ids = NULL, n = 0;
+    CHECK_EQ_INT(lethe_tokenize(rt->t, chat, a + b, false, true, &ids, &n), LETHE_OK);
+    free(ids);
+    free(chat);
+    return n;
+}
+
+static void test_real_tokenizer(void) {
+    real_tok rt;
+    CHECK_EQ_INT(lethe_tokenizer_load("models/SmolLM2-135M-Instruct.Q4_1.gguf", &rt.t), LETHE_OK);
+    rt.f = lethe_chat_format_detect(rt.t);
+    for (int t = 0; t < LETHE_EVAL_N_TASKS; t++) {
+        lethe_eval_sample s;
+        CHECK_EQ_INT(lethe_eval_generate((lethe_eval_task)t, g_c, 9, 2048 - 64, measure_real, &rt, &s), LETHE_OK);
+        /* within one sentence (<= 400 bytes, ~100 tokens) or one cwe word (3 entries, ~12 tokens) */
+        int32_t tol = t == LETHE_EVAL_CWE ? 16 : 100;
+        CHECK_MSG(s.n_prompt_tokens <= 2048 - 64 && s.n_prompt_tokens >= 2048 - 64 - tol, "%s: %d tokens",
+                  lethe_eval_task_name((lethe_eval_task)t), s.n_prompt_tokens);
+        CHECK_STR_CONTAINS(s.user, s.answers[0]);
+        lethe_eval_sample_free(&s);
+    }
+    lethe_tokenizer_free(rt.t);
+}
+
 int main(void) {
     TEST_RUN(test_corpus);
     TEST_RUN(test_passkey);
@@ -282,6 +324,7 @@ int main(void) {
     TEST_RUN(test_seeds);
     TEST_RUN(test_lengths);
     TEST_RUN(test_errors);
+    TEST_RUN(test_real_tokenizer);
     lethe_eval_corpus_free(g_c);
     return 0;
 }

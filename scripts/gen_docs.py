@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""gen_docs.py - regenerates the measured parts of docs/quality.md and docs/benchmarks.md.
+
+Result files live in docs/results/*.json: `lethe eval --result-json` files
+(schema lethe-eval/1) and `lethe bench serve --result-json` files (schema
+lethe-bench-serve/1). From them this script writes tables and PNG plots
+(docs/img/) into the docs, but only between marker lines
+
+    <!-- gen:begin NAME -->
+    ...generated...
+    <!-- gen:end NAME -->
+
+so hand-written text around them (and sections other helpers own) stays as
+it is. A doc without the markers gets them appended at its end; a missing
+doc is created with a short hand-written preamble that may then be edited.
+
+    python3 scripts/gen_docs.py                 regenerate (sections "quality", "serve")
+    python3 scripts/gen_docs.py --check         exit 1 if the docs are out of date
+    python3 scripts/gen_docs.py plot-eval R.json OUT.png    plot one eval result
+    python3 scripts/gen_docs.py plot-serve R.json [R.json...] OUT.png
+
+Plots need matplotlib (PyPI; `make deps` installs it). Every table row
+carries its method and knobs; each result file's commit, date, machine,
+model and conditions head the rows it produced.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = ["passkey", "niah_multikey", "vt", "cwe"]
+
+QUALITY_PREAMBLE = """# Quality
+
+How much quality a sparse method keeps, measured against dense on identical inputs by `lethe eval`
+(src/eval, tools/cmd_eval.c). Tasks (RULER-style, generated from a seed at each context length, haystack
+from a text corpus, exact-match scoring of the greedy answer after the model's chat template):
+
+- **passkey**: one 5-digit pass key hidden in the haystack.
+- **niah_multikey**: four "special magic number for KEY" needles, one asked, three distractors.
+- **vt**: variable tracking, a chain `VAR A = 12345`, `VAR B = VAR A`, ... (5 names) plus a distractor
+  chain; score = fraction of the 5 names given.
+- **cwe**: common-word extraction from a numbered word list; score = fraction of the 10 most frequent
+  words given.
+- **ppl**: perplexity of teacher-forced continuations of long documents (sliding windows ending at the
+  same tokens for every context length), and for sparse methods the per-position KL(dense || method)
+  and top-1 agreement of next-token distributions.
+
+A length the model cannot handle is reported with score 0 and the reason, not dropped.
+Reproduce a table with the command shown above it; regenerate this page with `python3 scripts/gen_docs.py`.
+
+"""
+
+BENCH_PREAMBLE = """# Benchmarks
+
+Serving numbers measured with `lethe bench serve` (tools/bench_serve.c), a streaming OpenAI-API client
+in the style of `vllm bench serve`: TTFT = send to first content chunk, TPOT = (E2EL - TTFT) / (output
+tokens - 1), ITL = gaps between content chunks, E2EL = send to end of response; `ignore_eos` makes
+output lengths exact. Regenerate the tables with `python3 scripts/gen_docs.py`.
+
+"""
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+def load_results(results_dir):
+    evals, serves = [], []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        with open(path) as f:
+            try:
+                r = json.load(f)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"gen_docs: {path}: not JSON ({e})")
+        r["_file"] = os.path.basename(path)
+        schema = r.get("schema", "")
+        if schema.startswith("lethe-eval/"):
+            evals.append(r)
+        elif schema.startswith("lethe-bench-serve/"):
+            serves.append(r)
+    key = lambda r: (r.get("date", ""), r["_file"])
+    return sorted(evals, key=key), sorted(serves, key=key)
+
+
+def fmt(v, nd=3):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    if isinstance(v, (int, float)):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def replace_section(text, name, body):
+    begin, end = f"<!-- gen:begin {name} -->", f"<!-- gen:end {name} -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pat.search(text):
+        return pat.sub(lambda m: block, text, count=1)
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def update_doc(path, preamble, sections, check):
+    old = open(path).read() if os.path.exists(path) else preamble
+    new = old
+    for name, body in sections:
+        new = replace_section(new, name, body)
+    if new == old and os.path.exists(path):
+        return False
+    if not check:
+        with open(path, "w") as f:
+            f.write(new)
+    return True
+
+
+def plt_module():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        raise SystemExit("gen_docs: plots need matplotlib (python3 -m pip install matplotlib, or `make deps`)")
+
+
+# ---- eval: plot ---------------------------------------------------------------------------
+
+def eval_metrics(rows):
+    """(key, title, rows filter) for every metric present in the result."""
+    have = {r["task"] for r in rows}
+    out = [(t, t, "score") for t in TASKS if t in have]
+    if "ppl" in have:
+        out.append(("ppl", "perplexity", "ppl"))
+        if any(r.get("top1_agree") is not None for r in rows if r["task"] == "ppl"):
+            out.append(("ppl", "top-1 agreement with dense", "top1_agree"))
+            out.append(("ppl", "mean KL(dense || method)", "kl_mean"))
+    return out
+
+
+def plot_eval(result, out_png):
+    plt = plt_module()
+    rows = result["rows"]
+    metrics = eval_metrics(rows)
+    lengths = sorted({r["context_length"] for r in rows})
+    methods = sorted({r["method"] for r in rows if r["method"] != "dense"})
+    by_budget = any(r.get("budget") is not None for r in rows)
+    ncol = min(3, len(metrics))
+    nrow = math.ceil(len(metrics) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.6 * nrow), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (task, title, field) in enumerate(metrics):
+        ax = axes[k // ncol][k % ncol]
+        sel = [r for r in rows if r["task"] == task]
+        if by_budget:
+            for li, L in enumerate(lengths):
+                d = [r for r in sel if r["method"] == "dense" and r["context_length"] == L]
+                if d and d[0].get(field) is not None:
+                    ax.axhline(d[0][field], color="k", ls=styles[li % 4], lw=1, label=f"dense {L}")
+                for mi, m in enumerate(methods):
+                    pts = sorted((r["budget"], r.get(field)) for r in sel
+                                 if r["method"] == m and r["context_length"] == L and r.get("budget") is not None)
+                    pts = [(b, v) for b, v in pts if v is not None]
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=styles[li % 4],
+                                color=colors[mi % len(colors)], label=f"{m} {L}")
+            budgets = sorted({r["budget"] for r in rows if r.get("budget") is not None})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets)
+            ax.set_xticklabels([str(b) for b in budgets])
+            ax.minorticks_off()
+            ax.set_xlabel("budget (tokens)")
+        else:
+            for mi, m in enumerate(["dense"] + methods):
+                pts = sorted((r["context_length"], r.get(field)) for r in sel if r["method"] == m)
+                pts = [(L, v) for L, v in pts if v is not None]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            color="k" if m == "dense" else colors[mi % len(colors)], label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths)
+            ax.set_xticklabels([str(L) for L in lengths])
+            ax.minorticks_off()
+            ax.set_xlabel("context length (tokens)")
+        if field == "score" or field == "top1_agree":
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    for k in range(len(metrics), nrow * ncol):
+        axes[k // ncol][k % ncol].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for a in axes.flat:
+        for h, l in zip(*a.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=8,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.suptitle(f"{result.get('model', '?')} on {result.get('device', '?')}: quality vs "
+                 f"{'budget' if by_budget else 'context length'} (commit {result.get('commit', '?')})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.02 * math.ceil(len(labels) / 6), 1, 0.95))
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+# ---- eval: tables -------------------------------------------------------------------------
+
+def eval_section(evals, img_dir, img_rel, images, draw):
+    if not evals:
+        return "_No eval results yet: run `lethe eval ... --result-json docs/results/NAME.json`._\n"
+    out = []
+    for r in evals:
+        stem = os.path.splitext(r["_file"])[0]
+        out.append(f"### {r.get('model', '?')} on {r.get('device', '?')}: {', '.join(str(x) for x in r.get('context_lengths', []))} tokens ({r['_file']})\n")
+        out.append(f"- commit `{r.get('commit', '?')}`, {r.get('date', '?')}, machine: {r.get('machine', '?')}, "
+                   f"threads: {r.get('threads', '?')}")
+        out.append(f"- model `{r.get('model', '?')}` (max_model_len {r.get('max_model_len', '?')}), "
+                   f"{r.get('samples', '?')} sample(s) per task and length, seed {r.get('seed', '?')}, "
+                   f"haystack corpus `{r.get('corpus', '?')}`, ppl windows of {r.get('forced_tokens', '?')} forced "
+                   f"tokens from `{r.get('ppl_corpus', '?')}`; {r.get('prompt_format', '')}")
+        if r.get("command"):
+            out.append(f"- command: `{r['command']}`")
+        out.append("")
+        tasks_present = [t for t in TASKS if any(x["task"] == t for x in r["rows"])]
+        has_ppl = any(x["task"] == "ppl" for x in r["rows"])
+        head = ["method", "knobs", "ctx"] + tasks_present
+        if has_ppl:
+            head += ["ppl", "KL mean", "KL p99", "top-1"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
+        notes = []
+        keys = []
+        for x in r["rows"]:
+            k = (x["method"], x.get("budget"), x.get("knobs", ""), x["context_length"])
+            if k not in keys:
+                keys.append(k)
+        for k in keys:
+            sel = {x["task"]: x for x in r["rows"]
+                   if (x["method"], x.get("budget"), x.get("knobs", ""), x["context_length"]) == k}
+            cells = [k[0], f"`{k[2]}`" if k[2] else "—", str(k[3])]
+            for t in tasks_present:
+                x = sel.get(t)
+                c = fmt(x.get("score"), 2) if x else "—"
+                if x and x.get("error"):
+                    notes.append(f"{k[0]} {k[2] or ''} ctx {k[3]} {t}: {x['error']}")
+                    c += f" [{len(notes)}]"
+                cells.append(c)
+            if has_ppl:
+                x = sel.get("ppl", {})
+                c = fmt(x.get("ppl"), 2)
+                if x.get("error"):
+                    notes.append(f"{k[0]} {k[2] or ''} ctx {k[3]} ppl: {x['error']}")
+                    c += f" [{len(notes)}]"
+                cells += [c, fmt(x.get("kl_mean"), 4), fmt(x.get("kl_p99"), 4), fmt(x.get("top1_agree"), 3)]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+        out.append("Scores are the mean over samples of the fraction of expected answers found (1.00 = every "
+                   "sample exact). KL and top-1 compare each method with dense on the same teacher-forced "
+                   "tokens (— for dense, the reference).")
+        if notes:
+            out.append("")
+            for i, n in enumerate(notes, 1):
+                out.append(f"[{i}] {n}  ")
+        if images:
+            if draw:
+                plot_eval(r, os.path.join(img_dir, f"quality-{stem}.png"))
+            out.append("")
+            out.append(f"![quality of {r.get('model')} ({stem})]({img_rel}/quality-{stem}.png)")
+        out.append("")
+    return "\n".join(out)
+
+
+# ---- serve --------------------------------------------------------------------------------
+
+def serve_workload(r):
+    if r.get("dataset"):
+        return f"dataset `{os.path.basename(r['dataset'])}`"
+    w = f"in {r.get('random_input_len')} / out {r.get('random_output_len')}"
+    if r.get("random_range_ratio"):
+        w += f" ±{r['random_range_ratio']:.0%}"
+    if r.get("shared_prefix_len"):
+        w += f", shared prefix {r['shared_prefix_len']}"
+    return w
+
+
+def serve_section(serves, img_dir, img_rel, images, draw):
+    if not serves:
+        return "_No serving results yet: run `lethe bench serve ... --result-json docs/results/NAME.json`._\n"
+    out = ["| date | commit | machine | model | method | knobs | endpoint | workload | rate | conc. | done/failed "
+           "| req/s | out tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) | ITL mean / p99 (ms) | E2EL mean (ms) "
+           "| server TTFT mean (ms) |",
+           "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in serves:
+        sm = r.get("server_metrics") or {}
+        out.append("| " + " | ".join([
+            r.get("date", "?")[:10], f"`{r.get('commit', '?')}`", r.get("machine", "?"), r.get("model_id", "?"),
+            r.get("method", "?"), f"`{r['knobs']}`" if r.get("knobs") else "—", r.get("endpoint", "?"),
+            serve_workload(r), str(r.get("request_rate", "?")), str(r.get("max_concurrency") or "—"),
+            f"{r.get('completed', 0)}/{r.get('failed', 0)}", fmt(r.get("request_throughput"), 2),
+            fmt(r.get("output_throughput"), 1),
+            f"{fmt(r.get('mean_ttft_ms'), 1)} / {fmt(r.get('p99_ttft_ms'), 1)}",
+            f"{fmt(r.get('mean_tpot_ms'), 2)} / {fmt(r.get('p99_tpot_ms'), 2)}",
+            f"{fmt(r.get('mean_itl_ms'), 2)} / {fmt(r.get('p99_itl_ms'), 2)}",
+            fmt(r.get("mean_e2el_ms"), 1), fmt(sm.get("mean_ttft_ms"), 1)]) + " |")
+    out.append("")
+    out.append("Client-side numbers; the last column is the server's own /metrics mean TTFT over the same run "
+               "(— when the server exposes none).")
+    if images:
+        if draw:
+            plot_serve(serves, os.path.join(img_dir, "serve.png"))
+        out.append("")
+        out.append(f"![serving latency vs throughput]({img_rel}/serve.png)")
+    return "\n".join(out) + "\n"
+
+
+def plot_serve(serves, out_png):
+    plt = plt_module()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False)
+    groups = {}
+    for r in serves:
+        groups.setdefault((r.get("model_id", "?"), r.get("method", "?"), r.get("knobs", "")), []).append(r)
+    for (model, method, knobs), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.get("output_throughput", 0))
+        lab = f"{model} {method}" + (f" {knobs}" if knobs else "")
+        x = [r.get("output_throughput", 0) for r in rs]
+        axes[0][0].plot(x, [r.get("mean_ttft_ms") for r in rs], marker="o", label=lab)
+        axes[0][1].plot(x, [r.get("mean_tpot_ms") for r in rs], marker="o", label=lab)
+    for ax, t in zip(axes[0], ["mean TTFT (ms)", "mean TPOT (ms)"]):
+        ax.set_xlabel("output tokens/s")
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+def main(argv):
+    if argv and argv[0] == "plot-eval":
+        if len(argv) != 3:
+            raise SystemExit("usage: gen_docs.py plot-eval RESULT.json OUT.png")
+        with open(argv[1]) as f:
+            plot_eval(json.load(f), argv[2])
+        return 0
+    if argv and argv[0] == "plot-serve":
+        if len(argv) < 3:
+            raise SystemExit("usage: gen_docs.py plot-serve RESULT.json [RESULT.json ...] OUT.png")
+        rs = [json.load(open(p)) for p in argv[1:-1]]
+        plot_serve(rs, argv[-1])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", default=os.path.join(ROOT, "docs", "results"))
+    ap.add_argument("--docs", default=os.path.join(ROOT, "docs"))
+    ap.add_argument("--check", action="store_true", help="exit 1 if the docs' tables are out of date")
+    ap.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
+    a = ap.parse_args(argv)
+    evals, serves = load_results(a.results)
+    img_dir = os.path.join(a.docs, "img")
+    images = not a.no_plots
+    draw = images and not a.check  # --check compares text only; the image lines stay
+    if draw:
+        os.makedirs(img_dir, exist_ok=True)
+    qs = eval_section(evals, img_dir, "img", images, draw)
+    ss = serve_section(serves, img_dir, "img", images, draw)
+    changed = update_doc(os.path.join(a.docs, "quality.md"), QUALITY_PREAMBLE, [("quality", qs)], a.check)
+    changed |= update_doc(os.path.join(a.docs, "benchmarks.md"), BENCH_PREAMBLE, [("serve", ss)], a.check)
+    if a.check and changed:
+        print("gen_docs: docs/quality.md or docs/benchmarks.md is out of date; run python3 scripts/gen_docs.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
