@@ -20,7 +20,7 @@ CUDA    ?= auto
 
 CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) \
                -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP
-LDLIBS  := -lcjson -lpcre2-8 -licuuc -lmicrohttpd -lcurl -lm -lpthread -fopenmp
+LDLIBS  := -lcjson -lpcre2-8 -licuuc -lmicrohttpd -lcurl -lcrypto -lm -lpthread -fopenmp
 
 ifeq ($(SAN),1)
   BUILD := build-asan

@@ -1,0 +1,168 @@
+/* chain.h - the Chain Cache table: one record per multi-turn conversation
+ * whose KV (possibly compacted by an eviction method) stays resident between
+ * turns, so a turn only prefills the tokens appended since the last one.
+ *
+ * Why: an eviction method's KV depends on the whole history and on the chunk
+ * partition, so a block-hash prefix cache cannot reuse it; a chain is one
+ * exclusive, mutable, non-branching continuation instead.
+ *
+ * The table owns the logical lifecycle only (ids, states, boundaries,
+ * digests, token history, capacity planning, LRU, tombstones). What is
+ * resident (a KV row, the method's per-request state) is an opaque payload
+ * owned by the engine; the table hands it out at the start of a turn, takes
+ * it back at the end, and queues the payloads of reclaimed or invalidated
+ * chains for the engine thread to free (lethe_chain_take_released).
+ *
+ * Capacity: the pool has n_spaces slot spaces of `slots_per_space` slots
+ * each (1 shared space, or one per layer: never summed). An IDLE chain
+ * occupies its resident slots, an ACTIVE one its reservation (resident +
+ * suffix + decode peak, per space). A turn fits when every space's usage
+ * stays within capacity; otherwise IDLE chains are reclaimed in strict LRU
+ * order (logical clock, no ties); ACTIVE chains never; if even reclaiming
+ * every IDLE chain is not enough the turn fails with CAPACITY (503) and
+ * nothing is reclaimed. Reclaimed or invalidated ids are remembered in a
+ * bounded FIFO of tombstones so later requests get GONE (410), not 404.
+ *
+ * All functions are thread-safe (one mutex): the server thread begins turns,
+ * the engine thread finishes them. */
+#ifndef LETHE_CHAIN_H
+#define LETHE_CHAIN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define LETHE_CHAIN_ID_CAP 48          /* "chain_" + 32 base64url chars (192 bits) + NUL */
+#define LETHE_CHAIN_FP_BYTES 32        /* SHA-256 */
+#define LETHE_CHAIN_DEFAULT_TOMBSTONES 1024
+
+typedef enum lethe_chain_code {
+    LETHE_CHAIN_OK = 0,
+    LETHE_CHAIN_NOT_FOUND,            /* 404 chain_not_found */
+    LETHE_CHAIN_BUSY,                 /* 409 chain_busy */
+    LETHE_CHAIN_PREFIX_MISMATCH,      /* 409 chain_prefix_mismatch (append mode) */
+    LETHE_CHAIN_FINGERPRINT_MISMATCH, /* 409 chain_fingerprint_mismatch */
+    LETHE_CHAIN_GONE,                 /* 410 chain_gone */
+    LETHE_CHAIN_CAPACITY,             /* 503 chain_capacity_unavailable */
+    LETHE_CHAIN_BAD_REQUEST,          /* 400 chain_invalid_request */
+    LETHE_CHAIN_MODE_DISABLED,        /* 400 chain_mode_disabled */
+} lethe_chain_code;
+
+int lethe_chain_http_status(lethe_chain_code c);
+const char *lethe_chain_code_name(lethe_chain_code c); /* "chain_busy", ... */
+
+typedef enum lethe_chain_status {
+    LETHE_CHAIN_CREATED = 0,
+    LETHE_CHAIN_RESUMED,
+    LETHE_CHAIN_RECREATED,
+} lethe_chain_status;
+const char *lethe_chain_status_name(lethe_chain_status s); /* "created" | "resumed" | "recreated" */
+
+typedef enum lethe_chain_state { LETHE_CHAIN_IDLE = 0, LETHE_CHAIN_ACTIVE } lethe_chain_state;
+
+typedef struct lethe_chain_params {
+    int32_t n_spaces;          /* slot spaces of the KV pool (1 shared or n_layers) */
+    int32_t slots_per_space;
+    int32_t max_tombstones;    /* 0 = LETHE_CHAIN_DEFAULT_TOMBSTONES */
+} lethe_chain_params;
+
+typedef struct lethe_chain_table lethe_chain_table;
+
+lethe_chain_table *lethe_chain_create(const lethe_chain_params *p);
+/* Frees records and tombstones. Payloads still held (IDLE chains, pending
+ * releases) are NOT freed: drain them first with lethe_chain_drain_all. */
+void lethe_chain_destroy(lethe_chain_table *t);
+
+/* ---- hashing and ids ---- */
+/* SHA-256 over the int64 little-endian token ids. */
+void lethe_chain_digest(const int32_t *tokens, int32_t n, uint8_t out[LETHE_CHAIN_FP_BYTES]);
+/* SHA-256 of a description of everything that shapes KV (model, dtype,
+ * method and knobs, max length, ...). */
+void lethe_chain_fingerprint(const char *description, uint8_t out[LETHE_CHAIN_FP_BYTES]);
+/* "chain_" + base64url(24 bytes from getrandom()); 0 on success. */
+int lethe_chain_new_id(char out[LETHE_CHAIN_ID_CAP]);
+
+/* ---- a turn ---- */
+
+typedef struct lethe_chain_begin_args {
+    const char *chain_id;      /* NULL or "": create a new chain */
+    const uint8_t *fingerprint; /* [LETHE_CHAIN_FP_BYTES] of the engine serving the turn */
+    const int32_t *tokens;     /* full prompt, or (append) the appended tokens only */
+    int32_t n_tokens;
+    bool append;               /* tokens continue the chain's history (requires chain_id) */
+    int32_t gen_peak;          /* extra slots per space the turn may add after the prompt
+                                * (max new tokens + method staging) */
+    int32_t max_len;           /* full prompt + gen must stay within this (0 = no check) */
+    /* chat bookkeeping (0 for token prompts): messages in the conversation
+     * this turn sends (its history included), and in append mode the index of
+     * the first appended message, which must equal the number of messages the
+     * chain already covers (its last one being the assistant response) */
+    int32_t n_messages;
+    int32_t append_start;
+} lethe_chain_begin_args;
+
+typedef struct lethe_chain_turn {
+    lethe_chain_code code;     /* != OK: nothing changed except tombstone lookups */
+    char message[192];         /* why, when code != OK */
+    char id[LETHE_CHAIN_ID_CAP];
+    lethe_chain_status status;
+    int32_t reused;            /* prompt tokens with resident KV (0 unless resumed) */
+    int32_t *tokens;           /* full prompt of the turn (malloc'd; caller frees) */
+    int32_t n_tokens;
+    void *payload;             /* resumed: the resident KV handle, owned by the caller until
+                                * finish/abandon; NULL otherwise */
+    int32_t n_reclaimed;       /* IDLE chains reclaimed to make room */
+} lethe_chain_turn;
+
+/* Admission of a turn (lookup, state, fingerprint, digest, capacity with LRU
+ * reclaim). On OK the chain is ACTIVE with its reservation held. */
+void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, lethe_chain_turn *out);
+
+/* End of a successful turn: history = the request's tokens (prompt +
+ * generated), processed = tokens with KV (n_tokens - 1: the last sampled
+ * token has none), resident = slots per space now held, payload = the KV
+ * handle (NULL: nothing resident, the next turn recomputes from 0). */
+void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tokens, int32_t n_tokens,
+                        int32_t processed, const int32_t *resident, void *payload);
+
+/* The turn failed or was aborted: the chain is invalidated (tombstoned) and
+ * payload (may be NULL) is queued for release. */
+void lethe_chain_abandon(lethe_chain_table *t, const char *id, void *payload);
+
+/* Payloads of reclaimed/invalidated chains the engine must free now;
+ * returns how many were written (call until it returns < cap). */
+int32_t lethe_chain_take_released(lethe_chain_table *t, void **out, int32_t cap);
+/* Every payload (IDLE chains and pending releases): for engine shutdown. */
+int32_t lethe_chain_drain_all(lethe_chain_table *t, void **out, int32_t cap);
+
+/* ---- inspection ---- */
+
+typedef struct lethe_chain_info {
+    lethe_chain_state state;
+    int32_t processed;         /* tokens with KV */
+    int32_t n_history;         /* logical token history length */
+    int32_t n_messages;        /* chat messages covered (incl. the last response) */
+    uint64_t last_access;      /* logical LRU clock */
+    int64_t resident_total;    /* resident slots summed over spaces */
+    int32_t resident_max;      /* max over spaces */
+    uint8_t digest[LETHE_CHAIN_FP_BYTES];
+} lethe_chain_info;
+
+/* LETHE_CHAIN_OK, NOT_FOUND or GONE. */
+lethe_chain_code lethe_chain_lookup(lethe_chain_table *t, const char *id, lethe_chain_info *out);
+
+/* Copies the history (up to cap tokens); returns its length, -1 if unknown. */
+int32_t lethe_chain_history(lethe_chain_table *t, const char *id, int32_t *out, int32_t cap);
+
+typedef struct lethe_chain_stats {
+    int32_t n_chains, n_active, n_idle, n_tombstones;
+    int64_t n_created, n_resumed, n_recreated;
+    int64_t n_reclaimed, n_invalidated;
+    int64_t n_rejected;        /* turns refused (any code) */
+    int64_t n_capacity_rejected;
+    int64_t reused_tokens, prompt_tokens; /* summed over admitted turns */
+    int64_t resident_slots;    /* IDLE + ACTIVE resident, summed over spaces */
+    int64_t reserved_slots;    /* usage incl. ACTIVE reservations, summed over spaces */
+} lethe_chain_stats;
+void lethe_chain_get_stats(lethe_chain_table *t, lethe_chain_stats *out);
+
+#endif /* LETHE_CHAIN_H */
