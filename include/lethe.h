@@ -120,6 +120,10 @@ typedef struct lethe_engine_params {
     const char *sparse_config;  /* "knob=value,knob=value" (sink_keep_tokens, ...), may be NULL */
     bool check_invariants;      /* run the KV ownership checker after every step */
     bool progress;              /* progress bar while loading */
+    /* added by the engine: never put prefill and decode tokens in one step
+     * (the anchor's rule; default false = mixed steps as vLLM, see
+     * docs/architecture.md for the CPU measurement) */
+    bool split_prefill_decode;
 } lethe_engine_params;
 
 void lethe_engine_default_params(lethe_engine_params *p);
@@ -133,7 +137,9 @@ const char *lethe_engine_last_error(void);
 /* Tokenizer access (text in / text out for tools and the server). */
 int lethe_engine_tokenize(lethe_engine *e, const char *text, bool add_bos, bool parse_special,
                           int32_t **ids, int32_t *n_ids); /* *ids malloc'd */
-/* Renders chat messages (roles/contents arrays) with the model's template. */
+/* Renders chat messages (roles/contents arrays) with the model's template.
+ * The text includes the template's BOS text where it has one (Llama-3):
+ * tokenize it with add_bos = false and parse_special = true. */
 int lethe_engine_apply_chat(lethe_engine *e, const char *const *roles,
                             const char *const *contents, size_t n, bool add_generation_prompt,
                             char **out); /* *out malloc'd */
@@ -157,8 +163,9 @@ void lethe_engine_cancel(lethe_engine *e, uint64_t id); /* thread-safe, idempote
 
 typedef struct lethe_engine_stats {
     int32_t n_running, n_waiting;
-    int64_t kv_slots_total, kv_slots_used;   /* summed over layers / rows */
-    double kv_usage;                         /* used / total in [0, 1] */
+    int64_t kv_slots_total, kv_slots_used;   /* summed over slot spaces (1, or one per layer) */
+    double kv_usage;                         /* used / total in [0, 1]; slots held only by the
+                                              * prefix cache count as free (evictable on demand) */
     int64_t prefix_queries_tokens, prefix_hit_tokens; /* cumulative */
     int64_t prompt_tokens_total, generation_tokens_total;
     int64_t prefill_tokens_computed;         /* tokens that went through the forward as prompt */

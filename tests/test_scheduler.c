@@ -379,7 +379,35 @@ static void test_method_capacity(void) {
     world_free(&w);
 }
 
+/* A method whose final prompt chunk must hold 32 tokens (SnapKV's window). */
+static int32_t mfc32(const lethe_sparse_method *m) { return 32; }
+static void test_min_final_chunk(void) {
+    lethe_sparse_ops ops = lethe_sparse_dense;
+    ops.min_final_chunk = mfc32;
+    lethe_sparse_method m = {.ops = &ops};
+    world w;
+    world_init(&w, 1024, 64, 8, false, false, &m);
+    lethe_req *a = mkreq(1, 150, 0), *b = mkreq(2, 20, 300);
+    w.max_gen[1] = 2;
+    w.max_gen[2] = 2;
+    lethe_sched_add(w.s, a);
+    step(&w);
+    CHECK_EQ_INT(item_n(&w, a), 64);
+    step(&w); /* 64 would leave 22 < 32 for the final chunk: take 54 */
+    CHECK_EQ_INT(item_n(&w, a), 54);
+    lethe_sched_add(w.s, b);
+    step(&w);
+    CHECK_EQ_INT(item_n(&w, a), 32);
+    CHECK(w.out.items[0].wants_logits);
+    CHECK_EQ_INT(item_n(&w, b), 20); /* a short prompt is one final chunk */
+    while (lethe_sched_has_work(w.s)) step(&w);
+    freereq(a);
+    freereq(b);
+    world_free(&w);
+}
+
 int main(void) {
+    TEST_RUN(test_min_final_chunk);
     TEST_RUN(test_chunked_prefill);
     TEST_RUN(test_mixed);
     TEST_RUN(test_split);

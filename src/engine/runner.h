@@ -52,6 +52,9 @@ lethe_status lethe_runner_fake(const lethe_fake_params *p, lethe_runner *out);
  * at eos unless ignore_eos; returns the count written). */
 int32_t lethe_fake_reference(const lethe_fake_params *p, const int32_t *tokens, int32_t n_prompt,
                              int32_t n_gen, bool ignore_eos, int32_t *out);
+/* The fake model's next-token logits after tokens[0..n) (dense, no KV). */
+void lethe_fake_reference_logits(const lethe_fake_params *p, const int32_t *tokens, int32_t n,
+                                 float *logits);
 /* The fake model's logits for a state (shared by runner and reference). */
 void lethe_fake_logits(const lethe_fake_params *p, uint64_t state, float *logits);
 

@@ -163,30 +163,42 @@ static int32_t argmax(const float *x, int32_t n) {
     return best;
 }
 
+/* the dense fake model's per-layer running hashes, advanced by one token */
+static uint64_t ref_advance(const lethe_fake_params *p, uint64_t *acc, int32_t tok, int32_t pos) {
+    uint64_t h = mix(p->seed, (uint64_t)tok);
+    for (int32_t l = 0; l < p->n_layers; l++) {
+        acc[l] = mix(acc[l], mix(mix(h, (uint64_t)pos), (uint64_t)l));
+        h = mix(h, acc[l]);
+    }
+    return h;
+}
+
+static uint64_t *ref_init(const lethe_fake_params *p) {
+    uint64_t *acc = lethe_xmalloc((size_t)p->n_layers * sizeof(uint64_t));
+    for (int32_t l = 0; l < p->n_layers; l++) acc[l] = mix(0x5eedull, (uint64_t)l);
+    return acc;
+}
+
+void lethe_fake_reference_logits(const lethe_fake_params *p, const int32_t *tokens, int32_t n,
+                                 float *logits) {
+    uint64_t *acc = ref_init(p), h = 0;
+    for (int32_t i = 0; i < n; i++) h = ref_advance(p, acc, tokens[i], i);
+    lethe_fake_logits(p, h, logits);
+    free(acc);
+}
+
 int32_t lethe_fake_reference(const lethe_fake_params *p, const int32_t *tokens, int32_t n_prompt,
                              int32_t n_gen, bool ignore_eos, int32_t *out) {
-    uint64_t *acc = lethe_xmalloc((size_t)p->n_layers * sizeof(uint64_t));
+    uint64_t *acc = ref_init(p), h = 0;
     float *logits = lethe_xmalloc((size_t)p->n_vocab * sizeof(float));
-    for (int32_t l = 0; l < p->n_layers; l++) acc[l] = mix(0x5eedull, (uint64_t)l);
-    int32_t n_out = 0, pos = 0, tok = n_prompt > 0 ? tokens[0] : 0;
-    for (;;) {
-        uint64_t h = mix(p->seed, (uint64_t)tok);
-        for (int32_t l = 0; l < p->n_layers; l++) {
-            uint64_t kv = mix(mix(h, (uint64_t)pos), (uint64_t)l);
-            acc[l] = mix(acc[l], kv);
-            h = mix(h, acc[l]);
-        }
-        pos++;
-        if (pos < n_prompt) {
-            tok = tokens[pos];
-            continue;
-        }
-        if (n_out >= n_gen) break;
+    int32_t pos = 0, n_out = 0;
+    for (; pos < n_prompt; pos++) h = ref_advance(p, acc, tokens[pos], pos);
+    while (n_out < n_gen) {
         lethe_fake_logits(p, h, logits);
-        tok = argmax(logits, p->n_vocab);
+        int32_t tok = argmax(logits, p->n_vocab);
         out[n_out++] = tok;
         if (!ignore_eos && tok == p->eos) break;
-        if (n_out >= n_gen) break;
+        h = ref_advance(p, acc, tok, pos++);
     }
     free(acc);
     free(logits);

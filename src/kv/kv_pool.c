@@ -10,6 +10,7 @@
  *    therefore recount everything from scratch and compare. */
 #include "kv/kv_internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,9 +54,11 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
             lethe_status st = p->be->ops->alloc(p->be, bytes, &pool->k[l]);
             if (st == LETHE_OK) st = p->be->ops->alloc(p->be, bytes, &pool->v[l]);
             if (st != LETHE_OK) {
+                char why[256];
+                snprintf(why, sizeof(why), "%s", lethe_last_error());
                 lethe_kv_pool_destroy(pool);
                 return lethe_errorf(st, "kv pool: allocating K/V of layer %d (%zu bytes each, %d slots): %s",
-                                    l, bytes, p->n_slots, lethe_last_error());
+                                    l, bytes, p->n_slots, why);
             }
         }
     }

@@ -221,6 +221,15 @@ static int32_t shrink_to_fit(const lethe_sched *s, const lethe_req *r, int32_t n
     return 0;
 }
 
+/* Prefill policy of the method: the final prompt chunk holds at least
+ * min_final_chunk tokens (SnapKV scores with a window that must lie in it).
+ * Returns the chunk to run now; <= 0 means "not this step". */
+static int32_t respect_final_chunk(const lethe_sched *s, int32_t n, int32_t remaining) {
+    int32_t mfc = s->m ? lethe_sparse_min_final_chunk(s->m) : 0;
+    if (mfc <= 0 || n >= remaining || remaining - n >= mfc) return n;
+    return remaining - mfc;
+}
+
 /* Takes `n` new slots at the next positions (evicting cache blocks if needed). */
 static void allocate(lethe_sched *s, lethe_req *r, int32_t n, int32_t peak) {
     int64_t need = (int64_t)n + s->reserved_extra + (peak - n);
@@ -277,15 +286,17 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
         lethe_req *r = s->running[i];
         if (!in_phase(r, phase)) continue;
         bool prefill = r->n_computed < r->n_prefill;
-        int32_t n = LETHE_MIN(r->n_tokens - r->n_computed, budget);
+        int32_t remaining = r->n_tokens - r->n_computed;
+        int32_t n = LETHE_MIN(remaining, budget);
         LETHE_ASSERT(n >= 1);
+        if (prefill && (n = respect_final_chunk(s, n, remaining)) <= 0) continue;
         int32_t res = resident(s, r);
         for (;;) {
             int64_t avail = lethe_sched_available(s);
             int32_t peak = peak_for(s, r, res, n);
             if (peak <= avail) break;
             if (prefill) {
-                int32_t k = shrink_to_fit(s, r, res, n, avail);
+                int32_t k = respect_final_chunk(s, shrink_to_fit(s, r, res, n, avail), remaining);
                 if (k > 0) { n = k; break; }
             }
             lethe_req *victim = s->running[s->n_running - 1];
@@ -322,7 +333,8 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
             nb = lethe_radix_match(s->radix, r->tokens, r->n_tokens, s->match, max_blocks);
         }
         int32_t hit = nb * LETHE_RADIX_BLOCK;
-        int32_t n = LETHE_MIN(r->n_tokens - hit, budget);
+        int32_t n = respect_final_chunk(s, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);
+        if (n <= 0) break; /* the final chunk needs more budget than this step has left */
         int64_t pinned = s->radix ? (int64_t)lethe_radix_count_unreferenced(s->match, nb) * LETHE_RADIX_BLOCK : 0;
         int64_t avail = lethe_sched_available(s) - pinned;
         /* peak of the first chunk, asked with the state it will have */
@@ -332,7 +344,7 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         int32_t peak = peak_for(s, r, hit, n);
         if (peak > avail) {
             bool alone = s->n_running == 0 && out->n_items == 0;
-            int32_t k = alone ? shrink_to_fit(s, r, hit, n, avail) : 0;
+            int32_t k = alone ? respect_final_chunk(s, shrink_to_fit(s, r, hit, n, avail), r->n_tokens - hit) : 0;
             if (k == 0) {
                 r->n_computed = saved_computed;
                 r->n_prefill = saved_prefill;

@@ -89,7 +89,9 @@ typedef struct lethe_sparse_step {
     const lethe_fwd_batch *batch; /* tokens, positions, rows of each sequence */
 } lethe_sparse_step;
 
-/* Engine facilities a method may use. */
+/* Engine facilities a method may use. pool is NULL during init / set_knob /
+ * configure (the engine sizes the pool after asking the method's flags and
+ * max_resident) and set before any request or step hook runs. */
 typedef struct lethe_sparse_env {
     lethe_kv_pool *pool;       /* rows, slots, lethe_kv_keep, page metadata */
     lethe_backend *be;         /* to read q / K with act_to_host; NULL with the fake model */

@@ -1,0 +1,517 @@
+/* engine.c - the engine object: construction around a runner, requests
+ * (validation, copies, the id table, finishing), stats, destroy.
+ *
+ * Construction order (lethe_engine_create_with):
+ *   limits -> sparse method (its flags choose the row layout) -> KV pool
+ *   sized from the budget (handed to the method) -> runner workspace ->
+ *   radix cache (if the method allows prefix reuse) -> scheduler -> sampler
+ *   scratch -> inbox.
+ * KV sizing: slots per layer = budget / (bytes one token costs in all layers),
+ * capped at max_num_seqs x max_model_len (more could never be used by running
+ * requests; small models would otherwise reserve a whole GiB for nothing),
+ * and at least max_model_len, or create fails naming both flags. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "core/util.h"
+#include "engine/engine_internal.h"
+
+#define ENG_QUEUE_CAP 4096
+#define ENG_DEFAULT_KV_BYTES ((size_t)1 << 30)
+
+void lethe_sampling_default_params(lethe_sampling_params *p) {
+    memset(p, 0, sizeof(*p));
+    p->temperature = 1.0f;
+    p->top_k = 0;
+    p->top_p = 1.0f;
+    p->min_p = 0.0f;
+    p->repetition_penalty = 1.0f;
+    p->max_tokens = -1;
+    p->logprobs = -1;
+}
+
+void lethe_engine_default_params(lethe_engine_params *p) {
+    memset(p, 0, sizeof(*p));
+    p->load_format = "auto";
+    p->device = "cpu";
+    p->max_num_seqs = 256;
+    p->max_num_batched_tokens = 2048;
+    p->gpu_memory_utilization = 0.9f;
+    p->enable_prefix_caching = true;
+    p->sparse_method = "dense";
+}
+
+const char *lethe_engine_last_error(void) { return lethe_last_error(); }
+
+static char *dup_or_null(const char *s) { return s ? lethe_xstrdup(s) : NULL; }
+
+static const char *base_name(const char *path) {
+    if (!path || !*path) return "model";
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    size_t i = n;
+    while (i > 0 && path[i - 1] != '/') i--;
+    static _Thread_local char buf[256];
+    snprintf(buf, sizeof(buf), "%.*s", (int)(n - i), path + i);
+    return buf;
+}
+
+/* ---- construction ---- */
+
+static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
+    const lethe_model_config *c = &e->runner.cfg;
+    size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
+    size_t tok_bytes = lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size);
+    size_t budget;
+    bool cuda = e->runner.be && e->runner.be->ops->free_memory && e->runner.be->ops->free_memory(e->runner.be) > 0;
+    if (cuda) {
+        budget = (size_t)((double)e->runner.be->ops->free_memory(e->runner.be) * e->p.gpu_memory_utilization);
+    } else {
+        budget = e->p.kv_cache_bytes ? e->p.kv_cache_bytes : ENG_DEFAULT_KV_BYTES;
+    }
+    int64_t slots = (int64_t)(budget / tok_bytes);
+    int64_t cap = (int64_t)e->p.max_num_seqs * e->max_model_len;
+    if (slots > cap) slots = cap;
+    if (slots > INT32_MAX / 2) slots = INT32_MAX / 2;
+    /* one request of max_model_len tokens must fit alone (an evicting method
+     * may bound what a layer keeps below that: max_resident) */
+    int32_t need = 0;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        need = LETHE_MAX(need, lethe_sparse_max_resident(e->method, l, e->max_model_len - 1, e->max_model_len,
+                                                         e->p.max_num_batched_tokens));
+    need = LETHE_MIN(need, e->max_model_len);
+    if (slots < need)
+        return lethe_errorf(LETHE_ERR_CAPACITY,
+                            "KV cache budget of %zu bytes holds %lld tokens (%zu bytes each over %d layers), "
+                            "fewer than the %d one request of max_model_len %d needs: raise --kv-cache-bytes%s "
+                            "or lower --max-model-len",
+                            budget, (long long)slots, tok_bytes, c->n_layers, need, e->max_model_len,
+                            cuda ? " / --gpu-memory-utilization" : "");
+    *n_slots = (int32_t)slots;
+    return LETHE_OK;
+}
+
+static uint64_t fingerprint(const lethe_engine *e) {
+    char buf[1024];
+    const lethe_model_config *c = &e->runner.cfg;
+    int n = snprintf(buf, sizeof(buf), "%s|%s|%d|%d|%d|%d|%d|%s|%s|%d", e->model_path ? e->model_path : "",
+                     c->arch, c->n_layers, c->n_kv_heads, c->head_dim, c->n_vocab, c->dim,
+                     e->method->ops->name, e->sparse_config ? e->sparse_config : "", LETHE_RADIX_BLOCK);
+    return lethe_hash64(buf, (size_t)LETHE_MAX(n, 0), 0x1e7e);
+}
+
+int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runner,
+                             lethe_tokenizer *tok, lethe_engine **out) {
+    *out = NULL;
+    lethe_engine *e = lethe_xcalloc(1, sizeof(*e));
+    e->p = *pin;
+    e->model_path = dup_or_null(pin->model);
+    e->model_name = lethe_xstrdup(base_name(pin->model ? pin->model : runner->kind));
+    e->sparse_method = lethe_xstrdup(pin->sparse_method ? pin->sparse_method : "dense");
+    e->sparse_config = dup_or_null(pin->sparse_config);
+    e->load_format = dup_or_null(pin->load_format);
+    e->device = dup_or_null(pin->device);
+    e->p.model = e->model_path;
+    e->p.sparse_method = e->sparse_method;
+    e->p.sparse_config = e->sparse_config;
+    e->p.load_format = e->load_format;
+    e->p.device = e->device;
+    e->runner = *runner;
+    memset(runner, 0, sizeof(*runner));
+    e->tok = tok;
+    pthread_mutex_init(&e->stats_mu, NULL);
+    lethe_queue_init(&e->q, ENG_QUEUE_CAP);
+    atomic_init(&e->next_id, 1);
+    atomic_init(&e->stop_flag, false);
+    lethe_status st = LETHE_OK;
+    const lethe_model_config *c = &e->runner.cfg;
+    const lethe_sparse_ops *ops = NULL;
+    int32_t n_slots = 0;
+
+    if (e->p.max_num_seqs < 1 || e->p.max_num_batched_tokens < 1) {
+        st = lethe_errorf(LETHE_ERR_INVALID, "--max-num-seqs %d / --max-num-batched-tokens %d: must be >= 1",
+                          e->p.max_num_seqs, e->p.max_num_batched_tokens);
+        goto fail;
+    }
+    if (e->p.max_model_len < 0 || e->p.max_model_len > c->max_pos) {
+        st = lethe_errorf(LETHE_ERR_INVALID, "--max-model-len %d: must be in [1, %d] (the model's context length)",
+                          e->p.max_model_len, c->max_pos);
+        goto fail;
+    }
+    e->max_model_len = e->p.max_model_len ? e->p.max_model_len : c->max_pos;
+    e->n_vocab = c->n_vocab;
+    if (e->max_model_len < 2) {
+        st = lethe_errorf(LETHE_ERR_INVALID, "max_model_len %d: must be at least 2", e->max_model_len);
+        goto fail;
+    }
+    /* the method first (its flags choose the row layout, its max_resident
+     * bounds the pool), then the pool it will use */
+    lethe_sparse_env env = {.pool = NULL, .be = e->runner.be, .n_layers = c->n_layers,
+                            .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+                            .max_model_len = e->max_model_len};
+    if ((st = lethe_sparse_create(e->sparse_method, e->sparse_config, &env, &e->method)) != LETHE_OK) goto fail;
+    ops = e->method->ops;
+    if (lethe_sparse_min_final_chunk(e->method) > e->p.max_num_batched_tokens) {
+        st = lethe_errorf(LETHE_ERR_INVALID,
+                          "method %s needs final prompt chunks of %d tokens but --max-num-batched-tokens is %d",
+                          ops->name, lethe_sparse_min_final_chunk(e->method), e->p.max_num_batched_tokens);
+        goto fail;
+    }
+    if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
+    lethe_kv_pool_params pp = {
+        .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+        .n_slots = n_slots, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
+        .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
+        .be = e->runner.be,
+    };
+    if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
+    e->method->env.pool = e->pool;
+    if ((st = e->runner.bind(e->runner.ctx, e->pool, e->p.max_num_batched_tokens)) != LETHE_OK) goto fail;
+    if (e->p.enable_prefix_caching) {
+        if (ops->flags & LETHE_SPARSE_PREFIX_CACHE)
+            e->radix = lethe_radix_create(e->pool, fingerprint(e));
+        else
+            LOG_INFO("prefix caching is off: method %s keeps history-dependent KV", ops->name);
+    }
+    lethe_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
+                             .max_num_batched_tokens = e->p.max_num_batched_tokens,
+                             .split_prefill_decode = e->p.split_prefill_decode};
+    e->sched = lethe_sched_create(&sp, e->pool, e->radix, e->method);
+    if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
+    e->cap_logits = LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens);
+    e->logits = malloc((size_t)e->cap_logits * (size_t)e->n_vocab * sizeof(float));
+    if (!e->logits) {
+        st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->cap_logits, e->n_vocab);
+        goto fail;
+    }
+    if (e->tok) {
+        e->detok_cap = 3 * (lethe_tokenizer_max_token_bytes(e->tok) + 4) + 1;
+        e->detok_buf = lethe_xmalloc(e->detok_cap);
+    }
+    e->n_buckets = 1024;
+    e->table = lethe_xcalloc(e->n_buckets, sizeof(*e->table));
+    e->stats.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool);
+    eng_publish_stats(e);
+    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows), max_model_len %d, method %s%s",
+             e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared", e->max_model_len,
+             ops->name, e->radix ? ", prefix cache on" : "");
+    *out = e;
+    return LETHE_OK;
+fail:
+    lethe_engine_destroy(e);
+    return st;
+}
+
+/* ---- id table ---- */
+
+static uint64_t bucket(const lethe_engine *e, uint64_t id) {
+    return (id * 0x9e3779b97f4a7c15ull >> 17) & (e->n_buckets - 1);
+}
+
+eng_req *eng_find(lethe_engine *e, uint64_t id) {
+    for (eng_req *q = e->table[bucket(e, id)]; q; q = q->hnext)
+        if (q->r.id == id) return q;
+    return NULL;
+}
+
+static void table_remove(lethe_engine *e, eng_req *q) {
+    eng_req **p = &e->table[bucket(e, q->r.id)];
+    while (*p && *p != q) p = &(*p)->hnext;
+    LETHE_ASSERT(*p == q);
+    *p = q->hnext;
+    e->n_live--;
+}
+
+/* ---- requests ---- */
+
+lethe_status eng_validate(const lethe_engine *e, const lethe_request_params *p) {
+    if (!p || !p->prompt || p->n_prompt < 1)
+        return lethe_errorf(LETHE_ERR_INVALID, "request: the prompt is empty (at least one token is needed)");
+    if (p->n_prompt + 1 > e->max_model_len)
+        return lethe_errorf(LETHE_ERR_INVALID,
+                            "request: the prompt has %d tokens but max_model_len is %d (the prompt plus at "
+                            "least one generated token must fit)", p->n_prompt, e->max_model_len);
+    for (int32_t i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= e->n_vocab)
+            return lethe_errorf(LETHE_ERR_INVALID, "request: prompt token %d at index %d is outside the vocabulary [0, %d)",
+                                p->prompt[i], i, e->n_vocab);
+    lethe_status st = lethe_sampling_params_check(&p->sampling, e->n_vocab);
+    if (st != LETHE_OK) {
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", lethe_last_error());
+        return lethe_errorf(st, "request: %s", msg);
+    }
+    if (p->sampling.max_tokens == 0 || p->sampling.max_tokens < -1)
+        return lethe_errorf(LETHE_ERR_INVALID, "request: max_tokens %d: must be >= 1 (or -1 for no limit)",
+                            p->sampling.max_tokens);
+    if (p->sampling.n_stop_token_ids < 0 || p->sampling.n_stop_token_ids > LETHE_MAX_STOP)
+        return lethe_errorf(LETHE_ERR_INVALID, "request: n_stop_token_ids %d outside [0, %d]",
+                            p->sampling.n_stop_token_ids, LETHE_MAX_STOP);
+    for (int32_t i = 0; i < p->sampling.n_stop_token_ids; i++)
+        if (p->sampling.stop_token_ids[i] < 0 || p->sampling.stop_token_ids[i] >= e->n_vocab)
+            return lethe_errorf(LETHE_ERR_INVALID, "request: stop_token_ids[%d] = %d is outside the vocabulary",
+                                i, p->sampling.stop_token_ids[i]);
+    for (int i = 0; i < LETHE_MAX_STOP && p->sampling.stop[i]; i++) {
+        if (!e->tok)
+            return lethe_errorf(LETHE_ERR_INVALID, "request: stop strings need a tokenizer; this model has none "
+                                                   "(use stop_token_ids)");
+        if (!p->sampling.stop[i][0]) return lethe_errorf(LETHE_ERR_INVALID, "request: stop string %d is empty", i);
+    }
+    if (p->n_forced < 0 || (p->n_forced > 0 && !p->forced))
+        return lethe_errorf(LETHE_ERR_INVALID, "request: forced output: %d tokens but no array", p->n_forced);
+    for (int32_t i = 0; i < p->n_forced; i++)
+        if (p->forced[i] < 0 || p->forced[i] >= e->n_vocab)
+            return lethe_errorf(LETHE_ERR_INVALID, "request: forced token %d at index %d is outside the vocabulary",
+                                p->forced[i], i);
+    return LETHE_OK;
+}
+
+eng_req *eng_req_new(lethe_engine *e, const lethe_request_params *p) {
+    eng_req *q = lethe_xcalloc(1, sizeof(*q));
+    q->r.id = atomic_fetch_add(&e->next_id, 1);
+    q->r.row = -1;
+    q->r.cap_tokens = p->n_prompt + 16;
+    q->r.tokens = lethe_xmalloc((size_t)q->r.cap_tokens * sizeof(int32_t));
+    memcpy(q->r.tokens, p->prompt, (size_t)p->n_prompt * sizeof(int32_t));
+    q->r.n_tokens = q->r.n_prompt = p->n_prompt;
+    q->sp = p->sampling;
+    int32_t ns = 0;
+    for (int i = 0; i < LETHE_MAX_STOP && p->sampling.stop[i]; i++) q->stop_copy[ns++] = lethe_xstrdup(p->sampling.stop[i]);
+    for (int i = 0; i < LETHE_MAX_STOP; i++) q->sp.stop[i] = i < ns ? q->stop_copy[i] : NULL;
+    for (int i = 0; i <= LETHE_MAX_STOP; i++) q->stop_list[i] = i < ns ? q->stop_copy[i] : NULL;
+    q->cb = p->cb;
+    q->user = p->user;
+    if (p->n_forced > 0) {
+        q->forced = lethe_xmalloc((size_t)p->n_forced * sizeof(int32_t));
+        memcpy(q->forced, p->forced, (size_t)p->n_forced * sizeof(int32_t));
+        q->n_forced = p->n_forced;
+    }
+    q->want_logits = p->want_logits;
+    int64_t limit = e->max_model_len;
+    if (q->n_forced > 0) limit = LETHE_MIN(limit, (int64_t)p->n_prompt + q->n_forced);
+    else if (p->sampling.max_tokens > 0) limit = LETHE_MIN(limit, (int64_t)p->n_prompt + p->sampling.max_tokens);
+    q->max_total = (int32_t)limit;
+    uint64_t seed = p->sampling.has_seed ? p->sampling.seed : lethe_hash64(&q->r.id, sizeof(q->r.id), e->p.seed ^ 0x5a3bull);
+    lethe_rng_seed(&q->rng, seed);
+    if (e->tok) lethe_detok_init(&q->detok, e->tok, true);
+    lethe_stopstr_init(&q->stop, q->stop_list);
+    q->t_submit = lethe_time_s();
+    return q;
+}
+
+void eng_req_free(eng_req *q) {
+    if (!q) return;
+    free(q->r.tokens);
+    free(q->r.blocks);
+    for (int i = 0; i < LETHE_MAX_STOP; i++) free(q->stop_copy[i]);
+    free(q->forced);
+    lethe_stopstr_free(&q->stop);
+    free(q);
+}
+
+void eng_admit(lethe_engine *e, eng_req *q) {
+    if ((uint64_t)e->n_live + 1 > e->n_buckets) { /* grow the id table */
+        uint64_t nb = e->n_buckets * 2;
+        eng_req **old = e->table;
+        uint64_t ob = e->n_buckets;
+        e->table = lethe_xcalloc(nb, sizeof(*e->table));
+        e->n_buckets = nb;
+        for (uint64_t i = 0; i < ob; i++)
+            for (eng_req *x = old[i], *next; x; x = next) {
+                next = x->hnext;
+                uint64_t b = bucket(e, x->r.id);
+                x->hnext = e->table[b];
+                e->table[b] = x;
+            }
+        free(old);
+    }
+    uint64_t b = bucket(e, q->r.id);
+    q->hnext = e->table[b];
+    e->table[b] = q;
+    e->n_live++;
+    e->stats.prompt_tokens_total += q->r.n_prompt;
+    lethe_sched_add(e->sched, &q->r);
+}
+
+/* Final event without a token (abort, error), then the request is gone. */
+void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error) {
+    lethe_event ev = {0};
+    ev.request_id = q->r.id;
+    ev.text = "";
+    ev.finished = true;
+    ev.finish_reason = why;
+    ev.error = error;
+    ev.prompt_tokens = q->r.n_prompt;
+    ev.completion_tokens = q->r.n_tokens - q->r.n_prompt;
+    ev.cached_tokens = q->r.cached_tokens;
+    ev.ttft_s = q->has_ttft ? q->ttft : 0.0;
+    eng_retire(e, q);
+    if (q->cb) q->cb(q->user, &ev);
+    eng_req_free(q);
+}
+
+/* Out of the scheduler (KV freed) and the id table; the caller frees q. */
+void eng_retire(lethe_engine *e, eng_req *q) {
+    if (q->r.state != LETHE_REQ_FINISHED) lethe_sched_remove(e->sched, &q->r);
+    table_remove(e, q);
+    e->stats.n_requests_finished++;
+}
+
+/* ---- synchronous API ---- */
+
+int lethe_engine_add_request(lethe_engine *e, const lethe_request_params *p, uint64_t *id_out) {
+    lethe_status st = eng_validate(e, p);
+    if (st != LETHE_OK) return st;
+    eng_req *q = eng_req_new(e, p);
+    if (id_out) *id_out = q->r.id;
+    eng_admit(e, q);
+    return LETHE_OK;
+}
+
+int lethe_engine_abort(lethe_engine *e, uint64_t id) {
+    eng_req *q = eng_find(e, id);
+    if (!q) return lethe_errorf(LETHE_ERR_NOT_FOUND, "abort: no live request %llu", (unsigned long long)id);
+    eng_finish(e, q, LETHE_FINISH_ABORT, NULL);
+    eng_publish_stats(e);
+    return LETHE_OK;
+}
+
+bool lethe_engine_has_work(const lethe_engine *e) {
+    return lethe_sched_has_work(e->sched) || lethe_queue_pending((lethe_queue *)&e->q) > 0;
+}
+
+int lethe_engine_step(lethe_engine *e) {
+    if (e->thread_running)
+        return lethe_errorf(LETHE_ERR_BUSY, "lethe_engine_step: the engine thread is running (threaded mode)");
+    return eng_step(e);
+}
+
+/* Applies queued submissions, then queued cancels (threaded mode and
+ * lethe_engine_cancel from a callback). */
+void eng_apply_inbox(lethe_engine *e) {
+    void **items;
+    uint64_t *ids;
+    int32_t n_items, n_ids;
+    lethe_queue_drain(&e->q, &items, &n_items, &ids, &n_ids);
+    for (int32_t i = 0; i < n_items; i++) eng_admit(e, items[i]);
+    for (int32_t i = 0; i < n_ids; i++) {
+        eng_req *q = eng_find(e, ids[i]);
+        if (q) eng_finish(e, q, LETHE_FINISH_ABORT, NULL);
+    }
+    free(items);
+    free(ids);
+}
+
+/* ---- stats, checks ---- */
+
+void eng_publish_stats(lethe_engine *e) {
+    lethe_engine_stats *s = &e->stats;
+    s->n_running = lethe_sched_n_running(e->sched);
+    s->n_waiting = lethe_sched_n_waiting(e->sched);
+    int32_t n_sp = lethe_kv_n_spaces(e->pool);
+    int64_t reclaim = e->radix ? lethe_radix_reclaimable(e->radix) * n_sp : 0;
+    s->kv_slots_used = s->kv_slots_total - lethe_kv_total_free(e->pool) - reclaim;
+    s->kv_usage = s->kv_slots_total ? (double)s->kv_slots_used / (double)s->kv_slots_total : 0.0;
+    const lethe_sched_stats *ss = lethe_sched_get_stats(e->sched);
+    s->prefix_queries_tokens = ss->prefix_queries_tokens;
+    s->prefix_hit_tokens = ss->prefix_hit_tokens;
+    s->n_preemptions = ss->n_preemptions;
+    pthread_mutex_lock(&e->stats_mu);
+    e->stats_snap = *s;
+    pthread_mutex_unlock(&e->stats_mu);
+}
+
+void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out) {
+    pthread_mutex_lock(&e->stats_mu);
+    *out = e->stats_snap;
+    pthread_mutex_unlock(&e->stats_mu);
+    out->n_waiting += lethe_queue_pending(&e->q);
+}
+
+lethe_status eng_check(lethe_engine *e) {
+    lethe_kv_holder h;
+    lethe_status st;
+    if (e->radix) {
+        h = lethe_radix_holder(e->radix);
+        st = lethe_kv_check(e->pool, &h, 1);
+        if (st == LETHE_OK) st = lethe_radix_check(e->radix);
+    } else {
+        st = lethe_kv_check(e->pool, NULL, 0);
+    }
+    if (st != LETHE_OK) return st;
+    /* every running request owns a live row; waiting ones own nothing */
+    int32_t n_run = lethe_sched_n_running(e->sched);
+    for (int32_t i = 0; i < n_run; i++) {
+        const lethe_req *r = lethe_sched_running_at(e->sched, i);
+        if (!lethe_kv_row_in_use(e->pool, r->row))
+            return lethe_errorf(LETHE_ERR_INVALID, "engine check: running request %llu has no KV row",
+                                (unsigned long long)r->id);
+        if (!lethe_kv_per_layer(e->pool) && lethe_kv_row_len(e->pool, 0, r->row) != r->n_computed)
+            return lethe_errorf(LETHE_ERR_INVALID, "engine check: request %llu: row holds %d tokens, %d computed",
+                                (unsigned long long)r->id, lethe_kv_row_len(e->pool, 0, r->row), r->n_computed);
+    }
+    int32_t rows = 0;
+    for (int32_t row = 0; row < lethe_kv_max_rows(e->pool); row++) rows += lethe_kv_row_in_use(e->pool, row);
+    if (rows != n_run)
+        return lethe_errorf(LETHE_ERR_INVALID, "engine check: %d KV rows in use for %d running requests", rows, n_run);
+    return LETHE_OK;
+}
+
+/* ---- accessors ---- */
+
+int32_t lethe_engine_max_model_len(const lethe_engine *e) { return e->max_model_len; }
+const char *lethe_engine_model_name(const lethe_engine *e) { return e->model_name; }
+
+/* ---- destroy ---- */
+
+void lethe_engine_destroy(lethe_engine *e) {
+    if (!e) return;
+    lethe_engine_stop(e);
+    if (e->sched) {
+        /* requests still queued or live end with ABORT so callers are released */
+        if (e->table) eng_apply_inbox(e);
+        for (uint64_t b = 0; e->table && b < e->n_buckets; b++)
+            while (e->table[b]) eng_finish(e, e->table[b], LETHE_FINISH_ABORT, NULL);
+    } else {
+        void **items;
+        uint64_t *ids;
+        int32_t n_items, n_ids;
+        lethe_queue_drain(&e->q, &items, &n_items, &ids, &n_ids);
+        for (int32_t i = 0; i < n_items; i++) eng_req_free(items[i]);
+        free(items);
+        free(ids);
+    }
+    lethe_sched_destroy(e->sched);
+    lethe_radix_destroy(e->radix);
+    lethe_sparse_destroy(e->method);
+    if (e->runner.destroy) e->runner.destroy(e->runner.ctx);
+    lethe_kv_pool_destroy(e->pool);
+    if (e->runner.be) lethe_backend_destroy(e->runner.be);
+    lethe_tokenizer_free(e->tok);
+    lethe_sampler_ws_free(&e->sws);
+    free(e->table);
+    free(e->b_tokens);
+    free(e->b_pos);
+    free(e->b_seq_begin);
+    free(e->b_logit_rows);
+    free(e->seqs);
+    free(e->seq_req);
+    free(e->store);
+    free(e->sel);
+    free(e->sel_begin);
+    free(e->scores);
+    free(e->logits);
+    free(e->detok_buf);
+    lethe_queue_destroy(&e->q);
+    pthread_mutex_destroy(&e->stats_mu);
+    free(e->model_path);
+    free(e->model_name);
+    free(e->sparse_method);
+    free(e->sparse_config);
+    free(e->load_format);
+    free(e->device);
+    free(e);
+}

@@ -1,0 +1,124 @@
+/* engine_internal.h - the engine's state, shared by its files:
+ *
+ *   engine_create.c  lethe_engine_create (backend, model, tokenizer) and the
+ *                    tokenizer-facing API (tokenize, chat, detokenize)
+ *   engine.c         construction from a runner, requests (validate, add,
+ *                    abort), stats, destroy
+ *   engine_step.c    one step: schedule, build the batch, forward with the
+ *                    plan_layer hooks routed through the sparse method,
+ *                    sample, detokenize, stop checks, events
+ *   engine_thread.c  threaded mode: start/stop/submit/cancel
+ *
+ * Ownership: in threaded mode the engine thread owns everything below except
+ * `q` (the inbox, its own mutex), `stats_mu`/`stats_snap` and the immutable
+ * fields set at create (limits, vocab, tokenizer), which validation reads
+ * from any thread. */
+#ifndef LETHE_ENGINE_INTERNAL_H
+#define LETHE_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "cache/radix.h"
+#include "engine/queue.h"
+#include "engine/runner.h"
+#include "engine/sampler.h"
+#include "engine/stopstr.h"
+#include "kv/kv_pool.h"
+#include "lethe.h"
+#include "sched/scheduler.h"
+#include "sparse/sparse.h"
+#include "tokenizer/tokenizer.h"
+
+/* One request: the scheduler's part first, then the engine's. */
+typedef struct eng_req {
+    lethe_req r;                      /* must stay first */
+    lethe_sampling_params sp;         /* sp.stop[] points at stop_copy */
+    char *stop_copy[LETHE_MAX_STOP];
+    const char *stop_list[LETHE_MAX_STOP + 1]; /* NULL-terminated, for stopstr */
+    lethe_event_cb cb;
+    void *user;
+    int32_t *forced;
+    int32_t n_forced;
+    bool want_logits;
+    int32_t max_total;                /* finish LENGTH when n_tokens reaches this */
+    lethe_rng rng;
+    lethe_detok detok;
+    lethe_stopstr stop;
+    double t_submit, ttft;
+    bool has_ttft;
+    struct eng_req *hnext;            /* id table chain */
+} eng_req;
+
+struct lethe_engine {
+    lethe_engine_params p;            /* strings below are owned copies */
+    char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
+    int32_t max_model_len, n_vocab;
+    lethe_runner runner;
+    lethe_tokenizer *tok;             /* NULL: token ids only (dummy models, fake runner) */
+    size_t detok_cap;                 /* text buffer for one token */
+    char *detok_buf;
+
+    lethe_kv_pool *pool;
+    lethe_radix *radix;               /* NULL: prefix caching off or not valid for the method */
+    lethe_sparse_method *method;
+    lethe_sched *sched;
+    lethe_sampler_ws sws;
+
+    /* live requests by id */
+    eng_req **table;
+    uint64_t n_buckets;
+    int32_t n_live;
+    atomic_uint_fast64_t next_id;
+
+    /* step scratch (host) */
+    int64_t step_index;
+    int32_t cap_rows, cap_seqs;
+    int32_t *b_tokens, *b_pos, *b_seq_begin, *b_logit_rows;
+    lethe_sparse_seq *seqs;
+    eng_req **seq_req;                /* [cap_seqs] */
+    int32_t *store;                   /* [cap_rows] store slots of the current layer */
+    int32_t *sel, *sel_begin;         /* selection of the current layer */
+    int64_t cap_sel;
+    float *scores;
+    size_t cap_scores;
+    float *logits;                    /* [cap_logits, n_vocab] */
+    int32_t cap_logits;
+    lethe_sparse_step st;
+    lethe_fwd_batch batch;
+
+    /* counters (engine thread) and the snapshot other threads read */
+    lethe_engine_stats stats;
+    pthread_mutex_t stats_mu;
+    lethe_engine_stats stats_snap;
+
+    /* threaded mode */
+    lethe_queue q;
+    pthread_t thread;
+    bool thread_running;
+    atomic_bool stop_flag;
+};
+
+/* Builds an engine around a runner and an optional tokenizer, both taken
+ * over (also on failure): the engine destroys the runner, then the KV pool,
+ * then runner->be (the backend), then the tokenizer. p->model is only used
+ * as a name and in the prefix-cache fingerprint. */
+int lethe_engine_create_with(const lethe_engine_params *p, lethe_runner *runner,
+                             lethe_tokenizer *tok, lethe_engine **out);
+
+/* engine.c */
+lethe_status eng_validate(const lethe_engine *e, const lethe_request_params *p);
+eng_req *eng_req_new(lethe_engine *e, const lethe_request_params *p);
+void eng_req_free(eng_req *q);
+void eng_admit(lethe_engine *e, eng_req *q); /* into the table and the scheduler */
+eng_req *eng_find(lethe_engine *e, uint64_t id);
+void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error);
+void eng_retire(lethe_engine *e, eng_req *q);
+void eng_publish_stats(lethe_engine *e);
+lethe_status eng_check(lethe_engine *e);
+void eng_apply_inbox(lethe_engine *e);
+
+/* engine_step.c */
+int eng_step(lethe_engine *e);
+
+#endif /* LETHE_ENGINE_INTERNAL_H */

@@ -1,0 +1,277 @@
+/* engine_step.c - one engine step, from the scheduler's plan to events.
+ *
+ *   1. inbox: queued submissions and cancels (cancelled KV is freed here,
+ *      before anything is scheduled)
+ *   2. lethe_sched_schedule: which requests, how many tokens, slots appended
+ *      to their rows (sched/scheduler.c)
+ *   3. the batch: tokens, logical positions, sequence boundaries, the rows
+ *      whose logits are wanted (last row of chunks that reach the end)
+ *   4. method->prepare, runner->forward; inside, per layer, plan_layer()
+ *      answers "where do the new K/V go and what does attention read" by
+ *      asking the sparse method for each sequence's selection
+ *      (build_prefill_selection / build_decode_selection), then after_attn +
+ *      layer_end; method->finish_step (eviction) after the forward
+ *   5. lethe_sched_commit: n_computed advances, full blocks go to the cache
+ *   6. per logits row: forced token or lethe_sampler_sample, then EOS / stop
+ *      token / detokenize / stop strings / max_tokens / max_model_len, one
+ *      event per token (the finishing one has finished = true)
+ *   7. invariant check (check_invariants) and the stats snapshot. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "core/util.h"
+#include "engine/engine_internal.h"
+
+static void ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
+    if (n_rows > e->cap_rows) {
+        e->cap_rows = LETHE_MAX(n_rows, 2 * e->cap_rows);
+        e->b_tokens = lethe_xrealloc(e->b_tokens, (size_t)e->cap_rows * sizeof(int32_t));
+        e->b_pos = lethe_xrealloc(e->b_pos, (size_t)e->cap_rows * sizeof(int32_t));
+        e->b_logit_rows = lethe_xrealloc(e->b_logit_rows, (size_t)e->cap_rows * sizeof(int32_t));
+        e->store = lethe_xrealloc(e->store, (size_t)e->cap_rows * sizeof(int32_t));
+    }
+    if (n_seqs > e->cap_seqs) {
+        e->cap_seqs = LETHE_MAX(n_seqs, 2 * e->cap_seqs);
+        e->b_seq_begin = lethe_xrealloc(e->b_seq_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
+        e->sel_begin = lethe_xrealloc(e->sel_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
+        e->seqs = lethe_xrealloc(e->seqs, (size_t)e->cap_seqs * sizeof(*e->seqs));
+        e->seq_req = lethe_xrealloc(e->seq_req, (size_t)e->cap_seqs * sizeof(*e->seq_req));
+    }
+}
+
+/* ---- forward hooks ---- */
+
+static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                       lethe_layer_plan *out) {
+    lethe_engine *e = ctx;
+    lethe_sparse_method *m = e->method;
+    const int32_t sp = lethe_kv_space_of(e->pool, layer);
+    const int32_t n_seqs = e->st.n_seqs;
+    int64_t total = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const lethe_sparse_seq *sq = &e->seqs[s];
+        int32_t len = lethe_kv_row_len(e->pool, sp, sq->row);
+        const int32_t *slots = lethe_kv_row_slots(e->pool, sp, sq->row);
+        LETHE_ASSERT(len >= sq->n_new);
+        /* the new tokens are the row's last entries (appended by the scheduler) */
+        memcpy(e->store + sq->q_row, slots + len - sq->n_new, (size_t)sq->n_new * sizeof(int32_t));
+        total += len;
+    }
+    if (total > e->cap_sel) {
+        e->cap_sel = LETHE_MAX(total, 2 * e->cap_sel);
+        e->sel = lethe_xrealloc(e->sel, (size_t)e->cap_sel * sizeof(int32_t));
+    }
+    int32_t off = 0, max_sel = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const lethe_sparse_seq *sq = &e->seqs[s];
+        int32_t cap = lethe_kv_row_len(e->pool, sp, sq->row);
+        int32_t n = sq->is_prefill
+                        ? m->ops->build_prefill_selection(m, layer, &e->st, s, e->sel + off, cap)
+                        : m->ops->build_decode_selection(m, layer, &e->st, s, q, e->sel + off, cap);
+        LETHE_ASSERT(n >= sq->n_new && n <= cap);
+        if (e->p.check_invariants) {
+            for (int32_t j = 0; j < sq->n_new; j++)
+                LETHE_ASSERT(e->sel[off + n - sq->n_new + j] == e->store[sq->q_row + j]);
+            for (int32_t j = 0; j < n; j++) LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, e->sel[off + j]) > 0);
+        }
+        e->sel_begin[s] = off;
+        off += n;
+        max_sel = LETHE_MAX(max_sel, n);
+    }
+    e->sel_begin[n_seqs] = off;
+    out->store_slots = e->store;
+    out->sel_begin = e->sel_begin;
+    out->sel_slots = e->sel;
+    out->scores = NULL;
+    out->score_stride = 0;
+    if (m->ops->needs_scores && m->ops->needs_scores(m, layer)) {
+        size_t need = (size_t)e->runner.cfg.n_heads * (size_t)b->n_tokens * (size_t)max_sel;
+        if (need > e->cap_scores) {
+            e->cap_scores = LETHE_MAX(need, 2 * e->cap_scores);
+            e->scores = lethe_xrealloc(e->scores, e->cap_scores * sizeof(float));
+        }
+        out->scores = e->scores;
+        out->score_stride = max_sel;
+    }
+}
+
+static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b, const lethe_layer_plan *plan) {
+    lethe_engine *e = ctx;
+    lethe_sparse_method *m = e->method;
+    (void)b;
+    if (m->ops->after_attn) m->ops->after_attn(m, layer, &e->st, plan->scores, plan->score_stride);
+    if (m->ops->layer_end) m->ops->layer_end(m, layer, &e->st);
+}
+
+/* ---- tokens -> events ---- */
+
+static bool is_eos(const lethe_engine *e, int32_t tok) {
+    const lethe_model_config *c = &e->runner.cfg;
+    for (int32_t i = 0; i < c->n_eos_ids; i++)
+        if (c->eos_ids[i] == tok) return true;
+    return e->tok && lethe_tokenizer_is_eog(e->tok, tok);
+}
+
+typedef struct textbuf {
+    char *s;
+    size_t n, cap;
+} textbuf;
+
+static void tb_add(textbuf *t, const char *s, size_t n) {
+    if (t->n + n + 1 > t->cap) {
+        t->cap = LETHE_MAX(t->n + n + 1, 2 * t->cap + 64);
+        t->s = lethe_xrealloc(t->s, t->cap);
+    }
+    memcpy(t->s + t->n, s, n);
+    t->n += n;
+    t->s[t->n] = '\0';
+}
+
+/* detokenized text through the stop-string filter; returns true on a stop string */
+static bool add_text(eng_req *q, textbuf *t, const char *s, size_t n) {
+    if (!q->stop_list[0]) {
+        tb_add(t, s, n);
+        return false;
+    }
+    const char *rel;
+    size_t n_rel;
+    bool hit = lethe_stopstr_push(&q->stop, s, n, &rel, &n_rel);
+    tb_add(t, rel, n_rel);
+    return hit;
+}
+
+static void process_token(lethe_engine *e, eng_req *q, const float *logits, textbuf *text) {
+    lethe_req *r = &q->r;
+    const int32_t n_gen = r->n_tokens - r->n_prompt;
+    lethe_sample_result res;
+    memset(&res, 0, sizeof(res));
+    const bool forced = n_gen < q->n_forced;
+    if (forced) {
+        res.token = q->forced[n_gen];
+        if (q->sp.logprobs >= 0) lethe_sampler_logprobs(logits, e->n_vocab, res.token, q->sp.logprobs, &res);
+    } else {
+        lethe_sampler_sample(&e->sws, &q->sp, &q->rng, logits, r->tokens, r->n_prompt,
+                             r->tokens + r->n_prompt, n_gen, &res);
+    }
+    const int32_t tok = res.token;
+    lethe_req_push_token(r, tok);
+    e->stats.generation_tokens_total++;
+    if (!q->has_ttft) {
+        q->ttft = lethe_time_s() - q->t_submit;
+        q->has_ttft = true;
+    }
+    lethe_finish_reason why = LETHE_FINISH_NONE;
+    bool stop_tok = false;
+    if (!forced) {
+        stop_tok = !q->sp.ignore_eos && is_eos(e, tok);
+        for (int32_t i = 0; i < q->sp.n_stop_token_ids; i++) stop_tok |= q->sp.stop_token_ids[i] == tok;
+    }
+    text->n = 0;
+    tb_add(text, "", 0);
+    bool stop_str = false;
+    if (e->tok && !stop_tok) {
+        size_t n = lethe_detok_push(&q->detok, tok, e->detok_buf, e->detok_cap);
+        stop_str = add_text(q, text, e->detok_buf, n);
+    }
+    if (stop_tok || stop_str) why = LETHE_FINISH_STOP;
+    else if (r->n_tokens >= q->max_total) why = LETHE_FINISH_LENGTH;
+    if (why != LETHE_FINISH_NONE && !stop_str && e->tok) {
+        /* release what was held back: incomplete UTF-8, possible stop-string starts */
+        size_t n = lethe_detok_flush(&q->detok, e->detok_buf, e->detok_cap);
+        if (n && add_text(q, text, e->detok_buf, n)) stop_str = true, why = LETHE_FINISH_STOP;
+        if (!stop_str && q->stop_list[0]) {
+            const char *rel;
+            size_t n_rel;
+            lethe_stopstr_flush(&q->stop, &rel, &n_rel);
+            tb_add(text, rel, n_rel);
+        }
+    }
+    lethe_event ev = {0};
+    ev.request_id = r->id;
+    ev.n_tokens = 1;
+    ev.token = tok;
+    ev.text = text->s;
+    ev.logprob = res.logprob;
+    ev.n_top = res.n_top;
+    ev.top = res.top;
+    ev.finished = why != LETHE_FINISH_NONE;
+    ev.finish_reason = why;
+    ev.prompt_tokens = r->n_prompt;
+    ev.completion_tokens = r->n_tokens - r->n_prompt;
+    ev.cached_tokens = r->cached_tokens;
+    ev.ttft_s = q->ttft;
+    if (q->want_logits) {
+        ev.logits = logits;
+        ev.n_vocab = e->n_vocab;
+    }
+    if (ev.finished) {
+        /* the request leaves before its callback runs, like eng_finish */
+        eng_retire(e, q);
+        if (q->cb) q->cb(q->user, &ev);
+        eng_req_free(q);
+    } else if (q->cb) {
+        q->cb(q->user, &ev);
+    }
+}
+
+/* ---- the step ---- */
+
+int eng_step(lethe_engine *e) {
+    eng_apply_inbox(e);
+    lethe_sched_out out;
+    lethe_sched_schedule(e->sched, &out);
+    for (int32_t i = 0; i < out.n_failed; i++) {
+        eng_req *q = (eng_req *)out.failed[i];
+        LOG_WARN("request %llu: %s", (unsigned long long)q->r.id, q->r.fail_reason);
+        eng_finish(e, q, LETHE_FINISH_ERROR, q->r.fail_reason);
+    }
+    if (out.n_items > 0) {
+        ensure_caps(e, out.n_tokens, out.n_items);
+        int32_t row = 0, n_logits = 0;
+        for (int32_t i = 0; i < out.n_items; i++) {
+            const lethe_sched_item *it = &out.items[i];
+            lethe_req *r = it->req;
+            e->b_seq_begin[i] = row;
+            lethe_sched_seq_view(r, it->n, row, &e->seqs[i]);
+            e->seq_req[i] = (eng_req *)r;
+            for (int32_t j = 0; j < it->n; j++) {
+                e->b_tokens[row] = r->tokens[it->start + j];
+                e->b_pos[row] = it->start + j;
+                row++;
+            }
+            if (it->wants_logits) e->b_logit_rows[n_logits++] = row - 1;
+        }
+        e->b_seq_begin[out.n_items] = row;
+        LETHE_ASSERT(row == out.n_tokens && n_logits <= e->cap_logits);
+        e->batch = (lethe_fwd_batch){.n_tokens = row, .tokens = e->b_tokens, .pos = e->b_pos,
+                                     .n_seqs = out.n_items, .seq_begin = e->b_seq_begin,
+                                     .n_logits = n_logits, .logit_rows = e->b_logit_rows};
+        e->st = (lethe_sparse_step){.index = e->step_index, .n_seqs = out.n_items, .seqs = e->seqs,
+                                    .batch = &e->batch};
+        lethe_sparse_method *m = e->method;
+        if (m->ops->prepare) m->ops->prepare(m, &e->st);
+        lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
+        e->runner.forward(e->runner.ctx, &e->batch, &hooks, e->logits);
+        if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
+        lethe_sched_commit(e->sched, &out);
+        e->stats.n_steps++;
+        e->stats.prefill_tokens_computed += out.n_prefill_tokens;
+        e->step_index++;
+        textbuf text = {0};
+        int32_t k = 0;
+        for (int32_t i = 0; i < out.n_items; i++) {
+            if (!out.items[i].wants_logits) continue;
+            process_token(e, e->seq_req[i], e->logits + (size_t)k * (size_t)e->n_vocab, &text);
+            k++;
+        }
+        free(text.s);
+    }
+    lethe_status st = LETHE_OK;
+    if (e->p.check_invariants) {
+        st = eng_check(e);
+        if (st != LETHE_OK) LOG_ERROR("%s", lethe_last_error());
+    }
+    eng_publish_stats(e);
+    return st;
+}

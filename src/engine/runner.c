@@ -1,0 +1,60 @@
+/* runner.c - the real runner: lethe_model_forward over the KV pool's buffers.
+ *
+ * bind() collects the pool's per-layer K/V buffers (backend memory, one
+ * [n_slots, n_kv_heads, head_dim] pair per layer) and sizes the model's
+ * forward workspace for the step token budget; forward() hands the engine's
+ * hooks straight to the model. The model is owned by the runner; the backend
+ * is owned by the engine (it must outlive the KV pool). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+#include "engine/runner.h"
+
+typedef struct model_runner {
+    lethe_model model;
+    void **k, **v;  /* [n_layers] */
+} model_runner;
+
+static lethe_status mr_bind(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max) {
+    model_runner *mr = ctx;
+    int32_t L = mr->model.cfg.n_layers;
+    LETHE_ASSERT(lethe_kv_n_layers(pool) == L);
+    mr->k = lethe_xcalloc((size_t)L, sizeof(void *));
+    mr->v = lethe_xcalloc((size_t)L, sizeof(void *));
+    for (int32_t l = 0; l < L; l++) {
+        mr->k[l] = lethe_kv_k(pool, l);
+        mr->v[l] = lethe_kv_v(pool, l);
+        LETHE_ASSERT(mr->k[l] && mr->v[l]);
+    }
+    return lethe_model_workspace_init(&mr->model, n_tokens_max);
+}
+
+static void mr_forward(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks, float *logits) {
+    model_runner *mr = ctx;
+    lethe_model_forward(&mr->model, b, mr->k, mr->v, hooks, logits);
+}
+
+static void mr_destroy(void *ctx) {
+    model_runner *mr = ctx;
+    if (!mr) return;
+    lethe_model_free(&mr->model);
+    free(mr->k);
+    free(mr->v);
+    free(mr);
+}
+
+lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_runner *out) {
+    memset(out, 0, sizeof(*out));
+    model_runner *mr = lethe_xcalloc(1, sizeof(*mr));
+    mr->model = *model;
+    memset(model, 0, sizeof(*model));
+    out->ctx = mr;
+    out->kind = "model";
+    out->cfg = mr->model.cfg;
+    out->be = be;
+    out->bind = mr_bind;
+    out->forward = mr_forward;
+    out->destroy = mr_destroy;
+    return LETHE_OK;
+}
