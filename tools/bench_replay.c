@@ -1,11 +1,626 @@
-/* bench_replay.c - placeholder until its issue lands; replaced by the real benchmark. */
+/* bench_replay.c - `lethe bench replay`: multi-turn agent-trace replay
+ * against an OpenAI-compatible server, comparing prefix-cache modes.
+ *
+ * Each agent of the trace (src/bench/trace.h: a JSONL file, or generated
+ * with the synthetic coding-agent generator) is a conversation: per turn the
+ * client appends the turn's messages, sends a streaming chat request whose
+ * reply is FORCED (forced_token_ids = the trace's reply, tokenized once by
+ * the server's /tokenize before timing starts; max_tokens = its length,
+ * ignore_eos), appends the reply as the assistant message, then waits the
+ * turn's tool time (x --wait-scale) before the next turn. Every
+ * configuration therefore does exactly the same work. --concurrency agents
+ * run at once (rolling: a worker takes the next agent when one ends).
+ *
+ * Client modes: "full" sends the whole conversation every turn (radix
+ * prefix cache or no cache); "chain" sends chain_id + chain_append_start so
+ * the server continues the conversation's resident KV (a 410 is retried once
+ * as a full prompt without chain_id, as the anchor's clients do).
+ *
+ * --configs method-cache,... (cache = radix | chain | nocache) starts
+ * `lethe serve` per configuration (this binary), waits for /health, replays,
+ * stops it; without --configs one replay runs against --base-url.
+ * Reported per configuration: end-to-end time, per-turn TTFT percentiles,
+ * prompt tokens, tokens reused (usage.prompt_tokens_details.cached_tokens)
+ * vs computed, chain statuses, and the server's prefill counter delta. */
+#include <cjson/cJSON.h>
+#include <curl/curl.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
+#include "bench/trace.h"
 #include "commands.h"
+#include "core/util.h"
+#include "eval/bench_serve.h"
+#include "options.h"
+
+typedef struct rp_opts {
+    const char *trace_path, *write_trace, *base_url, *mode, *configs, *model, *serve_args, *result_json;
+    const char *sparse_config;
+    lethe_trace_gen_params gen;
+    bool generate;
+    int32_t concurrency, port, timeout_s;
+    float wait_scale;
+    uint64_t seed;
+} rp_opts;
+
+/* one turn's outcome */
+typedef struct rp_turn_rec {
+    bool ok;
+    double ttft, e2e;
+    int32_t prompt_tokens, cached_tokens, completion_tokens;
+    int status;                /* chain status: 0 created, 1 resumed, 2 recreated, -1 none */
+    bool retried_gone;
+} rp_turn_rec;
+
+typedef struct rp_run {
+    const rp_opts *o;
+    const lethe_trace *t;
+    char base[256];
+    int32_t **forced;          /* [n_turns] forced ids */
+    int32_t *n_forced;
+    rp_turn_rec *recs;         /* [n_turns] */
+    bool chain;
+    pthread_mutex_t mu;
+    int32_t next_agent;
+    char first_error[512];
+} rp_run;
+
+/* ---- HTTP ---- */
+
+typedef struct membuf {
+    char *p;
+    size_t n;
+} membuf;
+
+static size_t mem_write(char *p, size_t sz, size_t nm, void *u) {
+    membuf *b = u;
+    size_t k = sz * nm;
+    b->p = lethe_xrealloc(b->p, b->n + k + 1);
+    memcpy(b->p + b->n, p, k);
+    b->n += k;
+    b->p[b->n] = 0;
+    return k;
+}
+
+/* GET or POST (body != NULL); returns the body (malloc'd) and *code (0 = no answer) */
+static char *http(const char *base, const char *path, const char *body, long *code, long timeout_s) {
+    char url[512];
+    snprintf(url, sizeof(url), "%s%s", base, path);
+    CURL *h = curl_easy_init();
+    membuf b = {0};
+    struct curl_slist *hd = curl_slist_append(NULL, "Content-Type: application/json");
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, mem_write);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &b);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT, timeout_s);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    if (body) {
+        curl_easy_setopt(h, CURLOPT_HTTPHEADER, hd);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    }
+    *code = 0;
+    if (curl_easy_perform(h) == CURLE_OK) curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, code);
+    curl_slist_free_all(hd);
+    curl_easy_cleanup(h);
+    return b.p;
+}
+
+/* ---- one streamed turn ---- */
+
+typedef struct stream_ctx {
+    lethe_sse sse;
+    double t0, t_first;
+    bool got_first, done;
+    int32_t prompt, cached, completion;
+    char chain_id[64], chain_status[16];
+    char error[300];
+    membuf head;              /* non-SSE error bodies */
+} stream_ctx;
+
+static void on_event(void *user, const char *data, size_t len) {
+    stream_ctx *c = user;
+    if (len == 6 && !memcmp(data, "[DONE]", 6)) {
+        c->done = true;
+        return;
+    }
+    cJSON *j = cJSON_ParseWithLength(data, len);
+    if (!j) return;
+    const cJSON *cid = cJSON_GetObjectItemCaseSensitive(j, "chain_id");
+    const cJSON *cst = cJSON_GetObjectItemCaseSensitive(j, "chain_status");
+    if (cJSON_IsString(cid)) snprintf(c->chain_id, sizeof(c->chain_id), "%s", cid->valuestring);
+    if (cJSON_IsString(cst)) snprintf(c->chain_status, sizeof(c->chain_status), "%s", cst->valuestring);
+    const cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "error");
+    if (err) {
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(err, "message");
+        snprintf(c->error, sizeof(c->error), "%s", cJSON_IsString(m) ? m->valuestring : "error");
+    }
+    const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "choices"), 0);
+    if (ch && !c->got_first) {
+        const cJSON *d = cJSON_GetObjectItemCaseSensitive(ch, "delta");
+        const cJSON *ct = d ? cJSON_GetObjectItemCaseSensitive(d, "content") : NULL;
+        if (cJSON_IsString(ct) && ct->valuestring[0]) {
+            c->got_first = true;
+            c->t_first = lethe_time_s();
+        }
+    }
+    const cJSON *u = cJSON_GetObjectItemCaseSensitive(j, "usage");
+    if (cJSON_IsObject(u)) {
+        const cJSON *pt = cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens");
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(u, "completion_tokens");
+        const cJSON *det = cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens_details");
+        const cJSON *cc = det ? cJSON_GetObjectItemCaseSensitive(det, "cached_tokens") : NULL;
+        if (cJSON_IsNumber(pt)) c->prompt = (int32_t)pt->valuedouble;
+        if (cJSON_IsNumber(ct)) c->completion = (int32_t)ct->valuedouble;
+        if (cJSON_IsNumber(cc)) c->cached = (int32_t)cc->valuedouble;
+    }
+    cJSON_Delete(j);
+}
+
+static size_t on_bytes(char *p, size_t sz, size_t nm, void *u) {
+    stream_ctx *c = u;
+    size_t k = sz * nm;
+    if (c->head.n < 1024) mem_write(p, 1, LETHE_MIN(k, 1024 - c->head.n), &c->head);
+    lethe_sse_feed(&c->sse, p, k, on_event, c);
+    return k;
+}
+
+/* POST one streaming chat request; returns the HTTP code (0: no answer) */
+static long post_stream(const rp_run *R, const char *body, stream_ctx *c) {
+    char url[512];
+    snprintf(url, sizeof(url), "%s/v1/chat/completions", R->base);
+    CURL *h = curl_easy_init();
+    struct curl_slist *hd = curl_slist_append(NULL, "Content-Type: application/json");
+    lethe_sse_init(&c->sse);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hd);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_bytes);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, c);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT, (long)R->o->timeout_s);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    c->t0 = lethe_time_s();
+    long code = 0;
+    CURLcode rc = curl_easy_perform(h);
+    if (rc == CURLE_OK) curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    else snprintf(c->error, sizeof(c->error), "%s", curl_easy_strerror(rc));
+    curl_slist_free_all(hd);
+    curl_easy_cleanup(h);
+    lethe_sse_free(&c->sse);
+    return code;
+}
+
+static void note_error(rp_run *R, const char *fmt, const char *a, long code, const char *msg) {
+    pthread_mutex_lock(&R->mu);
+    if (!R->first_error[0]) snprintf(R->first_error, sizeof(R->first_error), fmt, a, code, msg);
+    pthread_mutex_unlock(&R->mu);
+}
+
+static void replay_agent(rp_run *R, int32_t a) {
+    const lethe_trace *t = R->t;
+    cJSON *msgs = cJSON_CreateArray();
+    char chain_id[64] = "";
+    int32_t covered = 0; /* messages the chain has seen (incl. its last reply) */
+    for (int32_t i = t->agent_first[a]; i < t->agent_first[a + 1]; i++) {
+        const lethe_trace_turn *u = &t->turns[i];
+        int32_t n_app = 0;
+        lethe_trace_msg *app = lethe_trace_turn_messages(t, u, R->o->seed, &n_app);
+        for (int32_t k = 0; k < n_app; k++) {
+            cJSON *m = cJSON_CreateObject();
+            cJSON_AddStringToObject(m, "role", app[k].role);
+            cJSON_AddStringToObject(m, "content", app[k].content);
+            cJSON_AddItemToArray(msgs, m);
+            lethe_trace_msg_free(&app[k]);
+        }
+        free(app);
+        rp_turn_rec *rec = &R->recs[i];
+        rec->status = -1;
+        for (int attempt = 0; attempt < 2; attempt++) {
+            cJSON *req = cJSON_CreateObject();
+            cJSON_AddStringToObject(req, "model", "replay");
+            cJSON_AddItemReferenceToObject(req, "messages", msgs);
+            cJSON_AddNumberToObject(req, "max_tokens", R->n_forced[i]);
+            cJSON *f = cJSON_AddArrayToObject(req, "forced_token_ids");
+            for (int32_t k = 0; k < R->n_forced[i]; k++) cJSON_AddItemToArray(f, cJSON_CreateNumber(R->forced[i][k]));
+            cJSON_AddNumberToObject(req, "temperature", 0);
+            cJSON_AddBoolToObject(req, "ignore_eos", true);
+            cJSON_AddBoolToObject(req, "stream", true);
+            cJSON_AddItemToObject(req, "stream_options", cJSON_CreateObject());
+            cJSON_AddBoolToObject(cJSON_GetObjectItem(req, "stream_options"), "include_usage", true);
+            if (R->chain) {
+                if (chain_id[0]) {
+                    cJSON_AddStringToObject(req, "chain_id", chain_id);
+                    cJSON_AddNumberToObject(req, "chain_append_start", covered);
+                } else {
+                    cJSON_AddNullToObject(req, "chain_id");
+                }
+            }
+            char *body = cJSON_PrintUnformatted(req);
+            cJSON_Delete(req);
+            stream_ctx c = {0};
+            long code = post_stream(R, body, &c);
+            free(body);
+            double t_end = lethe_time_s();
+            if (code == 410 && R->chain && attempt == 0) { /* reclaimed: once more as a new chain */
+                chain_id[0] = 0;
+                rec->retried_gone = true;
+                free(c.head.p);
+                continue;
+            }
+            rec->ok = code == 200 && c.done && !c.error[0] && c.got_first;
+            if (!rec->ok) {
+                note_error(R, "agent %s: HTTP %ld: %s", t->agent_names[a], code,
+                           c.error[0] ? c.error : (c.head.p ? c.head.p : "no response"));
+            }
+            rec->ttft = c.got_first ? c.t_first - c.t0 : NAN;
+            rec->e2e = t_end - c.t0;
+            rec->prompt_tokens = c.prompt;
+            rec->cached_tokens = c.cached;
+            rec->completion_tokens = c.completion;
+            if (c.chain_status[0])
+                rec->status = !strcmp(c.chain_status, "created") ? 0 : !strcmp(c.chain_status, "resumed") ? 1 : 2;
+            if (c.chain_id[0]) snprintf(chain_id, sizeof(chain_id), "%s", c.chain_id);
+            free(c.head.p);
+            break;
+        }
+        if (!rec->ok) break; /* the conversation cannot continue */
+        char *out = lethe_trace_turn_output(t, u, R->o->seed);
+        cJSON *m = cJSON_CreateObject();
+        cJSON_AddStringToObject(m, "role", "assistant");
+        cJSON_AddStringToObject(m, "content", out);
+        cJSON_AddItemToArray(msgs, m);
+        free(out);
+        covered = cJSON_GetArraySize(msgs);
+        double w = u->wait_s * R->o->wait_scale;
+        if (w > 0 && i + 1 < t->agent_first[a + 1]) {
+            struct timespec ts = {.tv_sec = (time_t)w, .tv_nsec = (long)((w - floor(w)) * 1e9)};
+            nanosleep(&ts, NULL);
+        }
+    }
+    cJSON_Delete(msgs);
+}
+
+static void *worker(void *arg) {
+    rp_run *R = arg;
+    for (;;) {
+        pthread_mutex_lock(&R->mu);
+        int32_t a = R->next_agent < R->t->n_agents ? R->next_agent++ : -1;
+        pthread_mutex_unlock(&R->mu);
+        if (a < 0) return NULL;
+        replay_agent(R, a);
+    }
+}
+
+/* forced reply ids for every turn through /tokenize (before timing) */
+static int tokenize_outputs(rp_run *R) {
+    const lethe_trace *t = R->t;
+    R->forced = lethe_xcalloc((size_t)t->n_turns, sizeof(int32_t *));
+    R->n_forced = lethe_xcalloc((size_t)t->n_turns, sizeof(int32_t));
+    for (int32_t i = 0; i < t->n_turns; i++) {
+        char *out = lethe_trace_turn_output(t, &t->turns[i], R->o->seed);
+        cJSON *b = cJSON_CreateObject();
+        cJSON_AddStringToObject(b, "prompt", out);
+        cJSON_AddBoolToObject(b, "add_special_tokens", false);
+        char *body = cJSON_PrintUnformatted(b);
+        cJSON_Delete(b);
+        free(out);
+        long code;
+        char *res = http(R->base, "/tokenize", body, &code, 60);
+        free(body);
+        cJSON *j = res ? cJSON_Parse(res) : NULL;
+        const cJSON *toks = j ? cJSON_GetObjectItemCaseSensitive(j, "tokens") : NULL;
+        int n = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
+        if (code != 200 || n == 0) {
+            fprintf(stderr, "lethe bench replay: POST %s/tokenize gave HTTP %ld: %.200s\n", R->base, code,
+                    res ? res : "no response");
+            cJSON_Delete(j);
+            free(res);
+            return -1;
+        }
+        R->forced[i] = lethe_xmalloc((size_t)n * sizeof(int32_t));
+        R->n_forced[i] = n;
+        int k = 0;
+        const cJSON *x;
+        cJSON_ArrayForEach(x, toks) R->forced[i][k++] = (int32_t)x->valuedouble;
+        cJSON_Delete(j);
+        free(res);
+    }
+    return 0;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double pct(const double *s, int32_t n, double p) {
+    if (n == 0) return NAN;
+    double r = p / 100.0 * (n - 1);
+    int32_t lo = (int32_t)floor(r), hi = (int32_t)ceil(r);
+    return s[lo] + (s[hi] - s[lo]) * (r - lo);
+}
+
+static double metric(const char *base, const char *name) {
+    long code;
+    char *t = http(base, "/metrics", NULL, &code, 30);
+    double v = NAN;
+    if (t && code == 200 && !lethe_bs_prom_sum(t, name, &v)) v = NAN;
+    free(t);
+    return v;
+}
+
+/* one replay against a running server; adds a result object to arr */
+static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base, const char *label, bool chain,
+                       cJSON *arr) {
+    rp_run R = {.o = o, .t = t, .chain = chain};
+    snprintf(R.base, sizeof(R.base), "%s", base);
+    pthread_mutex_init(&R.mu, NULL);
+    if (tokenize_outputs(&R) != 0) return -1;
+    R.recs = lethe_xcalloc((size_t)t->n_turns, sizeof(*R.recs));
+    double pf0 = metric(base, "prefill_tokens_computed_total");
+    int32_t C = o->concurrency > 0 ? LETHE_MIN(o->concurrency, t->n_agents) : t->n_agents;
+    pthread_t *th = lethe_xmalloc((size_t)C * sizeof(pthread_t));
+    double t0 = lethe_time_s();
+    for (int32_t i = 0; i < C; i++) pthread_create(&th[i], NULL, worker, &R);
+    for (int32_t i = 0; i < C; i++) pthread_join(th[i], NULL);
+    double wall = lethe_time_s() - t0;
+    double pf1 = metric(base, "prefill_tokens_computed_total");
+    free(th);
+    int64_t prompt = 0, cached = 0, completion = 0;
+    int32_t ok = 0, st[3] = {0}, gone = 0;
+    double *tt = lethe_xmalloc((size_t)t->n_turns * sizeof(double));
+    int32_t nt = 0;
+    for (int32_t i = 0; i < t->n_turns; i++) {
+        const rp_turn_rec *r = &R.recs[i];
+        if (!r->ok) continue;
+        ok++;
+        prompt += r->prompt_tokens;
+        cached += r->cached_tokens;
+        completion += r->completion_tokens;
+        if (r->status >= 0) st[r->status]++;
+        gone += r->retried_gone;
+        if (isfinite(r->ttft)) tt[nt++] = r->ttft;
+    }
+    qsort(tt, (size_t)nt, sizeof(double), cmp_d);
+    double mean = 0;
+    for (int32_t i = 0; i < nt; i++) mean += tt[i] / nt;
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddStringToObject(r, "config", label);
+    cJSON_AddStringToObject(r, "client_mode", chain ? "chain" : "full");
+    cJSON_AddNumberToObject(r, "agents", t->n_agents);
+    cJSON_AddNumberToObject(r, "turns", t->n_turns);
+    cJSON_AddNumberToObject(r, "turns_ok", ok);
+    cJSON_AddNumberToObject(r, "concurrency", C);
+    cJSON_AddNumberToObject(r, "wait_scale", o->wait_scale);
+    cJSON_AddNumberToObject(r, "end_to_end_s", wall);
+    cJSON_AddNumberToObject(r, "mean_ttft_ms", nt ? mean * 1e3 : NAN);
+    cJSON_AddNumberToObject(r, "p50_ttft_ms", pct(tt, nt, 50) * 1e3);
+    cJSON_AddNumberToObject(r, "p90_ttft_ms", pct(tt, nt, 90) * 1e3);
+    cJSON_AddNumberToObject(r, "p99_ttft_ms", pct(tt, nt, 99) * 1e3);
+    cJSON_AddNumberToObject(r, "prompt_tokens", (double)prompt);
+    cJSON_AddNumberToObject(r, "reused_tokens", (double)cached);
+    cJSON_AddNumberToObject(r, "computed_prompt_tokens", (double)(prompt - cached));
+    cJSON_AddNumberToObject(r, "output_tokens", (double)completion);
+    if (isfinite(pf0) && isfinite(pf1)) cJSON_AddNumberToObject(r, "server_prefill_tokens_computed", pf1 - pf0);
+    cJSON_AddNumberToObject(r, "chains_created", st[0]);
+    cJSON_AddNumberToObject(r, "chains_resumed", st[1]);
+    cJSON_AddNumberToObject(r, "chains_recreated", st[2]);
+    cJSON_AddNumberToObject(r, "chains_gone_retried", gone);
+    if (R.first_error[0]) cJSON_AddStringToObject(r, "first_error", R.first_error);
+    cJSON_AddItemToArray(arr, r);
+    printf("%-22s %8.2f s  turns %d/%d  TTFT p50 %8.1f p90 %8.1f p99 %8.1f ms  prompt %lld reused %lld computed %lld\n",
+           label, wall, ok, t->n_turns, pct(tt, nt, 50) * 1e3, pct(tt, nt, 90) * 1e3, pct(tt, nt, 99) * 1e3,
+           (long long)prompt, (long long)cached, (long long)(prompt - cached));
+    if (R.first_error[0]) printf("  first error: %s\n", R.first_error);
+    fflush(stdout);
+    free(tt);
+    for (int32_t i = 0; i < t->n_turns; i++) free(R.forced[i]);
+    free(R.forced);
+    free(R.n_forced);
+    free(R.recs);
+    pthread_mutex_destroy(&R.mu);
+    return ok == t->n_turns ? 0 : 1;
+}
+
+/* ---- server per configuration ---- */
+
+static pid_t start_server(const rp_opts *o, const char *method, const char *cache) {
+    char port[16];
+    snprintf(port, sizeof(port), "%d", o->port);
+    const char *argv[64];
+    int n = 0;
+    argv[n++] = "/proc/self/exe";
+    argv[n++] = "serve";
+    argv[n++] = "--model";
+    argv[n++] = o->model;
+    argv[n++] = "--port";
+    argv[n++] = port;
+    argv[n++] = "--sparse-method";
+    argv[n++] = method;
+    if (o->sparse_config && strcmp(method, "dense") != 0) {
+        argv[n++] = "--sparse-config";
+        argv[n++] = o->sparse_config;
+    }
+    if (!strcmp(cache, "nocache")) argv[n++] = "--no-enable-prefix-caching";
+    else {
+        argv[n++] = "--prefix-cache-mode";
+        argv[n++] = cache;
+    }
+    char *extra = o->serve_args ? lethe_xstrdup(o->serve_args) : NULL;
+    for (char *s = extra ? strtok(extra, " ") : NULL; s && n < 62; s = strtok(NULL, " ")) argv[n++] = s;
+    argv[n] = NULL;
+    pid_t pid = fork();
+    if (pid == 0) {
+        execv("/proc/self/exe", (char *const *)argv);
+        _exit(127);
+    }
+    free(extra);
+    return pid;
+}
+
+static bool wait_healthy(const char *base, pid_t pid, int timeout_s) {
+    for (int i = 0; i < timeout_s * 4; i++) {
+        long code;
+        free(http(base, "/health", NULL, &code, 2));
+        if (code == 200) return true;
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) return false;
+        usleep(250000);
+    }
+    return false;
+}
+
+static void stop_server(pid_t pid) {
+    kill(pid, SIGTERM);
+    int st;
+    for (int i = 0; i < 100; i++) {
+        if (waitpid(pid, &st, WNOHANG) == pid) return;
+        usleep(100000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+}
 
 int lethe_bench_replay(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "lethe bench replay: not built yet in this version\n");
-    return 2;
+    rp_opts o = {.base_url = "http://127.0.0.1:8000", .mode = "chain", .concurrency = 0, .port = 8765,
+                 .timeout_s = 3600, .wait_scale = 1.0f, .seed = 42};
+    lethe_trace_gen_default(&o.gen);
+    lethe_opt rows[48];
+    int n = 0;
+#define ROW(...) rows[n++] = (lethe_opt){__VA_ARGS__}
+    ROW("--trace", NULL, LETHE_OPT_STR, &o.trace_path, "JSONL", "trace to replay (see src/bench/trace.h)", 1, 0);
+    ROW("--generate", NULL, LETHE_OPT_BOOL, &o.generate, NULL, "synthesize a coding-agent trace instead", 1, 0);
+    ROW("--write-trace", NULL, LETHE_OPT_STR, &o.write_trace, "PATH", "save the trace (generated or read) as JSONL", 1, 0);
+    ROW("--agents", NULL, LETHE_OPT_INT, &o.gen.n_agents, "N", "generator: agents", 1, 100000);
+    ROW("--min-turns", NULL, LETHE_OPT_INT, &o.gen.min_turns, "N", "generator: fewest turns per agent", 1, 100000);
+    ROW("--max-turns", NULL, LETHE_OPT_INT, &o.gen.max_turns, "N", "generator: most turns per agent", 1, 100000);
+    ROW("--system-tokens", NULL, LETHE_OPT_INT, &o.gen.system_tokens, "N", "generator: system prompt words", 0, 1 << 20);
+    ROW("--task-tokens", NULL, LETHE_OPT_INT, &o.gen.task_tokens, "N", "generator: task (first user message) words", 1, 1 << 20);
+    ROW("--tool-min", NULL, LETHE_OPT_INT, &o.gen.tool_min, "N", "generator: shortest tool output (words)", 1, 1 << 20);
+    ROW("--tool-max", NULL, LETHE_OPT_INT, &o.gen.tool_max, "N", "generator: longest tool output (words)", 1, 1 << 20);
+    ROW("--out-min", NULL, LETHE_OPT_INT, &o.gen.out_min, "N", "generator: shortest assistant reply (words)", 1, 1 << 20);
+    ROW("--out-max", NULL, LETHE_OPT_INT, &o.gen.out_max, "N", "generator: longest assistant reply (words)", 1, 1 << 20);
+    ROW("--max-wait", NULL, LETHE_OPT_FLOAT, &o.gen.max_wait_s, "S", "generator: tool waits uniform in [0, S)", 0, 3600);
+    ROW("--max-context", NULL, LETHE_OPT_INT, &o.gen.max_context, "N", "generator: end an agent before its context exceeds N tokens (0 = off)", 0, 1 << 24);
+    ROW("--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "trace and text seed", 1, 0);
+    ROW("--wait-scale", NULL, LETHE_OPT_FLOAT, &o.wait_scale, "F", "multiply tool waits (0 = none)", 0, 1000);
+    ROW("--concurrency", NULL, LETHE_OPT_INT, &o.concurrency, "N", "agents in flight (0 = all)", 0, 100000);
+    ROW("--base-url", NULL, LETHE_OPT_STR, &o.base_url, "URL", "server to replay against (without --configs)", 1, 0);
+    ROW("--mode", NULL, LETHE_OPT_STR, &o.mode, "chain|full", "client mode against --base-url", 1, 0);
+    ROW("--configs", NULL, LETHE_OPT_STR, &o.configs, "M-C,...",
+        "start `lethe serve` per config: method-cache, cache = radix | chain | nocache "
+        "(e.g. dense-radix,snapkv-nocache,snapkv-chain)", 1, 0);
+    ROW("--model", NULL, LETHE_OPT_STR, &o.model, "PATH", "model for the servers --configs starts", 1, 0);
+    ROW("--sparse-config", NULL, LETHE_OPT_STR, &o.sparse_config, "K=V,...", "sparse knobs for non-dense configs", 1, 0);
+    ROW("--serve-args", NULL, LETHE_OPT_STR, &o.serve_args, "\"ARGS\"", "extra `lethe serve` flags (space separated)", 1, 0);
+    ROW("--port", NULL, LETHE_OPT_INT, &o.port, "N", "port of the servers --configs starts", 1, 65535);
+    ROW("--timeout", NULL, LETHE_OPT_INT, &o.timeout_s, "S", "per-request timeout", 1, 86400);
+    ROW("--result-json", NULL, LETHE_OPT_STR, &o.result_json, "PATH", "write results as JSON", 1, 0);
+#undef ROW
+    const char *pos[1];
+    int n_pos = 0;
+    int pr = lethe_opts_parse(rows, n, argc, argv, "lethe bench replay [options]",
+                              "Multi-turn agent-trace replay: dense + radix vs eviction without / with chains.",
+                              pos, &n_pos, 0);
+    if (pr != 0) return pr > 0 ? 0 : 2;
+    o.gen.seed = o.seed;
+    lethe_trace t;
+    lethe_status st;
+    if (o.trace_path && o.generate) {
+        fprintf(stderr, "lethe bench replay: --trace and --generate exclude each other\n");
+        return 2;
+    }
+    if (o.trace_path) st = lethe_trace_load(o.trace_path, &t);
+    else if (o.generate) st = lethe_trace_generate(&o.gen, &t);
+    else {
+        fprintf(stderr, "lethe bench replay: give --trace JSONL or --generate\n");
+        return 2;
+    }
+    if (st != LETHE_OK) {
+        fprintf(stderr, "lethe bench replay: %s\n", lethe_last_error());
+        return 2;
+    }
+    int64_t ctx_max = 0;
+    for (int32_t a = 0; a < t.n_agents; a++)
+        ctx_max = LETHE_MAX(ctx_max, lethe_trace_context_after(&t, a, t.agent_first[a + 1] - t.agent_first[a] - 1));
+    printf("trace: %d agents, %d turns, longest conversation ~%lld tokens\n", t.n_agents, t.n_turns,
+           (long long)ctx_max);
+    if (o.write_trace) {
+        if ((st = lethe_trace_save(&t, o.write_trace)) != LETHE_OK) {
+            fprintf(stderr, "lethe bench replay: %s\n", lethe_last_error());
+            lethe_trace_free(&t);
+            return 2;
+        }
+        printf("trace written to %s\n", o.write_trace);
+        if (!o.configs && !strcmp(o.base_url, "http://127.0.0.1:8000") && o.generate) {
+            lethe_trace_free(&t);
+            return 0;
+        }
+    }
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    cJSON *res = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(res, "results");
+    int rc = 0;
+    if (!o.configs) {
+        if (strcmp(o.mode, "chain") && strcmp(o.mode, "full")) {
+            fprintf(stderr, "lethe bench replay: --mode %s: expected chain or full\n", o.mode);
+            rc = 2;
+        } else {
+            rc = replay_once(&o, &t, o.base_url, o.mode, !strcmp(o.mode, "chain"), arr) < 0 ? 2 : rc;
+        }
+    } else {
+        if (!o.model) {
+            fprintf(stderr, "lethe bench replay: --configs needs --model\n");
+            rc = 2;
+        }
+        char *list = lethe_xstrdup(o.configs);
+        char base[64];
+        snprintf(base, sizeof(base), "http://127.0.0.1:%d", o.port);
+        for (char *save = NULL, *c = rc ? NULL : strtok_r(list, ",", &save); c; c = strtok_r(NULL, ",", &save)) {
+            char *dash = strrchr(c, '-');
+            if (!dash || (strcmp(dash + 1, "radix") && strcmp(dash + 1, "chain") && strcmp(dash + 1, "nocache"))) {
+                fprintf(stderr, "lethe bench replay: --configs entry '%s': expected METHOD-radix|chain|nocache\n", c);
+                rc = 2;
+                break;
+            }
+            *dash = 0;
+            const char *method = c, *cache = dash + 1;
+            char label[96];
+            snprintf(label, sizeof(label), "%s-%s", method, cache);
+            pid_t pid = start_server(&o, method, cache);
+            if (pid < 0 || !wait_healthy(base, pid, 600)) {
+                fprintf(stderr, "lethe bench replay: the server for %s did not become healthy\n", label);
+                if (pid > 0) stop_server(pid);
+                rc = 2;
+                break;
+            }
+            int r = replay_once(&o, &t, base, label, !strcmp(cache, "chain"), arr);
+            stop_server(pid);
+            if (r < 0) { rc = 2; break; }
+            if (r > 0) rc = 1;
+        }
+        free(list);
+    }
+    if (o.result_json) {
+        char *s = cJSON_Print(res);
+        FILE *f = fopen(o.result_json, "w");
+        if (f) {
+            fputs(s, f);
+            fclose(f);
+        } else {
+            fprintf(stderr, "lethe bench replay: cannot write %s\n", o.result_json);
+            rc = 2;
+        }
+        free(s);
+    }
+    cJSON_Delete(res);
+    curl_global_cleanup();
+    lethe_trace_free(&t);
+    return rc;
 }
