@@ -100,6 +100,29 @@ typedef struct lethe_backend_ops {
     /* copy activation rows: dst row i = src row idx[i] (host idx), rows of `dim` elements */
     void (*gather_rows)(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
                         int32_t n, int32_t dim);
+
+    /* ---- step staging and CUDA graphs (added for the CUDA backend; the CPU
+     * backend has no-op twins, so callers need no backend checks) ---- */
+    /* Pre-stages a step's host index arrays: until the next stage_step or
+     * unstage, an op handed exactly arrays[i] (same pointer, counts[i]
+     * elements) reads the backend's copy instead of staging it again. The
+     * caller must not modify the arrays meanwhile. Lets one upload serve all
+     * layers when their plans are identical, and is what graph capture needs. */
+    void (*stage_step)(lethe_backend *be, const int32_t *const *arrays, const size_t *counts,
+                       int n);
+    void (*unstage)(lethe_backend *be);
+    /* Graphs of whole forward steps, keyed by an int (e.g. the decode batch size).
+     * graph_begin: start capturing the ops that follow (false: unsupported, run
+     * eagerly); every host index array they get must be pre-staged, and the
+     * only host transfer allowed is logits_to_host. graph_end: stop, keep the
+     * graph under key, and run it once (logits land where logits_to_host said).
+     * graph_launch: replay key's graph (after re-staging the step's arrays:
+     * same counts for the fixed-size ones) and copy its logits into logits_dst;
+     * false if no graph has that key. graph_reset drops every graph. */
+    bool (*graph_begin)(lethe_backend *be);
+    lethe_status (*graph_end)(lethe_backend *be, int32_t key);
+    bool (*graph_launch)(lethe_backend *be, int32_t key, float *logits_dst);
+    void (*graph_reset)(lethe_backend *be);
 } lethe_backend_ops;
 
 struct lethe_backend {

@@ -1,0 +1,542 @@
+/* attention.cu - attention over a slot selection on the CUDA backend.
+ *
+ * Semantics are backend.h's lethe_attn_args (same as backend/cpu/attention.c):
+ * query j of sequence s, head h, attends to selection entries
+ * [0, n_sel - n_q + j] of its sequence, keys/values K/V[sel[e], h / G, :]
+ * with G = n_heads / n_kv_heads; q, out [n_tokens, n_heads, D], caches
+ * [n_slots, n_kv_heads, D], all bf16; softmax and accumulation in fp32.
+ *
+ * Three kernels:
+ *  - split_kernel (decode, and any head_dim the tensor-core kernel does not
+ *    take): flash-decoding. A block = (query row, KV head, split); its G query
+ *    heads share every K/V row it reads. The selection is cut into n_splits
+ *    chunks of whole 128-key tiles; each block writes a partial output and its
+ *    log-sum-exp, merge_kernel combines them. The grid (n_splits) is fixed
+ *    from the batch size and the device, so a decode step can live in a CUDA
+ *    graph; the effective split count of a row comes from its length, read
+ *    on the device (blocks past it exit).
+ *  - prefill_kernel (prefill/extend, head_dim 64 or 128): tensor-core flash
+ *    attention (WMMA bf16, fp32 accumulate). A block = 64 query rows of one
+ *    sequence and one head; keys in tiles of 64 gathered through the slot
+ *    table, causal mask per row, online softmax with O kept in shared memory.
+ *  - scores_kernel: optional raw scale*q.k output for sparse methods.
+ *
+ * Index arrays are staged once per call (or pre-staged per step). */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <math.h>
+#include <mma.h>
+
+#define SPLIT_THREADS 128
+#define SPLIT_TILE 128      /* keys per tile = threads */
+#define SPLIT_GMAX 8        /* query heads per block (larger groups use several blocks) */
+#define SPLIT_MAX 64
+#define LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ int seq_of_row(const int32_t *q_begin, int n_seqs, int32_t r) {
+    int lo = 0, hi = n_seqs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (q_begin[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Key range of item (query row) r: sel + [0, n_ent). */
+__device__ __forceinline__ void item_range(const int32_t *q_begin, const int32_t *sel_begin,
+                                           int n_seqs, bool decode, int32_t r, int32_t *base,
+                                           int32_t *n_ent) {
+    int s = decode ? r : seq_of_row(q_begin, n_seqs, r);
+    int32_t n_sel = sel_begin[s + 1] - sel_begin[s];
+    int32_t n_q = decode ? 1 : q_begin[s + 1] - q_begin[s];
+    int32_t j = decode ? 0 : r - q_begin[s];
+    *base = sel_begin[s];
+    *n_ent = n_sel - n_q + j + 1;
+}
+
+__device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits) {
+    int32_t per = (n_ent + n_splits - 1) / n_splits;
+    per = (per + SPLIT_TILE - 1) / SPLIT_TILE * SPLIT_TILE;
+    return per < SPLIT_TILE ? SPLIT_TILE : per;
+}
+
+/* grid: x = item (query row), y = KV head * head chunks, z = split.
+ * ws_o [items, n_heads, n_splits, D], ws_lse [items, n_heads, n_splits] (log2 domain) */
+template <int D>
+__global__ void __launch_bounds__(SPLIT_THREADS)
+split_kernel(const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,
+             const int32_t *__restrict__ q_begin, const int32_t *__restrict__ sel_begin,
+             const int32_t *__restrict__ sel, int n_seqs, int decode, int n_heads, int n_kv,
+             float scale_log2, int n_splits, float *__restrict__ ws_o, float *__restrict__ ws_lse) {
+    constexpr int NV = D / 8;  /* 16-byte vectors per K row */
+    constexpr int DPL = D / 32; /* dims per lane in the PV phase */
+    __shared__ float qs[SPLIT_GMAX][D];
+    __shared__ float ps[SPLIT_GMAX][SPLIT_TILE];
+    __shared__ int32_t slot_s[SPLIT_TILE];
+    __shared__ float red[SPLIT_THREADS / 32][SPLIT_GMAX];
+    __shared__ float accs[SPLIT_THREADS / 32][SPLIT_GMAX][D];
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int32_t r = blockIdx.x;
+    const int G_all = n_heads / n_kv, n_chunks = (G_all + SPLIT_GMAX - 1) / SPLIT_GMAX;
+    const int kvh = blockIdx.y / n_chunks, h0 = kvh * G_all + (blockIdx.y % n_chunks) * SPLIT_GMAX;
+    const int G = min(SPLIT_GMAX, kvh * G_all + G_all - h0);
+    const int split = blockIdx.z;
+
+    int32_t base, n_ent;
+    item_range(q_begin, sel_begin, n_seqs, decode != 0, r, &base, &n_ent);
+    const int32_t chunk = split_chunk(n_ent, n_splits);
+    const int32_t k_begin = split * chunk;
+    if (k_begin >= n_ent) return; /* past this row's effective split count */
+    const int32_t k_end = min(n_ent, k_begin + chunk);
+
+    for (int i = tid; i < SPLIT_GMAX * D; i += SPLIT_THREADS) {
+        int g = i / D, d = i % D;
+        qs[g][d] = g < G ? __bfloat162float(q[((size_t)r * n_heads + h0 + g) * D + d]) * scale_log2
+                         : 0.0f;
+    }
+    __syncthreads();
+
+    float m_run[SPLIT_GMAX], l_t[SPLIT_GMAX], acc[SPLIT_GMAX][DPL];
+#pragma unroll
+    for (int g = 0; g < SPLIT_GMAX; g++) {
+        m_run[g] = -INFINITY;
+        l_t[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[g][i] = 0.0f;
+    }
+    const size_t row_stride = (size_t)n_kv * D;
+
+    for (int32_t k0 = k_begin; k0 < k_end; k0 += SPLIT_TILE) {
+        const int32_t e = k0 + tid;
+        const bool valid = e < k_end;
+        const int32_t slot = valid ? sel[base + e] : 0;
+        slot_s[tid] = slot;
+        /* QK: this thread's key against the G query heads */
+        float s[SPLIT_GMAX];
+#pragma unroll
+        for (int g = 0; g < SPLIT_GMAX; g++) s[g] = 0.0f;
+        if (valid) {
+            const uint4 *kp = (const uint4 *)(kc + (size_t)slot * row_stride + (size_t)kvh * D);
+            constexpr int CH = NV < 16 ? NV : 16;
+#pragma unroll
+            for (int c0 = 0; c0 < NV; c0 += CH) {
+                uint4 kv[CH];
+#pragma unroll
+                for (int i = 0; i < CH; i++) kv[i] = __ldg(kp + c0 + i);
+#pragma unroll
+                for (int i = 0; i < CH; i++) {
+                    const __nv_bfloat162 *p2 = (const __nv_bfloat162 *)&kv[i];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        float2 f = __bfloat1622float2(p2[k]);
+                        const int d = (c0 + i) * 8 + 2 * k;
+#pragma unroll
+                        for (int g = 0; g < SPLIT_GMAX; g++)
+                            if (g < G) s[g] += qs[g][d] * f.x + qs[g][d + 1] * f.y;
+                    }
+                }
+            }
+        }
+        /* tile max per head */
+#pragma unroll
+        for (int g = 0; g < SPLIT_GMAX; g++) {
+            float v = valid ? s[g] : -INFINITY;
+            for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+            if (lane == 0) red[warp][g] = v;
+        }
+        __syncthreads();
+        float alpha[SPLIT_GMAX];
+#pragma unroll
+        for (int g = 0; g < SPLIT_GMAX; g++) {
+            float mt = red[0][g];
+#pragma unroll
+            for (int w = 1; w < SPLIT_THREADS / 32; w++) mt = fmaxf(mt, red[w][g]);
+            const float m_new = fmaxf(m_run[g], mt); /* finite: the tile has a valid key */
+            alpha[g] = exp2f(m_run[g] - m_new);      /* 0 on the first tile */
+            const float p = valid && g < G ? exp2f(s[g] - m_new) : 0.0f;
+            ps[g][tid] = p;
+            l_t[g] = l_t[g] * alpha[g] + p;
+            m_run[g] = m_new;
+        }
+        __syncthreads();
+        /* PV: warp w takes keys [32w, 32w+32) of the tile, lane owns DPL dims */
+#pragma unroll
+        for (int g = 0; g < SPLIT_GMAX; g++)
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[g][i] *= alpha[g];
+        const int32_t n_here = min(32, k_end - (k0 + warp * 32));
+        const bf16 *vbase = vc + (size_t)kvh * D + lane * DPL;
+#pragma unroll 4
+        for (int kk = 0; kk < 32; kk++) {
+            if (kk >= n_here) break;
+            const int t = warp * 32 + kk;
+            const bf16 *vp = vbase + (size_t)slot_s[t] * row_stride;
+            float vf[DPL];
+            if constexpr (DPL % 2 == 0) {
+#pragma unroll
+                for (int i = 0; i < DPL; i += 2) {
+                    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(vp + i));
+                    vf[i] = f.x;
+                    vf[i + 1] = f.y;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < DPL; i++) vf[i] = __bfloat162float(vp[i]);
+            }
+#pragma unroll
+            for (int g = 0; g < SPLIT_GMAX; g++) {
+                const float p = ps[g][t];
+#pragma unroll
+                for (int i = 0; i < DPL; i++) acc[g][i] += p * vf[i];
+            }
+        }
+        __syncthreads(); /* ps / slot_s are rewritten by the next tile */
+    }
+
+    /* reduce l over threads and acc over warps */
+#pragma unroll
+    for (int g = 0; g < SPLIT_GMAX; g++) {
+        float v = l_t[g];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) red[warp][g] = v;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) accs[warp][g][lane * DPL + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += SPLIT_THREADS) {
+        const int g = i / D, d = i % D;
+        float l = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SPLIT_THREADS / 32; w++) {
+            l += red[w][g];
+            o += accs[w][g][d];
+        }
+        const size_t idx = ((size_t)r * n_heads + h0 + g) * n_splits + split;
+        ws_o[idx * D + d] = o / l;
+        if (d == 0) ws_lse[idx] = m_run[g] + log2f(l);
+    }
+}
+
+/* grid: x = item, y = head; block D threads (<= 256) */
+__global__ void merge_kernel(bf16 *__restrict__ out, const int32_t *__restrict__ q_begin,
+                             const int32_t *__restrict__ sel_begin, int n_seqs, int decode,
+                             int n_heads, int D, int n_splits, const float *__restrict__ ws_o,
+                             const float *__restrict__ ws_lse) {
+    const int32_t r = blockIdx.x;
+    const int h = blockIdx.y;
+    int32_t base, n_ent;
+    item_range(q_begin, sel_begin, n_seqs, decode != 0, r, &base, &n_ent);
+    const int32_t chunk = split_chunk(n_ent, n_splits);
+    const int n_eff = (n_ent + chunk - 1) / chunk;
+    const size_t idx0 = ((size_t)r * n_heads + h) * n_splits;
+    float mx = -INFINITY;
+    for (int i = 0; i < n_eff; i++) mx = fmaxf(mx, ws_lse[idx0 + i]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        for (int i = 0; i < n_eff; i++) {
+            const float w = exp2f(ws_lse[idx0 + i] - mx);
+            num += w * ws_o[(idx0 + i) * D + d];
+            den += w;
+        }
+        out[((size_t)r * n_heads + h) * D + d] = __float2bfloat16(num / den);
+    }
+}
+
+/* ---- prefill / extend: tensor-core flash attention ---------------------- */
+
+#define PF_BM 64
+#define PF_BN 64
+#define PF_THREADS 128
+
+template <int D>
+struct pf_layout {
+    static constexpr int LDQ = D + 8;      /* bf16 elements */
+    static constexpr int LDS = PF_BN + 4;  /* floats */
+    static constexpr int LDO = D + 4;      /* floats */
+    static constexpr size_t q_bytes = (size_t)PF_BM * LDQ * 2;
+    static constexpr size_t s_bytes = (size_t)PF_BM * LDS * 4;
+    static constexpr size_t o_bytes = (size_t)PF_BM * LDO * 4;
+    static constexpr size_t total = 3 * q_bytes + s_bytes + o_bytes;
+};
+
+/* grid: x = query tile (tiles[x] = {seq, first row within seq}), y = head */
+template <int D>
+__global__ void __launch_bounds__(PF_THREADS)
+prefill_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+               const bf16 *__restrict__ vc, const int32_t *__restrict__ q_begin,
+               const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
+               const int32_t *__restrict__ tiles, int n_heads, int n_kv, float scale_log2) {
+    using namespace nvcuda;
+    typedef pf_layout<D> L;
+    extern __shared__ __align__(128) char smem[];
+    bf16 *Qs = (bf16 *)smem;
+    bf16 *Ks = (bf16 *)(smem + L::q_bytes);
+    bf16 *Vs = (bf16 *)(smem + 2 * L::q_bytes);
+    float *Ss = (float *)(smem + 3 * L::q_bytes);
+    float *Os = (float *)(smem + 3 * L::q_bytes + L::s_bytes);
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int s = tiles[2 * blockIdx.x], qt0 = tiles[2 * blockIdx.x + 1];
+    const int h = blockIdx.y, kvh = h / (n_heads / n_kv);
+    const int32_t qb = q_begin[s], n_q = q_begin[s + 1] - qb;
+    const int32_t sb = sel_begin[s], n_sel = sel_begin[s + 1] - sb, n_pre = n_sel - n_q;
+    const int rows_here = min(PF_BM, n_q - qt0);
+    const int32_t kend = n_pre + qt0 + rows_here; /* exclusive bound of entries this tile reads */
+    constexpr int VPR = D / 8;                     /* 16-byte vectors per row */
+    const size_t row_stride = (size_t)n_kv * D;
+
+    for (int c = tid; c < PF_BM * VPR; c += PF_THREADS) {
+        const int rr = c / VPR, cc = c % VPR;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (rr < rows_here) v = *(const uint4 *)(q + ((size_t)(qb + qt0 + rr) * n_heads + h) * D + cc * 8);
+        *(uint4 *)(Qs + rr * L::LDQ + cc * 8) = v;
+    }
+    for (int i = tid; i < PF_BM * L::LDO; i += PF_THREADS) Os[i] = 0.0f;
+
+    const int my_row = warp * 16 + lane / 2, half = lane & 1;
+    const int32_t my_limit = n_pre + qt0 + my_row; /* inclusive */
+    const bool row_ok = my_row < rows_here;
+    float m = -INFINITY, l = 0.0f;
+    __syncthreads();
+
+    for (int32_t k0 = 0; k0 < kend; k0 += PF_BN) {
+        for (int c = tid; c < PF_BN * VPR; c += PF_THREADS) {
+            const int rr = c / VPR, cc = c % VPR;
+            const int32_t e = k0 + rr;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (e < kend) {
+                const size_t off = (size_t)sel[sb + e] * row_stride + (size_t)kvh * D + cc * 8;
+                kv = *(const uint4 *)(kc + off);
+                vv = *(const uint4 *)(vc + off);
+            }
+            *(uint4 *)(Ks + rr * L::LDQ + cc * 8) = kv;
+            *(uint4 *)(Vs + rr * L::LDQ + cc * 8) = vv;
+        }
+        __syncthreads();
+
+        /* S[16 rows of this warp, 64 keys] = Q K^T */
+#pragma unroll
+        for (int nf = 0; nf < PF_BN / 16; nf++) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc;
+            wmma::fill_fragment(sacc, 0.0f);
+#pragma unroll
+            for (int kf = 0; kf < D / 16; kf++) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b;
+                wmma::load_matrix_sync(a, Qs + warp * 16 * L::LDQ + kf * 16, L::LDQ);
+                wmma::load_matrix_sync(b, Ks + nf * 16 * L::LDQ + kf * 16, L::LDQ);
+                wmma::mma_sync(sacc, a, b, sacc);
+            }
+            wmma::store_matrix_sync(Ss + warp * 16 * L::LDS + nf * 16, sacc, L::LDS,
+                                    wmma::mem_row_major);
+        }
+        __syncwarp();
+
+        /* online softmax: two lanes per row, 32 columns each */
+        float sv[32];
+        const float *srow = Ss + my_row * L::LDS + half * 32;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            const int32_t e = k0 + half * 32 + i;
+            sv[i] = (row_ok && e <= my_limit) ? srow[i] * scale_log2 : -INFINITY;
+            mx = fmaxf(mx, sv[i]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        const float m_new = fmaxf(m, mx);
+        const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            sv[i] = sv[i] == -INFINITY ? 0.0f : exp2f(sv[i] - m_new);
+            sum += sv[i];
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l = l * alpha + sum;
+        m = m_new;
+        __syncwarp();
+        bf16 *prow = (bf16 *)(Ss + my_row * L::LDS) + half * 32;
+#pragma unroll
+        for (int i = 0; i < 32; i += 2)
+            *(__nv_bfloat162 *)(prow + i) = __floats2bfloat162_rn(sv[i], sv[i + 1]);
+        float *orow = Os + my_row * L::LDO + half * (D / 2);
+#pragma unroll
+        for (int i = 0; i < D / 2; i++) orow[i] *= alpha;
+        __syncwarp();
+
+        /* O[16 rows, D] += P[16, 64] V[64, D] */
+        const bf16 *Pw = (const bf16 *)(Ss + warp * 16 * L::LDS);
+#pragma unroll
+        for (int df = 0; df < D / 16; df++) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> oacc;
+            float *optr = Os + warp * 16 * L::LDO + df * 16;
+            wmma::load_matrix_sync(oacc, optr, L::LDO, wmma::mem_row_major);
+#pragma unroll
+            for (int kf = 0; kf < PF_BN / 16; kf++) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+                wmma::load_matrix_sync(a, Pw + kf * 16, 2 * L::LDS);
+                wmma::load_matrix_sync(b, Vs + kf * 16 * L::LDQ + df * 16, L::LDQ);
+                wmma::mma_sync(oacc, a, b, oacc);
+            }
+            wmma::store_matrix_sync(optr, oacc, L::LDO, wmma::mem_row_major);
+        }
+        __syncthreads(); /* K/V tiles are reloaded next */
+    }
+
+    if (row_ok) {
+        const float inv = 1.0f / l;
+        const float *orow = Os + my_row * L::LDO + half * (D / 2);
+        bf16 *dst = out + ((size_t)(qb + qt0 + my_row) * n_heads + h) * D + half * (D / 2);
+        for (int i = 0; i < D / 2; i += 2)
+            *(__nv_bfloat162 *)(dst + i) = __floats2bfloat162_rn(orow[i] * inv, orow[i + 1] * inv);
+    }
+}
+
+/* ---- optional score output ---------------------------------------------- */
+
+/* grid: x = query row, y = head; scores[h, r, e] for e < n_sel of the row's sequence */
+__global__ void scores_kernel(float *__restrict__ scores, const bf16 *__restrict__ q,
+                              const bf16 *__restrict__ kc, const int32_t *__restrict__ q_begin,
+                              const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
+                              int n_seqs, int n_tokens, int n_heads, int n_kv, int D, float scale,
+                              int stride) {
+    extern __shared__ float qf[];
+    const int32_t r = blockIdx.x;
+    const int h = blockIdx.y, kvh = h / (n_heads / n_kv);
+    const int s = seq_of_row(q_begin, n_seqs, r);
+    const int32_t n_q = q_begin[s + 1] - q_begin[s], n_sel = sel_begin[s + 1] - sel_begin[s];
+    const int32_t limit = n_sel - n_q + (r - q_begin[s]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        qf[d] = __bfloat162float(q[((size_t)r * n_heads + h) * D + d]);
+    __syncthreads();
+    float *dst = scores + ((size_t)h * n_tokens + r) * stride;
+    for (int32_t e = threadIdx.x; e < n_sel; e += blockDim.x) {
+        float v = -INFINITY;
+        if (e <= limit) {
+            const bf16 *k = kc + ((size_t)sel[sel_begin[s] + e] * n_kv + kvh) * D;
+            float acc = 0.0f;
+            for (int d = 0; d < D; d++) acc += qf[d] * __bfloat162float(k[d]);
+            v = scale * acc;
+        }
+        dst[e] = v;
+    }
+}
+
+/* ---- launcher ------------------------------------------------------------ */
+
+static int pick_splits(const cuda_ctx *c, int64_t base_blocks) {
+    int64_t target = (int64_t)c->n_sms * 4;
+    int64_t n = (target + base_blocks - 1) / base_blocks;
+    return (int)(n < 1 ? 1 : n > SPLIT_MAX ? SPLIT_MAX : n);
+}
+
+template <int D>
+static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                         const int32_t *d_sb, const int32_t *d_sel, bool decode) {
+    const int32_t n_items = a->n_tokens;
+    const int G = a->n_heads / a->n_kv_heads;
+    const int n_chunks = (G + SPLIT_GMAX - 1) / SPLIT_GMAX;
+    const int n_splits = pick_splits(c, (int64_t)n_items * a->n_kv_heads * n_chunks);
+    const size_t n_part = (size_t)n_items * a->n_heads * n_splits;
+    size_t cap = c->attn_ws_cap * sizeof(float);
+    lethe_cuda_reserve(c, (void **)&c->attn_ws, &cap, n_part * (D + 1) * sizeof(float));
+    c->attn_ws_cap = cap / sizeof(float);
+    float *ws_o = c->attn_ws, *ws_lse = c->attn_ws + n_part * D;
+    dim3 grid((unsigned)n_items, (unsigned)(a->n_kv_heads * n_chunks), (unsigned)n_splits);
+    split_kernel<D><<<grid, SPLIT_THREADS, 0, c->stream>>>(
+        (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb, d_sb, d_sel,
+        a->n_seqs, decode ? 1 : 0, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
+        ws_lse);
+    CU_LAUNCH_CHECK();
+    merge_kernel<<<dim3((unsigned)n_items, (unsigned)a->n_heads), D < 256 ? D : 256, 0,
+                   c->stream>>>((bf16 *)a->out, d_qb, d_sb, a->n_seqs, decode ? 1 : 0, a->n_heads,
+                                D, n_splits, ws_o, ws_lse);
+    CU_LAUNCH_CHECK();
+}
+
+template <int D>
+static void launch_prefill(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                           const int32_t *d_sb, const int32_t *d_sel) {
+    int32_t n_tiles = 0;
+    for (int s = 0; s < a->n_seqs; s++)
+        n_tiles += (a->q_begin[s + 1] - a->q_begin[s] + PF_BM - 1) / PF_BM;
+    if (!n_tiles) return;
+    void *h;
+    int32_t *d_tiles = (int32_t *)lethe_cuda_ring_alloc(c, (size_t)n_tiles * 2 * sizeof(int32_t), &h);
+    int32_t *ht = (int32_t *)h, t = 0;
+    for (int s = 0; s < a->n_seqs; s++)
+        for (int32_t r0 = 0; r0 < a->q_begin[s + 1] - a->q_begin[s]; r0 += PF_BM) {
+            ht[2 * t] = s;
+            ht[2 * t + 1] = r0;
+            t++;
+        }
+    CU_CHECK(cudaMemcpyAsync(d_tiles, ht, (size_t)n_tiles * 2 * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, c->stream));
+    const size_t smem = pf_layout<D>::total;
+    static bool attr_set[2];
+    bool *done = &attr_set[D == 128];
+    if (!*done) {
+        CU_CHECK(cudaFuncSetAttribute(prefill_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem));
+        *done = true;
+    }
+    prefill_kernel<D><<<dim3((unsigned)n_tiles, (unsigned)a->n_heads), PF_THREADS, smem,
+                        c->stream>>>((bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache,
+                                     (const bf16 *)a->v_cache, d_qb, d_sb, d_sel, d_tiles,
+                                     a->n_heads, a->n_kv_heads, a->scale * LOG2E);
+    CU_LAUNCH_CHECK();
+}
+
+static void run_scores(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                       const int32_t *d_sb, const int32_t *d_sel) {
+    LETHE_ASSERT(!c->capturing && "graph capture: score output needs host transfers");
+    const size_t n = (size_t)a->n_heads * a->n_tokens * a->score_stride;
+    if (!n) return;
+    size_t cap = c->scores_cap;
+    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, n * sizeof(float));
+    c->scores_cap = cap;
+    /* entries past a sequence's selection stay as the caller left them */
+    CU_CHECK(cudaMemcpyAsync(c->scores_d, a->scores, n * sizeof(float), cudaMemcpyHostToDevice,
+                             c->stream));
+    scores_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128,
+                    (size_t)a->head_dim * sizeof(float), c->stream>>>(
+        c->scores_d, (const bf16 *)a->q, (const bf16 *)a->k_cache, d_qb, d_sb, d_sel, a->n_seqs,
+        a->n_tokens, a->n_heads, a->n_kv_heads, a->head_dim, a->scale, a->score_stride);
+    CU_LAUNCH_CHECK();
+    CU_CHECK(cudaMemcpyAsync(a->scores, c->scores_d, n * sizeof(float), cudaMemcpyDeviceToHost,
+                             c->stream));
+    CU_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
+    const int D = a->head_dim;
+    LETHE_ASSERT(D == 64 || D == 96 || D == 128 || D == 256);
+    bool decode = a->n_tokens == a->n_seqs;
+    for (int s = 0; s < a->n_seqs; s++) {
+        const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
+        LETHE_ASSERT(n_q >= 0 && a->sel_begin[s + 1] - a->sel_begin[s] >= n_q);
+        LETHE_ASSERT(!a->scores || a->sel_begin[s + 1] - a->sel_begin[s] <= a->score_stride);
+        if (n_q != 1) decode = false;
+    }
+    if (a->n_tokens == 0) return;
+    const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
+    const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
+    const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
+    if (a->scores) run_scores(c, a, d_qb, d_sb, d_sel);
+    if (!decode && (D == 64 || D == 128)) {
+        if (D == 64) launch_prefill<64>(c, a, d_qb, d_sb, d_sel);
+        else launch_prefill<128>(c, a, d_qb, d_sb, d_sel);
+        return;
+    }
+    switch (D) {
+    case 64: launch_split<64>(c, a, d_qb, d_sb, d_sel, decode); break;
+    case 96: launch_split<96>(c, a, d_qb, d_sb, d_sel, decode); break;
+    case 128: launch_split<128>(c, a, d_qb, d_sb, d_sel, decode); break;
+    default: launch_split<256>(c, a, d_qb, d_sb, d_sel, decode); break;
+    }
+}

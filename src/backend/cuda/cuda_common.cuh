@@ -1,0 +1,158 @@
+/* cuda_common.cuh - shared state and helpers of the CUDA backend (internal).
+ *
+ * The CUDA backend keeps weights, activations and KV in bf16 on the device
+ * (act_size = kv_size = 2) and accumulates in fp32. Everything runs on one
+ * stream owned by the backend, so ops are ordered without host syncs; only
+ * the host-transfer ops (act_to_host, logits_to_host, sync) wait.
+ *
+ * Host index arrays (tokens, positions, slots, selections) reach kernels in
+ * one of two ways:
+ *   - staged per op through a pinned host ring + device ring (eager path):
+ *     memcpy into pinned memory, one cudaMemcpyAsync; a full ring syncs the
+ *     stream once and starts over, so nothing is allocated per op;
+ *   - pre-staged once per step by ops->stage_step (one device buffer per
+ *     array, stable addresses): an op whose host pointer and length match a
+ *     pre-staged array reads the device copy. This is what lets a decode step
+ *     be captured in a CUDA graph and replayed after re-staging new values.
+ *
+ * Files (one per op family, mirroring backend/cpu/):
+ *   backend_cuda.cu  ops table, memory, transfers, staging, graphs
+ *   matmul.cu        cuBLAS bf16 GEMM (fp32 accumulation), small-batch GEMV
+ *   norm.cu          RMSNorm (also per-head q/k norm)
+ *   rope.cu          rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
+ *   attention.cu     prefill/extend (tensor cores) + split-K flash decoding
+ *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
+ *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p) */
+#ifndef LETHE_BACKEND_CUDA_COMMON_CUH
+#define LETHE_BACKEND_CUDA_COMMON_CUH
+
+/* the C headers' _Noreturn is C11; C++ spells it [[noreturn]] */
+#ifndef _Noreturn
+#define _Noreturn [[noreturn]]
+#endif
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" {
+#include "backend/backend.h"
+}
+
+typedef __nv_bfloat16 bf16;
+
+/* Checks a CUDA runtime call in an op: ops cannot fail, so an error here is a
+ * device fault or a bug; it aborts with file:line and the CUDA message. */
+#define CU_CHECK(call)                                                                     \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) lethe_cuda_fatal_(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+    } while (0)
+#define CU_LAUNCH_CHECK() CU_CHECK(cudaGetLastError())
+
+extern "C" [[noreturn]] void lethe_cuda_fatal_(const char *what, const char *msg, const char *file,
+                                            int line);
+
+#define LETHE_CUDA_MAX_STAGED 8
+#define LETHE_CUDA_MAX_GRAPHS 64
+
+typedef struct cuda_staged {
+    const int32_t *host;   /* host pointer the caller staged (identity key) */
+    size_t n;              /* elements */
+    int32_t *dev;          /* device copy (stable address while capacity holds) */
+    size_t cap;            /* elements */
+} cuda_staged;
+
+typedef struct cuda_graph_rec {
+    int32_t key;
+    cudaGraphExec_t exec;
+    size_t logits_n;       /* floats copied from the pinned logits buffer after replay */
+} cuda_graph_rec;
+
+typedef struct cuda_ctx {
+    int device;
+    int n_sms;
+    size_t smem_optin;           /* max dynamic shared memory per block */
+    cudaStream_t stream;
+    cublasHandle_t cublas;
+    void *cublas_ws;
+    size_t cublas_ws_size;
+
+    /* eager staging ring: pinned host + device, same offsets */
+    char *ring_h, *ring_d;
+    size_t ring_cap, ring_off;
+
+    /* pre-staged step arrays */
+    cuda_staged staged[LETHE_CUDA_MAX_STAGED];
+    int n_staged;
+    int32_t *stage_h;            /* pinned scratch used to upload staged arrays */
+    size_t stage_h_cap;          /* elements */
+
+    /* fp32 device scratch (casts for host transfers, scores) + pinned output */
+    float *f32_d;
+    size_t f32_cap;
+    float *f32_h;                /* pinned, for captured logits */
+    size_t f32_h_cap;
+
+    /* attention split-K workspace: partial O [.., D] and LSE, fp32 */
+    float *attn_ws;
+    size_t attn_ws_cap;          /* floats */
+
+    /* optional attention score output (sparse methods), fp32 */
+    float *scores_d;
+    size_t scores_cap;           /* bytes */
+
+    /* sampling scratch */
+    void *sample_ws;
+    size_t sample_ws_cap;
+
+    /* CUDA graphs */
+    bool capturing;
+    float *capture_logits_dst;   /* host dst seen by logits_to_host during capture */
+    size_t capture_logits_n;
+    cuda_graph_rec graphs[LETHE_CUDA_MAX_GRAPHS];
+    int n_graphs;
+} cuda_ctx;
+
+static inline cuda_ctx *cuda_ctx_of(lethe_backend *be) { return (cuda_ctx *)be->ctx; }
+
+/* Device copy of a host index array: the pre-staged copy when (host, n)
+ * matches one, otherwise staged now through the ring (not allowed during
+ * graph capture: captured kernels must read stable pre-staged buffers). */
+const int32_t *lethe_cuda_stage_idx(cuda_ctx *c, const int32_t *host, size_t n);
+/* Device scratch of at least n_bytes from the eager ring (valid until the
+ * ring wraps, i.e. for the ops enqueued right after). */
+void *lethe_cuda_ring_alloc(cuda_ctx *c, size_t n_bytes, void **host_view);
+/* Grows a device buffer (stream synced first; never during capture). */
+void lethe_cuda_reserve(cuda_ctx *c, void **buf, size_t *cap_bytes, size_t need_bytes);
+
+static inline unsigned lethe_cuda_blocks(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 0x7fffffff ? 0x7fffffff : (b ? b : 1));
+}
+
+/* Launchers (one extern "C" entry per op, all on c->stream). */
+extern "C" {
+void lethe_cuda_matmul(lethe_backend *be, void *y, const void *x, const void *w, int32_t n,
+                       int32_t out_dim, int32_t in_dim);
+void lethe_cuda_rmsnorm(lethe_backend *be, void *out, const void *x, const void *w,
+                        int32_t n_rows, int32_t dim, float eps);
+void lethe_cuda_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n, int32_t n_heads,
+                     int32_t head_dim, const lethe_rope_config *rope);
+void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a);
+void lethe_cuda_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
+                      int32_t n, int32_t dim);
+void lethe_cuda_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
+                            int32_t n, int32_t dim);
+void lethe_cuda_add(lethe_backend *be, void *x, const void *y, size_t n);
+void lethe_cuda_add_bias(lethe_backend *be, void *y, const void *b, int32_t n, int32_t dim);
+void lethe_cuda_swiglu(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);
+void lethe_cuda_kv_store(lethe_backend *be, void *k_cache, void *v_cache, const void *k,
+                         const void *v, const int32_t *slots, int32_t n, int32_t kv_dim);
+/* casts on c->stream */
+void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
+void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);
+}
+
+#endif /* LETHE_BACKEND_CUDA_COMMON_CUH */
