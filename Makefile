@@ -18,9 +18,13 @@ SAN     ?= 0
 OPT     ?= -O2
 CUDA    ?= auto
 
+# EXTRA_CFLAGS / EXTRA_LDFLAGS: extra include / library paths (e.g. libraries
+# unpacked from .debs on a machine where they are not installed)
+EXTRA_CFLAGS  ?=
+EXTRA_LDFLAGS ?=
 CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) \
-               -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP
-LDLIBS  := -lcjson -lpcre2-8 -licuuc -lmicrohttpd -lcurl -lcrypto -lm -lpthread -fopenmp
+               -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP $(EXTRA_CFLAGS)
+LDLIBS  := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lmicrohttpd -lcurl -lcrypto -lm -lpthread -fopenmp
 
 ifeq ($(SAN),1)
   BUILD := build-asan
@@ -40,7 +44,7 @@ ifeq ($(CUDA),1)
   CFLAGS += -DLETHE_HAVE_CUDA=1
   CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
   NVCCFLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Iinclude -Isrc -Xcompiler -fPIC,-Wall -lineinfo \
-               -DLETHE_HAVE_CUDA=1 -MMD -MP
+               -DLETHE_HAVE_CUDA=1 -MMD -MP $(EXTRA_CFLAGS)
   LDLIBS += -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -lstdc++ -ldl -lrt
 endif
 
@@ -63,7 +67,8 @@ ifeq ($(CUDA),1)
 endif
 
 .PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench
-all: $(BUILD)/lethe $(TEST_BIN)
+# with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
+all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN))
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -82,11 +87,11 @@ $(BUILD)/liblethe_cuda.a: $(CU_OBJ)
 	ar rcs $@ $^
 
 $(BUILD)/lethe: $(TOOL_OBJ) $(LIB) $(LIB_CUDA)
-	$(CC) $(CFLAGS) -o $@ $(TOOL_OBJ) $(LIB) $(LIB_CUDA) $(LDLIBS)
+	$(CC) $(CFLAGS) -o $@ $(TOOL_OBJ) -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
 
 $(BUILD)/tests/%: tests/%.c $(LIB) $(LIB_CUDA) tests/test.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(LIB) $(LIB_CUDA) $(LDLIBS)
+	$(CC) $(CFLAGS) -Itests -o $@ $< -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
 
 # The suite: deps + model first, then every C test, then the Python/e2e tests.
 test: deps model all

@@ -123,6 +123,11 @@ typedef struct lethe_backend_ops {
     lethe_status (*graph_end)(lethe_backend *be, int32_t key);
     bool (*graph_launch)(lethe_backend *be, int32_t key, float *logits_dst);
     void (*graph_reset)(lethe_backend *be);
+    /* Measures the device's ceilings for roofline reports (benchmarks only):
+     * copy bandwidth (bytes read + written per second, large device copy) and
+     * bf16 (CPU: f32) GEMM rate in FLOP/s on random data. */
+    lethe_status (*measure_peaks)(lethe_backend *be, double *copy_bytes_per_s,
+                                  double *gemm_flops_per_s);
 } lethe_backend_ops;
 
 struct lethe_backend {

@@ -53,6 +53,43 @@ static void cpu_sync(lethe_backend *be) {}
 
 static size_t cpu_free_memory(lethe_backend *be) { return 0; }
 
+/* Step staging and graphs are device concerns: the CPU reads host arrays
+ * directly and runs every step eagerly. */
+static void cpu_stage_step(lethe_backend *be, const int32_t *const *arrays, const size_t *counts,
+                           int n) {}
+static void cpu_unstage(lethe_backend *be) {}
+static bool cpu_graph_begin(lethe_backend *be) { return false; }
+static lethe_status cpu_graph_end(lethe_backend *be, int32_t key) {
+    return lethe_errorf(LETHE_ERR_UNSUPPORTED, "cpu backend: no graph capture");
+}
+static bool cpu_graph_launch(lethe_backend *be, int32_t key, float *logits_dst) { return false; }
+static void cpu_graph_reset(lethe_backend *be) {}
+
+/* memcpy bandwidth (64 MiB, read + written bytes) and the f32 GEMM rate */
+static lethe_status cpu_measure_peaks(lethe_backend *be, double *copy_bps, double *gemm_fps) {
+    const size_t n = (size_t)16 << 20; /* floats */
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: measure_peaks: out of memory");
+    }
+    uint64_t st = 1;
+    for (size_t i = 0; i < n; i++) a[i] = (float)(lethe_splitmix64(&st) >> 40) * 0x1p-24f - 0.5f;
+    memcpy(b, a, n * sizeof(float));
+    double t0 = lethe_time_s();
+    for (int r = 0; r < 4; r++) memcpy(r % 2 ? a : b, r % 2 ? b : a, n * sizeof(float));
+    *copy_bps = 4.0 * 2 * n * sizeof(float) / (lethe_time_s() - t0);
+    const int32_t m = 256, k = 512, o = 512;
+    lethe_cpu_matmul(be, b, a, a + (size_t)m * k, m, o, k); /* warm */
+    t0 = lethe_time_s();
+    for (int r = 0; r < 3; r++) lethe_cpu_matmul(be, b, a, a + (size_t)m * k, m, o, k);
+    *gemm_fps = 3.0 * 2.0 * m * k * o / (lethe_time_s() - t0);
+    free(a);
+    free(b);
+    return LETHE_OK;
+}
+
 static const lethe_backend_ops cpu_ops = {
     .name = "cpu",
     .act_size = sizeof(float),
@@ -76,6 +113,13 @@ static const lethe_backend_ops cpu_ops = {
     .attention = lethe_cpu_attention,
     .logits_to_host = cpu_copy_floats,
     .gather_rows = lethe_cpu_gather_rows,
+    .stage_step = cpu_stage_step,
+    .unstage = cpu_unstage,
+    .graph_begin = cpu_graph_begin,
+    .graph_end = cpu_graph_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_reset = cpu_graph_reset,
+    .measure_peaks = cpu_measure_peaks,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

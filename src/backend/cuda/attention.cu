@@ -62,19 +62,22 @@ __device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits) {
 
 /* grid: x = item (query row), y = KV head * head chunks, z = split.
  * ws_o [items, n_heads, n_splits, D], ws_lse [items, n_heads, n_splits] (log2 domain) */
-template <int D>
+template <int DMAX, bool EXACT>
 __global__ void __launch_bounds__(SPLIT_THREADS)
-split_kernel(const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,
+split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,
              const int32_t *__restrict__ q_begin, const int32_t *__restrict__ sel_begin,
              const int32_t *__restrict__ sel, int n_seqs, int decode, int n_heads, int n_kv,
              float scale_log2, int n_splits, float *__restrict__ ws_o, float *__restrict__ ws_lse) {
-    constexpr int NV = D / 8;  /* 16-byte vectors per K row */
-    constexpr int DPL = D / 32; /* dims per lane in the PV phase */
-    __shared__ float qs[SPLIT_GMAX][D];
+    /* D == DMAX when EXACT (the fast instantiations), else any D <= DMAX, D % 8 == 0 */
+    const int D = EXACT ? DMAX : d_rt;
+    constexpr int NVMAX = DMAX / 8; /* 16-byte vectors per K row */
+    constexpr int DPL = DMAX / 32;  /* dims per lane in the PV phase */
+    const int NV = D / 8;
+    __shared__ float qs[SPLIT_GMAX][DMAX];
     __shared__ float ps[SPLIT_GMAX][SPLIT_TILE];
     __shared__ int32_t slot_s[SPLIT_TILE];
     __shared__ float red[SPLIT_THREADS / 32][SPLIT_GMAX];
-    __shared__ float accs[SPLIT_THREADS / 32][SPLIT_GMAX][D];
+    __shared__ float accs[SPLIT_THREADS / 32][SPLIT_GMAX][DMAX];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int32_t r = blockIdx.x;
@@ -118,14 +121,16 @@ split_kernel(const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16
         for (int g = 0; g < SPLIT_GMAX; g++) s[g] = 0.0f;
         if (valid) {
             const uint4 *kp = (const uint4 *)(kc + (size_t)slot * row_stride + (size_t)kvh * D);
-            constexpr int CH = NV < 16 ? NV : 16;
+            constexpr int CH = NVMAX < 16 ? NVMAX : 16;
 #pragma unroll
-            for (int c0 = 0; c0 < NV; c0 += CH) {
+            for (int c0 = 0; c0 < NVMAX; c0 += CH) {
                 uint4 kv[CH];
 #pragma unroll
-                for (int i = 0; i < CH; i++) kv[i] = __ldg(kp + c0 + i);
+                for (int i = 0; i < CH; i++)
+                    kv[i] = (EXACT || c0 + i < NV) ? __ldg(kp + c0 + i) : make_uint4(0, 0, 0, 0);
 #pragma unroll
                 for (int i = 0; i < CH; i++) {
+                    if (!EXACT && c0 + i >= NV) break;
                     const __nv_bfloat162 *p2 = (const __nv_bfloat162 *)&kv[i];
 #pragma unroll
                     for (int k = 0; k < 4; k++) {
@@ -167,13 +172,17 @@ split_kernel(const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16
             for (int i = 0; i < DPL; i++) acc[g][i] *= alpha[g];
         const int32_t n_here = min(32, k_end - (k0 + warp * 32));
         const bf16 *vbase = vc + (size_t)kvh * D + lane * DPL;
+        const bool lane_ok = EXACT || lane * DPL < D; /* D % 8 == 0: a lane's dims are all in or out */
 #pragma unroll 4
         for (int kk = 0; kk < 32; kk++) {
             if (kk >= n_here) break;
             const int t = warp * 32 + kk;
             const bf16 *vp = vbase + (size_t)slot_s[t] * row_stride;
             float vf[DPL];
-            if constexpr (DPL % 2 == 0) {
+            if (!lane_ok) {
+#pragma unroll
+                for (int i = 0; i < DPL; i++) vf[i] = 0.0f;
+            } else if constexpr (DPL % 2 == 0) {
 #pragma unroll
                 for (int i = 0; i < DPL; i += 2) {
                     float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(vp + i));
@@ -201,7 +210,7 @@ split_kernel(const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         if (lane == 0) red[warp][g] = v;
 #pragma unroll
-        for (int i = 0; i < DPL; i++) accs[warp][g][lane * DPL + i] = acc[g][i];
+        for (int i = 0; i < DPL; i++) accs[warp][g][lane * DPL + i] = acc[g][i]; /* < DMAX */
     }
     __syncthreads();
     for (int i = tid; i < G * D; i += SPLIT_THREADS) {
@@ -432,9 +441,10 @@ static int pick_splits(const cuda_ctx *c, int64_t base_blocks) {
     return (int)(n < 1 ? 1 : n > SPLIT_MAX ? SPLIT_MAX : n);
 }
 
-template <int D>
+template <int DMAX, bool EXACT>
 static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                          const int32_t *d_sb, const int32_t *d_sel, bool decode) {
+    const int D = a->head_dim;
     const int32_t n_items = a->n_tokens;
     const int G = a->n_heads / a->n_kv_heads;
     const int n_chunks = (G + SPLIT_GMAX - 1) / SPLIT_GMAX;
@@ -445,8 +455,8 @@ static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d
     c->attn_ws_cap = cap / sizeof(float);
     float *ws_o = c->attn_ws, *ws_lse = c->attn_ws + n_part * D;
     dim3 grid((unsigned)n_items, (unsigned)(a->n_kv_heads * n_chunks), (unsigned)n_splits);
-    split_kernel<D><<<grid, SPLIT_THREADS, 0, c->stream>>>(
-        (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb, d_sb, d_sel,
+    split_kernel<DMAX, EXACT><<<grid, SPLIT_THREADS, 0, c->stream>>>(
+        D, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb, d_sb, d_sel,
         a->n_seqs, decode ? 1 : 0, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
         ws_lse);
     CU_LAUNCH_CHECK();
@@ -515,7 +525,7 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
     LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
     const int D = a->head_dim;
-    LETHE_ASSERT(D == 64 || D == 96 || D == 128 || D == 256);
+    LETHE_ASSERT(D % 8 == 0 && D >= 8 && D <= 256);
     bool decode = a->n_tokens == a->n_seqs;
     for (int s = 0; s < a->n_seqs; s++) {
         const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
@@ -533,10 +543,10 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
         else launch_prefill<128>(c, a, d_qb, d_sb, d_sel);
         return;
     }
-    switch (D) {
-    case 64: launch_split<64>(c, a, d_qb, d_sb, d_sel, decode); break;
-    case 96: launch_split<96>(c, a, d_qb, d_sb, d_sel, decode); break;
-    case 128: launch_split<128>(c, a, d_qb, d_sb, d_sel, decode); break;
-    default: launch_split<256>(c, a, d_qb, d_sb, d_sel, decode); break;
-    }
+    if (D == 64) launch_split<64, true>(c, a, d_qb, d_sb, d_sel, decode);
+    else if (D == 128) launch_split<128, true>(c, a, d_qb, d_sb, d_sel, decode);
+    else if (D == 256) launch_split<256, true>(c, a, d_qb, d_sb, d_sel, decode);
+    else if (D < 64) launch_split<64, false>(c, a, d_qb, d_sb, d_sel, decode);
+    else if (D < 128) launch_split<128, false>(c, a, d_qb, d_sb, d_sel, decode);
+    else launch_split<256, false>(c, a, d_qb, d_sb, d_sel, decode);
 }

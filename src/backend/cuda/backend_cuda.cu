@@ -61,8 +61,11 @@ void *lethe_cuda_ring_alloc(cuda_ctx *c, size_t n_bytes, void **host_view) {
 }
 
 const int32_t *lethe_cuda_stage_idx(cuda_ctx *c, const int32_t *host, size_t n) {
-    for (int i = 0; i < c->n_staged; i++)
-        if (c->staged[i].host == host && c->staged[i].n == n) return c->staged[i].dev;
+    /* a pre-staged array, or a sub-range of one (e.g. logit_rows + r0) */
+    for (int i = 0; i < c->n_staged; i++) {
+        const cuda_staged *s = &c->staged[i];
+        if (host >= s->host && host + n <= s->host + s->n) return s->dev + (host - s->host);
+    }
     LETHE_ASSERT(!c->capturing && "graph capture: host index array was not pre-staged");
     void *h;
     void *d = lethe_cuda_ring_alloc(c, n * sizeof(int32_t), &h);
@@ -118,6 +121,7 @@ static void cuda_stage_step(lethe_backend *be, const int32_t *const *arrays, con
         off += counts[i];
     }
     c->n_staged = n;
+    c->step_logits_n = 0; /* a new step starts */
 }
 
 static void cuda_unstage(lethe_backend *be) { cuda_ctx_of(be)->n_staged = 0; }
@@ -182,26 +186,31 @@ static void cuda_logits_to_host(lethe_backend *be, float *dst, const void *src, 
     cuda_ctx *c = cuda_ctx_of(be);
     if (!n) return;
     if (!c->capturing) {
-        /* keep the pinned area large enough for a later capture of this size */
-        if (n > c->f32_h_cap) {
+        /* keep the pinned area large enough for a capture of this step: all its
+         * logits_to_host calls (since stage_step) land there back to back */
+        c->step_logits_n += n;
+        if (c->step_logits_n > c->f32_h_cap) {
             CU_CHECK(cudaStreamSynchronize(c->stream));
             if (c->f32_h) CU_CHECK(cudaFreeHost(c->f32_h));
-            c->f32_h_cap = n;
-            CU_CHECK(cudaMallocHost((void **)&c->f32_h, n * sizeof(float)));
+            c->f32_h_cap = c->step_logits_n;
+            CU_CHECK(cudaMallocHost((void **)&c->f32_h, c->f32_h_cap * sizeof(float)));
             drop_graphs(c);
         }
         cuda_act_to_host(be, dst, src, n);
         return;
     }
-    /* captured: convert into scratch, copy to the pinned buffer; the host copy
-     * to dst happens after the graph ran (graph_end / graph_launch) */
-    LETHE_ASSERT(n * sizeof(float) <= c->f32_cap && n <= c->f32_h_cap);
-    LETHE_ASSERT(c->capture_logits_dst == NULL && "graph capture: one logits_to_host per step");
+    /* captured: convert into scratch, copy into the pinned buffer after the
+     * step's earlier logits; the host copy to dst happens after the graph ran
+     * (graph_end / graph_launch), so a step's logits must be one contiguous
+     * host range written in order (the forward's row chunks are) */
+    const size_t off = c->capture_logits_n;
+    if (off == 0) c->capture_logits_dst = dst;
+    LETHE_ASSERT(dst == c->capture_logits_dst + off && "graph capture: logits not contiguous");
+    LETHE_ASSERT(n * sizeof(float) <= c->f32_cap && off + n <= c->f32_h_cap);
     lethe_cuda_bf16_to_f32(c, c->f32_d, src, n);
-    CU_CHECK(cudaMemcpyAsync(c->f32_h, c->f32_d, n * sizeof(float), cudaMemcpyDeviceToHost,
+    CU_CHECK(cudaMemcpyAsync(c->f32_h + off, c->f32_d, n * sizeof(float), cudaMemcpyDeviceToHost,
                              c->stream));
-    c->capture_logits_dst = dst;
-    c->capture_logits_n = n;
+    c->capture_logits_n = off + n;
 }
 
 static void cuda_act_from_host(lethe_backend *be, void *dst, const float *src, size_t n) {
@@ -303,6 +312,77 @@ static void cuda_graph_reset(lethe_backend *be) {
     drop_graphs(c);
 }
 
+/* ---- roofline ceilings ------------------------------------------------- */
+
+__global__ void fill_random_bf16(bf16 *p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z ^= z >> 31;
+        p[i] = __float2bfloat16((float)(z >> 40) * 0x1p-24f - 0.5f);
+    }
+}
+
+static float median5(float *v, int n) {
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+            float t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return v[n / 2];
+}
+
+/* copy: 1 GiB device-to-device (bytes read + written); GEMM: 8192^3 bf16 on
+ * random data through the same cuBLAS call as matmul; medians of timed runs */
+static lethe_status cuda_measure_peaks(lethe_backend *be, double *copy_bps, double *gemm_fps) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    const size_t copy_bytes = (size_t)1 << 30;
+    const int N = 8192;
+    const size_t mat = (size_t)N * N;
+    void *a = NULL, *b = NULL, *y = NULL;
+    if (cudaMalloc(&a, copy_bytes) != cudaSuccess || cudaMalloc(&b, copy_bytes) != cudaSuccess ||
+        cudaMalloc(&y, mat * sizeof(bf16)) != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(a);
+        cudaFree(b);
+        cudaFree(y);
+        return lethe_errorf(LETHE_ERR_NOMEM, "cuda backend: measure_peaks needs 2.1 GiB free");
+    }
+    fill_random_bf16<<<c->n_sms * 8, 256, 0, c->stream>>>((bf16 *)a, copy_bytes / 2, 1);
+    fill_random_bf16<<<c->n_sms * 8, 256, 0, c->stream>>>((bf16 *)b, copy_bytes / 2, 7);
+    CU_LAUNCH_CHECK();
+    cudaEvent_t e0, e1;
+    CU_CHECK(cudaEventCreate(&e0));
+    CU_CHECK(cudaEventCreate(&e1));
+    float t[9];
+    for (int r = -2; r < 9; r++) {
+        CU_CHECK(cudaEventRecord(e0, c->stream));
+        CU_CHECK(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, copy_bytes, cudaMemcpyDeviceToDevice,
+                                 c->stream));
+        CU_CHECK(cudaEventRecord(e1, c->stream));
+        CU_CHECK(cudaEventSynchronize(e1));
+        if (r >= 0) CU_CHECK(cudaEventElapsedTime(&t[r], e0, e1));
+    }
+    *copy_bps = 2.0 * copy_bytes / (median5(t, 9) * 1e-3);
+    /* x = first N*N of a, W = first N*N of b (both random) */
+    for (int r = -3; r < 9; r++) {
+        CU_CHECK(cudaEventRecord(e0, c->stream));
+        lethe_cuda_matmul(be, y, a, b, N, N, N);
+        CU_CHECK(cudaEventRecord(e1, c->stream));
+        CU_CHECK(cudaEventSynchronize(e1));
+        if (r >= 0) CU_CHECK(cudaEventElapsedTime(&t[r], e0, e1));
+    }
+    *gemm_fps = 2.0 * N * (double)N * N / (median5(t, 9) * 1e-3);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    CU_CHECK(cudaFree(a));
+    CU_CHECK(cudaFree(b));
+    CU_CHECK(cudaFree(y));
+    return LETHE_OK;
+}
+
 /* ---- lifetime ---------------------------------------------------------- */
 
 static void cuda_destroy(lethe_backend *be) {
@@ -358,6 +438,7 @@ static const lethe_backend_ops cuda_ops = {
     /* .graph_end */ cuda_graph_end,
     /* .graph_launch */ cuda_graph_launch,
     /* .graph_reset */ cuda_graph_reset,
+    /* .measure_peaks */ cuda_measure_peaks,
 };
 
 #define INIT_CHECK(call, what)                                                              \

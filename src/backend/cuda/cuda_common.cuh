@@ -108,6 +108,7 @@ typedef struct cuda_ctx {
     size_t sample_ws_cap;
 
     /* CUDA graphs */
+    size_t step_logits_n;        /* logits floats sent to the host since stage_step */
     bool capturing;
     float *capture_logits_dst;   /* host dst seen by logits_to_host during capture */
     size_t capture_logits_n;

@@ -1,0 +1,64 @@
+/* forward_uniform.c - lethe_model_forward with one plan for every layer:
+ * staged index arrays and CUDA-graph decode steps (see forward_uniform.h).
+ *
+ * Step order: stage_step(tokens, pos, seq_begin, logit_rows, store_slots,
+ * sel_begin, sel_slots) -> graph replay if the batch size has a graph ->
+ * else capture it if the size already ran once -> else eager forward. The
+ * arch forward passes these exact host pointers to the ops (or sub-ranges of
+ * them), which is how the backend finds the staged copies. */
+#include "model/forward_uniform.h"
+
+#include <stddef.h>
+
+#include "core/log.h"
+
+typedef struct uniform_ctx {
+    const lethe_layer_plan *plan;
+} uniform_ctx;
+
+static void uniform_plan(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                         lethe_layer_plan *out) {
+    *out = *((const uniform_ctx *)ctx)->plan;
+}
+
+void lethe_model_forward_uniform(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
+                                 void *const *v_cache, const lethe_layer_plan *plan,
+                                 bool use_graph, lethe_graph_state *gs, float *logits_out) {
+    LETHE_ASSERT(plan && !plan->scores);
+    lethe_backend *be = m->be;
+    const lethe_backend_ops *o = be->ops;
+    uniform_ctx uc = {plan};
+    lethe_fwd_hooks hooks = {.ctx = &uc, .plan_layer = uniform_plan, .after_attn = NULL};
+
+    const int32_t n = b->n_tokens, S = b->n_seqs;
+    const int32_t *arrays[7] = {b->tokens,   b->pos,         b->seq_begin, b->logit_rows,
+                                plan->store_slots, plan->sel_begin, plan->sel_slots};
+    size_t counts[7] = {(size_t)n, (size_t)n, (size_t)S + 1, (size_t)b->n_logits,
+                        (size_t)n, (size_t)S + 1, (size_t)plan->sel_begin[S]};
+    o->stage_step(be, arrays, counts, 7);
+
+    const bool graphable = use_graph && gs && n == S && b->n_logits == S &&
+                           S <= LETHE_GRAPH_MAX_BATCH;
+    if (graphable) {
+        if (o->graph_launch(be, S, logits_out)) {
+            gs->n_replays++;
+            o->unstage(be);
+            return;
+        }
+        if (gs->warm[S] && o->graph_begin(be)) {
+            lethe_model_forward(m, b, k_cache, v_cache, &hooks, logits_out);
+            lethe_status st = o->graph_end(be, S);
+            if (st == LETHE_OK) {
+                gs->n_captures++;
+                o->unstage(be);
+                return;
+            }
+            LOG_WARN("decode graph for batch %d not captured (%s); running eagerly", S,
+                     lethe_last_error());
+        }
+        gs->warm[S] = 1;
+    }
+    if (gs) gs->n_eager++;
+    lethe_model_forward(m, b, k_cache, v_cache, &hooks, logits_out);
+    o->unstage(be);
+}

@@ -1,0 +1,38 @@
+/* forward_uniform.h - a forward step whose layers all read the same plan,
+ * with the step's index arrays staged once and decode steps replayed as
+ * CUDA graphs.
+ *
+ * Dense attention (and any method whose selection is the same in every
+ * layer) gives every layer the same store slots and selection. Then one
+ * upload of the step's arrays serves all layers (ops->stage_step), and a
+ * decode step (one query per sequence) can be captured once per batch size
+ * and replayed: the replay runs every kernel of the step from the staged
+ * buffers without host work per layer. Graphs are keyed by the number of
+ * sequences; a key is captured on its second step (the first runs eagerly
+ * and sizes the backend's workspaces). On the CPU backend (no graphs) this
+ * is exactly lethe_model_forward. */
+#ifndef LETHE_MODEL_FORWARD_UNIFORM_H
+#define LETHE_MODEL_FORWARD_UNIFORM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model/model.h"
+
+#define LETHE_GRAPH_MAX_BATCH 256
+
+typedef struct lethe_graph_state {
+    uint8_t warm[LETHE_GRAPH_MAX_BATCH + 1]; /* batch size ran eagerly once */
+    int64_t n_replays, n_captures, n_eager;  /* counters for reports and tests */
+} lethe_graph_state;
+
+/* Runs one step with `plan` for every layer (plan->scores must be NULL).
+ * use_graph: capture/replay decode-shaped steps (n_tokens == n_seqs ==
+ * n_logits, n_seqs <= LETHE_GRAPH_MAX_BATCH) through gs; other steps run
+ * eagerly. logits_out as in lethe_model_forward. The caller must keep the
+ * plan's and the batch's arrays unchanged during the call. */
+void lethe_model_forward_uniform(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
+                                 void *const *v_cache, const lethe_layer_plan *plan,
+                                 bool use_graph, lethe_graph_state *gs, float *logits_out);
+
+#endif /* LETHE_MODEL_FORWARD_UNIFORM_H */
