@@ -36,7 +36,7 @@
 
 typedef struct bench_opts {
     const char *model, *load_format, *device, *json;
-    const char *batch, *input, *output, *attn_batch, *attn_ctx;
+    const char *batch, *input, *output, *attn_batch, *attn_ctx, *points;
     int32_t max_batched, threads, reps;
     uint64_t seed;
     bool no_graph, attention, skip_model;
@@ -295,6 +295,7 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--batch", "-b", LETHE_OPT_STR, &o.batch, "LIST", "batch sizes, comma separated", 1, 0},
         {"--input-len", "-i", LETHE_OPT_STR, &o.input, "LIST", "prompt lengths", 1, 0},
         {"--output-len", "-o", LETHE_OPT_STR, &o.output, "LIST", "decode steps", 1, 0},
+        {"--points", NULL, LETHE_OPT_STR, &o.points, "B:I:O,...", "explicit (batch:input:output) points instead of the sweep", 1, 0},
         {"--max-num-batched-tokens", NULL, LETHE_OPT_INT, &o.max_batched, "N", "tokens per prefill step", 1, 1 << 20},
         {"--no-graph", NULL, LETHE_OPT_BOOL, &o.no_graph, NULL, "decode eagerly (no CUDA graphs)", 1, 0},
         {"--attention", NULL, LETHE_OPT_BOOL, &o.attention, NULL, "also time decode attention alone", 1, 0},
@@ -317,6 +318,32 @@ int lethe_bench_engine(int argc, char **argv) {
     int no = parse_list(o.output, outs, "--output-len");
     int nab = parse_list(o.attn_batch, abs_, "--attn-batch"), nac = parse_list(o.attn_ctx, actx, "--attn-ctx");
     if (nb < 0 || ni < 0 || no < 0 || nab < 0 || nac < 0) return 2;
+    /* the run list: explicit points, or the cross product of the sweep lists */
+    int32_t pb[MAX_SWEEP * MAX_SWEEP], pi[MAX_SWEEP * MAX_SWEEP], po[MAX_SWEEP * MAX_SWEEP];
+    int np = 0;
+    if (o.points) {
+        const char *p = o.points;
+        while (*p && np < MAX_SWEEP * MAX_SWEEP) {
+            int consumed = 0;
+            if (sscanf(p, "%d:%d:%d%n", &pb[np], &pi[np], &po[np], &consumed) != 3 || pb[np] <= 0 ||
+                pi[np] <= 0 || po[np] < 0) {
+                fprintf(stderr, "lethe bench engine: --points '%s': expected B:I:O,B:I:O,...\n",
+                        o.points);
+                return 2;
+            }
+            np++;
+            p += consumed;
+            if (*p == ',') p++;
+            else if (*p) {
+                fprintf(stderr, "lethe bench engine: --points '%s': unexpected '%c'\n", o.points, *p);
+                return 2;
+            }
+        }
+    } else {
+        for (int i = 0; i < nb; i++)
+            for (int j = 0; j < ni; j++)
+                for (int k = 0; k < no; k++) pb[np] = bs[i], pi[np] = ins[j], po[np++] = outs[k];
+    }
 
     lethe_backend_params bp = {.device = o.device, .n_threads = o.threads, .device_index = 0};
     lethe_backend *be = NULL;
@@ -369,7 +396,7 @@ int lethe_bench_engine(int argc, char **argv) {
            m.cfg.n_layers, m.cfg.dim, m.cfg.n_heads, m.cfg.n_kv_heads, m.cfg.n_vocab,
            lethe_time_s() - tl);
     int32_t max_b = 1;
-    for (int i = 0; i < nb; i++) max_b = LETHE_MAX(max_b, bs[i]);
+    for (int i = 0; i < np; i++) max_b = LETHE_MAX(max_b, pb[i]);
     if (lethe_model_workspace_init(&m, LETHE_MAX(o.max_batched, max_b)) != LETHE_OK) {
         fprintf(stderr, "lethe bench engine: %s\n", lethe_last_error());
         rc = 1;
@@ -378,13 +405,11 @@ int lethe_bench_engine(int argc, char **argv) {
     cJSON *pts = cJSON_AddArrayToObject(root, "points");
     printf("%6s %7s %6s | %12s %8s %6s | %9s %12s %9s %6s\n", "batch", "input", "output",
            "prefill t/s", "TFLOP/s", "of pk", "step ms", "decode t/s", "GB/s", "of bw");
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < ni; j++)
-            for (int k = 0; k < no; k++) {
-                point pt = {.batch = bs[i], .input = ins[j], .output = outs[k]};
-                if (run_point(&m, &o, bs[i], ins[j], outs[k], copy_bps, gemm_fps, &pt) != LETHE_OK) {
-                    fprintf(stderr, "batch %d input %d output %d skipped: %s\n", bs[i], ins[j],
-                            outs[k], lethe_last_error());
+    for (int i = 0; i < np; i++) {
+                point pt = {.batch = pb[i], .input = pi[i], .output = po[i]};
+                if (run_point(&m, &o, pb[i], pi[i], po[i], copy_bps, gemm_fps, &pt) != LETHE_OK) {
+                    fprintf(stderr, "batch %d input %d output %d skipped: %s\n", pb[i], pi[i],
+                            po[i], lethe_last_error());
                     continue;
                 }
                 printf("%6d %7d %6d | %12.0f %8.1f %5.1f%% | %9.3f %12.1f %9.0f %5.1f%%\n",
