@@ -28,7 +28,7 @@ if [ -d .deb ]; then
     mkdir -p "$R" "$LK"
     for f in .deb/*.deb; do dpkg -x "$f" "$R"; done
     # a library the system has is linked from the system; else from the .deb
-    for lib in cjson pcre2-8 icuuc microhttpd curl; do
+    for lib in cjson pcre2-8 icuuc microhttpd curl crypto; do
         sys=$(ldconfig -p | grep -o "/[^ ]*/lib$lib\.so\.[0-9]*$" | head -1)
         if [ -n "$sys" ]; then ln -sf "$sys" "$LK/lib$lib.so"; else ln -sf "$(ls "$L"/lib$lib.so.[0-9]* | head -1)" "$LK/lib$lib.so"; echo "lib$lib: from .deb" >>"$OUT/gpu.txt"; fi
     done
