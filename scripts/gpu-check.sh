@@ -30,6 +30,8 @@ if [ -d .deb ]; then
     # a library the system has is linked from the system; else from the .deb
     for lib in cjson pcre2-8 icuuc microhttpd curl crypto; do
         sys=$(ldconfig -p | grep -o "/[^ ]*/lib$lib\.so\.[0-9]*$" | head -1)
+        # ICU suffixes its symbols with its version: the .deb headers need the .deb library
+        [ "$lib" = icuuc ] && sys=
         if [ -n "$sys" ]; then ln -sf "$sys" "$LK/lib$lib.so"; else ln -sf "$(ls "$L"/lib$lib.so.[0-9]* | head -1)" "$LK/lib$lib.so"; echo "lib$lib: from .deb" >>"$OUT/gpu.txt"; fi
     done
     export EXTRA_CFLAGS="-I$R/usr/include -I$R/usr/include/x86_64-linux-gnu"
