@@ -343,6 +343,37 @@ static void test_attention(void) {
     }
 }
 
+/* A query's output is bit-identical computed inside a prefill chunk (in a tile
+ * with its neighbours) or alone as a one-token step over the same entries. */
+static void test_attention_tile_invariance(void) {
+    /* {n_heads, GQA group, head_dim}: tiles of 16/G queries (G = 1, 3, 8) */
+    static const int groups[][3] = {{3, 1, 64}, {8, 8, 64}, {9, 3, 64}, {8, 1, 128}, {6, 3, 20}};
+    for (size_t gi = 0; gi < LETHE_ARRAY_LEN(groups); gi++) {
+        const int H = groups[gi][0], KH = H / groups[gi][1], hd = groups[gi][2];
+        const int P = 37, NQ = 40, n = P + NQ, kvd = KH * hd;
+        float *kc = rand_vec((size_t)n * kvd), *vc = rand_vec((size_t)n * kvd);
+        float *q = rand_vec((size_t)NQ * H * hd), *out = lethe_xmalloc((size_t)NQ * H * hd * 4);
+        float *one = lethe_xmalloc((size_t)H * hd * 4);
+        int32_t *sel = lethe_xmalloc((size_t)n * 4);
+        for (int i = 0; i < n; i++) sel[i] = n - 1 - i; /* reversed slots */
+        int32_t qb[2] = {0, NQ}, sb[2] = {0, n};
+        lethe_attn_args a = {.out = out, .q = q, .k_cache = kc, .v_cache = vc, .n_tokens = NQ,
+                             .n_seqs = 1, .q_begin = qb, .sel_begin = sb, .sel_slots = sel,
+                             .n_heads = H, .n_kv_heads = KH, .head_dim = hd, .scale = 0.3f};
+        g_be->ops->attention(g_be, &a);
+        for (int j = 0; j < NQ; j++) {
+            int32_t qb1[2] = {0, 1}, sb1[2] = {0, P + j + 1};
+            lethe_attn_args b = a;
+            b.out = one, b.q = q + (size_t)j * H * hd, b.n_tokens = 1, b.q_begin = qb1;
+            b.sel_begin = sb1;
+            g_be1->ops->attention(g_be1, &b);
+            CHECK_MSG(!memcmp(one, out + (size_t)j * H * hd, (size_t)H * hd * 4),
+                      "H=%d KH=%d hd=%d query %d differs alone", H, KH, hd, j);
+        }
+        free(kc), free(vc), free(q), free(out), free(one), free(sel);
+    }
+}
+
 /* ---- throughput (for the log; asserts nothing about speed) ----------------- */
 
 static void bench_matmul(void) {
@@ -378,6 +409,7 @@ int main(void) {
     TEST_RUN(test_copies);
     TEST_RUN(test_rope);
     TEST_RUN(test_attention);
+    TEST_RUN(test_attention_tile_invariance);
     TEST_RUN(bench_matmul);
     g_be->ops->destroy(g_be); /* not lethe_backend_destroy: keeps CUDA out of the link */
     g_be1->ops->destroy(g_be1);

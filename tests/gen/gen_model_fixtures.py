@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""gen_model_fixtures.py - HF transformers reference data for tests/test_model_hf.c.
+
+Writes (all deterministic: fixed seeds, fp32, eager attention, CPU):
+
+1. Tiny random-weight HF checkpoints, one per family switch the forward has:
+     tests/data/tiny-llama/  llama: Llama 3.1 rope scaling (all three frequency
+                             regions hit: original_max_position_embeddings 32),
+                             untied lm_head
+     tests/data/tiny-qwen2/  qwen2: q/k/v bias, tied embeddings
+     tests/data/tiny-qwen3/  qwen3: per-head q/k RMSNorm, explicit head_dim 32
+                             (n_heads * head_dim != hidden), tied embeddings
+   each = config.json + generation_config.json + model.safetensors (float32).
+   Weights are re-drawn with O(1) activations (std 1/sqrt(fan_in), norm weights
+   1 +- 0.1, biases std 0.1) so that the logits are not near-uniform.
+   References tests/data/hf-ref/tiny-<family>.bin: for 3 random token sequences
+   (lengths 20, 45, 70) the full logits at every position.
+
+2. SmolLM2-135M-Instruct (models/SmolLM2-135M-Instruct.Q4_1.gguf, loaded by
+   transformers' GGUF loader: dequantized to float32, eager attention).
+   3 prompts rendered with the model's chat template (a short question, a
+   two-turn chat, and "summarize this speech" over the start of a State of the
+   Union address from /work/shared/data/sotu, >= 2,000 tokens). Stored in
+   tests/data/hf-ref/smollm2-135m.bin per prompt i:
+     p<i>.tokens      i32 [T]      prompt token ids
+     p<i>.top1        i32 [T]      HF argmax of the next-token logits at every position
+     p<i>.gap         f32 [T]      top-1 minus top-2 logit (how close a tie is)
+     p<i>.topk_pos    i32 [P]      every STRIDE-th position and the last one
+     p<i>.topk_ids    i32 [P, K]   the K largest logits' ids there, descending
+     p<i>.topk_vals   f32 [P, K]   and their values
+     p<i>.last_logits f32 [V]      the full logits at the last prompt position
+     p<i>.greedy      i32 [64]     model.generate(do_sample=False, 64 new tokens,
+                                   EOS does not stop it)
+     p<i>.greedy_gap  f32 [64]     top-1 minus top-2 logit at each generated step
+
+File format of tests/data/hf-ref/*.bin ("named arrays", little-endian):
+     magic   8 bytes  "LTHREF01"
+     u32     n_arrays
+     per array: u32 name_len, name (ASCII, no NUL), u32 dtype (0 = f32, 1 = i32),
+                u32 ndim, u32 shape[ndim], then prod(shape) elements.
+
+Needs: torch, transformers, gguf, safetensors, accelerate (GGUF loading).
+Run from anywhere: python3 tests/gen/gen_model_fixtures.py [tiny] [smollm2]
+"""
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+import torch
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+DATA = os.path.join(ROOT, "tests", "data")
+REF = os.path.join(DATA, "hf-ref")
+MODEL_DIR = os.path.join(ROOT, "models")
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOTU = "/work/shared/data/sotu/1962_john_f_kennedy_d.txt"
+STRIDE, TOPK, N_GEN = 16, 32, 64
+
+torch.set_num_threads(2)
+
+
+def write_arrays(path, arrays):
+    """arrays: list of (name, np.ndarray of float32 or int32)."""
+    with open(path, "wb") as f:
+        f.write(b"LTHREF01")
+        f.write(struct.pack("<I", len(arrays)))
+        for name, a in arrays:
+            a = np.ascontiguousarray(a)
+            if a.dtype == np.float32:
+                dt = 0
+            elif a.dtype == np.int32:
+                dt = 1
+            else:
+                raise TypeError(f"{name}: dtype {a.dtype}")
+            nb = name.encode("ascii")
+            f.write(struct.pack("<I", len(nb)) + nb)
+            f.write(struct.pack("<II", dt, a.ndim))
+            f.write(struct.pack("<%dI" % a.ndim, *a.shape))
+            f.write(a.astype(a.dtype.newbyteorder("<")).tobytes())
+    print(f"wrote {os.path.relpath(path, ROOT)} ({os.path.getsize(path)} bytes)")
+
+
+# ---- 1. tiny checkpoints -------------------------------------------------------
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_configs():
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    return {
+        "llama": LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=10000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 32}),
+        "qwen2": Qwen2Config(**COMMON, tie_word_embeddings=True, rope_theta=1000000.0),
+        "qwen3": Qwen3Config(**COMMON, tie_word_embeddings=True, rope_theta=1000000.0,
+                             head_dim=32),
+    }
+
+
+def redraw_weights(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # Linear [out, in]
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+def legacy_rope_config(path):
+    """Rewrites transformers-5 `rope_parameters` as the `rope_theta` + `rope_scaling`
+    (+ `torch_dtype`) spelling of real Llama 3.1 checkpoints, so that both spellings
+    are covered (qwen2/qwen3 keep the new one). transformers reads both."""
+    c = json.load(open(path))
+    rp = c.pop("rope_parameters")
+    c["rope_theta"] = rp.pop("rope_theta")
+    c["rope_scaling"] = rp
+    c["torch_dtype"] = c.pop("dtype")
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def gen_tiny():
+    from transformers import AutoModelForCausalLM
+    for i, (fam, cfg) in enumerate(tiny_configs().items()):
+        torch.manual_seed(100 + i)
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        redraw_weights(model, 1000 + i)
+        out_dir = os.path.join(DATA, f"tiny-{fam}")
+        model.save_pretrained(out_dir, safe_serialization=True)
+        model.generation_config.save_pretrained(out_dir)
+        if fam == "llama":
+            legacy_rope_config(os.path.join(out_dir, "config.json"))
+        # reload from disk: the reference is what the files say
+        model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+        g = torch.Generator().manual_seed(2000 + i)
+        arrays = []
+        for s, n in enumerate((20, 45, 70)):
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g)
+            with torch.no_grad():
+                logits = model(ids).logits[0].float().numpy()
+            arrays += [(f"seq{s}.tokens", ids[0].numpy().astype(np.int32)),
+                       (f"seq{s}.logits", logits.astype(np.float32))]
+        write_arrays(os.path.join(REF, f"tiny-{fam}.bin"), arrays)
+        for f in sorted(os.listdir(out_dir)):
+            print(f"  {fam}/{f}: {os.path.getsize(os.path.join(out_dir, f))} bytes")
+
+
+# ---- 2. SmolLM2-135M --------------------------------------------------------------
+
+def speech_prompt(tok, min_tokens=2000):
+    """The speech's first sentences, as many as needed for >= min_tokens prompt tokens."""
+    text = open(SOTU, encoding="utf-8").read().strip()
+    sentences = [x + "." for x in text.split(". ") if x]
+    for n in range(40, len(sentences), 5):
+        msgs = [{"role": "user", "content": "Summarize the main points of this State of the Union "
+                 "address in a few sentences.\n\n" + " ".join(sentences[:n])}]
+        s = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if len(tok(s, add_special_tokens=False).input_ids) >= min_tokens:
+            return msgs
+    raise RuntimeError(f"{SOTU}: speech too short")
+
+
+def gen_smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, gguf_file=GGUF_NAME,
+                                                 dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    chats = [
+        [{"role": "user", "content": "What is the capital of France? Explain its history in detail."}],
+        [{"role": "system", "content": "You are a concise assistant."},
+         {"role": "user", "content": "Give me three tips for learning to play the guitar."},
+         {"role": "assistant", "content": "1. Practice daily. 2. Learn basic chords first. "
+          "3. Play songs you enjoy."},
+         {"role": "user", "content": "Now explain the second tip step by step."}],
+        speech_prompt(tok),
+    ]
+    arrays = []
+    for i, msgs in enumerate(chats):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+        T = ids.shape[1]
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        top2 = torch.topk(logits, 2, dim=-1)
+        pos = sorted(set(range(0, T, STRIDE)) | {T - 1})
+        tk = torch.topk(logits[pos], TOPK, dim=-1)
+        # explicit all-ones mask: otherwise generate() infers one from pad_token_id, which
+        # is <|im_end|> here, and would mask the prompt's own <|im_end|> tokens
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_GEN,
+                             min_new_tokens=0, do_sample=False,
+                             eos_token_id=None, pad_token_id=model.config.eos_token_id,
+                             output_scores=True, return_dict_in_generate=True)
+        greedy = gen.sequences[0, T:]
+        assert greedy.shape[0] == N_GEN, greedy.shape
+        g2 = torch.topk(torch.stack([s[0] for s in gen.scores]).float(), 2, dim=-1).values
+        arrays += [
+            (f"p{i}.tokens", ids[0].numpy().astype(np.int32)),
+            (f"p{i}.top1", top2.indices[:, 0].numpy().astype(np.int32)),
+            (f"p{i}.gap", (top2.values[:, 0] - top2.values[:, 1]).numpy().astype(np.float32)),
+            (f"p{i}.topk_pos", np.array(pos, dtype=np.int32)),
+            (f"p{i}.topk_ids", tk.indices.numpy().astype(np.int32)),
+            (f"p{i}.topk_vals", tk.values.numpy().astype(np.float32)),
+            (f"p{i}.last_logits", logits[T - 1].numpy().astype(np.float32)),
+            (f"p{i}.greedy", greedy.numpy().astype(np.int32)),
+            (f"p{i}.greedy_gap", (g2[:, 0] - g2[:, 1]).numpy().astype(np.float32)),
+        ]
+        print(f"prompt {i}: {T} tokens, min top-1 gap {float((top2.values[:, 0] - top2.values[:, 1]).min()):.2e}, "
+              f"greedy min gap {float((g2[:, 0] - g2[:, 1]).min()):.2e}")
+        print("  ->", repr(tok.decode(greedy)))
+    write_arrays(os.path.join(REF, "smollm2-135m.bin"), arrays)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1:] or ["tiny", "smollm2"]
+    os.makedirs(REF, exist_ok=True)
+    if "tiny" in what:
+        gen_tiny()
+    if "smollm2" in what:
+        gen_smollm2()
