@@ -124,6 +124,11 @@ typedef struct lethe_engine_params {
      * (the anchor's rule; default false = mixed steps as vLLM, see
      * docs/architecture.md for the CPU measurement) */
     bool split_prefill_decode;
+    /* added by the chain cache: "auto" (NULL) | "radix" | "chain". auto picks
+     * the radix prefix cache for methods whose per-token KV does not depend
+     * on history (dense, logical selection) and the Chain Cache for the
+     * others (eviction); radix with an eviction method is an error. */
+    const char *prefix_cache_mode;
 } lethe_engine_params;
 
 void lethe_engine_default_params(lethe_engine_params *p);
@@ -176,6 +181,56 @@ typedef struct lethe_engine_stats {
 
 /* Thread-safe snapshot (updated at the end of every step). */
 void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out);
+
+/* ---- Chain Cache (added by the chain-cache issue; src/engine/engine_chain.c) ----
+ * In chain mode a conversation keeps its (possibly compacted) KV and method
+ * state between turns; a turn only prefills the tokens after the processed
+ * boundary. Turns are submitted with the *_chain functions below; a turn
+ * refused by the chain table returns LETHE_ERR_CAPACITY / NOT_FOUND / BUSY /
+ * INVALID with res->http_status and res->code set (404 chain_not_found, 409
+ * chain_busy | chain_prefix_mismatch | chain_fingerprint_mismatch, 410
+ * chain_gone, 503 chain_capacity_unavailable, 400 chain_invalid_request |
+ * chain_mode_disabled). */
+typedef struct lethe_chain_params {
+    const char *chain_id;       /* NULL or "": create a new chain */
+    bool append;                /* prompt = only the tokens appended to the chain's history */
+    int32_t append_start;       /* chat: index of the first appended message (append mode) */
+    int32_t n_messages;         /* chat: messages of the conversation (0 for token prompts) */
+} lethe_chain_params;
+
+typedef struct lethe_chain_result {
+    int http_status;            /* 200, or the refusal's HTTP status */
+    const char *code;           /* "ok", "chain_busy", ... (static) */
+    char message[192];
+    char chain_id[48];
+    const char *status;         /* "created" | "resumed" | "recreated" */
+    int32_t reused_tokens;      /* prompt tokens whose KV was resident */
+    int32_t n_prompt;           /* full prompt of the turn */
+} lethe_chain_result;
+
+bool lethe_engine_chain_mode(const lethe_engine *e);
+const char *lethe_engine_prefix_cache_mode(const lethe_engine *e); /* "chain" | "radix" | "off" */
+/* Threaded mode (any thread) / synchronous mode; p->prompt is the full
+ * prompt, or with c->append only the appended tokens. */
+int lethe_engine_submit_chain(lethe_engine *e, const lethe_request_params *p, const lethe_chain_params *c,
+                              lethe_chain_result *res, uint64_t *id_out);
+int lethe_engine_add_request_chain(lethe_engine *e, const lethe_request_params *p, const lethe_chain_params *c,
+                                   lethe_chain_result *res, uint64_t *id_out);
+/* The chain's logical token history (copies up to cap); -1 unknown/gone. */
+int32_t lethe_engine_chain_history(lethe_engine *e, const char *chain_id, int32_t *out, int32_t cap);
+/* Synchronous mode, IDLE chains only (tests): logical positions resident in
+ * one layer's KV, ascending (copies up to cap); -1 if none. */
+int32_t lethe_engine_chain_positions(lethe_engine *e, const char *chain_id, int32_t layer, int32_t *out,
+                                     int32_t cap);
+
+typedef struct lethe_engine_chain_stats {
+    int32_t n_chains, n_active, n_idle, n_tombstones;
+    int64_t n_created, n_resumed, n_recreated, n_reclaimed, n_invalidated, n_rejected, n_capacity_rejected;
+    int64_t reused_tokens, prompt_tokens;   /* over admitted turns */
+    int64_t resident_slots;                 /* summed over slot spaces */
+} lethe_engine_chain_stats;
+/* All zero outside chain mode. */
+void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out);
 
 #ifdef __cplusplus
 }

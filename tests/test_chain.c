@@ -69,7 +69,7 @@ static void test_ids_and_digest(void) {
 }
 
 static void test_turns(void) {
-    lethe_chain_params p = {.n_spaces = 2, .slots_per_space = 1000};
+    lethe_chain_table_params p = {.n_spaces = 2, .slots_per_space = 1000};
     lethe_chain_table *t = lethe_chain_create(&p);
     int32_t prompt[100];
     seq(prompt, 100, 1);
@@ -78,7 +78,7 @@ static void test_turns(void) {
     CHECK_EQ_INT(t1.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(t1.status, LETHE_CHAIN_CREATED);
     CHECK_EQ_INT(t1.reused, 0);
-    CHECK(t1.payload == NULL);
+    CHECK(lethe_chain_take_payload(t, t1.id) == NULL);
     char id[LETHE_CHAIN_ID_CAP];
     strcpy(id, t1.id);
     /* busy while ACTIVE */
@@ -105,7 +105,9 @@ static void test_turns(void) {
     CHECK_EQ_INT(t2.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(t2.status, LETHE_CHAIN_RESUMED);
     CHECK_EQ_INT(t2.reused, 54);
-    CHECK(t2.payload == &payload1);
+    CHECK_EQ_INT(lethe_chain_count_payloads(t), 1); /* still in the record until taken */
+    CHECK(lethe_chain_take_payload(t, t2.id) == &payload1);
+    CHECK_EQ_INT(lethe_chain_count_payloads(t), 0);
     CHECK_EQ_INT(t2.n_tokens, 70);
     finish(t, &t2, 3, 30, &payload1); /* history 73 */
 
@@ -120,6 +122,7 @@ static void test_turns(void) {
     CHECK_EQ_INT(t3.reused, 72);
     CHECK_EQ_INT(t3.tokens[72], 9002); /* the last sampled token starts the suffix */
     CHECK_EQ_INT(t3.tokens[73], 700);
+    CHECK(lethe_chain_take_payload(t, t3.id) == &payload1);
     finish(t, &t3, 2, 30, &payload1);
 
     /* fingerprint mismatch */
@@ -137,7 +140,7 @@ static void test_turns(void) {
     CHECK_EQ_INT(t4.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(t4.status, LETHE_CHAIN_RECREATED);
     CHECK_EQ_INT(t4.reused, 0);
-    CHECK(t4.payload == NULL);
+    CHECK(lethe_chain_take_payload(t, t4.id) == NULL);
     CHECK(strcmp(t4.id, id) == 0);
     void *rel[4];
     CHECK_EQ_INT(lethe_chain_take_released(t, rel, 4), 1);
@@ -160,12 +163,14 @@ static void test_turns(void) {
     CHECK_EQ_INT(t6.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(t6.status, LETHE_CHAIN_RESUMED);
 
-    /* abandon: tombstone, payload queued */
+    /* abandon before the payload was taken: the record's payload and the
+     * caller's are both queued; tombstone */
     int payload3 = 3;
     lethe_chain_abandon(t, id, &payload3);
     CHECK_EQ_INT(lethe_chain_lookup(t, id, NULL), LETHE_CHAIN_GONE);
-    CHECK_EQ_INT(lethe_chain_take_released(t, rel, 4), 1);
-    CHECK(rel[0] == &payload3);
+    CHECK_EQ_INT(lethe_chain_take_released(t, rel, 4), 2);
+    CHECK(rel[0] == &payload2 || rel[1] == &payload2);
+    CHECK(rel[0] == &payload3 || rel[1] == &payload3);
     free(t6.tokens);
     lethe_chain_turn g;
     begin(t, id, app, 3, true, 4, &g);
@@ -188,7 +193,7 @@ static void test_turns(void) {
 static void test_prefix_mismatch_append(void) {
     /* the boundary is past the history when nothing is resident: finish with
      * payload NULL sets processed 0; an append then resumes from 0 */
-    lethe_chain_params p = {.n_spaces = 1, .slots_per_space = 100};
+    lethe_chain_table_params p = {.n_spaces = 1, .slots_per_space = 100};
     lethe_chain_table *t = lethe_chain_create(&p);
     int32_t a[10];
     seq(a, 10, 1);
@@ -216,14 +221,14 @@ static void test_prefix_mismatch_append(void) {
     begin(t, id, a, 0, true, 0, &t3);
     CHECK_EQ_INT(t3.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(t3.reused, 4);
-    lethe_chain_finish(t, id, t3.tokens, 5, 4, &res, t3.payload);
+    lethe_chain_finish(t, id, t3.tokens, 5, 4, &res, lethe_chain_take_payload(t, id));
     free(t3.tokens);
     lethe_chain_destroy(t);
 }
 
 static void test_lru_capacity_tombstones(void) {
     /* 2 spaces of 100 slots; chains use 30 slots each when idle */
-    lethe_chain_params p = {.n_spaces = 2, .slots_per_space = 100, .max_tombstones = 2};
+    lethe_chain_table_params p = {.n_spaces = 2, .slots_per_space = 100, .max_tombstones = 2};
     lethe_chain_table *t = lethe_chain_create(&p);
     int32_t toks[200];
     seq(toks, 200, 1);
@@ -244,7 +249,8 @@ static void test_lru_capacity_tombstones(void) {
     CHECK_EQ_INT(r0.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(r0.status, LETHE_CHAIN_RESUMED);
     int32_t res[2] = {30, 30};
-    lethe_chain_finish(t, ids[0], r0.tokens, r0.n_tokens, r0.n_tokens - 1, res, r0.payload);
+    lethe_chain_finish(t, ids[0], r0.tokens, r0.n_tokens, r0.n_tokens - 1, res,
+                       lethe_chain_take_payload(t, r0.id));
     free(r0.tokens);
     /* usage 90; a new chain needing 25 must reclaim exactly one: chain 1 (LRU) */
     lethe_chain_turn n1;
@@ -296,7 +302,7 @@ static void test_lru_capacity_tombstones(void) {
 
 /* per-layer capacity: one tight space decides */
 static void test_per_space(void) {
-    lethe_chain_params p = {.n_spaces = 2, .slots_per_space = 50};
+    lethe_chain_table_params p = {.n_spaces = 2, .slots_per_space = 50};
     lethe_chain_table *t = lethe_chain_create(&p);
     int32_t toks[40];
     seq(toks, 40, 1);
@@ -319,7 +325,7 @@ static void test_per_space(void) {
 
 /* chat bookkeeping: append_start must equal the messages the chain covers */
 static void test_append_messages(void) {
-    lethe_chain_params p = {.n_spaces = 1, .slots_per_space = 1000};
+    lethe_chain_table_params p = {.n_spaces = 1, .slots_per_space = 1000};
     lethe_chain_table *t = lethe_chain_create(&p);
     int32_t toks[40];
     seq(toks, 40, 1);
@@ -346,7 +352,7 @@ static void test_append_messages(void) {
     CHECK_EQ_INT(ok.code, LETHE_CHAIN_OK);
     CHECK_EQ_INT(ok.reused, 19);
     CHECK_EQ_INT(ok.n_tokens, 25);
-    lethe_chain_finish(t, ok.id, ok.tokens, 25, 24, &res, ok.payload);
+    lethe_chain_finish(t, ok.id, ok.tokens, 25, 24, &res, lethe_chain_take_payload(t, ok.id));
     lethe_chain_lookup(t, t1.id, &info);
     CHECK_EQ_INT(info.n_messages, 5);
     free(t1.tokens);

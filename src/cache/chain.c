@@ -39,7 +39,7 @@ typedef struct chain_rec {
 } chain_rec;
 
 struct lethe_chain_table {
-    lethe_chain_params p;
+    lethe_chain_table_params p;
     pthread_mutex_t mu;
     chain_rec **recs;
     int32_t n_recs, cap_recs;
@@ -142,7 +142,7 @@ int lethe_chain_new_id(char out[LETHE_CHAIN_ID_CAP]) {
 
 /* ---- table ---- */
 
-lethe_chain_table *lethe_chain_create(const lethe_chain_params *p) {
+lethe_chain_table *lethe_chain_create(const lethe_chain_table_params *p) {
     LETHE_ASSERT(p->n_spaces > 0 && p->slots_per_space > 0);
     lethe_chain_table *t = lethe_xcalloc(1, sizeof(*t));
     t->p = *p;
@@ -376,7 +376,9 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     }
     /* capacity: this chain's peak per space */
     int32_t *need = lethe_xmalloc((size_t)t->p.n_spaces * sizeof(int32_t));
-    int64_t extra = (int64_t)(n_full - reused) + LETHE_MAX(a->gen_peak, 0);
+    int64_t gen = LETHE_MAX(a->gen_peak, 0);
+    if (a->max_len > 0) gen = LETHE_MIN(gen, (int64_t)a->max_len - n_full);
+    int64_t extra = (int64_t)(n_full - reused) + gen;
     for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
         int64_t base = status == LETHE_CHAIN_RESUMED ? r->resident[sp] : 0;
         need[sp] = (int32_t)LETHE_MIN(base + extra, (int64_t)t->p.slots_per_space + 1);
@@ -422,12 +424,36 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     out->reused = reused;
     out->tokens = full;
     out->n_tokens = n_full;
-    out->payload = status == LETHE_CHAIN_RESUMED ? r->payload : NULL;
-    r->payload = NULL; /* the caller holds it during the turn */
-    full = NULL;
+    full = NULL; /* a resumed chain's payload stays in the record until lethe_chain_take_payload */
 done:
     free(full);
     pthread_mutex_unlock(&t->mu);
+}
+
+void *lethe_chain_take_payload(lethe_chain_table *t, const char *id) {
+    pthread_mutex_lock(&t->mu);
+    chain_rec *r = find(t, id);
+    LETHE_ASSERT(r && r->state == LETHE_CHAIN_ACTIVE);
+    void *p = r->payload;
+    r->payload = NULL;
+    pthread_mutex_unlock(&t->mu);
+    return p;
+}
+
+void *lethe_chain_peek_payload(lethe_chain_table *t, const char *id) {
+    pthread_mutex_lock(&t->mu);
+    chain_rec *r = find(t, id);
+    void *p = r && r->state == LETHE_CHAIN_IDLE ? r->payload : NULL;
+    pthread_mutex_unlock(&t->mu);
+    return p;
+}
+
+int32_t lethe_chain_count_payloads(lethe_chain_table *t) {
+    pthread_mutex_lock(&t->mu);
+    int32_t n = t->n_released;
+    for (int32_t i = 0; i < t->n_recs; i++) n += t->recs[i]->payload != NULL;
+    pthread_mutex_unlock(&t->mu);
+    return n;
 }
 
 void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tokens, int32_t n_tokens,
@@ -456,6 +482,8 @@ void lethe_chain_abandon(lethe_chain_table *t, const char *id, void *payload) {
     queue_release(t, payload);
     chain_rec *r = find(t, id);
     if (r) {
+        queue_release(t, r->payload); /* not taken yet (the turn never started) */
+        r->payload = NULL;
         LETHE_ASSERT(r->state == LETHE_CHAIN_ACTIVE);
         drop(t, r);
         t->st.n_invalidated++;

@@ -9,8 +9,8 @@
  * The table owns the logical lifecycle only (ids, states, boundaries,
  * digests, token history, capacity planning, LRU, tombstones). What is
  * resident (a KV row, the method's per-request state) is an opaque payload
- * owned by the engine; the table hands it out at the start of a turn, takes
- * it back at the end, and queues the payloads of reclaimed or invalidated
+ * owned by the engine; the table keeps it while the chain is IDLE, hands it
+ * to the engine when the turn's request is admitted, takes it back at the end, and queues the payloads of reclaimed or invalidated
  * chains for the engine thread to free (lethe_chain_take_released).
  *
  * Capacity: the pool has n_spaces slot spaces of `slots_per_space` slots
@@ -59,15 +59,15 @@ const char *lethe_chain_status_name(lethe_chain_status s); /* "created" | "resum
 
 typedef enum lethe_chain_state { LETHE_CHAIN_IDLE = 0, LETHE_CHAIN_ACTIVE } lethe_chain_state;
 
-typedef struct lethe_chain_params {
+typedef struct lethe_chain_table_params {
     int32_t n_spaces;          /* slot spaces of the KV pool (1 shared or n_layers) */
     int32_t slots_per_space;
     int32_t max_tombstones;    /* 0 = LETHE_CHAIN_DEFAULT_TOMBSTONES */
-} lethe_chain_params;
+} lethe_chain_table_params;
 
 typedef struct lethe_chain_table lethe_chain_table;
 
-lethe_chain_table *lethe_chain_create(const lethe_chain_params *p);
+lethe_chain_table *lethe_chain_create(const lethe_chain_table_params *p);
 /* Frees records and tombstones. Payloads still held (IDLE chains, pending
  * releases) are NOT freed: drain them first with lethe_chain_drain_all. */
 void lethe_chain_destroy(lethe_chain_table *t);
@@ -90,7 +90,7 @@ typedef struct lethe_chain_begin_args {
     int32_t n_tokens;
     bool append;               /* tokens continue the chain's history (requires chain_id) */
     int32_t gen_peak;          /* extra slots per space the turn may add after the prompt
-                                * (max new tokens + method staging) */
+                                * (max new tokens + method staging; capped by max_len) */
     int32_t max_len;           /* full prompt + gen must stay within this (0 = no check) */
     /* chat bookkeeping (0 for token prompts): messages in the conversation
      * this turn sends (its history included), and in append mode the index of
@@ -108,14 +108,21 @@ typedef struct lethe_chain_turn {
     int32_t reused;            /* prompt tokens with resident KV (0 unless resumed) */
     int32_t *tokens;           /* full prompt of the turn (malloc'd; caller frees) */
     int32_t n_tokens;
-    void *payload;             /* resumed: the resident KV handle, owned by the caller until
-                                * finish/abandon; NULL otherwise */
     int32_t n_reclaimed;       /* IDLE chains reclaimed to make room */
 } lethe_chain_turn;
 
 /* Admission of a turn (lookup, state, fingerprint, digest, capacity with LRU
  * reclaim). On OK the chain is ACTIVE with its reservation held. */
 void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, lethe_chain_turn *out);
+
+/* The resident KV handle of a resumed turn's chain (NULL if none), handed to
+ * the caller (the engine thread, when it admits the turn's request); it
+ * stays in the record until then, so reclaim/count see it. */
+void *lethe_chain_take_payload(lethe_chain_table *t, const char *id);
+/* The payload of an IDLE chain without taking it (NULL otherwise). */
+void *lethe_chain_peek_payload(lethe_chain_table *t, const char *id);
+/* Payloads the table holds (records + pending releases). */
+int32_t lethe_chain_count_payloads(lethe_chain_table *t);
 
 /* End of a successful turn: history = the request's tokens (prompt +
  * generated), processed = tokens with KV (n_tokens - 1: the last sampled

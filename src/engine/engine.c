@@ -170,12 +170,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
     if ((st = e->runner.bind(e->runner.ctx, e->pool, e->p.max_num_batched_tokens)) != LETHE_OK) goto fail;
-    if (e->p.enable_prefix_caching) {
-        if (ops->flags & LETHE_SPARSE_PREFIX_CACHE)
-            e->radix = lethe_radix_create(e->pool, fingerprint(e));
-        else
-            LOG_INFO("prefix caching is off: method %s keeps history-dependent KV", ops->name);
-    }
+    if ((st = eng_cache_mode_init(e)) != LETHE_OK) goto fail; /* chain cache or ... */
+    if (e->p.enable_prefix_caching && !e->chains) e->radix = lethe_radix_create(e->pool, fingerprint(e)); /* radix */
     lethe_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
                              .max_num_batched_tokens = e->p.max_num_batched_tokens,
                              .split_prefill_decode = e->p.split_prefill_decode};
@@ -334,6 +330,7 @@ void eng_admit(lethe_engine *e, eng_req *q) {
     e->n_live++;
     e->stats.prompt_tokens_total += q->r.n_prompt;
     lethe_sched_add(e->sched, &q->r);
+    if (q->has_chain) eng_chain_on_admit(e, q);
 }
 
 /* Final event without a token (abort, error), then the request is gone. */
@@ -348,6 +345,7 @@ void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char
     ev.completion_tokens = q->r.n_tokens - q->r.n_prompt;
     ev.cached_tokens = q->r.cached_tokens;
     ev.ttft_s = q->has_ttft ? q->ttft : 0.0;
+    eng_chain_on_end(e, q, false);
     eng_retire(e, q);
     if (q->cb) q->cb(q->user, &ev);
     eng_req_free(q);
@@ -455,8 +453,10 @@ lethe_status eng_check(lethe_engine *e) {
     }
     int32_t rows = 0;
     for (int32_t row = 0; row < lethe_kv_max_rows(e->pool); row++) rows += lethe_kv_row_in_use(e->pool, row);
-    if (rows != n_run)
-        return lethe_errorf(LETHE_ERR_INVALID, "engine check: %d KV rows in use for %d running requests", rows, n_run);
+    int32_t held = eng_chain_rows_held(e);
+    if (rows != n_run + held)
+        return lethe_errorf(LETHE_ERR_INVALID, "engine check: %d KV rows in use for %d running requests and %d "
+                            "rows held by chains", rows, n_run, held);
     return LETHE_OK;
 }
 
@@ -475,6 +475,7 @@ void lethe_engine_destroy(lethe_engine *e) {
         if (e->table) eng_apply_inbox(e);
         for (uint64_t b = 0; e->table && b < e->n_buckets; b++)
             while (e->table[b]) eng_finish(e, e->table[b], LETHE_FINISH_ABORT, NULL);
+        eng_chain_destroy(e); /* resident chains' KV, before the pool and the method go */
     } else {
         void **items;
         uint64_t *ids;

@@ -48,6 +48,10 @@ typedef struct eng_req {
     double t_submit, ttft;
     bool has_ttft;
     struct eng_req *hnext;            /* id table chain */
+    /* chain cache (engine_chain.c) */
+    bool has_chain;
+    char chain_id[48];
+    int32_t chain_reused;
 } eng_req;
 
 struct lethe_engine {
@@ -97,6 +101,10 @@ struct lethe_engine {
     pthread_t thread;
     bool thread_running;
     atomic_bool stop_flag;
+
+    /* chain cache (engine_chain.c); NULL outside chain mode */
+    struct lethe_chain_table *chains;
+    uint8_t chain_fp[32];
 };
 
 /* Builds an engine around a runner and an optional tokenizer, both taken
@@ -117,6 +125,14 @@ void eng_retire(lethe_engine *e, eng_req *q);
 void eng_publish_stats(lethe_engine *e);
 lethe_status eng_check(lethe_engine *e);
 void eng_apply_inbox(lethe_engine *e);
+
+/* engine_chain.c */
+lethe_status eng_cache_mode_init(lethe_engine *e);      /* at create: radix or chain or off */
+void eng_chain_on_admit(lethe_engine *e, eng_req *q);   /* engine thread: take the resident KV */
+void eng_chain_on_end(lethe_engine *e, eng_req *q, bool ok); /* before eng_retire */
+void eng_chain_drain(lethe_engine *e);                   /* frees reclaimed chains' KV */
+void eng_chain_destroy(lethe_engine *e);
+int32_t eng_chain_rows_held(lethe_engine *e);            /* rows held outside running requests */
 
 /* engine_step.c */
 int eng_step(lethe_engine *e);

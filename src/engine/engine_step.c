@@ -207,6 +207,7 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, text
     }
     if (ev.finished) {
         /* the request leaves before its callback runs, like eng_finish */
+        eng_chain_on_end(e, q, true);
         eng_retire(e, q);
         if (q->cb) q->cb(q->user, &ev);
         eng_req_free(q);
@@ -218,6 +219,7 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, text
 /* ---- the step ---- */
 
 int eng_step(lethe_engine *e) {
+    eng_chain_drain(e); /* reclaimed chains free their KV before new turns are admitted */
     eng_apply_inbox(e);
     lethe_sched_out out;
     lethe_sched_schedule(e->sched, &out);

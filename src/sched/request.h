@@ -52,6 +52,15 @@ typedef struct lethe_req {
     /* scheduler bookkeeping */
     struct lethe_req *prev, *next; /* waiting list links */
     uint64_t arrival;       /* FCFS order */
+
+    /* Chain Cache resume (added by the chain cache): at its first admission
+     * the request takes over resume_row (KV of tokens [0, resume_computed),
+     * possibly compacted) and resume_state (the method's state) instead of a
+     * fresh row and request_init; only tokens after the boundary are
+     * prefilled. Cleared at admission. */
+    bool has_resume;
+    int32_t resume_row, resume_computed;
+    void *resume_state;
 } lethe_req;
 
 /* Appends a token (grows the array). */

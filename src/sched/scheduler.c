@@ -322,9 +322,11 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
 static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budget) {
     while (s->wait_head && budget > 0 && s->n_running < s->p.max_num_seqs) {
         lethe_req *r = s->wait_head;
+        /* a chain turn resumes on its resident row (no prefix match) */
+        bool resume = r->has_resume && !r->admitted_once;
         /* prefix match (read-only) */
         int32_t nb = 0;
-        if (s->radix) {
+        if (s->radix && !resume) {
             int32_t max_blocks = (r->n_tokens - 1) / LETHE_RADIX_BLOCK;
             if (max_blocks > s->cap_match) {
                 s->cap_match = LETHE_MAX(max_blocks, 2 * s->cap_match);
@@ -332,7 +334,11 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
             }
             nb = lethe_radix_match(s->radix, r->tokens, r->n_tokens, s->match, max_blocks);
         }
-        int32_t hit = nb * LETHE_RADIX_BLOCK;
+        int32_t hit = resume ? r->resume_computed : nb * LETHE_RADIX_BLOCK;
+        int32_t res0 = hit; /* resident entries before the first chunk (max over slot spaces) */
+        if (resume)
+            for (int32_t sp = 0, k = res0 = 0; sp < lethe_kv_n_spaces(s->pool); sp++)
+                k = lethe_kv_row_len(s->pool, sp, r->resume_row), res0 = LETHE_MAX(res0, k);
         int32_t n = respect_final_chunk(s, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);
         if (n <= 0) break; /* the final chunk needs more budget than this step has left */
         int64_t pinned = s->radix ? (int64_t)lethe_radix_count_unreferenced(s->match, nb) * LETHE_RADIX_BLOCK : 0;
@@ -341,10 +347,10 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         int32_t saved_computed = r->n_computed, saved_prefill = r->n_prefill;
         r->n_computed = hit;
         r->n_prefill = r->n_tokens;
-        int32_t peak = peak_for(s, r, hit, n);
+        int32_t peak = peak_for(s, r, res0, n);
         if (peak > avail) {
             bool alone = s->n_running == 0 && out->n_items == 0;
-            int32_t k = alone ? respect_final_chunk(s, shrink_to_fit(s, r, hit, n, avail), r->n_tokens - hit) : 0;
+            int32_t k = alone ? respect_final_chunk(s, shrink_to_fit(s, r, res0, n, avail), r->n_tokens - hit) : 0;
             if (k == 0) {
                 r->n_computed = saved_computed;
                 r->n_prefill = saved_prefill;
@@ -355,11 +361,19 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
                 break; /* FCFS: the head waits, nobody overtakes it */
             }
             n = k;
-            peak = peak_for(s, r, hit, n);
+            peak = peak_for(s, r, res0, n);
         }
         /* commit */
         wait_unlink(s, r);
-        r->row = lethe_kv_row_alloc(s->pool);
+        if (resume) {
+            r->row = r->resume_row;
+            r->method_state = r->resume_state;
+            r->has_resume = false;
+            r->resume_row = -1;
+            r->resume_state = NULL;
+        } else {
+            r->row = lethe_kv_row_alloc(s->pool);
+        }
         if (nb > 0) {
             if (nb > r->cap_blocks) {
                 r->cap_blocks = LETHE_MAX(nb, 2 * r->cap_blocks);
@@ -378,7 +392,7 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         }
         r->state = LETHE_REQ_RUNNING;
         running_push(s, r);
-        if (s->m && s->m->ops->request_init) {
+        if (s->m && s->m->ops->request_init && !resume) {
             lethe_sparse_seq v;
             lethe_sched_seq_view(r, n, 0, &v);
             lethe_status st = s->m->ops->request_init(s->m, &v, &r->method_state);
