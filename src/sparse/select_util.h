@@ -3,7 +3,7 @@
  * Every sparse method decides which KV rows to keep (eviction) or to read
  * (selection) from per-token scores. The pieces they share live here, as pure
  * functions over plain host arrays with explicit shapes, so that each has a
- * CUDA twin with the same signature shape (see the list in sparse/README.md):
+ * CUDA twin with the same signature shape (see the list in docs/sparse-methods.md):
  *
  *   top-k            deterministic: higher score first, ties -> smaller index
  *   head reduction   [H, n] -> [n] (max / mean / sum) and GQA [H, n] -> [Hk, n]
