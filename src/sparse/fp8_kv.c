@@ -14,7 +14,7 @@
 #include "sparse/sparse.h"
 
 static lethe_status fp8_configure(lethe_sparse_method *m) {
-    if (m->env.be && !lethe_sparse_kv_host(m, 0, false))
+    if (m->env.be && !lethe_sparse_kv_host_ok(m))
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "--sparse-method fp8_kv: the %s backend's KV is not "
                             "host-readable (the quantizer has no twin there yet)", m->env.be->ops->name);
     return LETHE_OK;

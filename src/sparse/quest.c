@@ -63,7 +63,7 @@ static lethe_status quest_configure(lethe_sparse_method *m) {
     p->budget = m->knobs.sink_keep_tokens + m->knobs.decode_keep_tokens + m->knobs.recent_keep_tokens;
     p->page = (int32_t)lethe_knob_num(m->ops, &p->kv, "quest_chunk_size");
     p->skip = (int32_t)lethe_knob_num(m->ops, &p->kv, "quest_skip_layers");
-    if (m->env.be && !lethe_sparse_kv_host(m, 0, false))
+    if (m->env.be && !lethe_sparse_kv_host_ok(m))
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "--sparse-method quest: the %s backend's KV is not "
                             "host-readable (the Quest page ops have no twin there yet)",
                             m->env.be->ops->name);

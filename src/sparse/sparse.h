@@ -256,6 +256,8 @@ int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, i
  * NULL when the backend's KV memory is not host f32 (CUDA: the method ops
  * need CUDA twins there). */
 float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value);
+/* whether the backend's KV is host f32 (callable before the pool exists, e.g. in configure) */
+bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m);
 
 /* Converts ascending row-entry indices sel[0..n) of `row` in `layer` into slot
  * ids in place (selections are slot lists). */

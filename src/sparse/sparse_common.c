@@ -99,9 +99,13 @@ int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, i
     return n_total;
 }
 
+bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m) {
+    const lethe_backend *be = m->env.be;
+    return be && !strcmp(be->ops->name, "cpu") && be->ops->kv_size == sizeof(float);
+}
+
 float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value) {
-    lethe_backend *be = m->env.be;
-    if (!be || strcmp(be->ops->name, "cpu") || be->ops->kv_size != sizeof(float)) return NULL;
+    if (!lethe_sparse_kv_host_ok(m) || !m->env.pool) return NULL;
     return value ? lethe_kv_v(m->env.pool, layer) : lethe_kv_k(m->env.pool, layer);
 }
 

@@ -1,0 +1,190 @@
+/* test_sparse_conformance.c - every registered sparse method through the real
+ * engine (include/lethe.h) on the CPU backend, with the tiny HF Llama
+ * checkpoint (tests/data/tiny-llama) for every method and SmolLM2-135M for
+ * one dense / snapkv pair:
+ *
+ *  - identity: with budgets >= the context, greedy tokens AND the full
+ *    next-token logits of every step are bit-identical to dense (two requests
+ *    batched, prefill chunked by a small --max-num-batched-tokens, the KV
+ *    ownership checker after every step); fp8_kv (which changes stored
+ *    values by design) must stay close instead;
+ *  - eviction methods with small budgets keep fewer KV slots resident than
+ *    dense (per slot space; slots really return to the pool); in every run a
+ *    third request is aborted mid-prefill and the pool ends empty.
+ * Per-method algorithm properties are in test_sparse_methods.c. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+#include "lethe.h"
+#include "sparse/sparse.h"
+#include "test.h"
+
+/* the tiny HF Llama checkpoint (2 layers, GQA 4/2, vocab 256, 128 positions);
+ * SMOL: the real SmolLM2 for one dense / snapkv pair */
+#define TINY "tests/data/tiny-llama"
+#define SMOL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+enum { NPROMPT = 48, NGEN = 6, MAXV = 50000 };
+static const char *g_model = TINY;
+static bool g_tiny = true;
+
+typedef struct run_out {
+    int32_t tokens[2][NGEN];
+    int32_t n[2];
+    float *logits[2];            /* [NGEN][n_vocab] */
+    int32_t n_vocab;
+    int64_t slots_used_end;      /* kv_slots_used per slot space before the last step */
+} run_out;
+
+typedef struct cb_ctx {
+    run_out *o;
+    int which;
+} cb_ctx;
+
+static void on_event(void *user, const lethe_event *ev) {
+    cb_ctx *c = user;
+    run_out *o = c->o;
+    if (ev->n_tokens == 1 && o->n[c->which] < NGEN) {
+        int i = o->n[c->which]++;
+        o->tokens[c->which][i] = ev->token;
+        CHECK(ev->logits && ev->n_vocab > 0 && ev->n_vocab <= MAXV);
+        o->n_vocab = ev->n_vocab;
+        if (!o->logits[c->which]) o->logits[c->which] = calloc((size_t)NGEN * ev->n_vocab, sizeof(float));
+        memcpy(o->logits[c->which] + (size_t)i * ev->n_vocab, ev->logits, sizeof(float) * (size_t)ev->n_vocab);
+    }
+}
+
+static lethe_engine *open_engine(const char *method, const char *cfg) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = g_model;
+    p.load_format = "auto";
+    p.device = "cpu";
+    p.n_threads = 2;
+    p.max_model_len = g_tiny ? 128 : 512;
+    p.max_num_batched_tokens = 40; /* forces chunked prefill (>= the SnapKV window) */
+    p.enable_prefix_caching = false;
+    p.kv_cache_bytes = (size_t)96 << 20;
+    p.sparse_method = method;
+    p.sparse_config = cfg;
+    p.check_invariants = true;
+    lethe_engine *e = NULL;
+    int rc = lethe_engine_create(&p, &e);
+    CHECK_MSG(rc == 0, "%s %s: %s", method, cfg ? cfg : "", lethe_engine_last_error());
+    return e;
+}
+
+static void prompt(int which, int32_t *ids) {
+    for (int i = 0; i < NPROMPT; i++) ids[i] = 3 + (int32_t)((i * 37 + which * 11) % 250);
+}
+
+static void free_out(run_out *o) {
+    free(o->logits[0]);
+    free(o->logits[1]);
+}
+
+/* two requests to completion plus a third aborted after its first prefill chunk */
+static void run(const char *method, const char *cfg, run_out *o) {
+    memset(o, 0, sizeof(*o));
+    lethe_engine *e = open_engine(method, cfg);
+    int32_t ids[3][NPROMPT];
+    run_out sink = {0};
+    cb_ctx cc[3] = {{o, 0}, {o, 1}, {&sink, 0}};
+    uint64_t id[3];
+    for (int r = 0; r < 3; r++) {
+        prompt(r, ids[r]);
+        lethe_request_params rp = {.prompt = ids[r], .n_prompt = NPROMPT - 8 * r, .cb = on_event,
+                                   .user = &cc[r], .want_logits = true};
+        lethe_sampling_default_params(&rp.sampling);
+        rp.sampling.temperature = 0;
+        rp.sampling.max_tokens = NGEN;
+        rp.sampling.ignore_eos = true;
+        CHECK(lethe_engine_add_request(e, &rp, &id[r]) == 0);
+    }
+    CHECK(lethe_engine_step(e) == 0);
+    CHECK(lethe_engine_abort(e, id[2]) == 0); /* abort mid-prefill */
+    int64_t spaces = 0;
+    while (lethe_engine_has_work(e)) {
+        lethe_engine_stats st;
+        lethe_engine_get_stats(e, &st);
+        spaces = st.kv_slots_total;
+        if (st.n_running + st.n_waiting > 0) o->slots_used_end = st.kv_slots_used;
+        CHECK(lethe_engine_step(e) == 0);
+    }
+    lethe_engine_stats st;
+    lethe_engine_get_stats(e, &st);
+    CHECK_EQ_INT(st.kv_slots_used, 0); /* finished and aborted requests freed everything */
+    o->slots_used_end = o->slots_used_end * 1000000 / LETHE_MAX(spaces, 1); /* per million of the pool */
+    lethe_engine_destroy(e);
+    free_out(&sink);
+    CHECK_EQ_INT(o->n[0], NGEN);
+    CHECK_EQ_INT(o->n[1], NGEN);
+}
+
+static const char *big_cfg(const char *name) {
+    if (!strcmp(name, "h2o")) return "h2o_prefill_budget=4096,h2o_decode_budget=4096";
+    if (!strcmp(name, "kivi")) return "kivi_bits=16";
+    if (!strcmp(name, "streamingllm")) return "sink_keep_tokens=4,recent_keep_tokens=1000";
+    if (!strcmp(name, "dense") || !strcmp(name, "fp8_kv")) return NULL;
+    return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096";
+}
+
+static void test_identity_and_eviction(void) {
+    static run_out dense, o;
+    run("dense", NULL, &dense);
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const lethe_sparse_ops *ops = lethe_sparse_method_at(i);
+        fprintf(stderr, "    %s\n", ops->name);
+        run(ops->name, big_cfg(ops->name), &o);
+        size_t n = (size_t)NGEN * (size_t)dense.n_vocab;
+        if (strcmp(ops->name, "fp8_kv")) {
+            for (int r = 0; r < 2; r++) {
+                CHECK_MSG(!memcmp(o.tokens[r], dense.tokens[r], sizeof(o.tokens[r])), "%s tokens", ops->name);
+                CHECK_MSG(!memcmp(o.logits[r], dense.logits[r], n * sizeof(float)), "%s logits", ops->name);
+            }
+        } else {
+            double e = rel_err(o.logits[0], dense.logits[0], n);
+            CHECK_MSG(e < 0.05, "fp8 logits rel err %g", e);
+        }
+        free_out(&o);
+        /* small budgets: eviction frees slots, the others keep all */
+        const char *small = !strcmp(ops->name, "h2o") ? "h2o_prefill_budget=16,h2o_decode_budget=12"
+                            : !strcmp(ops->name, "quest") ? "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=0"
+                            : !strcmp(ops->name, "omnikv") ? "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,omnikv_full_layers=0"
+                            : "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8";
+        if (ops->kind != LETHE_SPARSE_KIND_EVICTION && ops->kind != LETHE_SPARSE_KIND_SELECTION) continue;
+        run(ops->name, small, &o);
+        if (ops->kind == LETHE_SPARSE_KIND_EVICTION)
+            CHECK_MSG(o.slots_used_end * 2 < dense.slots_used_end, "%s: %lld vs dense %lld per million",
+                      ops->name, (long long)o.slots_used_end, (long long)dense.slots_used_end);
+        else /* logical selection reads subsets but never frees */
+            CHECK_EQ_INT(o.slots_used_end, dense.slots_used_end);
+        free_out(&o);
+    }
+    free_out(&dense);
+}
+
+static void test_smollm2_snapkv(void) {
+    static run_out dense, o;
+    g_model = SMOL;
+    g_tiny = false;
+    run("dense", NULL, &dense);
+    run("snapkv", "decode_keep_tokens=4096", &o);
+    size_t n = (size_t)NGEN * (size_t)dense.n_vocab;
+    for (int r = 0; r < 2; r++) {
+        CHECK(!memcmp(o.tokens[r], dense.tokens[r], sizeof(o.tokens[r])));
+        CHECK(!memcmp(o.logits[r], dense.logits[r], n * sizeof(float)));
+    }
+    free_out(&o);
+    free_out(&dense);
+    g_model = TINY;
+    g_tiny = true;
+}
+
+int main(void) {
+    TEST_RUN(test_identity_and_eviction);
+    TEST_RUN(test_smollm2_snapkv);
+    return 0;
+}
