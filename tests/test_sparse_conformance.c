@@ -1,6 +1,6 @@
 /* test_sparse_conformance.c - every registered sparse method through the real
- * engine (include/lethe.h) on the CPU backend, with the tiny HF Llama
- * checkpoint (tests/data/tiny-llama) for every method and SmolLM2-135M for
+ * engine (include/lethe.h) on the CPU backend, with the tiny Llama shape
+ * (tests/data/tiny-llama, dummy weights) for every method and SmolLM2-135M for
  * one dense / snapkv pair:
  *
  *  - identity: with budgets >= the context, greedy tokens AND the full
@@ -22,9 +22,10 @@
 #include "sparse/sparse.h"
 #include "test.h"
 
-/* the tiny HF Llama checkpoint (2 layers, GQA 4/2, vocab 256, 128 positions);
- * SMOL: the real SmolLM2 for one dense / snapkv pair */
-#define TINY "tests/data/tiny-llama"
+/* the tiny Llama shape (2 layers, GQA 4/2, vocab 256, 128 positions) with
+ * seeded dummy weights (its checkpoint has no tokenizer, which the engine
+ * needs for real weights); SMOL: the real SmolLM2 for one dense / snapkv pair */
+#define TINY "tests/data/tiny-llama/config.json"
 #define SMOL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 enum { NPROMPT = 48, NGEN = 6, MAXV = 50000 };
 static const char *g_model = TINY;
@@ -60,7 +61,8 @@ static lethe_engine *open_engine(const char *method, const char *cfg) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
     p.model = g_model;
-    p.load_format = "auto";
+    p.load_format = g_tiny ? "dummy" : "auto";
+    p.seed = 7;
     p.device = "cpu";
     p.n_threads = 2;
     p.max_model_len = g_tiny ? 128 : 512;
@@ -125,7 +127,7 @@ static void run(const char *method, const char *cfg, run_out *o) {
 
 static const char *big_cfg(const char *name) {
     if (!strcmp(name, "h2o")) return "h2o_prefill_budget=4096,h2o_decode_budget=4096";
-    if (!strcmp(name, "kivi")) return "kivi_bits=16";
+    if (!strcmp(name, "kivi")) return "kivi_bits=16,kv_quant_page_size=16";
     if (!strcmp(name, "streamingllm")) return "sink_keep_tokens=4,recent_keep_tokens=1000";
     if (!strcmp(name, "dense") || !strcmp(name, "fp8_kv")) return NULL;
     return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096";
