@@ -197,6 +197,9 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
         "CUDA: fraction of device memory for weights + KV", 0.01, 1.0);
     ROW("--enable-prefix-caching", NULL, LETHE_OPT_BOOL, &p->enable_prefix_caching, NULL,
         "reuse KV of shared prompt prefixes (--no-enable-prefix-caching to disable)", 1, 0);
+    ROW("--prefix-cache-mode", NULL, LETHE_OPT_STR, &p->prefix_cache_mode, "MODE",
+        "auto | radix | chain: auto = radix for dense / logical selection, chain (multi-turn KV "
+        "continuation) for eviction methods", 1, 0);
     ROW("--sparse-method", NULL, LETHE_OPT_STR, &p->sparse_method, "NAME",
         "sparse attention / KV method (see `lethe methods`)", 1, 0);
     ROW("--sparse-config", NULL, LETHE_OPT_STR, &p->sparse_config, "K=V,...",

@@ -42,6 +42,7 @@ void lethe_engine_default_params(lethe_engine_params *p) {
     p->gpu_memory_utilization = 0.9f;
     p->enable_prefix_caching = true;
     p->sparse_method = "dense";
+    p->prefix_cache_mode = "auto";
 }
 
 const char *lethe_engine_last_error(void) { return lethe_last_error(); }
