@@ -24,6 +24,7 @@
  * vs computed, chain statuses, and the server's prefill counter delta. */
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
+#include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -223,7 +224,6 @@ static void replay_agent(rp_run *R, int32_t a) {
         rec->status = -1;
         for (int attempt = 0; attempt < 2; attempt++) {
             cJSON *req = cJSON_CreateObject();
-            cJSON_AddStringToObject(req, "model", "replay");
             cJSON_AddItemReferenceToObject(req, "messages", msgs);
             cJSON_AddNumberToObject(req, "max_tokens", R->n_forced[i]);
             cJSON *f = cJSON_AddArrayToObject(req, "forced_token_ids");
@@ -455,12 +455,21 @@ static pid_t start_server(const rp_opts *o, const char *method, const char *cach
     char *extra = o->serve_args ? lethe_xstrdup(o->serve_args) : NULL;
     for (char *s = extra ? strtok(extra, " ") : NULL; s && n < 62; s = strtok(NULL, " ")) argv[n++] = s;
     argv[n] = NULL;
+    char log[256];
+    snprintf(log, sizeof(log), "/tmp/lethe-replay-%d-%s-%s.log", o->port, method, cache);
     pid_t pid = fork();
-    if (pid == 0) {
+    if (pid == 0) { /* the server's log goes to a file, not into the report */
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+            close(fd);
+        }
         execv("/proc/self/exe", (char *const *)argv);
         _exit(127);
     }
     free(extra);
+    if (pid > 0) printf("%s-%s: lethe serve (pid %d) logs to %s\n", method, cache, (int)pid, log);
     return pid;
 }
 
