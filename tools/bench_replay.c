@@ -39,6 +39,7 @@
 #include "commands.h"
 #include "core/util.h"
 #include "eval/bench_serve.h"
+#include "eval/runinfo.h"
 #include "options.h"
 
 typedef struct rp_opts {
@@ -47,7 +48,7 @@ typedef struct rp_opts {
     lethe_trace_gen_params gen;
     bool generate;
     int32_t concurrency, port, timeout_s;
-    float wait_scale;
+    float wait_scale, max_wait;
     uint64_t seed;
 } rp_opts;
 
@@ -500,6 +501,7 @@ int lethe_bench_replay(int argc, char **argv) {
     rp_opts o = {.base_url = "http://127.0.0.1:8000", .mode = "chain", .concurrency = 0, .port = 8765,
                  .timeout_s = 3600, .wait_scale = 1.0f, .seed = 42};
     lethe_trace_gen_default(&o.gen);
+    o.max_wait = (float)o.gen.max_wait_s;
     lethe_opt rows[48];
     int n = 0;
 #define ROW(...) rows[n++] = (lethe_opt){__VA_ARGS__}
@@ -515,7 +517,7 @@ int lethe_bench_replay(int argc, char **argv) {
     ROW("--tool-max", NULL, LETHE_OPT_INT, &o.gen.tool_max, "N", "generator: longest tool output (words)", 1, 1 << 20);
     ROW("--out-min", NULL, LETHE_OPT_INT, &o.gen.out_min, "N", "generator: shortest assistant reply (words)", 1, 1 << 20);
     ROW("--out-max", NULL, LETHE_OPT_INT, &o.gen.out_max, "N", "generator: longest assistant reply (words)", 1, 1 << 20);
-    ROW("--max-wait", NULL, LETHE_OPT_FLOAT, &o.gen.max_wait_s, "S", "generator: tool waits uniform in [0, S)", 0, 3600);
+    ROW("--max-wait", NULL, LETHE_OPT_FLOAT, &o.max_wait, "S", "generator: tool waits uniform in [0, S)", 0, 3600);
     ROW("--max-context", NULL, LETHE_OPT_INT, &o.gen.max_context, "N", "generator: end an agent before its context exceeds N tokens (0 = off)", 0, 1 << 24);
     ROW("--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "trace and text seed", 1, 0);
     ROW("--wait-scale", NULL, LETHE_OPT_FLOAT, &o.wait_scale, "F", "multiply tool waits (0 = none)", 0, 1000);
@@ -539,6 +541,7 @@ int lethe_bench_replay(int argc, char **argv) {
                               pos, &n_pos, 0);
     if (pr != 0) return pr > 0 ? 0 : 2;
     o.gen.seed = o.seed;
+    o.gen.max_wait_s = o.max_wait;
     lethe_trace t;
     lethe_status st;
     if (o.trace_path && o.generate) {
@@ -560,6 +563,7 @@ int lethe_bench_replay(int argc, char **argv) {
         ctx_max = LETHE_MAX(ctx_max, lethe_trace_context_after(&t, a, t.agent_first[a + 1] - t.agent_first[a] - 1));
     printf("trace: %d agents, %d turns, longest conversation ~%lld tokens\n", t.n_agents, t.n_turns,
            (long long)ctx_max);
+    fflush(stdout);
     if (o.write_trace) {
         if ((st = lethe_trace_save(&t, o.write_trace)) != LETHE_OK) {
             fprintf(stderr, "lethe bench replay: %s\n", lethe_last_error());
@@ -574,6 +578,36 @@ int lethe_bench_replay(int argc, char **argv) {
     }
     curl_global_init(CURL_GLOBAL_DEFAULT);
     cJSON *res = cJSON_CreateObject();
+    char info[256];
+    cJSON_AddStringToObject(res, "schema", "lethe-bench-replay/1");
+    lethe_runinfo_commit(info, sizeof(info));
+    cJSON_AddStringToObject(res, "commit", info);
+    lethe_runinfo_date(info, sizeof(info));
+    cJSON_AddStringToObject(res, "date", info);
+    lethe_runinfo_machine(info, sizeof(info));
+    cJSON_AddStringToObject(res, "machine", info);
+    if (o.model) cJSON_AddStringToObject(res, "model", o.model);
+    if (o.sparse_config) cJSON_AddStringToObject(res, "sparse_config", o.sparse_config);
+    if (o.serve_args) cJSON_AddStringToObject(res, "serve_args", o.serve_args);
+    cJSON *tr = cJSON_AddObjectToObject(res, "trace");
+    cJSON_AddStringToObject(tr, "source", o.trace_path ? o.trace_path : "generated");
+    cJSON_AddNumberToObject(tr, "agents", t.n_agents);
+    cJSON_AddNumberToObject(tr, "turns", t.n_turns);
+    cJSON_AddNumberToObject(tr, "longest_context_tokens", (double)ctx_max);
+    cJSON_AddNumberToObject(tr, "seed", (double)o.seed);
+    if (o.generate) {
+        const lethe_trace_gen_params *g = &o.gen;
+        cJSON_AddNumberToObject(tr, "min_turns", g->min_turns);
+        cJSON_AddNumberToObject(tr, "max_turns", g->max_turns);
+        cJSON_AddNumberToObject(tr, "system_tokens", g->system_tokens);
+        cJSON_AddNumberToObject(tr, "task_tokens", g->task_tokens);
+        cJSON_AddNumberToObject(tr, "tool_min", g->tool_min);
+        cJSON_AddNumberToObject(tr, "tool_max", g->tool_max);
+        cJSON_AddNumberToObject(tr, "out_min", g->out_min);
+        cJSON_AddNumberToObject(tr, "out_max", g->out_max);
+        cJSON_AddNumberToObject(tr, "max_wait_s", g->max_wait_s);
+        cJSON_AddNumberToObject(tr, "max_context", g->max_context);
+    }
     cJSON *arr = cJSON_AddArrayToObject(res, "results");
     int rc = 0;
     if (!o.configs) {
