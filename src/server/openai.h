@@ -1,0 +1,94 @@
+/* openai.h - the OpenAI API surface: request JSON in (openai.c), response
+ * JSON out (format.c). All JSON goes through cJSON.
+ *
+ * Parsing turns a /v1/completions or /v1/chat/completions body into a
+ * srv_gen: prompt token ids (tokenized or chat-templated by the engine's
+ * tokenizer) plus lethe_sampling_params, validated with OpenAI/vLLM rules;
+ * a bad field yields a srv_error whose status, param and message become an
+ * OpenAI-style error body {"error": {"message", "type", "param", "code"}}.
+ * Formatting builds whole responses (with usage and logprobs) and SSE
+ * chunks for streaming. */
+#ifndef LETHE_SERVER_OPENAI_H
+#define LETHE_SERVER_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "lethe.h"
+#include "server/buf.h"
+#include "server/req.h"
+
+typedef struct srv_error {
+    int status;                 /* HTTP status */
+    char param[64];             /* offending field, "" if none */
+    char message[512];
+} srv_error;
+
+/* Sets *err and returns -1 (so a check reads `return srv_errorf(...)`). */
+int srv_errorf(srv_error *err, int status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+char *srv_error_json(const srv_error *err); /* malloc'd body */
+
+typedef enum srv_kind { SRV_COMPLETION = 0, SRV_CHAT } srv_kind;
+
+/* What the API layer needs to know about the loaded model. */
+typedef struct srv_api {
+    lethe_engine *engine;
+    const char *served_name;    /* the id in /v1/models and responses */
+    const char *model_path;     /* --model as given (also accepted as `model`) */
+    int32_t max_model_len;
+    int64_t created;            /* server start time (unix seconds) */
+} srv_api;
+
+typedef struct srv_gen {
+    srv_kind kind;
+    bool stream, include_usage;
+    int32_t *prompt;            /* [n_prompt] token ids, malloc'd */
+    int32_t n_prompt;
+    lethe_sampling_params sp;   /* sp.stop[] points into stops[] */
+    char *stops[LETHE_MAX_STOP];
+    int32_t logprobs;           /* -1: none; k >= 0: sampled token + k alternatives */
+    char id[48];                /* "cmpl-..." / "chatcmpl-..." */
+    int64_t created;
+} srv_gen;
+
+int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,
+                      srv_gen *g, srv_error *err);
+void srv_gen_free(srv_gen *g);
+
+char *srv_models_json(const srv_api *api);
+/* POST /tokenize and /detokenize (vLLM extensions); NULL + *err on bad input. */
+char *srv_tokenize_json(const srv_api *api, const char *body, size_t len, srv_error *err);
+char *srv_detokenize_json(const srv_api *api, const char *body, size_t len, srv_error *err);
+
+/* Non-streaming: events are folded into an accumulator, then one response. */
+typedef struct srv_acc {
+    srv_buf text;
+    cJSON *logprobs;            /* NULL unless asked */
+    int32_t n_tokens;
+    lethe_finish_reason finish;
+    char *error;                /* first error message, owned */
+} srv_acc;
+
+void srv_acc_add(const srv_api *api, const srv_gen *g, srv_acc *a, const srv_event *ev);
+char *srv_response_json(const srv_api *api, const srv_gen *g, const srv_acc *a, int32_t prompt,
+                        int32_t completion, int32_t cached);
+void srv_acc_free(srv_acc *a);
+
+/* Streaming: appends "data: {...}\n\n" records to out. */
+void srv_sse_role(const srv_api *api, const srv_gen *g, srv_buf *out); /* chat: first chunk */
+void srv_sse_event(const srv_api *api, const srv_gen *g, const srv_event *ev, size_t text_offset,
+                   srv_buf *out);
+void srv_sse_usage(const srv_api *api, const srv_gen *g, int32_t prompt, int32_t completion,
+                   int32_t cached, srv_buf *out);
+void srv_sse_error(const srv_error *err, srv_buf *out);
+void srv_sse_done(srv_buf *out);
+
+const char *srv_finish_str(lethe_finish_reason r);
+/* Copy of s[0..n) with invalid UTF-8 replaced by U+FFFD and NUL bytes dropped; malloc'd. */
+char *srv_utf8_sanitize(const char *s, size_t n);
+
+#endif /* LETHE_SERVER_OPENAI_H */
