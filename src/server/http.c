@@ -24,6 +24,7 @@
 #include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,7 +42,7 @@
 #include "server/req.h"
 #include "server/server.h"
 
-#define POLL_MS 20
+#define POLL_MS 50
 
 enum { PHASE_LOADING = 0, PHASE_READY, PHASE_FAILED, PHASE_STOPPING };
 
@@ -311,6 +312,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, conn_ctx *cx, s
             srv_event_free_list(evs);
             cancel_if_running(s, r);
             cx->disconnected = true;
+            cx->status = 499; /* nginx's "client closed request", for the log line */
             srv_acc_free(&acc);
             srv_gen_free(&g);
             srv_req_unref(r);
@@ -482,6 +484,21 @@ static void *loader_main(void *arg) {
     return NULL;
 }
 
+/* libmicrohttpd's own messages. It reports an "application error" when a
+ * handler returns MHD_NO or a stream reader ends with an error, which we do
+ * on purpose to drop the connection of a client that went away (the request
+ * log line already says so): those go to debug. */
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    (void)cls;
+    char msg[512];
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    size_t n = strlen(msg);
+    while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = '\0';
+    if (strstr(msg, "Application reported internal error") || strstr(msg, "application error"))
+        LOG_DEBUG("libmicrohttpd: %s", msg);
+    else LOG_WARN("libmicrohttpd: %s", msg);
+}
+
 static struct MHD_Daemon *start_daemon(srv_state *s) {
     struct addrinfo hints = {0}, *ai = NULL;
     hints.ai_family = AF_UNSPEC;
@@ -498,7 +515,8 @@ static struct MHD_Daemon *start_daemon(srv_state *s) {
                      MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     struct MHD_Daemon *d = MHD_start_daemon(
-        flags, (uint16_t)s->cfg->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        flags, (uint16_t)s->cfg->port, NULL, NULL, on_request, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log,
+        NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
         MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)600,
         MHD_OPTION_CONNECTION_LIMIT, (unsigned)4096, MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024,
         MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);

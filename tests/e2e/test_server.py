@@ -27,14 +27,21 @@ COMMON = ["--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-
           "--max-request-bytes", "1M"]
 
 
+def finish(request, s):
+    s.stop()
+    if request.session.testsfailed:
+        print(f"server log kept: {s.log.name}")
+    else:
+        s.cleanup()
+
+
 @pytest.fixture(scope="module")
-def srv():
+def srv(request):
     s = Server(*COMMON)
     try:
         yield s
     finally:
-        s.stop()
-        print(f"server log: {s.log.name}")
+        finish(request, s)
 
 
 @pytest.fixture(scope="module")
@@ -405,49 +412,6 @@ def wait_metrics(srv, pred, timeout=20):
     return srv.metrics()
 
 
-def test_disconnect_mid_stream_frees_request(srv, model):
-    base = wait_metrics(srv, lambda m: m["lethe:num_requests_running"] == 0)
-    aborts0 = base['lethe:request_success_total{finished_reason="abort"}']
-    body = json.dumps({"model": model, "prompt": long_prompt(), "max_tokens": 1500,
-                       "ignore_eos": True, "temperature": 0.7, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    got = b""
-    while got.count(b"data: ") < 4:
-        chunk = sock.recv(65536)
-        assert chunk, "server closed the stream early"
-        got += chunk
-    assert got.startswith(b"HTTP/1.1 200")
-    during = srv.metrics()
-    assert during["lethe:num_requests_running"] == 1
-    assert during["lethe:kv_cache_usage_perc"] > base["lethe:kv_cache_usage_perc"]
-    t0 = time.time()
-    sock.close()
-    after = wait_metrics(srv, lambda m: m["lethe:num_requests_running"] == 0 and
-                         m['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1)
-    freed_s = time.time() - t0
-    assert after["lethe:num_requests_running"] == 0
-    assert after['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1
-    assert after["lethe:kv_cache_usage_perc"] < during["lethe:kv_cache_usage_perc"]
-    assert after["lethe:generation_tokens_total"] - during["lethe:generation_tokens_total"] < 200
-    print(f"disconnect -> request freed in {freed_s:.3f}s")
-    assert "(client disconnected)" in srv.read_log()
-
-
-def test_disconnect_non_streaming(srv, model):
-    base = wait_metrics(srv, lambda m: m["lethe:num_requests_running"] == 0)
-    aborts0 = base['lethe:request_success_total{finished_reason="abort"}']
-    # the client gives up (and closes the connection) long before 1500 tokens are ready
-    with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(srv.url + "/v1/completions", timeout=0.5, json={
-            "model": model, "prompt": "Tell me everything.", "max_tokens": 1500,
-            "ignore_eos": True})
-    after = wait_metrics(srv, lambda m: m['lethe:request_success_total{finished_reason="abort"}']
-                         == aborts0 + 1 and m["lethe:num_requests_running"] == 0)
-    assert after['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1
-
-
 def test_64_concurrent_streams(srv, client, model):
     n = 64
     results = [None] * n
@@ -505,14 +469,14 @@ def test_64_concurrent_streams(srv, client, model):
 # ---- the second server: auth, loading, overload ----
 
 @pytest.fixture(scope="module")
-def srv2():
+def srv2(request):
     s = Server(*COMMON, "--api-key", "sekret", "--load-delay-ms", "1500", "--max-num-seqs", "1",
-               "--max-queued-requests", "0", "--served-model-name", "tiny", wait_ready=False)
+               "--max-queued-requests", "0", "--served-model-name", "tiny",
+               "--no-enable-prefix-caching", wait_ready=False)
     try:
         yield s
     finally:
-        s.stop()
-        print(f"server2 log: {s.log.name}")
+        finish(request, s)
 
 
 def test_loading_auth_overload(srv2):
@@ -552,3 +516,55 @@ def test_loading_auth_overload(srv2):
             assert e.status_code == 503 and time.time() < deadline
             time.sleep(0.1)
     assert r.usage.completion_tokens == 2
+
+
+# ---- disconnects (on server 2: no prefix cache, so freed KV shows as usage 0) ----
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def test_disconnect_mid_stream_frees_request(srv2):
+    srv2.wait_ready()
+    base = wait_metrics(srv2, lambda m: m["lethe:num_requests_running"] == 0)
+    aborts0 = base['lethe:request_success_total{finished_reason="abort"}']
+    body = json.dumps({"model": "tiny", "prompt": long_prompt()[:400], "max_tokens": 1500,
+                       "ignore_eos": True, "temperature": 0.7, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", srv2.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer sekret\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 4:
+        chunk = sock.recv(65536)
+        assert chunk, "server closed the stream early"
+        got += chunk
+        assert b"\r\n\r\n" not in got or got.startswith(b"HTTP/1.1 200"), got[:500]
+    during = srv2.metrics()
+    assert during["lethe:num_requests_running"] == 1
+    assert during["lethe:kv_cache_usage_perc"] > base["lethe:kv_cache_usage_perc"]
+    t0 = time.time()
+    sock.close()
+    after = wait_metrics(srv2, lambda m: m["lethe:num_requests_running"] == 0 and
+                         m['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1)
+    freed_s = time.time() - t0
+    assert after["lethe:num_requests_running"] == 0
+    assert after['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1
+    assert after["lethe:kv_cache_usage_perc"] < during["lethe:kv_cache_usage_perc"]
+    assert after["lethe:kv_cache_usage_perc"] <= base["lethe:kv_cache_usage_perc"] + 1e-9
+    assert after["lethe:generation_tokens_total"] - during["lethe:generation_tokens_total"] < 200
+    print(f"disconnect -> request freed in {freed_s:.3f}s")
+    assert "(client disconnected)" in srv2.read_log()
+
+
+def test_disconnect_non_streaming(srv2):
+    srv2.wait_ready()
+    base = wait_metrics(srv2, lambda m: m["lethe:num_requests_running"] == 0)
+    aborts0 = base['lethe:request_success_total{finished_reason="abort"}']
+    # the client gives up (and closes the connection) long before 1500 tokens are ready
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(srv2.url + "/v1/completions", timeout=0.5, headers=AUTH, json={
+            "model": "tiny", "prompt": "Tell me everything.", "max_tokens": 1500,
+            "ignore_eos": True})
+    after = wait_metrics(srv2, lambda m: m['lethe:request_success_total{finished_reason="abort"}']
+                         == aborts0 + 1 and m["lethe:num_requests_running"] == 0)
+    assert after['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1
