@@ -168,6 +168,8 @@ static int start_request(srv_state *s, conn_ctx *cx, srv_gen *g, srv_req **out, 
     p.prompt = g->prompt;
     p.n_prompt = g->n_prompt;
     p.sampling = g->sp;
+    p.forced = g->forced;
+    p.n_forced = g->n_forced;
     p.cb = srv_req_on_event;
     p.user = r;
     srv_req_ref(r); /* the engine's reference, dropped by the final event */

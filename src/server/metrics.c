@@ -127,6 +127,10 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
                 (double)st->prompt_tokens_total);
         counter(&b, "generation_tokens_total", "Number of generation tokens processed.", model,
                 (double)st->generation_tokens_total);
+        counter(&b, "prefill_tokens_computed_total",
+                "Prompt tokens that went through the forward (prefix-cache hits excluded, "
+                "recomputation after preemption included).",
+                model, (double)st->prefill_tokens_computed);
         counter(&b, "num_preemptions_total", "Cumulative number of preemptions.", model,
                 (double)st->n_preemptions);
     }

@@ -304,6 +304,23 @@ static int parse_sampling(const srv_api *api, const cJSON *root, srv_gen *g, srv
     sp->max_tokens = r ? (int32_t)iv : (g->kind == SRV_COMPLETION ? 16 : -1);
     if (parse_stop(root, g, err) || parse_stop_ids(api, root, g, err)) return -1;
 
+    /* lethe extension for trace replay (as the anchor's benchmark_forced_token_ids): the
+     * i-th generated token is forced_token_ids[i]; the request ends after the last one. */
+    cJSON *f = field(root, "forced_token_ids");
+    if (f) {
+        if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) == 0 ||
+            cJSON_GetArraySize(f) >= api->max_model_len)
+            return srv_errorf(err, 400, "forced_token_ids",
+                              "'forced_token_ids' must be a non-empty array of fewer than %d token ids",
+                              api->max_model_len);
+        if (check_token_ids(api, f, "forced_token_ids", &g->forced, &g->n_forced, err)) return -1;
+        if (r && sp->max_tokens < g->n_forced)
+            return srv_errorf(err, 400, "max_tokens",
+                              "'max_tokens' (%d) is smaller than the %d forced_token_ids", sp->max_tokens,
+                              g->n_forced);
+        sp->max_tokens = g->n_forced;
+    }
+
     g->logprobs = -1;
     if (g->kind == SRV_COMPLETION) {
         if ((r = get_int(root, "logprobs", 0, LETHE_MAX_TOP_LOGPROBS, &iv, err)) < 0) return -1;
@@ -433,6 +450,8 @@ out:
 void srv_gen_free(srv_gen *g) {
     free(g->prompt);
     g->prompt = NULL;
+    free(g->forced);
+    g->forced = NULL;
     for (int i = 0; i < LETHE_MAX_STOP; i++) {
         free(g->stops[i]);
         g->stops[i] = NULL;

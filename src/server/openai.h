@@ -51,6 +51,8 @@ typedef struct srv_gen {
     lethe_sampling_params sp;   /* sp.stop[] points into stops[] */
     char *stops[LETHE_MAX_STOP];
     int32_t logprobs;           /* -1: none; k >= 0: sampled token + k alternatives */
+    int32_t *forced;            /* forced_token_ids (trace replay), malloc'd, or NULL */
+    int32_t n_forced;
     char id[48];                /* "cmpl-..." / "chatcmpl-..." */
     int64_t created;
 } srv_gen;
