@@ -25,8 +25,12 @@ class Server:
     def __init__(self, *args, wait_ready=True, timeout=120):
         self.log = tempfile.NamedTemporaryFile(prefix="lethe-serve-", suffix=".log", delete=False)
         cmd = [BIN, "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", "0", *args]
+        # Passive OpenMP waits: on a shared 2-core machine, spinning worker threads
+        # slowed decoding about 10x when other processes competed for the cores.
+        env = dict(os.environ)
+        env.setdefault("OMP_WAIT_POLICY", "passive")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env=env)
         try:
             self.port = self._wait_port(timeout)
             self.url = f"http://127.0.0.1:{self.port}"

@@ -65,12 +65,12 @@ def curl(*args, timeout=60):
     return int(code), body
 
 
-def long_prompt():
-    # about 900 tokens of varied text, identical on every call
+def long_prompt(lines=30):
+    # about 11 tokens per line of varied text, identical on every call
     words = ["river", "stone", "lantern", "harbor", "orchard", "winter", "signal", "copper",
              "meadow", "engine", "violet", "summit", "thread", "candle", "market", "falcon"]
     parts = [f"Line {i}: the {words[i % 16]} met the {words[(i * 7) % 16]} near the "
-             f"{words[(i * 3 + 5) % 16]}." for i in range(80)]
+             f"{words[(i * 3 + 5) % 16]}." for i in range(lines)]
     return " ".join(parts) + " Summary:"
 
 
@@ -247,7 +247,7 @@ def test_cached_tokens_on_repeated_prompt(client, model):
     p = long_prompt()
     a = client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0)
     b = client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0)
-    assert a.usage.prompt_tokens > 500
+    assert a.usage.prompt_tokens > 250
     assert b.usage.prompt_tokens_details.cached_tokens > a.usage.prompt_tokens // 2
     assert b.choices[0].text == a.choices[0].text
 
