@@ -149,6 +149,9 @@ int lethe_engine_apply_chat(lethe_engine *e, const char *const *roles,
                             const char *const *contents, size_t n, bool add_generation_prompt,
                             char **out); /* *out malloc'd */
 char *lethe_engine_detokenize(lethe_engine *e, const int32_t *ids, int32_t n); /* malloc'd */
+/* true when the model's tokenizer prepends BOS to a plain prompt (Llama-3: yes;
+ * SmolLM2 / Qwen: no), i.e. the add_bos a completion prompt should use. */
+bool lethe_engine_adds_bos(const lethe_engine *e);
 const char *lethe_engine_token_text(lethe_engine *e, int32_t id, size_t *n_bytes);
 int32_t lethe_engine_max_model_len(const lethe_engine *e);
 const char *lethe_engine_model_name(const lethe_engine *e); /* file / folder base name */

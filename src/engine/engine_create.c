@@ -89,6 +89,8 @@ char *lethe_engine_detokenize(lethe_engine *e, const int32_t *ids, int32_t n) {
     return lethe_detokenize(e->tok, ids, n, true);
 }
 
+bool lethe_engine_adds_bos(const lethe_engine *e) { return e->tok && lethe_tokenizer_adds_bos(e->tok); }
+
 const char *lethe_engine_token_text(lethe_engine *e, int32_t id, size_t *n_bytes) {
     if (!e->tok) {
         if (n_bytes) *n_bytes = 0;

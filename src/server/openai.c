@@ -132,7 +132,8 @@ static int tokenize(const srv_api *api, const char *text, bool add_bos, const ch
 static int parse_prompt(const srv_api *api, const cJSON *root, srv_gen *g, srv_error *err) {
     cJSON *p = field(root, "prompt");
     if (!p) return srv_errorf(err, 400, "prompt", "'prompt' is required");
-    if (cJSON_IsString(p)) return tokenize(api, p->valuestring, true, "prompt", g, err);
+    bool bos = lethe_engine_adds_bos(api->engine); /* as HF's add_special_tokens=True */
+    if (cJSON_IsString(p)) return tokenize(api, p->valuestring, bos, "prompt", g, err);
     if (!cJSON_IsArray(p))
         return srv_errorf(err, 400, "prompt",
                           "'prompt' must be a string, an array of token ids, or a one-element "
@@ -144,7 +145,7 @@ static int parse_prompt(const srv_api *api, const cJSON *root, srv_gen *g, srv_e
                               "batched prompts are not supported (got %d); send one request "
                               "per prompt",
                               cJSON_GetArraySize(p));
-        if (cJSON_IsString(first)) return tokenize(api, first->valuestring, true, "prompt", g, err);
+        if (cJSON_IsString(first)) return tokenize(api, first->valuestring, bos, "prompt", g, err);
         return check_token_ids(api, first, "prompt", &g->prompt, &g->n_prompt, err);
     }
     return check_token_ids(api, p, "prompt", &g->prompt, &g->n_prompt, err);
@@ -479,7 +480,8 @@ char *srv_tokenize_json(const srv_api *api, const char *body, size_t len, srv_er
             goto done;
         }
         if (get_bool(root, "add_special_tokens", &special, err) < 0) goto done;
-        if (lethe_engine_tokenize(api->engine, prompt->valuestring, special, true, &g.prompt,
+        if (lethe_engine_tokenize(api->engine, prompt->valuestring,
+                                  special && lethe_engine_adds_bos(api->engine), true, &g.prompt,
                                   &g.n_prompt) != 0) {
             srv_errorf(err, 400, "prompt", "cannot tokenize 'prompt': %s", lethe_engine_last_error());
             goto done;
