@@ -214,6 +214,16 @@ def test_ignore_eos_and_stop_token_ids(srv, client, model):
     assert r.usage.completion_tokens == 1
 
 
+def test_forced_token_ids(srv, client, model):
+    ids = post(srv, "/tokenize", {"prompt": " purple elephants dance", "add_special_tokens": False}).json()["tokens"]
+    r = client.completions.create(model=model, prompt="Hello", temperature=0,
+                                  extra_body={"forced_token_ids": ids})
+    assert r.choices[0].text == " purple elephants dance"
+    assert r.usage.completion_tokens == len(ids) and r.choices[0].finish_reason == "length"
+    err_of(post(srv, "/v1/completions", {"prompt": "x", "forced_token_ids": [1, -4]}), 400,
+           "forced_token_ids")
+
+
 def test_seed_reproducible(client, model):
     def gen(seed):
         return client.completions.create(model=model, prompt="A short story about a dragon:",
@@ -243,10 +253,15 @@ def test_logprobs(client, model):
     assert all(len(t) >= 2 for t in lp.top_logprobs)
 
 
-def test_cached_tokens_on_repeated_prompt(client, model):
+def test_cached_tokens_on_repeated_prompt(srv, client, model):
     p = long_prompt()
     a = client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0)
+    m0 = srv.metrics()
     b = client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0)
+    m1 = srv.metrics()
+    hits = m1["lethe:prefix_cache_hits"] - m0["lethe:prefix_cache_hits"]
+    assert hits == b.usage.prompt_tokens_details.cached_tokens
+    assert m1["lethe:prefix_cache_queries"] - m0["lethe:prefix_cache_queries"] >= b.usage.prompt_tokens - 1
     assert a.usage.prompt_tokens > 250
     assert b.usage.prompt_tokens_details.cached_tokens > a.usage.prompt_tokens // 2
     assert b.choices[0].text == a.choices[0].text
@@ -266,7 +281,7 @@ def test_metrics_move(srv, client, model):
     assert after['lethe:request_success_total{finished_reason="length"}'] == \
         before['lethe:request_success_total{finished_reason="length"}'] + 1
     assert after["lethe:prefix_cache_queries"] > before["lethe:prefix_cache_queries"]
-    assert after["lethe:prefix_cache_hits"] > 0  # from the repeated long prompt
+    assert after["lethe:prefill_tokens_computed_total"] > before["lethe:prefill_tokens_computed_total"]
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"lethe:{h}_count"] == before[f"lethe:{h}_count"] + 1
         assert after[f"lethe:{h}_sum"] > before[f"lethe:{h}_sum"]
