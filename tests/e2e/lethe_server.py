@@ -1,7 +1,7 @@
 """Helpers for the end-to-end server tests: start `lethe serve` on a free
 port, wait for /health, scrape /metrics, and always kill the process.
 
-The binary is $LETHE_BIN (default build/lethe), run from the repository root
+The binary is $LETHE_BIN (default $LETHE_BUILD/lethe, build/lethe), run from the repository root
 on the default model. The server is started with --port 0 and the real port
 is read from its "listening on http://HOST:PORT" log line, so parallel test
 runs never race for a port. Its log goes to a temporary file (a pipe could
@@ -17,7 +17,7 @@ import time
 import requests
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-BIN = os.environ.get("LETHE_BIN", os.path.join(ROOT, "build", "lethe"))
+BIN = os.environ.get("LETHE_BIN") or os.path.join(ROOT, os.environ.get("LETHE_BUILD", "build"), "lethe")
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
