@@ -271,7 +271,9 @@ def test_metrics_move(srv, client, model):
     before = srv.metrics()
     r = client.completions.create(model=model, prompt="Metrics are", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
-    after = srv.metrics()
+    # the engine publishes its counters at the end of a step, a moment after the last event
+    after = wait_metrics(srv, lambda m: m["lethe:generation_tokens_total"] -
+                         before["lethe:generation_tokens_total"] >= 6, timeout=10)
     for name in ("lethe:num_requests_running", "lethe:num_requests_waiting",
                  "lethe:kv_cache_usage_perc", "lethe:prefix_cache_queries",
                  "lethe:prefix_cache_hits"):
