@@ -43,28 +43,45 @@ static inline float hsum8(__m256 v) {
 }
 
 /* y[r*ldy + c] = dot(x row r, W row c) for r < mr, c < nr (mr <= MR, nr <= NR).
- * Inlined into one function per (mr, nr) so the accumulators live in registers. */
+ * Inlined into one function per (mr, nr); the twelve accumulators are named
+ * variables (GCC keeps an array of them in memory) and the unused ones are
+ * dead code once mr/nr are constants: 12 accumulators + 3 W + 1 x registers. */
 static inline __attribute__((always_inline)) void tile_kernel(const float *x, const float *w,
                                                               float *y, int in, int ldy, int mr,
                                                               int nr) {
-    __m256 acc[MR][NR];
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) acc[r][c] = _mm256_setzero_ps();
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z;
+    __m256 a20 = z, a21 = z, a22 = z, a30 = z, a31 = z, a32 = z;
+    const float *x0 = x, *x1 = x + (size_t)in, *x2 = x + 2 * (size_t)in, *x3 = x + 3 * (size_t)in;
+    const float *w0 = w, *w1 = w + (size_t)in, *w2 = w + 2 * (size_t)in;
     const int k8 = in & ~7;
-    for (int k = 0; k < k8; k += 8) {
-        __m256 wv[NR];
-        for (int c = 0; c < nr; c++) wv[c] = _mm256_loadu_ps(w + (size_t)c * in + k);
-        for (int r = 0; r < mr; r++) {
-            __m256 xv = _mm256_loadu_ps(x + (size_t)r * in + k);
-            for (int c = 0; c < nr; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-        }
+#define ROW(r)                                                         \
+    {                                                                  \
+        const __m256 xv = _mm256_loadu_ps(x##r + k);                   \
+        a##r##0 = _mm256_fmadd_ps(xv, wv0, a##r##0);                   \
+        if (nr > 1) a##r##1 = _mm256_fmadd_ps(xv, wv1, a##r##1);       \
+        if (nr > 2) a##r##2 = _mm256_fmadd_ps(xv, wv2, a##r##2);       \
     }
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) {
-            float s = hsum8(acc[r][c]);
-            for (int k = k8; k < in; k++) s = fmaf(x[(size_t)r * in + k], w[(size_t)c * in + k], s);
-            y[(size_t)r * ldy + c] = s;
-        }
+    for (int k = 0; k < k8; k += 8) {
+        const __m256 wv0 = _mm256_loadu_ps(w0 + k);
+        const __m256 wv1 = nr > 1 ? _mm256_loadu_ps(w1 + k) : z;
+        const __m256 wv2 = nr > 2 ? _mm256_loadu_ps(w2 + k) : z;
+        ROW(0)
+        if (mr > 1) ROW(1)
+        if (mr > 2) ROW(2)
+        if (mr > 3) ROW(3)
+    }
+#undef ROW
+    /* the fixed reduction, then the in % 8 tail, per element */
+#define FIN(r, c)                                                                  \
+    if (mr > r && nr > c) {                                                        \
+        float s = hsum8(a##r##c);                                                  \
+        for (int k = k8; k < in; k++) s = fmaf(x##r[k], w##c[k], s);               \
+        y[(size_t)r * ldy + c] = s;                                                \
+    }
+    FIN(0, 0) FIN(0, 1) FIN(0, 2) FIN(1, 0) FIN(1, 1) FIN(1, 2)
+    FIN(2, 0) FIN(2, 1) FIN(2, 2) FIN(3, 0) FIN(3, 1) FIN(3, 2)
+#undef FIN
 }
 
 typedef void (*tile_fn)(const float *x, const float *w, float *y, int in, int ldy);
