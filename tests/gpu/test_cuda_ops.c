@@ -97,7 +97,9 @@ static double compare(const pair *p, size_t n, double thr, const char *what) {
 
 static void test_matmul(void) {
     static const int sizes[][3] = {{1, 1, 8},     {1, 4096, 4096}, {7, 300, 520}, {64, 1000, 768},
-                                   {130, 257, 129}, {3, 576, 576},  {33, 17, 13},  {256, 512, 1024}};
+                                   {130, 257, 129}, {3, 576, 576},  {33, 17, 13},  {256, 512, 1024},
+                                   {2, 1000, 768}, {4, 300, 520},  {1, 14336, 4096}, {2, 77, 4104},
+                                   {4, 9, 16},     {3, 5, 12}};
     for (size_t t = 0; t < LETHE_ARRAY_LEN(sizes); t++) {
         int n = sizes[t][0], out = sizes[t][1], in = sizes[t][2];
         float *x = rand_bf16((size_t)n * in, 1), *w = rand_bf16((size_t)out * in, 0.5f);

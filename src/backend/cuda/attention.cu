@@ -63,7 +63,7 @@ __device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits) {
 /* grid: x = item (query row), y = KV head * head chunks, z = split.
  * ws_o [items, n_heads, n_splits, D], ws_lse [items, n_heads, n_splits] (log2 domain) */
 template <int DMAX, bool EXACT>
-__global__ void __launch_bounds__(SPLIT_THREADS)
+__global__ void __launch_bounds__(SPLIT_THREADS, DMAX <= 128 ? 4 : 2)
 split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,
              const int32_t *__restrict__ q_begin, const int32_t *__restrict__ sel_begin,
              const int32_t *__restrict__ sel, int n_seqs, int decode, int n_heads, int n_kv,
@@ -74,7 +74,7 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
     constexpr int DPL = DMAX / 32;  /* dims per lane in the PV phase */
     const int NV = D / 8;
     __shared__ float qs[SPLIT_GMAX][DMAX];
-    __shared__ float ps[SPLIT_GMAX][SPLIT_TILE];
+    __shared__ __align__(16) float ps[SPLIT_TILE][SPLIT_GMAX]; /* p of key t, all heads */
     __shared__ int32_t slot_s[SPLIT_TILE];
     __shared__ float red[SPLIT_THREADS / 32][SPLIT_GMAX];
     __shared__ float accs[SPLIT_THREADS / 32][SPLIT_GMAX][DMAX];
@@ -160,7 +160,7 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
             const float m_new = fmaxf(m_run[g], mt); /* finite: the tile has a valid key */
             alpha[g] = exp2f(m_run[g] - m_new);      /* 0 on the first tile */
             const float p = valid && g < G ? exp2f(s[g] - m_new) : 0.0f;
-            ps[g][tid] = p;
+            ps[tid][g] = p;
             l_t[g] = l_t[g] * alpha[g] + p;
             m_run[g] = m_new;
         }
@@ -173,31 +173,43 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
         const int32_t n_here = min(32, k_end - (k0 + warp * 32));
         const bf16 *vbase = vc + (size_t)kvh * D + lane * DPL;
         const bool lane_ok = EXACT || lane * DPL < D; /* D % 8 == 0: a lane's dims are all in or out */
-#pragma unroll 4
-        for (int kk = 0; kk < 32; kk++) {
-            if (kk >= n_here) break;
-            const int t = warp * 32 + kk;
-            const bf16 *vp = vbase + (size_t)slot_s[t] * row_stride;
-            float vf[DPL];
-            if (!lane_ok) {
+        /* batches of PV_BATCH keys: every V load of the batch is issued
+         * (predicated) before the first use, so many rows are in flight */
+        constexpr int PV_BATCH = DPL <= 4 ? 16 : 8;
 #pragma unroll
-                for (int i = 0; i < DPL; i++) vf[i] = 0.0f;
-            } else if constexpr (DPL % 2 == 0) {
+        for (int kb = 0; kb < 32; kb += PV_BATCH) {
+            bf16 vraw[PV_BATCH][DPL];
 #pragma unroll
-                for (int i = 0; i < DPL; i += 2) {
-                    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(vp + i));
-                    vf[i] = f.x;
-                    vf[i + 1] = f.y;
+            for (int u = 0; u < PV_BATCH; u++) {
+                const bool ok = lane_ok && kb + u < n_here;
+                const bf16 *vp = vbase + (size_t)slot_s[warp * 32 + kb + u] * row_stride;
+                if constexpr (DPL % 4 == 0) {
+#pragma unroll
+                    for (int i = 0; i < DPL; i += 4) {
+                        uint2 raw = ok ? __ldg((const uint2 *)(vp + i)) : make_uint2(0, 0);
+                        memcpy(&vraw[u][i], &raw, 8);
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) vraw[u][i] = ok ? vp[i] : __float2bfloat16(0.0f);
                 }
-            } else {
-#pragma unroll
-                for (int i = 0; i < DPL; i++) vf[i] = __bfloat162float(vp[i]);
             }
 #pragma unroll
-            for (int g = 0; g < SPLIT_GMAX; g++) {
-                const float p = ps[g][t];
+            for (int u = 0; u < PV_BATCH; u++) {
+                const int t = warp * 32 + kb + u;
+                float p[SPLIT_GMAX];
+                const float4 *p4 = (const float4 *)&ps[t][0];
 #pragma unroll
-                for (int i = 0; i < DPL; i++) acc[g][i] += p * vf[i];
+                for (int g4 = 0; g4 < SPLIT_GMAX / 4; g4++) {
+                    float4 v4 = p4[g4];
+                    p[4 * g4] = v4.x, p[4 * g4 + 1] = v4.y, p[4 * g4 + 2] = v4.z, p[4 * g4 + 3] = v4.w;
+                }
+#pragma unroll
+                for (int i = 0; i < DPL; i++) {
+                    const float vf = __bfloat162float(vraw[u][i]);
+#pragma unroll
+                    for (int g = 0; g < SPLIT_GMAX; g++) acc[g][i] += p[g] * vf;
+                }
             }
         }
         __syncthreads(); /* ps / slot_s are rewritten by the next tile */
