@@ -207,6 +207,8 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     ROW("--model-seed", NULL, LETHE_OPT_U64, &p->seed, "N", "seed for dummy weights", 1, 0);
     ROW("--check-invariants", NULL, LETHE_OPT_BOOL, &p->check_invariants, NULL,
         "verify KV ownership after every step (slow; for debugging)", 1, 0);
+    ROW("--split-prefill-decode", NULL, LETHE_OPT_BOOL, &p->split_prefill_decode, NULL,
+        "never mix prefill chunks and decode tokens in one step (anchor-style)", 1, 0);
     return n;
 }
 

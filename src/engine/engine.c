@@ -371,6 +371,10 @@ int lethe_engine_add_request(lethe_engine *e, const lethe_request_params *p, uin
 }
 
 int lethe_engine_abort(lethe_engine *e, uint64_t id) {
+    if (e->thread_running) { /* the engine thread owns the requests: go through its inbox */
+        lethe_engine_cancel(e, id);
+        return LETHE_OK;
+    }
     eng_req *q = eng_find(e, id);
     if (!q) return lethe_errorf(LETHE_ERR_NOT_FOUND, "abort: no live request %llu", (unsigned long long)id);
     eng_finish(e, q, LETHE_FINISH_ABORT, NULL);

@@ -2,8 +2,9 @@
  * tokenizer-facing part of the API (tokenize, chat template, detokenize).
  *
  * Create: backend (lethe_backend_create) -> model (lethe_model_load: GGUF,
- * HF folder or dummy weights) -> tokenizer (lethe_tokenizer_load; optional
- * for dummy weights, which then take token ids only) -> real runner ->
+ * HF folder or dummy weights) -> tokenizer (lethe_tokenizer_load; a folder
+ * without tokenizer.json gives an engine that takes token ids only) -> real
+ * runner ->
  * lethe_engine_create_with (engine.c) for the KV pool, cache, scheduler. */
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +33,7 @@ int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out) {
     lethe_tokenizer *tok = NULL;
     st = lethe_tokenizer_load(p->model, &tok);
     if (st != LETHE_OK) {
-        if (fmt == LETHE_LOAD_DUMMY && st == LETHE_ERR_NOT_FOUND) {
+        if (st == LETHE_ERR_NOT_FOUND) { /* no tokenizer beside the weights: token ids only */
             LOG_INFO("%s", lethe_last_error());
             tok = NULL;
         } else {
