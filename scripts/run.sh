@@ -20,7 +20,7 @@ lethe is starting on http://$HOST:$PORT (model $name). In another terminal, try:
 curl http://$HOST:$PORT/v1/chat/completions -H 'Content-Type: application/json' -d '{
   "model": "$name",
   "messages": [{"role": "user", "content": "What is the capital of France?"}],
-  "max_tokens": 64
+  "max_tokens": 64, "temperature": 0
 }'
 
 Streaming: add "stream": true. Health: curl -i http://$HOST:$PORT/health   Metrics: curl http://$HOST:$PORT/metrics

@@ -478,6 +478,8 @@ static void *loader_main(void *arg) {
         s->api.model_path = s->cfg->engine.model;
         s->api.max_model_len = lethe_engine_max_model_len(e);
         s->api.created = (int64_t)time(NULL);
+        size_t nb = 0;
+        s->api.has_tokenizer = lethe_engine_token_text(e, 0, &nb) != NULL;
         atomic_store(&s->phase, PHASE_READY);
         LOG_INFO("ready: model %s (max-model-len %d) loaded in %.2fs; serving on http://%s:%d", s->served_name,
                  s->api.max_model_len, lethe_time_s() - t0, s->host, s->port);

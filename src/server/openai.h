@@ -41,6 +41,7 @@ typedef struct srv_api {
     const char *model_path;     /* --model as given (also accepted as `model`) */
     int32_t max_model_len;
     int64_t created;            /* server start time (unix seconds) */
+    bool has_tokenizer;         /* false for dummy weights: token-id prompts only, empty text */
 } srv_api;
 
 typedef struct srv_gen {

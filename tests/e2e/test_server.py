@@ -585,3 +585,22 @@ def test_disconnect_non_streaming(srv2):
     after = wait_metrics(srv2, lambda m: m['lethe:request_success_total{finished_reason="abort"}']
                          == aborts0 + 1 and m["lethe:num_requests_running"] == 0)
     assert after['lethe:request_success_total{finished_reason="abort"}'] == aborts0 + 1
+
+
+# ---- a model without a tokenizer (dummy weights): token ids in, token counts out ----
+
+def test_dummy_model_token_ids(request):
+    s = Server("--device", "cpu", "--load-format", "dummy", "--max-model-len", "128",
+               "--kv-cache-bytes", "16M", model="tests/data/tiny-llama/config.json")
+    try:
+        ok = post(s, "/v1/completions", {"prompt": [1, 5, 9, 200], "max_tokens": 6,
+                                         "ignore_eos": True, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 6
+        assert ok.json()["usage"]["prompt_tokens"] == 4
+        err_of(post(s, "/v1/completions", {"prompt": "text needs a tokenizer"}), 400, "prompt",
+               contains="tokenizer")
+        err_of(post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), 400)
+        err_of(post(s, "/v1/completions", {"prompt": [1, 10 ** 8]}), 400, contains="vocabulary")
+    finally:
+        finish(request, s)
