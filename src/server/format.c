@@ -21,6 +21,7 @@
 
 #include "core/util.h"
 #include "server/openai.h"
+#include "server/chain_api.h"
 
 const char *srv_finish_str(lethe_finish_reason r) {
     switch (r) {
@@ -179,6 +180,7 @@ static cJSON *envelope(const srv_api *api, const srv_gen *g, const char *object)
     cJSON_AddStringToObject(root, "object", object);
     cJSON_AddNumberToObject(root, "created", (double)g->created);
     cJSON_AddStringToObject(root, "model", api->served_name);
+    srv_chain_annotate(g, root);
     return root;
 }
 

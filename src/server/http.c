@@ -39,6 +39,7 @@
 #include "server/buf.h"
 #include "server/metrics.h"
 #include "server/openai.h"
+#include "server/chain_api.h"
 #include "server/req.h"
 #include "server/server.h"
 
@@ -174,7 +175,7 @@ static int start_request(srv_state *s, conn_ctx *cx, srv_gen *g, srv_req **out, 
     p.user = r;
     srv_req_ref(r); /* the engine's reference, dropped by the final event */
     uint64_t id = 0;
-    int rc = lethe_engine_submit(s->engine, &p, &id);
+    int rc = g->chain ? srv_chain_submit(s->engine, &p, g, &id) : lethe_engine_submit(s->engine, &p, &id);
     if (rc != 0) {
         atomic_fetch_sub(&s->in_flight, 1);
         srv_req_unref(r); /* the engine's */
@@ -271,6 +272,12 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, conn_ctx *cx, s
     int rc = 0;
     int st = start_request(s, cx, &g, &r, &rc);
     if (st != 0) {
+        if (g.chain && g.chain_res.http_status >= 400) { /* refused by the chain table */
+            int code = g.chain_res.http_status;
+            char *body = srv_chain_error_json(&g);
+            srv_gen_free(&g);
+            return queue_json(c, cx, code, body);
+        }
         srv_gen_free(&g);
         if (st == 503)
             return fail(c, cx, 503, NULL,
@@ -361,6 +368,13 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, conn_ctx *cx) {
         bool ready = phase == PHASE_READY;
         if (ready) lethe_engine_get_stats(s->engine, &st);
         char *text = srv_metrics_render(&s->metrics, ready ? &st : NULL, s->served_name);
+        if (ready) { /* chain cache series */
+            srv_buf mb = {0};
+            srv_buf_puts(&mb, text);
+            srv_chain_metrics(s->engine, s->served_name, &mb);
+            free(text);
+            text = mb.data;
+        }
         return queue_body(c, cx, 200, text, "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_tok = !strcmp(path, "/tokenize"), is_detok = !strcmp(path, "/detokenize");

@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "core/util.h"
+#include "server/chain_api.h"
 
 int srv_errorf(srv_error *err, int status, const char *param, const char *fmt, ...) {
     err->status = status;
@@ -426,6 +427,7 @@ int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_
     if (check_unsupported(root, kind, err) || parse_sampling(api, root, g, err)) goto out;
     if (kind == SRV_CHAT ? parse_messages(api, root, g, err) : parse_prompt(api, root, g, err))
         goto out;
+    if (srv_chain_parse(api, root, kind, g, err)) goto out; /* chain_id, chain_append_start */
     int32_t mml = api->max_model_len;
     if (g->n_prompt >= mml) {
         srv_errorf(err, 400, kind == SRV_CHAT ? "messages" : "prompt",
@@ -452,6 +454,8 @@ out:
 void srv_gen_free(srv_gen *g) {
     free(g->prompt);
     g->prompt = NULL;
+    free(g->chain_id);
+    g->chain_id = NULL;
     free(g->forced);
     g->forced = NULL;
     for (int i = 0; i < LETHE_MAX_STOP; i++) {

@@ -56,6 +56,13 @@ typedef struct srv_gen {
     int32_t n_forced;
     char id[48];                /* "cmpl-..." / "chatcmpl-..." */
     int64_t created;
+    /* Chain Cache (chain_api.c) */
+    bool chain;                 /* submitted as a chain turn (the engine runs in chain mode) */
+    char *chain_id;             /* requested id (malloc'd) or NULL: create */
+    bool chain_append;          /* chain_append_start given: prompt = appended tokens only */
+    int32_t chain_append_start, n_messages;
+    char chain_code[40];
+    lethe_chain_result chain_res;
 } srv_gen;
 
 int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,

@@ -1,0 +1,200 @@
+/* chain_api.c - the Chain Cache on the HTTP surface (anchor §7.4-7.5).
+ *
+ * Request fields (chat and completions): chain_id (string; null or absent
+ * creates a chain when the engine runs in chain mode) and, for chat,
+ * chain_append_start = k: only messages[k:] are rendered and appended to the
+ * chain's token history, so the conversation is never re-rendered or
+ * re-tokenized. The render uses a dummy user/assistant context so template
+ * boundaries are right (the closing of the previous assistant turn, the next
+ * header, the generation prompt; no BOS), and drops the part of the closing
+ * the model already produced (its end-of-turn token when it sampled it).
+ * Response fields: chain_id, chain_status (created | resumed | recreated) on
+ * every response object and stream chunk; usage.prompt_tokens_details.
+ * cached_tokens carries the reused tokens. Refusals are OpenAI-style error
+ * bodies whose "code" is the chain code (chain_busy, chain_gone, ...) with
+ * the matching HTTP status. /metrics gains lethe:chain_* series. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/util.h"
+#include "server/chain_api.h"
+
+#define MARK "\x1flethe-chain-boundary\x1f"
+
+static cJSON *field(const cJSON *root, const char *name) {
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
+    return (v && !cJSON_IsNull(v)) ? v : NULL;
+}
+
+/* content as text: a string or an array of {"type": "text", "text"} parts */
+static char *content_text(const cJSON *m) {
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(m, "content");
+    if (cJSON_IsString(c)) return lethe_xstrdup(c->valuestring);
+    srv_buf b = {0};
+    srv_buf_puts(&b, "");
+    const cJSON *part;
+    if (cJSON_IsArray(c))
+        cJSON_ArrayForEach(part, c) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+            if (cJSON_IsString(t)) srv_buf_puts(&b, t->valuestring);
+        }
+    return b.data;
+}
+
+/* Tokens to append for messages[k:] after the chain's history. */
+static int render_append(const srv_api *api, const cJSON *msgs, int k, const char *chain_id, srv_gen *g,
+                         srv_error *err) {
+    int n = cJSON_GetArraySize(msgs);
+    size_t m = (size_t)(n - k) + 2;
+    const char **roles = lethe_xcalloc(m, sizeof(char *));
+    char **contents = lethe_xcalloc(m, sizeof(char *));
+    roles[0] = "user";
+    contents[0] = lethe_xstrdup("x");
+    roles[1] = "assistant";
+    contents[1] = lethe_xstrdup(MARK);
+    for (int i = k; i < n; i++) {
+        const cJSON *msg = cJSON_GetArrayItem(msgs, i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(msg, "role");
+        roles[2 + i - k] = cJSON_IsString(role) ? role->valuestring : "user";
+        contents[2 + i - k] = content_text(msg);
+    }
+    char *text = NULL;
+    int rc = -1;
+    int32_t n_hist = 0, *hist = NULL;
+    if (lethe_engine_apply_chat(api->engine, roles, (const char *const *)contents, m, true, &text) != 0) {
+        srv_errorf(err, 400, "messages", "cannot render messages[%d:]: %s", k, lethe_engine_last_error());
+        goto done;
+    }
+    const char *tail = strstr(text, MARK);
+    if (!tail) {
+        srv_errorf(err, 400, "chain_append_start", "the chat template does not render assistant content verbatim");
+        goto done;
+    }
+    tail += strlen(MARK);
+    /* the model may already have produced the start of the closing (its end-of-turn token) */
+    n_hist = lethe_engine_chain_history(api->engine, chain_id, NULL, 0);
+    if (n_hist > 0) {
+        hist = lethe_xmalloc((size_t)n_hist * sizeof(int32_t));
+        lethe_engine_chain_history(api->engine, chain_id, hist, n_hist);
+        size_t nb = 0;
+        const char *last = lethe_engine_token_text(api->engine, hist[n_hist - 1], &nb);
+        if (last && nb > 0 && strncmp(tail, last, nb) == 0) tail += nb;
+    }
+    free(g->prompt);
+    g->prompt = NULL;
+    g->n_prompt = 0;
+    if (lethe_engine_tokenize(api->engine, tail, false, true, &g->prompt, &g->n_prompt) != 0 || g->n_prompt == 0) {
+        srv_errorf(err, 400, "messages", "cannot tokenize messages[%d:]: %s", k, lethe_engine_last_error());
+        goto done;
+    }
+    rc = 0;
+done:
+    free(hist);
+    free(text);
+    for (size_t i = 0; i < m; i++) free(contents[i]);
+    free(contents);
+    free(roles);
+    return rc;
+}
+
+int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_gen *g, srv_error *err) {
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(root, "chain_id");
+    const cJSON *as = field(root, "chain_append_start");
+    bool chain_mode = lethe_engine_chain_mode(api->engine);
+    if (id && !cJSON_IsNull(id) && !cJSON_IsString(id))
+        return srv_errorf(err, 400, "chain_id", "'chain_id' must be a string or null");
+    bool has_id = cJSON_IsString(id) && id->valuestring[0];
+    if ((id || as) && !chain_mode) {
+        snprintf(g->chain_code, sizeof(g->chain_code), "chain_mode_disabled");
+        return srv_errorf(err, 400, "chain_id",
+                          "chain_id needs the Chain Cache, but this server runs prefix-cache mode '%s'; start it "
+                          "with --prefix-cache-mode chain", lethe_engine_prefix_cache_mode(api->engine));
+    }
+    if (!chain_mode) return 0;
+    g->chain = true; /* in chain mode every request continues or creates a chain */
+    if (has_id) g->chain_id = lethe_xstrdup(id->valuestring);
+    const cJSON *msgs = kind == SRV_CHAT ? cJSON_GetObjectItemCaseSensitive(root, "messages") : NULL;
+    g->n_messages = msgs ? cJSON_GetArraySize(msgs) : 0;
+    if (!as) return 0;
+    if (kind != SRV_CHAT)
+        return srv_errorf(err, 400, "chain_append_start", "'chain_append_start' is for chat requests");
+    if (!cJSON_IsNumber(as) || as->valuedouble != (int)as->valuedouble || as->valuedouble < 1)
+        return srv_errorf(err, 400, "chain_append_start", "'chain_append_start' must be an integer >= 1");
+    if (!has_id) return srv_errorf(err, 400, "chain_append_start", "'chain_append_start' requires a 'chain_id'");
+    int k = (int)as->valuedouble;
+    if (k >= g->n_messages)
+        return srv_errorf(err, 400, "chain_append_start",
+                          "'chain_append_start' (%d) must leave at least one message to append (%d messages)", k,
+                          g->n_messages);
+    const cJSON *prev = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(msgs, k - 1), "role");
+    if (!cJSON_IsString(prev) || strcmp(prev->valuestring, "assistant"))
+        return srv_errorf(err, 400, "chain_append_start",
+                          "messages[%d] (just before chain_append_start) must be the assistant response", k - 1);
+    g->chain_append = true;
+    g->chain_append_start = k;
+    return render_append(api, msgs, k, g->chain_id, g, err);
+}
+
+int srv_chain_submit(lethe_engine *e, const lethe_request_params *p, srv_gen *g, uint64_t *id) {
+    lethe_chain_params cp = {.chain_id = g->chain_id, .append = g->chain_append,
+                             .append_start = g->chain_append_start, .n_messages = g->n_messages};
+    int rc = lethe_engine_submit_chain(e, p, &cp, &g->chain_res, id);
+    snprintf(g->chain_code, sizeof(g->chain_code), "%s", g->chain_res.code ? g->chain_res.code : "");
+    return rc;
+}
+
+char *srv_chain_error_json(const srv_gen *g) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON *e = cJSON_AddObjectToObject(root, "error");
+    cJSON_AddStringToObject(e, "message", g->chain_res.message);
+    int st = g->chain_res.http_status;
+    cJSON_AddStringToObject(e, "type", st == 404 ? "NotFoundError" : st == 409 ? "ConflictError"
+                                       : st == 410 ? "GoneError" : st == 503 ? "ServiceUnavailableError"
+                                                                             : "BadRequestError");
+    cJSON_AddNullToObject(e, "param");
+    cJSON_AddStringToObject(e, "code", g->chain_res.code ? g->chain_res.code : "chain_error");
+    if (g->chain_id) cJSON_AddStringToObject(root, "chain_id", g->chain_id);
+    char *s = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return s;
+}
+
+void srv_chain_annotate(const srv_gen *g, cJSON *root) {
+    if (!g->chain || !g->chain_res.chain_id[0]) return;
+    cJSON_AddStringToObject(root, "chain_id", g->chain_res.chain_id);
+    cJSON_AddStringToObject(root, "chain_status", g->chain_res.status);
+}
+
+void srv_chain_metrics(lethe_engine *e, const char *model, srv_buf *b) {
+    if (!e || !lethe_engine_chain_mode(e)) return;
+    lethe_engine_chain_stats s;
+    lethe_engine_get_chain_stats(e, &s);
+    const struct { const char *name, *type, *help; double v; } rows[] = {
+        {"chain_cache_chains", "gauge", "Chains held (ACTIVE + IDLE).", s.n_chains},
+        {"chain_cache_active", "gauge", "Chains with a turn in progress.", s.n_active},
+        {"chain_cache_idle", "gauge", "Chains waiting for their next turn (reclaimable, LRU).", s.n_idle},
+        {"chain_cache_tombstones", "gauge", "Reclaimed/invalidated chain ids remembered (410).", s.n_tombstones},
+        {"chain_cache_resident_slots", "gauge", "KV slots resident in chains, summed over slot spaces.",
+         (double)s.resident_slots},
+        {"chain_cache_created_total", "counter", "Chains created.", (double)s.n_created},
+        {"chain_cache_resumed_total", "counter", "Turns that resumed a chain.", (double)s.n_resumed},
+        {"chain_cache_recreated_total", "counter", "Turns whose prompt did not continue the chain.",
+         (double)s.n_recreated},
+        {"chain_cache_reclaimed_total", "counter", "IDLE chains reclaimed (LRU) to make room.", (double)s.n_reclaimed},
+        {"chain_cache_invalidated_total", "counter", "Chains invalidated by aborted or failed turns.",
+         (double)s.n_invalidated},
+        {"chain_cache_rejected_total", "counter", "Chain turns refused (404/409/410/503/400).", (double)s.n_rejected},
+        {"chain_cache_capacity_rejected_total", "counter", "Chain turns refused for capacity (503).",
+         (double)s.n_capacity_rejected},
+        {"chain_cache_reused_tokens_total", "counter", "Prompt tokens whose KV was resident in a chain.",
+         (double)s.reused_tokens},
+        {"chain_cache_prompt_tokens_total", "counter", "Prompt tokens of admitted chain turns.",
+         (double)s.prompt_tokens},
+    };
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        srv_buf_printf(b, "# HELP lethe:%s %s\n# TYPE lethe:%s %s\n", rows[i].name, rows[i].help, rows[i].name,
+                       rows[i].type);
+        srv_buf_printf(b, "lethe:%s{model_name=\"%s\"} %.17g\n", rows[i].name, model, rows[i].v);
+    }
+}

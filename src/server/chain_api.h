@@ -1,0 +1,23 @@
+/* chain_api.h - Chain Cache request fields, responses, errors and metrics
+ * of the OpenAI server (chain_api.c has the rules). */
+#ifndef LETHE_SERVER_CHAIN_API_H
+#define LETHE_SERVER_CHAIN_API_H
+
+#include <cjson/cJSON.h>
+
+#include "server/buf.h"
+#include "server/openai.h"
+
+/* After the prompt is parsed: reads chain_id / chain_append_start; in append
+ * mode replaces g->prompt by the appended tokens. -1 + *err on bad input. */
+int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_gen *g, srv_error *err);
+/* lethe_engine_submit_chain with g's chain fields; fills g->chain_res. */
+int srv_chain_submit(lethe_engine *e, const lethe_request_params *p, srv_gen *g, uint64_t *id);
+/* Error body for a refused chain turn (g->chain_res), malloc'd. */
+char *srv_chain_error_json(const srv_gen *g);
+/* Adds chain_id / chain_status to a response or chunk object. */
+void srv_chain_annotate(const srv_gen *g, cJSON *root);
+/* lethe:chain_cache_* series (nothing outside chain mode). */
+void srv_chain_metrics(lethe_engine *e, const char *model, srv_buf *b);
+
+#endif /* LETHE_SERVER_CHAIN_API_H */
