@@ -249,7 +249,10 @@ void srv_sse_role(const srv_api *api, const srv_gen *g, srv_buf *out) {
 void srv_sse_event(const srv_api *api, const srv_gen *g, const srv_event *ev, size_t text_offset,
                    srv_buf *out) {
     bool has_lp = g->logprobs >= 0 && ev->n_tokens > 0;
-    if (!ev->finished && !ev->text[0] && !has_lp) return; /* nothing visible yet */
+    /* nothing visible yet (a partial UTF-8 character or a held-back stop-string
+     * prefix); without a tokenizer every token is empty text, so each still gets
+     * a chunk for clients that time tokens */
+    if (!ev->finished && !ev->text[0] && !has_lp && (api->has_tokenizer || ev->n_tokens == 0)) return;
     cJSON *c;
     cJSON *root = chunk(api, g, &c);
     if (g->kind == SRV_CHAT) {

@@ -598,6 +598,10 @@ def test_dummy_model_token_ids(request):
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == 6
         assert ok.json()["usage"]["prompt_tokens"] == 4
+        # one (empty-text) chunk per token, so clients can still time tokens
+        code, out = curl("-N", "-d", json.dumps({"prompt": [3, 4], "max_tokens": 5, "ignore_eos": True,
+                                                  "stream": True}), s.url + "/v1/completions")
+        assert code == 200 and out.count("data: {") == 5 and out.rstrip().endswith("data: [DONE]")
         err_of(post(s, "/v1/completions", {"prompt": "text needs a tokenizer"}), 400, "prompt",
                contains="tokenizer")
         err_of(post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), 400)
