@@ -106,3 +106,23 @@ def test_batch_text_and_messages(tmp_path):
     assert "Paris" in out[1]["text"]
     assert out[2]["finish_reason"] == "stop" and "Paris" not in out[2]["text"]
     assert out[2]["text"] == out[1]["text"][:len(out[2]["text"])]
+
+
+def test_chat_repl_multi_turn():
+    """Two turns on stdin: the second sees the first (history through the chat template)."""
+    turns = "My name is Ada. Reply with one short sentence.\nWhat is my name?\n/exit\n"
+    r = run(["--model", SMOL, "--chat", "--temperature", "0", "-n", "24", "--max-model-len", "1024",
+             "--system", "You are a helpful assistant."], stdin=turns)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("generation:") == 2
+    assert "Ada" in r.stdout.split("\n", 1)[-1] or "Ada" in r.stdout
+    # the second turn's prompt starts with the first turn: served from the prefix cache
+    second = [l for l in r.stderr.splitlines() if "prompt:" in l][1]
+    assert "(0 cached)" not in second
+
+
+def test_prompt_from_stdin():
+    r = run(["--model", TINY, "--raw", "-n", "3"], stdin="")
+    # tiny-llama has no tokenizer: a text prompt is refused with a clear message
+    assert r.returncode != 0
+    assert "tokenizer" in r.stderr
