@@ -102,8 +102,11 @@ def replace_section(text, name, body):
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
-def update_doc(path, preamble, sections, check):
-    old = open(path).read() if os.path.exists(path) else preamble
+def update_doc(path, preamble, sections, check, have_results=True):
+    old = open(path).read() if os.path.exists(path) else None
+    if not have_results and (old is None or not all(f"<!-- gen:begin {n} -->" in old for n, _ in sections)):
+        return False  # nothing measured yet: no empty page, no empty section in someone's page
+    old = old if old is not None else preamble
     new = old
     for name, body in sections:
         new = replace_section(new, name, body)
@@ -366,8 +369,10 @@ def main(argv):
         os.makedirs(img_dir, exist_ok=True)
     qs = eval_section(evals, img_dir, "img", images, draw)
     ss = serve_section(serves, img_dir, "img", images, draw)
-    changed = update_doc(os.path.join(a.docs, "quality.md"), QUALITY_PREAMBLE, [("quality", qs)], a.check)
-    changed |= update_doc(os.path.join(a.docs, "benchmarks.md"), BENCH_PREAMBLE, [("serve", ss)], a.check)
+    changed = update_doc(os.path.join(a.docs, "quality.md"), QUALITY_PREAMBLE, [("quality", qs)], a.check,
+                         bool(evals))
+    changed |= update_doc(os.path.join(a.docs, "benchmarks.md"), BENCH_PREAMBLE, [("serve", ss)], a.check,
+                          bool(serves))
     if a.check and changed:
         print("gen_docs: docs/quality.md or docs/benchmarks.md is out of date; run python3 scripts/gen_docs.py",
               file=sys.stderr)

@@ -248,6 +248,28 @@ static void test_seeds(void) {
     }
 }
 
+/* samples of different tasks and seeds are independent draws: no shared
+ * numbers between passkey keys and vt values, different haystack starts */
+static void test_independent_streams(void) {
+    char keys[8][16], vals[8][16], start_pk[8][64], start_vt[8][64];
+    for (int s = 0; s < 8; s++) {
+        lethe_eval_sample a, b;
+        CHECK_EQ_INT(lethe_eval_generate(LETHE_EVAL_PASSKEY, g_c, (uint64_t)s, 600, measure, NULL, &a), LETHE_OK);
+        CHECK_EQ_INT(lethe_eval_generate(LETHE_EVAL_VT, g_c, (uint64_t)s, 600, measure, NULL, &b), LETHE_OK);
+        snprintf(keys[s], sizeof(keys[s]), "%s", a.answers[0]);
+        sscanf(strstr(b.user, "assigned the value ") + 19, "%15[0-9]", vals[s]);
+        snprintf(start_pk[s], sizeof(start_pk[s]), "%.63s", strstr(a.user, "\n\n") + 2);
+        snprintf(start_vt[s], sizeof(start_vt[s]), "%.63s", strstr(b.user, "\n\n") + 2);
+        lethe_eval_sample_free(&a);
+        lethe_eval_sample_free(&b);
+    }
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) {
+            CHECK_MSG(strcmp(keys[i], vals[j]) != 0, "passkey seed %d == vt seed %d value %s", i, j, keys[i]);
+            CHECK_MSG(strcmp(start_pk[i], start_vt[j]) != 0, "same haystack start: passkey %d, vt %d", i, j);
+        }
+}
+
 static void test_lengths(void) {
     /* several targets; the search costs O(log) measurements */
     const int32_t targets[] = {600, 1024, 4096};
@@ -322,6 +344,7 @@ int main(void) {
     TEST_RUN(test_vt);
     TEST_RUN(test_cwe);
     TEST_RUN(test_seeds);
+    TEST_RUN(test_independent_streams);
     TEST_RUN(test_lengths);
     TEST_RUN(test_errors);
     TEST_RUN(test_real_tokenizer);

@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cjson/cJSON.h>
 
@@ -446,6 +447,10 @@ int lethe_bench_serve(int argc, char **argv) {
     char *model = o.model ? lethe_xstrdup(o.model) : discover_model(&o);
     lethe_bs_record *recs = lethe_xcalloc((size_t)o.num_prompts, sizeof(*recs));
     if (!model) goto out;
+    char date[64], commit[64], machine[256]; /* the code and time the run starts with */
+    lethe_runinfo_date(date, sizeof(date));
+    lethe_runinfo_commit(commit, sizeof(commit));
+    lethe_runinfo_machine(machine, sizeof(machine));
     server_counters before, after;
     read_counters(&o, &before);
     char conc[32] = "no cap";
@@ -453,17 +458,25 @@ int lethe_bench_serve(int argc, char **argv) {
     fprintf(stderr, "lethe bench serve: %d requests to %s%s (model %s), rate %g req/s, max concurrency %s\n",
             o.num_prompts, o.base_url, o.endpoint, model, (double)o.request_rate, conc);
     double duration = run_workload(&o, model, items, recs);
+    /* the server publishes its counters at the end of an engine step, which
+     * can come just after the last response: read until two reads agree */
     read_counters(&o, &after);
+    for (int k = 0; k < 20 && after.ok; k++) {
+        server_counters again;
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        read_counters(&o, &again);
+        bool same = again.ttft_count == after.ttft_count && again.generation_tokens == after.generation_tokens &&
+                    again.prompt_tokens == after.prompt_tokens && again.e2e_count == after.e2e_count;
+        after = again;
+        if (same) break;
+    }
 
     cJSON *j = cJSON_CreateObject();
-    char buf[512];
     cJSON_AddStringToObject(j, "schema", "lethe-bench-serve/1");
-    lethe_runinfo_date(buf, sizeof(buf));
-    cJSON_AddStringToObject(j, "date", buf);
-    lethe_runinfo_commit(buf, sizeof(buf));
-    cJSON_AddStringToObject(j, "commit", buf);
-    lethe_runinfo_machine(buf, sizeof(buf));
-    cJSON_AddStringToObject(j, "machine", buf);
+    cJSON_AddStringToObject(j, "date", date);
+    cJSON_AddStringToObject(j, "commit", commit);
+    cJSON_AddStringToObject(j, "machine", machine);
     cJSON_AddStringToObject(j, "base_url", o.base_url);
     cJSON_AddStringToObject(j, "endpoint", o.endpoint);
     cJSON_AddStringToObject(j, "model_id", model);

@@ -48,6 +48,7 @@ typedef struct eval_opts {
     uint64_t seed;
     bool progress;
     char command[2048];         /* the invocation, for the results */
+    char date[64], commit[64], machine[256]; /* taken when the run starts */
 } eval_opts;
 
 typedef struct run {            /* what the flags resolve to */
@@ -215,14 +216,10 @@ static int draw_plot(const char *json, const char *png) {
 static cJSON *header(const run *r, const lethe_eval_suite *suite, const char *model) {
     const eval_opts *o = r->o;
     cJSON *j = cJSON_CreateObject();
-    char buf[512];
     cJSON_AddStringToObject(j, "schema", "lethe-eval/1");
-    lethe_runinfo_date(buf, sizeof(buf));
-    cJSON_AddStringToObject(j, "date", buf);
-    lethe_runinfo_commit(buf, sizeof(buf));
-    cJSON_AddStringToObject(j, "commit", buf);
-    lethe_runinfo_machine(buf, sizeof(buf));
-    cJSON_AddStringToObject(j, "machine", buf);
+    cJSON_AddStringToObject(j, "date", o->date);
+    cJSON_AddStringToObject(j, "commit", o->commit);
+    cJSON_AddStringToObject(j, "machine", o->machine);
     cJSON_AddStringToObject(j, "device", o->ep.device ? o->ep.device : "cpu");
     cJSON_AddNumberToObject(j, "threads", o->ep.n_threads);
     cJSON_AddStringToObject(j, "model", model);
@@ -284,6 +281,9 @@ int lethe_cmd_eval(int argc, char **argv) {
                               pos, &n_pos, 0);
     if (pr != 0) return pr > 0 ? 0 : 2;
     if (o.windows <= 0) o.windows = o.samples;
+    lethe_runinfo_date(o.date, sizeof(o.date)); /* the code and time the run starts with */
+    lethe_runinfo_commit(o.commit, sizeof(o.commit));
+    lethe_runinfo_machine(o.machine, sizeof(o.machine));
     size_t cl = 0;
     for (int i = 0; i < argc && cl + 2 < sizeof(o.command); i++) {
         int k = snprintf(o.command + cl, sizeof(o.command) - cl, "%s%s", i ? " " : "lethe ", argv[i]);

@@ -339,7 +339,11 @@ lethe_status lethe_eval_generate(lethe_eval_task task, const lethe_eval_corpus *
     memset(out, 0, sizeof(*out));
     if ((unsigned)task >= LETHE_EVAL_N_TASKS)
         return lethe_errorf(LETHE_ERR_INVALID, "eval: unknown task %d", (int)task);
-    uint64_t st = lethe_hash64(&seed, sizeof(seed), 0x6c65746865ull + (uint64_t)task);
+    /* the task is hashed with the seed (not folded into the hash's own seed,
+     * where seed 2 of one task and seed 0 of another could cancel out): every
+     * (task, seed) draws an independent stream */
+    uint64_t key[2] = {seed, 0x6c65746865000000ull | (uint64_t)task};
+    uint64_t st = lethe_hash64(key, sizeof(key), 0);
     plan p = {.task = task};
     p.sent0 = (int32_t)rnd_below(&st, (uint32_t)c->n_sentences);
     p.max_units = c->n_sentences;

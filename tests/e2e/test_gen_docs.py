@@ -7,7 +7,8 @@ the preamble survive byte for byte), that every row carries its method and
 knobs and every result its commit / date / machine / model, that rows with
 an error keep score 0 and the reason, that the PNGs are real PNGs, that
 --check tells up-to-date from stale, and that missing docs / markers are
-created.
+created (and not created when there is nothing to show), and that the
+repository's own docs match its result files.
 """
 import json
 import os
@@ -124,3 +125,20 @@ def test_plot_eval_dense_only_and_budgets(tmp_path):
         p = run("plot-eval", str(j), str(png))
         assert p.returncode == 0, p.stderr
         assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_repo_docs_are_up_to_date():
+    """docs/quality.md and docs/benchmarks.md match docs/results/*.json (regenerate with gen_docs.py)."""
+    p = run("--check")
+    assert p.returncode == 0, p.stderr
+
+
+def test_no_results_no_page(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    assert run("--results", str(docs / "results"), "--docs", str(docs)).returncode == 0
+    assert not (docs / "quality.md").exists() and not (docs / "benchmarks.md").exists()
+    (docs / "benchmarks.md").write_text("# Benchmarks\n\nSomeone else's section.\n")
+    assert run("--results", str(docs / "results"), "--docs", str(docs), "--check").returncode == 0
+    assert run("--results", str(docs / "results"), "--docs", str(docs)).returncode == 0
+    assert (docs / "benchmarks.md").read_text() == "# Benchmarks\n\nSomeone else's section.\n"
