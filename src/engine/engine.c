@@ -2,8 +2,9 @@
  * (validation, copies, the id table, finishing), stats, destroy.
  *
  * Construction order (lethe_engine_create_with):
- *   limits -> sparse method (its flags choose the row layout) -> KV pool
- *   sized from the budget (handed to the method) -> runner workspace ->
+ *   limits -> sparse method (its flags choose the row layout) -> forward
+ *   workspace -> KV pool sized from the budget (handed to the method) ->
+ *   runner bind ->
  *   radix cache (if the method allows prefix reuse) -> scheduler -> sampler
  *   scratch -> inbox.
  * KV sizing: slots per layer = budget / (bytes one token costs in all layers),
@@ -161,6 +162,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                           ops->name, lethe_sparse_min_final_chunk(e->method), e->p.max_num_batched_tokens);
         goto fail;
     }
+    if (e->runner.workspace && (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens)) != LETHE_OK)
+        goto fail;
     if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
     lethe_kv_pool_params pp = {
         .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,

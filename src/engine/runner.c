@@ -1,9 +1,10 @@
 /* runner.c - the real runner: lethe_model_forward over the KV pool's buffers.
  *
- * bind() collects the pool's per-layer K/V buffers (backend memory, one
- * [n_slots, n_kv_heads, head_dim] pair per layer) and sizes the model's
- * forward workspace for the step token budget; forward() hands the engine's
- * hooks straight to the model. The model is owned by the runner; the backend
+ * workspace() sizes the model's forward workspace for the step token budget
+ * (before the KV pool, so the pool gets what is left); bind() collects the
+ * pool's per-layer K/V buffers (backend memory, one [n_slots, n_kv_heads,
+ * head_dim] pair per layer); forward() hands the engine's hooks straight to
+ * the model. The model is owned by the runner; the backend
  * is owned by the engine (it must outlive the KV pool). */
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,12 @@ static lethe_status mr_bind(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max
         mr->v[l] = lethe_kv_v(pool, l);
         LETHE_ASSERT(mr->k[l] && mr->v[l]);
     }
+    (void)n_tokens_max; /* the workspace was sized by mr_workspace */
+    return LETHE_OK;
+}
+
+static lethe_status mr_workspace(void *ctx, int32_t n_tokens_max) {
+    model_runner *mr = ctx;
     return lethe_model_workspace_init(&mr->model, n_tokens_max);
 }
 
@@ -53,6 +60,7 @@ lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_run
     out->kind = "model";
     out->cfg = mr->model.cfg;
     out->be = be;
+    out->workspace = mr_workspace;
     out->bind = mr_bind;
     out->forward = mr_forward;
     out->destroy = mr_destroy;

@@ -25,7 +25,11 @@ typedef struct lethe_runner {
     const char *kind;               /* "model" or "fake" */
     lethe_model_config cfg;         /* shapes, vocab, max_pos, eos ids */
     lethe_backend *be;              /* NULL for the fake runner */
-    /* called once the pool exists: forward workspace for n_tokens_max rows */
+    /* optional, called before the KV pool is sized (device memory left after
+     * weights AND workspace is what the pool may take): forward workspace
+     * for n_tokens_max rows */
+    lethe_status (*workspace)(void *ctx, int32_t n_tokens_max);
+    /* called once the pool exists (K/V buffers; the fake allocates its state) */
     lethe_status (*bind)(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max);
     /* logits: host [b->n_logits, n_vocab] */
     void (*forward)(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks, float *logits);
