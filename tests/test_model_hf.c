@@ -33,7 +33,7 @@ typedef struct ref_array {
     uint32_t dtype; /* 0 f32, 1 i32 */
     uint32_t ndim, shape[4];
     size_t n;
-    const void *data;
+    const void *data; /* 4-byte aligned copy (owned): the file packs arrays unaligned */
 } ref_array;
 
 typedef struct ref_file {
@@ -61,9 +61,16 @@ static void ref_load(ref_file *f, const char *path) {
         a->n = 1;
         for (uint32_t d = 0; d < a->ndim; d++) memcpy(&a->shape[d], p, 4), p += 4, a->n *= a->shape[d];
         CHECK(p + a->n * 4 <= end);
-        a->data = p, p += a->n * 4;
+        void *copy = lethe_xmalloc(a->n * 4);
+        memcpy(copy, p, a->n * 4);
+        a->data = copy, p += a->n * 4;
     }
     f->n = (int)n;
+}
+
+static void ref_free(ref_file *f) {
+    for (int i = 0; i < f->n; i++) free((void *)f->arr[i].data);
+    free(f->buf);
 }
 
 static const ref_array *ref_get(const ref_file *f, const char *name) {
@@ -204,7 +211,8 @@ static void check_tiny(const char *family) {
     int32_t start[3] = {0, 0, 0}, base[3] = {0, 128, 256};
     run_batch(&h, 3, tokens, start, T, base, batched);
     CHECK_MSG(!memcmp(batched, alone, (size_t)total * V * 4), "%s: batched != alone", family);
-    free(alone), free(batched), free(rf.buf);
+    free(alone), free(batched);
+    ref_free(&rf);
     harness_close(&h);
 }
 
@@ -320,7 +328,8 @@ static void test_smollm2(void) {
     fprintf(stderr, "    %d greedy tokens x 3 prompts identical to HF (batched decode, %.1f steps/s)\n",
             SMOL_GEN, (SMOL_GEN - 1) / dt);
     for (int p = 0; p < 3; p++) free(sp[p].seq);
-    free(logits), free(rf.buf);
+    free(logits);
+    ref_free(&rf);
     harness_close(&h);
 }
 
