@@ -57,10 +57,15 @@ Reproduce a table with the command shown above it; regenerate this page with `py
 
 BENCH_PREAMBLE = """# Benchmarks
 
-Serving numbers measured with `lethe bench serve` (tools/bench_serve.c), a streaming OpenAI-API client
-in the style of `vllm bench serve`: TTFT = send to first content chunk, TPOT = (E2EL - TTFT) / (output
-tokens - 1), ITL = gaps between content chunks, E2EL = send to end of response; `ignore_eos` makes
-output lengths exact. Regenerate the tables with `python3 scripts/gen_docs.py`.
+"""
+
+SERVE_HEAD = """## Serving (`lethe bench serve`)
+
+Measured with `lethe bench serve` (tools/bench_serve.c), a streaming OpenAI-API client in the style of
+`vllm bench serve`: TTFT = send to first content chunk, TPOT = (E2EL - TTFT) / (output tokens - 1),
+ITL = gaps between content chunks, E2EL = send to end of response; `ignore_eos` makes output lengths
+exact. The last column is the server's own /metrics mean TTFT over the same run. Rows are generated
+from docs/results/*.json by `python3 scripts/gen_docs.py`.
 
 """
 
@@ -223,6 +228,10 @@ def eval_section(evals, img_dir, img_rel, images, draw):
                    f"{r.get('samples', '?')} sample(s) per task and length, seed {r.get('seed', '?')}, "
                    f"haystack corpus `{r.get('corpus', '?')}`, ppl windows of {r.get('forced_tokens', '?')} forced "
                    f"tokens from `{r.get('ppl_corpus', '?')}`; {r.get('prompt_format', '')}")
+        env = ", ".join(f"{k}={r[k]}" for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if r.get(k))
+        out.append(f"- prefix caching {'on' if r.get('prefix_caching') else 'off'}"
+                   + (f"; ppl documents: {r['ppl_documents']}" if r.get("ppl_documents") else "")
+                   + (f"; environment: {env}" if env else ""))
         if r.get("command"):
             out.append(f"- command: `{r['command']}`")
         out.append("")
@@ -290,8 +299,8 @@ def serve_workload(r):
 
 def serve_section(serves, img_dir, img_rel, images, draw):
     if not serves:
-        return "_No serving results yet: run `lethe bench serve ... --result-json docs/results/NAME.json`._\n"
-    out = ["| date | commit | machine | model | method | knobs | endpoint | workload | rate | conc. | done/failed "
+        return SERVE_HEAD + "_No serving results yet: run `lethe bench serve ... --result-json docs/results/NAME.json`._\n"
+    out = [SERVE_HEAD.rstrip("\n"), "", "| date | commit | machine | model | method | knobs | endpoint | workload | rate | conc. | done/failed "
            "| req/s | out tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) | ITL mean / p99 (ms) | E2EL mean (ms) "
            "| server TTFT mean (ms) |",
            "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -308,8 +317,10 @@ def serve_section(serves, img_dir, img_rel, images, draw):
             f"{fmt(r.get('mean_itl_ms'), 2)} / {fmt(r.get('p99_itl_ms'), 2)}",
             fmt(r.get("mean_e2el_ms"), 1), fmt(sm.get("mean_ttft_ms"), 1)]) + " |")
     out.append("")
-    out.append("Client-side numbers; the last column is the server's own /metrics mean TTFT over the same run "
-               "(— when the server exposes none).")
+    out.append("Client-side numbers except the last column (— when the server exposes no /metrics). Commands:")
+    out.append("")
+    for i, r in enumerate(serves, 1):
+        out.append(f"{i}. {r.get('date', '?')}: `{r.get('command', '?')}`")
     if images:
         if draw:
             plot_serve(serves, os.path.join(img_dir, "serve.png"))

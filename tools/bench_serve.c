@@ -447,6 +447,11 @@ int lethe_bench_serve(int argc, char **argv) {
     char *model = o.model ? lethe_xstrdup(o.model) : discover_model(&o);
     lethe_bs_record *recs = lethe_xcalloc((size_t)o.num_prompts, sizeof(*recs));
     if (!model) goto out;
+    char command[2048] = "lethe";
+    for (int i = 0; i < argc; i++) {
+        size_t cl = strlen(command);
+        snprintf(command + cl, sizeof(command) - cl, " %s", argv[i]);
+    }
     char date[64], commit[64], machine[256]; /* the code and time the run starts with */
     lethe_runinfo_date(date, sizeof(date));
     lethe_runinfo_commit(commit, sizeof(commit));
@@ -477,6 +482,7 @@ int lethe_bench_serve(int argc, char **argv) {
     cJSON_AddStringToObject(j, "date", date);
     cJSON_AddStringToObject(j, "commit", commit);
     cJSON_AddStringToObject(j, "machine", machine);
+    cJSON_AddStringToObject(j, "command", command);
     cJSON_AddStringToObject(j, "base_url", o.base_url);
     cJSON_AddStringToObject(j, "endpoint", o.endpoint);
     cJSON_AddStringToObject(j, "model_id", model);

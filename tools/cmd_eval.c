@@ -265,7 +265,7 @@ int lethe_cmd_eval(int argc, char **argv) {
     ROW("--budgets", NULL, LETHE_OPT_STR, &o.budgets, "LIST", "budgets in tokens for each non-dense method, e.g. 512,1024,2048", 1, 0);
     ROW("--budget-knob", NULL, LETHE_OPT_STR, &o.budget_knob, "KNOB",
         "knob a budget sets: NAME for all, or method:NAME,... per method", 1, 0);
-    ROW("--ppl-windows", NULL, LETHE_OPT_INT, &o.windows, "N", "ppl windows per length (default: --samples)", 0, 100000);
+    ROW("--ppl-windows", NULL, LETHE_OPT_INT, &o.windows, "N", "ppl windows per length, 0 = --samples", 0, 100000);
     ROW("--forced-tokens", NULL, LETHE_OPT_INT, &o.forced_tokens, "T", "teacher-forced tokens scored per ppl window", 1, 65536);
     ROW("--max-batch", NULL, LETHE_OPT_INT, &o.max_batch, "N", "requests in the engine at once", 1, 4096);
     ROW("--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "task / window seed", 1, 0);
