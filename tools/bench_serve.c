@@ -447,7 +447,7 @@ int lethe_bench_serve(int argc, char **argv) {
     char *model = o.model ? lethe_xstrdup(o.model) : discover_model(&o);
     lethe_bs_record *recs = lethe_xcalloc((size_t)o.num_prompts, sizeof(*recs));
     if (!model) goto out;
-    char command[2048] = "lethe";
+    char command[2048] = "lethe bench"; /* argv[0] is "serve" */
     for (int i = 0; i < argc; i++) {
         size_t cl = strlen(command);
         snprintf(command + cl, sizeof(command) - cl, " %s", argv[i]);
