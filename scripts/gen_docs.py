@@ -331,10 +331,10 @@ def serve_section(serves, img_dir, img_rel, images, draw):
 
 def plot_serve(serves, out_png):
     plt = plt_module()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False)
     groups = {}
     for r in serves:
         groups.setdefault((r.get("model_id", "?"), r.get("method", "?"), r.get("knobs", "")), []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6 + 0.3 * len(groups)), squeeze=False)
     for (model, method, knobs), rs in groups.items():
         rs = sorted(rs, key=lambda r: r.get("output_throughput", 0))
         lab = f"{model} {method}" + (f" {knobs}" if knobs else "")
@@ -345,8 +345,9 @@ def plot_serve(serves, out_png):
         ax.set_xlabel("output tokens/s")
         ax.set_title(t)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=1, fontsize=7)
+    fig.tight_layout(rect=(0, 0.06 * len(labels) + 0.02, 1, 1))
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
 
