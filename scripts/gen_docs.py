@@ -237,11 +237,11 @@ def eval_section(evals, img_dir, img_rel, images, draw):
         out.append("")
         tasks_present = [t for t in TASKS if any(x["task"] == t for x in r["rows"])]
         has_ppl = any(x["task"] == "ppl" for x in r["rows"])
-        head = ["method", "knobs", "ctx"] + tasks_present
+        head = ["method", "budget", "knobs", "ctx", "n"] + tasks_present
         if has_ppl:
             head += ["ppl", "KL mean", "KL p99", "top-1"]
         out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
+        out.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|")
         notes = []
         keys = []
         for x in r["rows"]:
@@ -251,7 +251,13 @@ def eval_section(evals, img_dir, img_rel, images, draw):
         for k in keys:
             sel = {x["task"]: x for x in r["rows"]
                    if (x["method"], x.get("budget"), x.get("knobs", ""), x["context_length"]) == k}
-            cells = [k[0], f"`{k[2]}`" if k[2] else "—", str(k[3])]
+            # budget: tokens the budget knob was set to; a method run without one (dense = the
+            # reference, quantization methods have no token budget) says so instead of a number
+            budget = (str(k[1]) if k[1] is not None else "full (reference)" if k[0] == "dense"
+                      else "none (no token budget)")
+            ns = sorted({x.get("n") for x in sel.values() if x.get("n") is not None})
+            cells = [k[0], budget, f"`{k[2]}`" if k[2] else "—", str(k[3]),
+                     "/".join(str(n) for n in ns) if ns else "—"]
             for t in tasks_present:
                 x = sel.get(t)
                 c = fmt(x.get("score"), 2) if x else "—"
@@ -268,7 +274,7 @@ def eval_section(evals, img_dir, img_rel, images, draw):
                 cells += [c, fmt(x.get("kl_mean"), 4), fmt(x.get("kl_p99"), 4), fmt(x.get("top1_agree"), 3)]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
-        out.append("Scores are the mean over samples of the fraction of expected answers found (1.00 = every "
+        out.append("n = samples per task (ppl: windows). Scores are the mean over samples of the fraction of expected answers found (1.00 = every "
                    "sample exact). KL and top-1 compare each method with dense on the same teacher-forced "
                    "tokens (— for dense, the reference).")
         if notes:

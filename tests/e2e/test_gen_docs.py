@@ -87,8 +87,8 @@ def test_regenerates_between_markers_only(tmp_path):
     q = (docs / "quality.md").read_text()
     assert q.startswith("# Quality") and "<!-- gen:begin quality -->" in q
     assert "`abc123def456`" in q and "2025-01-02T03:04:05Z" in q and "SmolLM2-135M-Instruct.Q4_1.gguf" in q
-    assert "| snapkv | `decode_keep_tokens=512` | 2048 |" in q
-    assert "| dense | — | 4096 |" in q
+    assert "| snapkv | 512 | `decode_keep_tokens=512` | 2048 | 2 |" in q
+    assert "| dense | full (reference) | — | 4096 | 2 |" in q
     assert "exceeds the model's max_model_len 2048" in q  # the reason is kept, the row is not dropped
     assert "0.00 [1]" in q
     for png in ("img/quality-eval-a.png", "img/serve.png"):
@@ -115,6 +115,21 @@ def test_appends_markers_when_missing(tmp_path):
     q = (docs / "quality.md").read_text()
     assert q.startswith("# Quality\n\nOnly prose here.\n")
     assert q.count("<!-- gen:begin quality -->") == 1 and q.rstrip().endswith("<!-- gen:end quality -->")
+
+
+def test_method_without_budget_says_so(tmp_path):
+    """A quantization method run without a token budget is labelled as such, not given a number."""
+    r = eval_result(methods=("dense",))
+    for L in (2048, 4096):
+        r["rows"].append({"method": "kivi", "budget": None, "knobs": "", "context_length": L, "task": "ppl",
+                          "n": 1, "ppl": 9.7, "kl_mean": 0.002, "kl_p99": 0.02, "top1_agree": 0.99})
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    (docs / "results" / "q.json").write_text(json.dumps(r))
+    assert run("--results", str(docs / "results"), "--docs", str(docs), "--no-plots").returncode == 0
+    q = (docs / "quality.md").read_text()
+    assert "| kivi | none (no token budget) | — | 2048 | 1 |" in q
+    assert "| dense | full (reference) | — | 2048 | 2 |" in q
 
 
 def test_plot_eval_dense_only_and_budgets(tmp_path):
