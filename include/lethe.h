@@ -129,6 +129,11 @@ typedef struct lethe_engine_params {
      * on history (dense, logical selection) and the Chain Cache for the
      * others (eviction); radix with an eviction method is an error. */
     const char *prefix_cache_mode;
+    /* tokenizer.json / tokenizer_config.json folder (or a file inside it, or a
+     * GGUF) to use instead of the one beside the model; NULL = beside the
+     * model. Lets dummy weights (config.json) serve text: e.g. the Llama-3
+     * tokenizer with the dummy Llama-3.1-8B shape. */
+    const char *tokenizer;
 } lethe_engine_params;
 
 void lethe_engine_default_params(lethe_engine_params *p);

@@ -2,8 +2,10 @@
 """gen_docs.py - regenerates the measured parts of docs/quality.md and docs/benchmarks.md.
 
 Result files live in docs/results/*.json: `lethe eval --result-json` files
-(schema lethe-eval/1) and `lethe bench serve --result-json` files (schema
-lethe-bench-serve/1). From them this script writes tables and PNG plots
+(schema lethe-eval/1), `lethe bench serve --result-json` files (schema
+lethe-bench-serve/1), `lethe bench sparse --json` files (lethe-bench-sparse/1)
+and `lethe bench replay --result-json` files (lethe-bench-replay/1, table
+written by scripts/replay_table.py's section()). From them this script writes tables and PNG plots
 (docs/img/) into the docs, but only between marker lines
 
     <!-- gen:begin NAME -->
@@ -14,7 +16,7 @@ so hand-written text around them (and sections other helpers own) stays as
 it is. A doc without the markers gets them appended at its end; a missing
 doc is created with a short hand-written preamble that may then be edited.
 
-    python3 scripts/gen_docs.py                 regenerate (sections "quality", "serve")
+    python3 scripts/gen_docs.py                 regenerate (sections "quality", "serve", "sparse", "replay")
     python3 scripts/gen_docs.py --check         exit 1 if the docs are out of date
     python3 scripts/gen_docs.py plot-eval R.json OUT.png    plot one eval result
     python3 scripts/gen_docs.py plot-serve R.json [R.json...] OUT.png
@@ -73,7 +75,7 @@ from docs/results/*.json by `python3 scripts/gen_docs.py`.
 # ---- helpers ------------------------------------------------------------------------------
 
 def load_results(results_dir):
-    evals, serves = [], []
+    evals, serves, sparse, replays = [], [], [], []
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         with open(path) as f:
             try:
@@ -86,8 +88,13 @@ def load_results(results_dir):
             evals.append(r)
         elif schema.startswith("lethe-bench-serve/"):
             serves.append(r)
+        elif schema.startswith("lethe-bench-sparse/"):
+            sparse.append(r)
+        elif schema.startswith("lethe-bench-replay/"):
+            replays.append(r)
     key = lambda r: (r.get("date", ""), r["_file"])
-    return sorted(evals, key=key), sorted(serves, key=key)
+    # the replay table keeps its file-name order (scripts/replay_table.py)
+    return sorted(evals, key=key), sorted(serves, key=key), sorted(sparse, key=key), replays
 
 
 def fmt(v, nd=3):
@@ -358,6 +365,117 @@ def plot_serve(serves, out_png):
     plt.close(fig)
 
 
+# ---- sparse (lethe bench sparse) ----------------------------------------------------------
+
+SPARSE_HEAD = """## Sparse methods vs dense (`lethe bench sparse`)
+
+`lethe bench sparse` (tools/bench_sparse.c) measures what a sparse method buys in decode throughput.
+Every method gets the same total budget T tokens per layer: sink 64 + recent 512 + `decode_keep_tokens`
+T - 576 (SnapKV keeps that many slots per layer after the prompt, Quest reads that many tokens as
+16-token pages, OmniKV's sparse layers read that many). Prefix caching is off; prompts are random
+tokens, identical for every method; outputs are greedy with `ignore_eos`.
+
+**Largest batch (eviction method vs dense).** Prefilling the hundreds of long prompts such a batch
+holds does not fit a short GPU call, so this part has two halves, both in one engine:
+
+1. a real engine run (lethe_engine C API, the method on the device) of N = max(1, 131072 / L)
+   requests at input length L: prefill time (submit until every request has its first token) and
+   the slots each layer keeps after compaction (read from the KV pool when the first token is
+   published, i.e. after the method compacted the prompt), plus the engine's own decode tokens/s
+   at that small batch;
+2. the largest batch from the engine's own capacity planning: the KV pool has S slots per layer
+   (sized by the engine from `--gpu-memory-utilization`); a request needs P = the method's
+   `max_resident(L, L + O)` while it prefills (SnapKV: the whole prompt) and R + O afterwards (R =
+   most slots any layer kept in half 1, O = planned output tokens). Method batch
+   B = min(max_num_seqs, 1 + floor((S - P) / (R + O))) (the last request prefills while the others
+   hold R + O); dense batch = min(max_num_seqs, floor(S / (L + O))). At each batch it times decode
+   steps over synthetic resident KV of exactly that size inside the engine's own KV buffers (every
+   layer reads R, resp. L, contiguous slots per sequence; window centred on context R + O/2, resp.
+   L + O/2; median step after 2 warm-up steps; `lethe_model_forward_uniform`, CUDA graphs up to
+   batch 256, logits of every sequence copied to the host as the engine's sampler needs).
+
+This is steady-state decode at full residency (as the anchor's continuous-decode window), not a
+measurement of admitting the whole batch through the scheduler.
+
+**Matched batch (selection methods vs dense).** Real engine runs, one engine per method, the same B
+prompts of L tokens: decode tokens/s = tokens produced in steps while every request was decoding
+(all had their first token, none had finished) / the time of those steps.
+
+"""
+
+
+def sparse_section(results):
+    if not results:
+        return SPARSE_HEAD + "_No results yet: run `lethe bench sparse ... --json docs/results/NAME.json`._\n"
+    out = [SPARSE_HEAD.rstrip("\n"), ""]
+    for r in results:
+        dev = r.get("device", "?")
+        where = r.get("gpu") or r.get("machine", "?")
+        mem = (f"`--gpu-memory-utilization {r.get('gpu_memory_utilization')}`" if dev == "cuda"
+               else f"KV budget {r.get('kv_cache_bytes', 0) / 2**20:.0f} MiB")
+        out.append(f"**{r['_file']}**: commit `{r.get('commit', '?')}`, {r.get('date', '?')}, {where}; "
+                   f"model `{r.get('model', '?')}` ({r.get('load_format', '?')} weights), device {dev}, {mem}, "
+                   f"budget T = {r.get('budget')}, max_num_seqs {r.get('max_num_seqs')}, prefill chunk "
+                   f"{r.get('max_num_batched_tokens')} tokens, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}.")
+        out.append("")
+        cap = r.get("capacity")
+        if cap:
+            m = cap.get("method", "?")
+            out.append(f"Largest batch: `{m}` (`{cap.get('knobs', '')}`) vs dense; KV pool "
+                       f"{cap.get('pool_slots_per_layer', '?')} slots per layer "
+                       f"({cap.get('kv_bytes_per_token', 0) * cap.get('pool_slots_per_layer', 0) / 2**30:.1f} GiB), "
+                       f"planned output O = {cap.get('output_tokens')} tokens."
+                       + (f" Error: {cap['error']}" if cap.get("error") else ""))
+            out.append("")
+            out.append(f"| input L | engine run: requests, prefill s | resident after compaction min / mean / max "
+                       f"| R used | P | {m} batch (pool limit) | {m} step ms | {m} tok/s | dense batch (pool limit) "
+                       f"| dense step ms | dense tok/s | tok/s ratio |")
+            out.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for p in cap.get("points", []):
+                er = p.get("engine_run", {})
+                res = p.get("resident_after_compaction")
+                a = p.get("arithmetic", {})
+                md, dd = p.get("method_decode", {}), p.get("dense_decode", {})
+                run = f"{er.get('requests')}, {fmt(er.get('prefill_s'), 2)}" + (" (failed)" if er.get("error") else "")
+                rs = f"{res['min']} / {res['mean']:.0f} / {res['max']}" if res else "not measured"
+                r_used = f"{a.get('resident_R')}" + ("" if res else " (budget)")
+                out.append("| " + " | ".join([
+                    str(p.get("input")), run, rs, r_used, str(a.get("prefill_peak_P")),
+                    f"{a.get('method_batch')} ({a.get('method_batch_pool_limit')})", fmt(md.get("step_ms"), 2),
+                    fmt(md.get("tok_s"), 0), f"{a.get('dense_batch')} ({a.get('dense_batch_pool_limit')})",
+                    fmt(dd.get("step_ms"), 2), fmt(dd.get("tok_s"), 0),
+                    (fmt(p.get("tok_s_ratio"), 2) + "x") if p.get("tok_s_ratio") is not None else "—"]) + " |")
+            errs = [f"L={p.get('input')}: {p['engine_run']['error']}" for p in cap.get("points", [])
+                    if p.get("engine_run", {}).get("error")]
+            if errs:
+                out.append("")
+                out.append("Engine-run errors (R then falls back to the budget): " + "; ".join(errs))
+            out.append("")
+        mt = r.get("matched")
+        if mt:
+            out.append(f"Matched batch: {mt.get('batch')} requests x {mt.get('input')} input tokens, max_tokens "
+                       f"{mt.get('max_tokens')}.")
+            out.append("")
+            out.append("| method | knobs | prefill s | prefill tok/s | decode tok/s | full-batch steps | preemptions "
+                       "| vs dense |")
+            out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+            for x in mt.get("methods", []):
+                if x.get("error") and x.get("decode_tok_s") is None:
+                    out.append(f"| {x.get('method')} | `{x.get('knobs') or '—'}` | failed: {x['error'][:120]} "
+                               "| | | | | |")
+                    continue
+                vs = x.get("decode_vs_dense")
+                out.append("| " + " | ".join([
+                    x.get("method", "?"), f"`{x['knobs']}`" if x.get("knobs") else "—", fmt(x.get("prefill_s"), 2),
+                    fmt(x.get("prefill_tok_s"), 0), fmt(x.get("decode_tok_s"), 1), str(x.get("decode_window_steps")),
+                    str(x.get("preemptions")), (fmt(vs, 2) + "x") if vs is not None else "—"]) +
+                    (" (failed: " + x["error"][:80] + ")" if x.get("error") else "") + " |")
+            out.append("")
+        out.append(f"Command: `{r.get('command', '?')}`")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 # ---- main ---------------------------------------------------------------------------------
 
 def main(argv):
@@ -379,7 +497,7 @@ def main(argv):
     ap.add_argument("--check", action="store_true", help="exit 1 if the docs' tables are out of date")
     ap.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
     a = ap.parse_args(argv)
-    evals, serves = load_results(a.results)
+    evals, serves, sparse, replays = load_results(a.results)
     img_dir = os.path.join(a.docs, "img")
     images = not a.no_plots
     draw = images and not a.check  # --check compares text only; the image lines stay
@@ -389,8 +507,15 @@ def main(argv):
     ss = serve_section(serves, img_dir, "img", images, draw)
     changed = update_doc(os.path.join(a.docs, "quality.md"), QUALITY_PREAMBLE, [("quality", qs)], a.check,
                          bool(evals))
-    changed |= update_doc(os.path.join(a.docs, "benchmarks.md"), BENCH_PREAMBLE, [("serve", ss)], a.check,
-                          bool(serves))
+    bench_sections = [("serve", ss)]
+    if sparse:
+        bench_sections.append(("sparse", sparse_section(sparse)))
+    if replays:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import replay_table
+        bench_sections.append(("replay", replay_table.section(replays)))
+    changed |= update_doc(os.path.join(a.docs, "benchmarks.md"), BENCH_PREAMBLE, bench_sections, a.check,
+                          bool(serves or sparse or replays))
     if a.check and changed:
         print("gen_docs: docs/quality.md or docs/benchmarks.md is out of date; run python3 scripts/gen_docs.py",
               file=sys.stderr)

@@ -3,7 +3,20 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,peer,plot (default: all).
+# table last. PHASES: any of build,test,bench,peer,plot,sparse,replay
+# (default: build,test,bench,peer,plot; sparse and replay only when named).
+#
+#   sparse  `lethe bench sparse` (issue #5): SnapKV 2K largest batch + decode
+#           tok/s vs dense at 32K and 128K, Quest / OmniKV vs dense at batch
+#           8 x 32K. ~3-4 min of GPU time. SPARSE_ARGS adds/overrides flags
+#           (e.g. "--matched-input 16384" to halve the matched part).
+#           -> $OUT/sparse.json (copy to docs/results/, run gen_docs.py)
+#   replay  `lethe bench replay` (issue #7) against `lethe serve --device cuda`
+#           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
+#           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
+#           dense-radix, snapkv-nocache, snapkv-chain on one generated trace
+#           (8 agents x 6 turns, tool outputs 500-2000 words, concurrency 8).
+#           ~3 min. REPLAY_ARGS adds/overrides flags. -> $OUT/replay.json
 #
 # Libraries lethe links that the GPU image may lack (cJSON, PCRE2, ICU,
 # libmicrohttpd, libcurl) are taken from Debian .debs carried in .deb/
@@ -70,6 +83,39 @@ if has peer; then
         --lethe-json "$OUT/bench.json" --json "$OUT/peer.json" 2>&1 | tee "$OUT/peer.log"
     log "peer: ($(( $(date +%s) - t0 ))s)"
 fi
+# the GPU's name into a result file (gen_docs.py shows it as the machine)
+add_gpu() {
+    [ -f "$1" ] && python3 - "$1" "$(sed -n 2p "$OUT/gpu.txt")" <<'EOF2'
+import json, sys
+r = json.load(open(sys.argv[1]))
+r["gpu"] = sys.argv[2]
+json.dump(r, open(sys.argv[1], "w"), indent=1)
+EOF2
+}
+if has sparse; then
+    t0=$(date +%s)
+    ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+        --budget 2048 --capacity-method snapkv --capacity-inputs 32768,131072 --capacity-output 256 \
+        --engine-tokens 131072 --matched-methods quest,omnikv --matched-batch 8 --matched-input 32768 \
+        --matched-output 64 ${SPARSE_ARGS:-} --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.log"
+    add_gpu "$OUT/sparse.json"
+    log "sparse: ($(( $(date +%s) - t0 ))s)"
+fi
+if has replay; then
+    t0=$(date +%s)
+    tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
+    [ -f "$tok/tokenizer.json" ] || echo "replay: no $tok/tokenizer.json (carry .deb with tokenizers/llama3)"
+    ./build/lethe bench replay --generate --agents 8 --min-turns 6 --max-turns 6 --system-tokens 1000 \
+        --task-tokens 500 --tool-min 500 --tool-max 2000 --out-min 20 --out-max 60 --max-wait 1 \
+        --max-context 30000 --seed 42 --concurrency 8 --model configs/llama-3.1-8b-instruct/config.json \
+        --configs dense-radix,snapkv-nocache,snapkv-chain \
+        --sparse-config sink_keep_tokens=64,recent_keep_tokens=512,decode_keep_tokens=1472 \
+        --serve-args "--load-format dummy --device cuda --tokenizer $tok --max-model-len 32768" \
+        ${REPLAY_ARGS:-} --result-json "$OUT/replay.json" 2>&1 | tee "$OUT/replay.log"
+    cp /tmp/lethe-replay-*.log "$OUT/" 2>/dev/null
+    add_gpu "$OUT/replay.json"
+    log "replay: ($(( $(date +%s) - t0 ))s)"
+fi
 if has plot; then
     python3 scripts/plot_bench.py "$OUT/bench.json" "$OUT/bench.png" >>"$OUT/summary.txt" 2>&1
 fi
@@ -78,3 +124,6 @@ cat "$OUT/summary.txt"
 grep -A12 "^ batch" "$OUT/bench.log" 2>/dev/null | head -14
 grep -A10 "decode attention alone" "$OUT/bench.log" 2>/dev/null
 grep -A20 "^== side by side" "$OUT/peer.log" 2>/dev/null
+grep -B1 -A4 "^   input |" "$OUT/sparse.log" 2>/dev/null
+grep -A5 "^matched batch" "$OUT/sparse.log" 2>/dev/null
+grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null

@@ -10,7 +10,8 @@ Reads every docs/results/*.json with schema lethe-bench-replay/1 (written by
 in docs/benchmarks.md (appending the markers if they are missing). Each
 result file's conditions (commit, date, machine, model, trace sizes,
 concurrency, sparse knobs) head its rows; speedups are end-to-end time
-relative to the file's dense-radix row (or its first row).
+relative to the file's dense-radix row (or its first row). scripts/gen_docs.py
+writes the same section (it imports section() from here).
 
     python3 scripts/replay_table.py            regenerate
     python3 scripts/replay_table.py --check    exit 1 if the table is out of date
@@ -71,7 +72,7 @@ def main(argv):
     doc = os.path.join(ROOT, "docs", "benchmarks.md")
     old = open(doc).read() if os.path.exists(doc) else "# Benchmarks\n"
     begin, end = "<!-- gen:begin replay -->", "<!-- gen:end replay -->"
-    block = f"{begin}\n{section(results)}\n{end}"
+    block = f"{begin}\n{section(results).rstrip()}\n{end}"  # as gen_docs.py writes it
     pat = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     new = pat.sub(lambda m: block, old, count=1) if pat.search(old) else old.rstrip("\n") + "\n\n" + block + "\n"
     if new == old:

@@ -12,5 +12,6 @@ int lethe_cmd_methods(int argc, char **argv);  /* cmd_methods.c: list sparse met
 int lethe_bench_engine(int argc, char **argv); /* bench_engine.c: offline throughput vs roofline */
 int lethe_bench_serve(int argc, char **argv);  /* bench_serve.c: HTTP client, vllm bench serve style */
 int lethe_bench_replay(int argc, char **argv); /* bench_replay.c: agent-trace replay */
+int lethe_bench_sparse(int argc, char **argv); /* bench_sparse.c: sparse methods vs dense decode throughput */
 
 #endif /* LETHE_TOOLS_COMMANDS_H */

@@ -181,6 +181,9 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     int n = 0;
     ROW("--model", "-m", LETHE_OPT_STR, &p->model, "PATH",
         "model: .gguf file, HF folder, or config.json with --load-format dummy", 1, 0);
+    ROW("--tokenizer", NULL, LETHE_OPT_STR, &p->tokenizer, "PATH",
+        "tokenizer instead of the model's own: a folder with tokenizer.json (+ tokenizer_config.json) "
+        "or a .gguf (e.g. for dummy weights)", 1, 0);
     ROW("--load-format", NULL, LETHE_OPT_STR, &p->load_format, "FMT",
         "auto | gguf | hf | dummy (seeded random weights at real shapes)", 1, 0);
     ROW("--device", NULL, LETHE_OPT_STR, &p->device, "DEV", "cpu | cuda", 1, 0);

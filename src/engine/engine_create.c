@@ -31,9 +31,10 @@ int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out) {
         return st;
     }
     lethe_tokenizer *tok = NULL;
-    st = lethe_tokenizer_load(p->model, &tok);
+    const bool own_tok = p->tokenizer && p->tokenizer[0];
+    st = lethe_tokenizer_load(own_tok ? p->tokenizer : p->model, &tok);
     if (st != LETHE_OK) {
-        if (st == LETHE_ERR_NOT_FOUND) { /* no tokenizer beside the weights: token ids only */
+        if (st == LETHE_ERR_NOT_FOUND && !own_tok) { /* no tokenizer beside the weights: token ids only */
             LOG_INFO("%s", lethe_last_error());
             tok = NULL;
         } else {

@@ -66,3 +66,8 @@ lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_run
     out->destroy = mr_destroy;
     return LETHE_OK;
 }
+
+lethe_model *lethe_runner_model_of(const lethe_runner *r) {
+    if (!r || !r->ctx || !r->kind || strcmp(r->kind, "model") != 0) return NULL;
+    return &((model_runner *)r->ctx)->model;
+}

@@ -38,6 +38,9 @@ typedef struct lethe_runner {
 
 /* Real model (the runner takes ownership of model and backend). */
 lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_runner *out);
+/* The model inside a real runner (NULL for the fake runner): for tools that
+ * run their own steps over the engine's KV buffers (lethe bench sparse). */
+lethe_model *lethe_runner_model_of(const lethe_runner *r);
 
 typedef struct lethe_fake_params {
     int32_t n_layers;       /* default 2 */

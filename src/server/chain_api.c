@@ -20,7 +20,9 @@
 #include "core/util.h"
 #include "server/chain_api.h"
 
-#define MARK "\x1flethe-chain-boundary\x1f"
+/* no whitespace at either end: Llama-3 trims message content (Python str.strip()
+ * also strips \x1c-\x1f, so control-character brackets would vanish) */
+#define MARK "[lethe-chain-boundary-3f9c]"
 
 static cJSON *field(const cJSON *root, const char *name) {
     cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);

@@ -239,3 +239,34 @@ def test_snapkv_chain_and_replay():
     assert res["snapkv-chain"]["chains_created"] == 2 and res["snapkv-chain"]["chains_resumed"] == 4
     assert res["snapkv-chain"]["computed_prompt_tokens"] < res["snapkv-nocache"]["computed_prompt_tokens"]
     assert res["snapkv-chain"]["server_prefill_tokens_computed"] == res["snapkv-chain"]["computed_prompt_tokens"]
+
+
+LLAMA3_TOK = next((d for d in (os.path.join(ROOT, "..", "shared", "data", "tokenizers", "llama3"),
+                               "/work/shared/data/tokenizers/llama3") if os.path.exists(os.path.join(d, "tokenizer.json"))),
+                  None)
+
+
+@pytest.mark.skipif(LLAMA3_TOK is None, reason="Llama-3 tokenizer (../shared/data/tokenizers/llama3) not present")
+def test_replay_dummy_weights_llama3_template(tmp_path):
+    """The GPU replay setup in small: dummy llama weights served with text through --tokenizer (Llama-3
+    tokenizer and chat template, which trims message content), SnapKV chains append turns."""
+    import subprocess
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
+           "vocab_size": 128256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "bos_token_id": 128000, "eos_token_id": 128009, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "replay.json"
+    p = subprocess.run([BIN, "bench", "replay", "--generate", "--agents", "2", "--min-turns", "3", "--max-turns", "3",
+                        "--system-tokens", "40", "--task-tokens", "30", "--tool-min", "20", "--tool-max", "40",
+                        "--out-min", "3", "--out-max", "5", "--wait-scale", "0", "--model", str(tmp_path / "config.json"),
+                        "--configs", "dense-radix,snapkv-chain", "--port", "18779",
+                        "--sparse-config", "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=32",
+                        "--serve-args", f"--load-format dummy --threads 2 --tokenizer {LLAMA3_TOK} --max-model-len 2048",
+                        "--result-json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    for r in res.values():
+        assert r["turns_ok"] == r["turns"] == 6 and "first_error" not in r
+        assert r["prompt_tokens"] == res["dense-radix"]["prompt_tokens"]
+    assert res["snapkv-chain"]["chains_created"] == 2 and res["snapkv-chain"]["chains_resumed"] == 4
