@@ -378,8 +378,8 @@ tokens, identical for every method; outputs are greedy with `ignore_eos`.
 **Largest batch (eviction method vs dense).** Prefilling the hundreds of long prompts such a batch
 holds does not fit a short GPU call, so this part has two halves, both in one engine:
 
-1. a real engine run (lethe_engine C API, the method on the device) of N = max(1, 131072 / L)
-   requests at input length L: prefill time (submit until every request has its first token) and
+1. a real engine run (lethe_engine C API, the method on the device) of N = max(1, E / L) requests
+   at input length L (E = `--engine-tokens`, see the command): prefill time (submit until every request has its first token) and
    the slots each layer keeps after compaction (read from the KV pool when the first token is
    published, i.e. after the method compacted the prompt), plus the engine's own decode tokens/s
    at that small batch;
@@ -388,7 +388,8 @@ holds does not fit a short GPU call, so this part has two halves, both in one en
    `max_resident(L, L + O)` while it prefills (SnapKV: the whole prompt) and R + O afterwards (R =
    most slots any layer kept in half 1, O = planned output tokens). Method batch
    B = min(max_num_seqs, 1 + floor((S - P) / (R + O))) (the last request prefills while the others
-   hold R + O); dense batch = min(max_num_seqs, floor(S / (L + O))). At each batch it times decode
+   hold R + O); dense batch = min(max_num_seqs, floor(S / (L + O))) with the same S (the engine sizes
+   the pool from the same memory budget and per-token bytes for every method). At each batch it times decode
    steps over synthetic resident KV of exactly that size inside the engine's own KV buffers (every
    layer reads R, resp. L, contiguous slots per sequence; window centred on context R + O/2, resp.
    L + O/2; median step after 2 warm-up steps; `lethe_model_forward_uniform`, CUDA graphs up to
