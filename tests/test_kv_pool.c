@@ -61,7 +61,8 @@ static void test_allocator(void) {
     for (int i = 0; i < 100; i++) lethe_kv_row_release(pool, rows[i]);
     check_ok(pool);
     lethe_kv_pool_destroy(pool);
-    CHECK_EQ_INT(lethe_kv_token_bytes(30, 3, 64, 4), 30 * 2 * 3 * 64 * 4);
+    CHECK_EQ_INT(lethe_kv_token_bytes(30, 3, 64, 4, LETHE_KV_NATIVE), 30 * 2 * 3 * 64 * 4);
+    CHECK_EQ_INT(lethe_kv_token_bytes(30, 3, 64, 4, LETHE_KV_FP8_E4M3), 30 * 2 * 3 * (64 + 4));
 }
 
 static void test_keep_shared(void) {

@@ -34,6 +34,24 @@
 
 typedef struct lethe_backend lethe_backend;
 
+/* ---- quantized KV storage (issue #5: KV quantization methods) ----
+ * A KV layer is stored in one of these formats (the pool's, chosen by the
+ * sparse method; src/kv/kv_pool.h). NATIVE: k_cache / v_cache hold the
+ * backend's kv type (ops->kv_size bytes per element: f32 CPU, bf16 CUDA).
+ *   FP8_E4M3  k_cache / v_cache: uint8 E4M3 codes [n_slots, n_kv_heads, head_dim]
+ *             (src/sparse/quant.h), plus k_scale / v_scale: f32
+ *             [n_slots, n_kv_heads] (amax / 448 of that token's head vector;
+ *             x^ = e4m3(code) * scale). Backend memory, like the caches. */
+typedef enum lethe_kv_format {
+    LETHE_KV_NATIVE = 0,
+    LETHE_KV_FP8_E4M3 = 1,
+} lethe_kv_format;
+
+typedef struct lethe_kv_quant {
+    lethe_kv_format format;
+    void *k_scale, *v_scale;     /* FP8_E4M3: f32 [n_slots, n_kv_heads] backend memory */
+} lethe_kv_quant;
+
 /* What one layer's attention reads, for every sequence of the step.
  *
  * For sequence s the query tokens are batch rows [q_begin[s], q_begin[s+1]) and
@@ -60,6 +78,11 @@ typedef struct lethe_attn_args {
      * [n_heads, n_tokens, score_stride]; entries past the causal limit = -INF. */
     float *scores;
     int32_t score_stride;
+    /* ---- quantized KV (kvquant): NULL or format NATIVE = k_cache / v_cache
+     * hold the backend's kv type; otherwise they hold that format's codes and
+     * kvq its side arrays. Read by attention_quant.{c,cu}; no score output
+     * (scores must be NULL) with a quantized format. ---- */
+    const lethe_kv_quant *kvq;
 } lethe_attn_args;
 
 typedef struct lethe_backend_ops {
@@ -128,6 +151,14 @@ typedef struct lethe_backend_ops {
      * bf16 (CPU: f32) GEMM rate in FLOP/s on random data. */
     lethe_status (*measure_peaks)(lethe_backend *be, double *copy_bytes_per_s,
                                   double *gemm_flops_per_s);
+
+    /* ---- quantized KV (kvquant) ----
+     * kv_store into a quantized layer (kvq->format != NATIVE): quantizes the
+     * new k/v [n, n_kv_heads, head_dim] (activations) per token and KV head
+     * and writes codes + scales of cache rows slots[n] (host). */
+    void (*kv_store_quant)(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
+                           void *v_cache, const void *k, const void *v, const int32_t *slots,
+                           int32_t n, int32_t n_kv_heads, int32_t head_dim);
 } lethe_backend_ops;
 
 struct lethe_backend {

@@ -66,7 +66,9 @@ static const char *base_name(const char *path) {
 static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     const lethe_model_config *c = &e->runner.cfg;
     size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
-    size_t tok_bytes = lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size);
+    /* real bytes per token of the method's storage format (quantized KV: more slots) */
+    size_t tok_bytes = lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size,
+                                            lethe_sparse_kv_format(e->method));
     size_t budget;
     bool cuda = e->runner.be && e->runner.be->ops->free_memory && e->runner.be->ops->free_memory(e->runner.be) > 0;
     if (cuda) {
@@ -169,7 +171,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
         .n_slots = n_slots, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
         .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
-        .be = e->runner.be,
+        .be = e->runner.be, .format = lethe_sparse_kv_format(e->method),
     };
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
@@ -195,8 +197,9 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->table = lethe_xcalloc(e->n_buckets, sizeof(*e->table));
     e->stats.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool);
     eng_publish_stats(e);
-    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows), max_model_len %d, method %s%s",
-             e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared", e->max_model_len,
+    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s",
+             e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
+             lethe_kv_format_name(pp.format), e->max_model_len,
              ops->name, e->radix ? ", prefix cache on" : "");
     *out = e;
     return LETHE_OK;

@@ -85,6 +85,7 @@ static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const
     out->sel_slots = e->sel;
     out->scores = NULL;
     out->score_stride = 0;
+    out->kvq = lethe_kv_quant_of(e->pool, layer);
     if (m->ops->needs_scores && m->ops->needs_scores(m, layer)) {
         size_t need = (size_t)e->runner.cfg.n_heads * (size_t)b->n_tokens * (size_t)max_sel;
         if (need > e->cap_scores) {

@@ -27,6 +27,7 @@ struct lethe_kv_pool {
     int32_t n_spaces;
     kv_space *spaces;    /* [n_spaces] */
     void **k, **v;       /* [n_layers] backend buffers (NULL without a backend) */
+    lethe_kv_quant *q;   /* [n_layers] quantized side arrays (format != NATIVE), else NULL */
     /* rows: tabs[row * n_spaces + sp] */
     kv_rowtab *tabs;
     bool *row_used;      /* [max_rows] */

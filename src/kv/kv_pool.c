@@ -16,9 +16,28 @@
 
 #include "core/util.h"
 
+/* bytes of one slot of one layer's K (or V) buffer, and of its scale array */
+static size_t code_bytes(int32_t n_kv_heads, int32_t head_dim, size_t kv_elem_size,
+                         lethe_kv_format f) {
+    size_t n = (size_t)n_kv_heads * (size_t)head_dim;
+    return f == LETHE_KV_FP8_E4M3 ? n : n * kv_elem_size;
+}
+static size_t side_bytes(int32_t n_kv_heads, lethe_kv_format f) {
+    return f == LETHE_KV_FP8_E4M3 ? (size_t)n_kv_heads * sizeof(float) : 0;
+}
+
 size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
-                            size_t kv_elem_size) {
-    return (size_t)n_layers * 2u * (size_t)n_kv_heads * (size_t)head_dim * kv_elem_size;
+                            size_t kv_elem_size, lethe_kv_format format) {
+    return (size_t)n_layers * 2u *
+           (code_bytes(n_kv_heads, head_dim, kv_elem_size, format) + side_bytes(n_kv_heads, format));
+}
+
+const char *lethe_kv_format_name(lethe_kv_format f) {
+    switch (f) {
+    case LETHE_KV_NATIVE: return "native";
+    case LETHE_KV_FP8_E4M3: return "fp8_e4m3";
+    }
+    return "?";
 }
 
 lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool **out) {
@@ -30,6 +49,11 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         return lethe_errorf(LETHE_ERR_CAPACITY, "kv pool: no KV slots fit the memory budget");
     if (p->page_meta_floats < 0)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: page_meta_floats < 0");
+    if (p->format != LETHE_KV_NATIVE && p->format != LETHE_KV_FP8_E4M3)
+        return lethe_errorf(LETHE_ERR_INVALID, "kv pool: unknown KV format %d", (int)p->format);
+    if (p->format != LETHE_KV_NATIVE && p->be && !p->be->ops->kv_store_quant)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "kv pool: the %s backend has no %s KV",
+                            p->be->ops->name, lethe_kv_format_name(p->format));
     lethe_kv_pool *pool = lethe_xcalloc(1, sizeof(*pool));
     pool->p = *p;
     pool->n_spaces = p->per_layer ? p->n_layers : 1;
@@ -47,12 +71,19 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
     }
     pool->k = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
     pool->v = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
+    if (p->be && p->format != LETHE_KV_NATIVE)
+        pool->q = lethe_xcalloc((size_t)p->n_layers, sizeof(lethe_kv_quant));
     if (p->be) {
-        size_t bytes = (size_t)p->n_slots * (size_t)p->n_kv_heads * (size_t)p->head_dim *
-                       p->be->ops->kv_size;
+        size_t bytes = (size_t)p->n_slots * code_bytes(p->n_kv_heads, p->head_dim, p->be->ops->kv_size, p->format);
+        size_t side = (size_t)p->n_slots * side_bytes(p->n_kv_heads, p->format);
         for (int32_t l = 0; l < p->n_layers; l++) {
             lethe_status st = p->be->ops->alloc(p->be, bytes, &pool->k[l]);
             if (st == LETHE_OK) st = p->be->ops->alloc(p->be, bytes, &pool->v[l]);
+            if (st == LETHE_OK && pool->q) {
+                pool->q[l].format = p->format;
+                st = p->be->ops->alloc(p->be, side, &pool->q[l].k_scale);
+                if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].v_scale);
+            }
             if (st != LETHE_OK) {
                 char why[256];
                 snprintf(why, sizeof(why), "%s", lethe_last_error());
@@ -79,8 +110,11 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
         for (int32_t l = 0; l < pool->p.n_layers; l++) {
             if (pool->k && pool->k[l]) pool->p.be->ops->release(pool->p.be, pool->k[l]);
             if (pool->v && pool->v[l]) pool->p.be->ops->release(pool->p.be, pool->v[l]);
+            if (pool->q && pool->q[l].k_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].k_scale);
+            if (pool->q && pool->q[l].v_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].v_scale);
         }
     }
+    free(pool->q);
     free(pool->k);
     free(pool->v);
     for (int32_t s = 0; s < pool->n_spaces && pool->spaces; s++) {
@@ -129,6 +163,13 @@ void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer) {
 void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer) {
     LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
     return pool->v[layer];
+}
+
+lethe_kv_format lethe_kv_format_of(const lethe_kv_pool *pool) { return pool->p.format; }
+
+const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer) {
+    LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
+    return pool->q ? &pool->q[layer] : NULL;
 }
 
 /* ---- slot references ---- */

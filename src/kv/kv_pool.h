@@ -26,7 +26,16 @@
  * pages): page_meta_floats floats per page per row per slot space, host
  * memory; "valid_pages" says how many leading pages are current. Appends and
  * compaction lower valid_pages to the first page they changed; the method
- * recomputes pages [valid_pages, n_pages) and raises it. */
+ * recomputes pages [valid_pages, n_pages) and raises it.
+ *
+ * Storage format (backend.h lethe_kv_format), chosen by the sparse method:
+ * NATIVE stores the backend's kv type; FP8_E4M3 stores 1-byte codes in K[l] /
+ * V[l] plus per-(slot, KV head) f32 scales (lethe_kv_quant_of). Bytes per
+ * token over all layers (lethe_kv_token_bytes):
+ *   NATIVE    2 * n_layers * n_kv_heads * head_dim * kv_size
+ *   FP8_E4M3  2 * n_layers * n_kv_heads * (head_dim + 4)
+ * so the same memory budget holds kv_size * hd / (hd + 4) times the slots
+ * (CUDA bf16, hd 128: 1.94x; CPU f32: 3.88x). */
 #ifndef LETHE_KV_POOL_H
 #define LETHE_KV_POOL_H
 
@@ -49,11 +58,14 @@ typedef struct lethe_kv_pool_params {
     bool per_layer;           /* one slot space + row per layer (eviction methods) */
     int32_t page_meta_floats; /* floats of metadata per 16-token page; 0 = none */
     lethe_backend *be;        /* NULL: bookkeeping only (fake-model tests), no K/V buffers */
+    lethe_kv_format format;   /* NATIVE (0) unless the method declares another */
 } lethe_kv_pool_params;
 
-/* Bytes one token costs across all layers (K and V). */
+/* Bytes one token costs across all layers (K and V, with the format's side
+ * arrays); kv_elem_size is the backend's native kv type size. */
 size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
-                            size_t kv_elem_size);
+                            size_t kv_elem_size, lethe_kv_format format);
+const char *lethe_kv_format_name(lethe_kv_format f);
 
 lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool **out);
 void lethe_kv_pool_destroy(lethe_kv_pool *pool); /* NULL-safe */
@@ -73,6 +85,10 @@ int64_t lethe_kv_total_free(const lethe_kv_pool *pool); /* summed over slot spac
 /* Backend K/V buffers of one layer (NULL without a backend). */
 void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer);
 void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer);
+lethe_kv_format lethe_kv_format_of(const lethe_kv_pool *pool);
+/* The layer's quantized-format descriptor for kv_store_quant / attention;
+ * NULL for NATIVE (and without a backend). */
+const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer);
 
 /* ---- rows ---- */
 int32_t lethe_kv_row_alloc(lethe_kv_pool *pool);            /* a fresh empty row id */

@@ -153,13 +153,17 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
         lethe_layer_plan plan = {0};
         hooks->plan_layer(hooks->ctx, l, b, ws->q, &plan);
         LETHE_ASSERT(plan.store_slots && plan.sel_begin && plan.sel_slots);
-        o->kv_store(be, k_cache[l], v_cache[l], ws->k, ws->v, plan.store_slots, n, kv_dim);
+        if (plan.kvq && plan.kvq->format != LETHE_KV_NATIVE)
+            o->kv_store_quant(be, plan.kvq, k_cache[l], v_cache[l], ws->k, ws->v, plan.store_slots, n,
+                              c->n_kv_heads, c->head_dim);
+        else
+            o->kv_store(be, k_cache[l], v_cache[l], ws->k, ws->v, plan.store_slots, n, kv_dim);
         lethe_attn_args args = {
             .out = ws->att, .q = ws->q, .k_cache = k_cache[l], .v_cache = v_cache[l],
             .n_tokens = n, .n_seqs = b->n_seqs, .q_begin = b->seq_begin,
             .sel_begin = plan.sel_begin, .sel_slots = plan.sel_slots, .n_heads = c->n_heads,
             .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .scale = scale,
-            .scores = plan.scores, .score_stride = plan.score_stride,
+            .scores = plan.scores, .score_stride = plan.score_stride, .kvq = plan.kvq,
         };
         o->attention(be, &args);
         if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &plan);

@@ -58,6 +58,9 @@ typedef struct lethe_layer_plan {
     const int32_t *sel_slots;   /* selection, last n_q(s) entries = the new tokens */
     float *scores;              /* optional score output (see lethe_attn_args), NULL = none */
     int32_t score_stride;
+    /* the layer's KV storage format (kv_pool.h); NULL = the backend's kv type.
+     * Non-NULL: kv_store_quant instead of kv_store, and attention reads codes. */
+    const lethe_kv_quant *kvq;
 } lethe_layer_plan;
 
 typedef struct lethe_fwd_hooks {

@@ -209,6 +209,12 @@ struct lethe_sparse_ops {
      * NULL = n_total (nothing is ever freed) */
     int32_t (*max_resident)(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                             int32_t n_total, int32_t chunk);
+
+    /* ---- added for quantized KV storage (optional) ----
+     * the KV storage format the pool must use (after configure, so it may
+     * depend on knobs); NULL = LETHE_KV_NATIVE. The engine sizes the pool by
+     * that format's real bytes per token (lethe_kv_token_bytes). */
+    lethe_kv_format (*kv_format)(const lethe_sparse_method *m);
 };
 
 /* ---- registry (registry.c) ---- */
@@ -249,6 +255,7 @@ double lethe_knob_num(const lethe_sparse_ops *o, const lethe_knob_values *v, con
 const char *lethe_knob_str(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name);
 
 int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m); /* 0 without the hook */
+lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m); /* NATIVE without the hook */
 int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                                   int32_t n_total, int32_t chunk);
 

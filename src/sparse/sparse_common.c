@@ -104,8 +104,13 @@ bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m) {
     return be && !strcmp(be->ops->name, "cpu") && be->ops->kv_size == sizeof(float);
 }
 
+lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m) {
+    return m && m->ops->kv_format ? m->ops->kv_format(m) : LETHE_KV_NATIVE;
+}
+
 float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value) {
     if (!lethe_sparse_kv_host_ok(m) || !m->env.pool) return NULL;
+    if (lethe_kv_format_of(m->env.pool) != LETHE_KV_NATIVE) return NULL; /* codes, not f32 */
     return value ? lethe_kv_v(m->env.pool, layer) : lethe_kv_k(m->env.pool, layer);
 }
 

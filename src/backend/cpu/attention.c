@@ -351,6 +351,10 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
 }
 
 void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
+    if (a->kvq && a->kvq->format != LETHE_KV_NATIVE) { /* quantized KV: attention_quant.c */
+        lethe_cpu_attention_quant(be, a);
+        return;
+    }
     LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
     LETHE_ASSERT(a->n_heads / a->n_kv_heads <= ATT_GROUP_MAX);
     LETHE_ASSERT(a->head_dim > 0 && a->head_dim <= ATT_HEAD_DIM_MAX);

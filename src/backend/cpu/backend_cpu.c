@@ -120,6 +120,7 @@ static const lethe_backend_ops cpu_ops = {
     .graph_launch = cpu_graph_launch,
     .graph_reset = cpu_graph_reset,
     .measure_peaks = cpu_measure_peaks,
+    .kv_store_quant = lethe_cpu_kv_store_quant,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

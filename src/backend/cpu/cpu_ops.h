@@ -8,6 +8,7 @@
  *   norm.c         rmsnorm
  *   rope.c         rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
  *   attention.c    kv_store + attention over a slot selection
+ *   attention_quant.c  the same over quantized KV (FP8 E4M3 codes + scales)
  *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
  *
  * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
@@ -31,6 +32,11 @@ void lethe_cpu_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n, i
 void lethe_cpu_kv_store(lethe_backend *be, void *k_cache, void *v_cache, const void *k,
                         const void *v, const int32_t *slots, int32_t n, int32_t kv_dim);
 void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a);
+/* attention_quant.c: quantized KV formats (a->kvq), dispatched from lethe_cpu_attention */
+void lethe_cpu_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
+                              void *v_cache, const void *k, const void *v, const int32_t *slots,
+                              int32_t n, int32_t n_kv_heads, int32_t head_dim);
+void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a);
 void lethe_cpu_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
                      int32_t n, int32_t dim);
 void lethe_cpu_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,

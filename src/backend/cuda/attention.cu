@@ -533,6 +533,10 @@ static void run_scores(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_q
 }
 
 extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a) {
+    if (a->kvq && a->kvq->format != LETHE_KV_NATIVE) { /* quantized KV: attention_quant.cu */
+        lethe_cuda_attention_quant(be, a);
+        return;
+    }
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
     LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);

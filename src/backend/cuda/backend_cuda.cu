@@ -399,6 +399,7 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->f32_d) cudaFree(c->f32_d);
         if (c->f32_h) cudaFreeHost(c->f32_h);
         if (c->attn_ws) cudaFree(c->attn_ws);
+        if (c->qattn_ws) cudaFree(c->qattn_ws);
         if (c->sample_ws) cudaFree(c->sample_ws);
         if (c->scores_d) cudaFree(c->scores_d);
         if (c->cublas_ws) cudaFree(c->cublas_ws);
@@ -439,6 +440,7 @@ static const lethe_backend_ops cuda_ops = {
     /* .graph_launch */ cuda_graph_launch,
     /* .graph_reset */ cuda_graph_reset,
     /* .measure_peaks */ cuda_measure_peaks,
+    /* .kv_store_quant */ lethe_cuda_kv_store_quant,
 };
 
 #define INIT_CHECK(call, what)                                                              \

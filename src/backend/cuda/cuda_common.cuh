@@ -21,6 +21,7 @@
  *   norm.cu          RMSNorm (also per-head q/k norm)
  *   rope.cu          rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
  *   attention.cu     prefill/extend (tensor cores) + split-K flash decoding
+ *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3)
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p) */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
@@ -99,6 +100,10 @@ typedef struct cuda_ctx {
     float *attn_ws;
     size_t attn_ws_cap;          /* floats */
 
+    /* split-K workspace of the quantized-KV attention (attention_quant.cu), fp32 */
+    float *qattn_ws;
+    size_t qattn_ws_cap;         /* bytes */
+
     /* optional attention score output (sparse methods), fp32 */
     float *scores_d;
     size_t scores_cap;           /* bytes */
@@ -151,6 +156,11 @@ void lethe_cuda_add_bias(lethe_backend *be, void *y, const void *b, int32_t n, i
 void lethe_cuda_swiglu(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);
 void lethe_cuda_kv_store(lethe_backend *be, void *k_cache, void *v_cache, const void *k,
                          const void *v, const int32_t *slots, int32_t n, int32_t kv_dim);
+/* attention_quant.cu: quantized KV formats (backend.h lethe_kv_format) */
+void lethe_cuda_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
+                               void *v_cache, const void *k, const void *v, const int32_t *slots,
+                               int32_t n, int32_t n_kv_heads, int32_t head_dim);
+void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a);
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
 void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);

@@ -1,0 +1,257 @@
+/* test_kv_quant.c - quantized KV storage (FP8 E4M3) on the CPU backend:
+ *
+ *  - kv_store_quant writes exactly the reference quantizer's codes and scales
+ *    (src/sparse/quant.c) into the slots it is given, and nothing else;
+ *  - attention over the FP8 codes (backend/cpu/attention_quant.c) equals the
+ *    dense CPU attention over the dequantized KV (max abs error <= 1e-5 x the
+ *    output scale) on a ragged batch: prefill, extend over a prefix, decode,
+ *    sparse (subset) selections over permuted slots, GQA 4 and 1, head_dim 64
+ *    and 36 (scalar tails);
+ *  - the engine sizes the pool by the format's real bytes per token: fp8_kv
+ *    holds 4 * hd / (hd + 4) times the slots of dense for the same
+ *    --kv-cache-bytes on the f32 CPU backend (3.2x at the tiny model's hd 16;
+ *    2 * hd / (hd + 4) ~ 1.9x against bf16 on CUDA);
+ *  - SmolLM2-135M with fp8_kv stays close to dense (greedy tokens, logits). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/util.h"
+#include "kv/kv_pool.h"
+#include "lethe.h"
+#include "sparse/quant.h"
+#include "test.h"
+
+static lethe_backend *g_be;
+static uint64_t g_rng = 99;
+static float frand(void) { return (float)((lethe_splitmix64(&g_rng) >> 40) * 0x1p-24) * 2.0f - 1.0f; }
+
+static void test_store(void) {
+    enum { SLOTS = 40, KV = 3, D = 64, N = 7 };
+    const size_t kvd = (size_t)KV * D;
+    uint8_t *kc = calloc(SLOTS * kvd, 1), *vc = calloc(SLOTS * kvd, 1);
+    float ks[SLOTS * KV] = {0}, vs[SLOTS * KV] = {0};
+    float k[N * KV * D], v[N * KV * D];
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(k); i++) k[i] = 4.0f * frand(), v[i] = 0.01f * frand();
+    for (int d = 0; d < D; d++) k[KV * D + D + d] = 0.0f; /* token 1, head 1: zero vector */
+    lethe_kv_quant q = {.format = LETHE_KV_FP8_E4M3, .k_scale = ks, .v_scale = vs};
+    int32_t slots[N] = {5, 39, 0, 17, 18, 3, 22};
+    g_be->ops->kv_store_quant(g_be, &q, kc, vc, k, v, slots, N, KV, D);
+    int written = 0;
+    for (int s = 0; s < SLOTS; s++) {
+        int i = -1;
+        for (int j = 0; j < N; j++)
+            if (slots[j] == s) i = j;
+        for (int h = 0; h < KV; h++) {
+            uint8_t ck[D], cv[D];
+            float sk = 0, sv = 0;
+            if (i >= 0) {
+                lethe_fp8_quant_vec(k + ((size_t)i * KV + h) * D, D, ck, &sk);
+                lethe_fp8_quant_vec(v + ((size_t)i * KV + h) * D, D, cv, &sv);
+                written++;
+            } else {
+                memset(ck, 0, D), memset(cv, 0, D); /* untouched */
+            }
+            CHECK(ks[s * KV + h] == sk && vs[s * KV + h] == sv);
+            CHECK(!memcmp(kc + (size_t)s * kvd + (size_t)h * D, ck, D));
+            CHECK(!memcmp(vc + (size_t)s * kvd + (size_t)h * D, cv, D));
+        }
+    }
+    CHECK_EQ_INT(written, N * KV);
+    CHECK(ks[slots[1] * KV + 1] == 0.0f); /* zero vector: scale 0, codes 0, no NaN */
+    free(kc), free(vc);
+}
+
+typedef struct qcase {
+    int H, KV, D, S;
+    int n_q[4], n_sel[4];
+    int sparse;
+} qcase;
+
+static void run_case(const qcase *c) {
+    const int H = c->H, KV = c->KV, D = c->D, S = c->S;
+    int32_t q_begin[5] = {0}, sel_begin[5] = {0}, n_slots = 0;
+    for (int s = 0; s < S; s++) {
+        q_begin[s + 1] = q_begin[s] + c->n_q[s];
+        n_slots += c->n_sel[s] + 2;
+    }
+    const int T = q_begin[S];
+    int32_t *perm = malloc((size_t)n_slots * sizeof(int32_t)), *sel = malloc((size_t)n_slots * sizeof(int32_t));
+    int32_t *store = malloc((size_t)T * sizeof(int32_t)), *all = malloc((size_t)n_slots * sizeof(int32_t));
+    for (int i = 0; i < n_slots; i++) perm[i] = all[i] = i;
+    for (int i = n_slots - 1; i > 0; i--) {
+        int j = (int)(lethe_splitmix64(&g_rng) % (uint64_t)(i + 1));
+        int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    int used = 0, n_sel = 0;
+    for (int s = 0; s < S; s++) {
+        for (int e = 0; e < c->n_sel[s] - c->n_q[s]; e++) {
+            int32_t slot = perm[used++];
+            if (c->sparse && e > 0 && lethe_splitmix64(&g_rng) % 3 == 0) continue;
+            sel[n_sel++] = slot;
+        }
+        for (int j = 0; j < c->n_q[s]; j++) sel[n_sel++] = store[q_begin[s] + j] = perm[used++];
+        sel_begin[s + 1] = n_sel;
+    }
+    const size_t kvd = (size_t)KV * D;
+    /* every slot gets a token (the prefix), then the step's tokens overwrite theirs */
+    float *k0 = malloc((size_t)n_slots * kvd * sizeof(float)), *v0 = malloc((size_t)n_slots * kvd * sizeof(float));
+    float *kn = malloc((size_t)T * kvd * sizeof(float)), *vn = malloc((size_t)T * kvd * sizeof(float));
+    for (size_t i = 0; i < (size_t)n_slots * kvd; i++) k0[i] = 2.0f * frand(), v0[i] = frand();
+    for (size_t i = 0; i < (size_t)T * kvd; i++) kn[i] = 2.0f * frand(), vn[i] = frand();
+    float *q = malloc((size_t)T * H * D * sizeof(float));
+    for (size_t i = 0; i < (size_t)T * H * D; i++) q[i] = frand();
+    uint8_t *kc = malloc((size_t)n_slots * kvd), *vc = malloc((size_t)n_slots * kvd);
+    float *ks = malloc((size_t)n_slots * KV * sizeof(float)), *vs = malloc((size_t)n_slots * KV * sizeof(float));
+    lethe_kv_quant kq = {.format = LETHE_KV_FP8_E4M3, .k_scale = ks, .v_scale = vs};
+    g_be->ops->kv_store_quant(g_be, &kq, kc, vc, k0, v0, all, n_slots, KV, D);
+    g_be->ops->kv_store_quant(g_be, &kq, kc, vc, kn, vn, store, T, KV, D);
+    /* the reference: dequantized f32 caches through the dense attention */
+    float *kd = malloc((size_t)n_slots * kvd * sizeof(float)), *vd = malloc((size_t)n_slots * kvd * sizeof(float));
+    for (int s = 0; s < n_slots; s++)
+        for (int h = 0; h < KV; h++) {
+            size_t o = (size_t)s * kvd + (size_t)h * D;
+            lethe_fp8_dequant_vec(kc + o, D, ks[s * KV + h], kd + o);
+            lethe_fp8_dequant_vec(vc + o, D, vs[s * KV + h], vd + o);
+        }
+    float *out_q = malloc((size_t)T * H * D * sizeof(float)), *out_d = malloc((size_t)T * H * D * sizeof(float));
+    for (size_t i = 0; i < (size_t)T * H * D; i++) out_q[i] = NAN;
+    lethe_attn_args a = {.out = out_d, .q = q, .k_cache = kd, .v_cache = vd, .n_tokens = T, .n_seqs = S,
+                         .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel, .n_heads = H,
+                         .n_kv_heads = KV, .head_dim = D, .scale = 1.0f / sqrtf((float)D)};
+    g_be->ops->attention(g_be, &a);
+    a.out = out_q, a.k_cache = kc, a.v_cache = vc, a.kvq = &kq;
+    g_be->ops->attention(g_be, &a);
+    double mx = 0, err = 0;
+    for (size_t i = 0; i < (size_t)T * H * D; i++) {
+        CHECK_MSG(isfinite(out_q[i]), "element %zu not written", i);
+        mx = fmax(mx, fabs(out_d[i]));
+        err = fmax(err, fabs(out_q[i] - out_d[i]));
+    }
+    CHECK_MSG(err <= 1e-5 * fmax(mx, 1e-3), "H %d KV %d D %d: max err %g (max %g)", H, KV, D, err, mx);
+    fprintf(stderr, "    H=%d KV=%d D=%d T=%d sel=%d: max abs err %.2e of %.2e\n", H, KV, D, T, n_sel, err, mx);
+    free(perm), free(sel), free(store), free(all), free(k0), free(v0), free(kn), free(vn), free(q);
+    free(kc), free(vc), free(ks), free(vs), free(kd), free(vd), free(out_q), free(out_d);
+}
+
+static void test_attention(void) {
+    static const qcase cases[] = {
+        {8, 2, 64, 4, {1, 37, 5, 1}, {1, 90, 5, 300}, 0},  /* decode, extend, prefill, decode */
+        {8, 2, 64, 2, {1, 20}, {500, 120}, 1},             /* sparse decode + extend */
+        {4, 4, 36, 2, {9, 1}, {40, 77}, 0},                /* MHA, head_dim with a scalar tail */
+        {16, 1, 64, 1, {70}, {70}, 0},                     /* GQA 16, tiles of 8 queries */
+    };
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_case(&cases[i]);
+}
+
+/* ---- engine: pool capacity and outputs ---- */
+
+static lethe_engine *open_engine(const char *model, bool tiny, const char *method, size_t kv_bytes) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = model;
+    p.load_format = tiny ? "dummy" : "auto";
+    p.seed = 7;
+    p.device = "cpu";
+    p.n_threads = 2;
+    p.max_model_len = tiny ? 128 : 256;
+    p.max_num_seqs = 4096;
+    p.max_num_batched_tokens = 64;
+    p.enable_prefix_caching = false;
+    p.kv_cache_bytes = kv_bytes;
+    p.sparse_method = method;
+    p.check_invariants = true;
+    lethe_engine *e = NULL;
+    int rc = lethe_engine_create(&p, &e);
+    CHECK_MSG(rc == 0, "%s: %s", method, lethe_engine_last_error());
+    return e;
+}
+
+static void test_pool_capacity(void) {
+    const size_t budget = (size_t)4 << 20;
+    int64_t slots[2];
+    const char *methods[2] = {"dense", "fp8_kv"};
+    for (int i = 0; i < 2; i++) {
+        lethe_engine *e = open_engine("tests/data/tiny-llama/config.json", true, methods[i], budget);
+        lethe_engine_stats st;
+        lethe_engine_get_stats(e, &st);
+        slots[i] = st.kv_slots_total;
+        lethe_engine_destroy(e);
+    }
+    /* tiny llama: 2 layers, 2 KV heads, head_dim 16 */
+    const size_t nat = lethe_kv_token_bytes(2, 2, 16, sizeof(float), LETHE_KV_NATIVE);
+    const size_t fp8 = lethe_kv_token_bytes(2, 2, 16, sizeof(float), LETHE_KV_FP8_E4M3);
+    CHECK_EQ_INT(nat, 2 * 2 * 2 * 16 * 4);
+    CHECK_EQ_INT(fp8, 2 * 2 * 2 * (16 + 4));
+    CHECK_EQ_INT(slots[0], (int64_t)(budget / nat));
+    CHECK_EQ_INT(slots[1], (int64_t)(budget / fp8));
+    double ratio = (double)slots[1] / (double)slots[0];
+    fprintf(stderr, "    same %zu-byte budget: dense %lld slots, fp8_kv %lld (%.2fx)\n", budget,
+            (long long)slots[0], (long long)slots[1], ratio);
+    CHECK(ratio > 3.1 && ratio < 3.3); /* 4 * 16 / 20 */
+}
+
+typedef struct gen_out {
+    int32_t tok[8];
+    int n;
+    float *logits;
+    int32_t n_vocab;
+} gen_out;
+
+static void on_event(void *user, const lethe_event *ev) {
+    gen_out *o = user;
+    if (ev->n_tokens == 1 && o->n < 8) {
+        if (!o->logits) o->logits = calloc((size_t)8 * ev->n_vocab, sizeof(float));
+        o->n_vocab = ev->n_vocab;
+        memcpy(o->logits + (size_t)o->n * ev->n_vocab, ev->logits, sizeof(float) * (size_t)ev->n_vocab);
+        o->tok[o->n++] = ev->token;
+    }
+}
+
+static void generate(const char *method, gen_out *o) {
+    memset(o, 0, sizeof(*o));
+    lethe_engine *e = open_engine("models/SmolLM2-135M-Instruct.Q4_1.gguf", false, method, (size_t)64 << 20);
+    int32_t ids[96];
+    for (int i = 0; i < 96; i++) ids[i] = 200 + (i * 13) % 64; /* repeated pattern: easy to continue */
+    lethe_request_params rp = {.prompt = ids, .n_prompt = 96, .cb = on_event, .user = o, .want_logits = true};
+    lethe_sampling_default_params(&rp.sampling);
+    rp.sampling.temperature = 0;
+    rp.sampling.max_tokens = 8;
+    rp.sampling.ignore_eos = true;
+    uint64_t id;
+    CHECK(lethe_engine_add_request(e, &rp, &id) == 0);
+    while (lethe_engine_has_work(e)) CHECK(lethe_engine_step(e) == 0);
+    lethe_engine_destroy(e);
+    CHECK_EQ_INT(o->n, 8);
+}
+
+static void test_smollm2_close_to_dense(void) {
+    gen_out d, f;
+    generate("dense", &d);
+    generate("fp8_kv", &f);
+    int same = 0;
+    for (int i = 0; i < 8; i++) same += d.tok[i] == f.tok[i];
+    /* the first token comes from the same prompt: same argmax, logits within
+     * E4M3's few-percent element error (measured 0.062 on this prompt) */
+    double e = rel_err(f.logits, d.logits, (size_t)d.n_vocab);
+    fprintf(stderr, "    SmolLM2 fp8_kv vs dense: %d/8 greedy tokens equal, first-step logits rel err %.3g\n",
+            same, e);
+    CHECK(d.tok[0] == f.tok[0]);
+    CHECK(e < 0.12);
+    CHECK(same >= 6);
+    free(d.logits), free(f.logits);
+}
+
+int main(void) {
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 2};
+    CHECK(lethe_backend_create(&bp, &g_be) == LETHE_OK);
+    TEST_RUN(test_store);
+    TEST_RUN(test_attention);
+    TEST_RUN(test_pool_capacity);
+    TEST_RUN(test_smollm2_close_to_dense);
+    lethe_backend_destroy(g_be);
+    return 0;
+}
