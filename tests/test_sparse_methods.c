@@ -64,12 +64,15 @@ static void h_open(harness *h, const char *method, const char *cfg) {
     CHECK(lethe_backend_create(&bp, &h->be) == LETHE_OK);
     const lethe_sparse_ops *o = lethe_sparse_find(method);
     CHECK_MSG(o, "%s", lethe_last_error());
-    lethe_kv_pool_params pp = {.n_layers = NL, .n_kv_heads = HK, .head_dim = D, .n_slots = NSLOTS,
-                               .per_layer = (o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0, .be = h->be};
-    CHECK(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK);
-    lethe_sparse_env env = {.pool = h->pool, .be = h->be, .n_layers = NL, .n_heads = H,
+    /* as the engine: the method first (it declares the KV format), then its pool */
+    lethe_sparse_env env = {.pool = NULL, .be = h->be, .n_layers = NL, .n_heads = H,
                             .n_kv_heads = HK, .head_dim = D, .max_model_len = 4096};
     CHECK_MSG(lethe_sparse_create(method, cfg, &env, &h->m) == LETHE_OK, "%s", lethe_last_error());
+    lethe_kv_pool_params pp = {.n_layers = NL, .n_kv_heads = HK, .head_dim = D, .n_slots = NSLOTS,
+                               .per_layer = (o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0, .be = h->be,
+                               .format = lethe_sparse_kv_format(h->m)};
+    CHECK(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK);
+    h->m->env.pool = h->pool;
     h->chunk = 24;
 }
 
@@ -174,12 +177,17 @@ static void h_step(harness *h) {
             stride = LETHE_MAX(stride, n);
         }
         sel_begin[n_seqs] = n_sel;
-        h->be->ops->kv_store(h->be, lethe_kv_k(h->pool, l), lethe_kv_v(h->pool, l), k, v, store, n_tok, KVD);
+        const lethe_kv_quant *kvq = lethe_kv_quant_of(h->pool, l);
+        if (kvq)
+            h->be->ops->kv_store_quant(h->be, kvq, lethe_kv_k(h->pool, l), lethe_kv_v(h->pool, l), k, v,
+                                       store, n_tok, HK, D);
+        else
+            h->be->ops->kv_store(h->be, lethe_kv_k(h->pool, l), lethe_kv_v(h->pool, l), k, v, store, n_tok, KVD);
         lethe_attn_args a = {.out = out, .q = q, .k_cache = lethe_kv_k(h->pool, l),
                              .v_cache = lethe_kv_v(h->pool, l), .n_tokens = n_tok, .n_seqs = n_seqs,
                              .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel,
                              .n_heads = H, .n_kv_heads = HK, .head_dim = D, .scale = 0.25f,
-                             .scores = want ? scores : NULL, .score_stride = stride};
+                             .scores = want ? scores : NULL, .score_stride = stride, .kvq = kvq};
         h->be->ops->attention(h->be, &a);
         if (m->ops->after_attn) m->ops->after_attn(m, l, &st, want ? scores : NULL, stride);
         if (m->ops->layer_end) m->ops->layer_end(m, l, &st);
@@ -241,7 +249,7 @@ static void test_identity(void) {
         CHECK_MSG(memcmp(tr.out, dense.out, sizeof(tr.out[0]) * (size_t)tr.n) == 0,
                   "%s with budgets >= context differs from dense", o->name);
     }
-    /* fp8: close, not identical (the prompt's own step is full precision) */
+    /* fp8: close, not identical (every token is read as E4M3 codes, its own step included) */
     run_script("fp8_kv", NULL, &tr);
     double e = rel_err(&tr.out[0][0][0], &dense.out[0][0][0], (size_t)tr.n * NL * H * D);
     CHECK_MSG(e > 0 && e < 0.05, "fp8 rel err %g", e);
@@ -503,14 +511,19 @@ static void test_quantizers(void) {
     h_open(&h, "fp8", NULL);
     h_add(&h, 0, 6, 30, 31);
     while (h.r[0].n_done < 31) h_step(&h);
-    const float *V = lethe_kv_v(h.pool, 2);
+    /* the pool really holds E4M3 codes + one scale per (slot, KV head) */
+    CHECK(lethe_kv_format_of(h.pool) == LETHE_KV_FP8_E4M3);
+    const uint8_t *Vc = lethe_kv_v(h.pool, 2);
+    const float *Vs = lethe_kv_quant_of(h.pool, 2)->v_scale;
     slots = lethe_kv_row_slots(h.pool, 0, h.r[0].row);
     for (int t = 0; t < 31; t++)
         for (int hh = 0; hh < HK; hh++) {
             float amax = 0;
             for (int c = 0; c < D; c++) amax = fmaxf(amax, fabsf(gen(6, 2, t, 2, hh * D + c)));
+            CHECK(Vs[slots[t] * HK + hh] == amax / 448.0f);
             for (int c = 0; c < D; c++) {
-                float x = gen(6, 2, t, 2, hh * D + c), y = V[(size_t)slots[t] * KVD + hh * D + c];
+                float x = gen(6, 2, t, 2, hh * D + c);
+                float y = lethe_fp8_e4m3_to_float(Vc[(size_t)slots[t] * KVD + hh * D + c]) * Vs[slots[t] * HK + hh];
                 CHECK(fabsf(x - y) <= fmaxf(0x1p-4f * fabsf(x), 0x1p-10f * amax / 448.0f) * 1.0001f);
             }
         }
