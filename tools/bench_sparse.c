@@ -371,7 +371,7 @@ static int part_capacity(const sb_opts *o, cJSON *root) {
     const int32_t S = lethe_kv_n_slots(e->pool), nl = e->runner.cfg.n_layers;
     const int32_t chunk = e->p.max_num_batched_tokens, max_seqs = e->p.max_num_seqs;
     const size_t tok_bytes = lethe_kv_token_bytes(nl, e->runner.cfg.n_kv_heads, e->runner.cfg.head_dim,
-                                                  e->runner.be->ops->kv_size);
+                                                  e->runner.be->ops->kv_size, lethe_kv_format_of(e->pool));
     cJSON_AddNumberToObject(cap, "engine_load_s", lethe_time_s() - tl);
     cJSON_AddNumberToObject(cap, "pool_slots_per_layer", S);
     cJSON_AddNumberToObject(cap, "kv_bytes_per_token", (double)tok_bytes);
