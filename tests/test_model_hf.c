@@ -97,7 +97,6 @@ static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const
     out->store_slots = h->store;
     out->sel_begin = h->sel_begin;
     out->sel_slots = h->sel;
-    out->scores = NULL;
 }
 
 static void harness_open(harness *h, const char *path, int32_t n_slots, int32_t n_tokens_max) {

@@ -141,7 +141,6 @@ static void h_step(harness *h) {
     if (m->ops->prepare) m->ops->prepare(m, &st);
     static float q[MAXT * H * D], k[MAXT * KVD], v[MAXT * KVD], out[MAXT * H * D];
     static int32_t sel[MAXR * NSLOTS], sel_begin[MAXR + 1], store[MAXT];
-    static float scores[H * MAXT * NSLOTS];
     for (int l = 0; l < NL; l++) {
         for (int s = 0; s < n_seqs; s++)
             for (int t = 0; t < seqs[s].n_new; t++) {
@@ -152,7 +151,7 @@ static void h_step(harness *h) {
                 for (int i = 0; i < KVD; i++) v[row * KVD + i] = gen(id, l, p, 2, i);
             }
         bool want = m->ops->needs_scores && m->ops->needs_scores(m, l);
-        int32_t n_sel = 0, stride = 0;
+        int32_t n_sel = 0;
         int32_t sp = lethe_kv_space_of(h->pool, l);
         for (int s = 0; s < n_seqs; s++) {
             int32_t L = lethe_kv_row_len(h->pool, sp, seqs[s].row);
@@ -174,7 +173,6 @@ static void h_step(harness *h) {
                 }
             }
             n_sel += n;
-            stride = LETHE_MAX(stride, n);
         }
         sel_begin[n_seqs] = n_sel;
         const lethe_kv_quant *kvq = lethe_kv_quant_of(h->pool, l);
@@ -186,10 +184,9 @@ static void h_step(harness *h) {
         lethe_attn_args a = {.out = out, .q = q, .k_cache = lethe_kv_k(h->pool, l),
                              .v_cache = lethe_kv_v(h->pool, l), .n_tokens = n_tok, .n_seqs = n_seqs,
                              .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel,
-                             .n_heads = H, .n_kv_heads = HK, .head_dim = D, .scale = 0.25f,
-                             .scores = want ? scores : NULL, .score_stride = stride, .kvq = kvq};
+                             .n_heads = H, .n_kv_heads = HK, .head_dim = D, .scale = 0.25f, .kvq = kvq};
         h->be->ops->attention(h->be, &a);
-        if (m->ops->after_attn) m->ops->after_attn(m, l, &st, want ? scores : NULL, stride);
+        if (m->ops->after_attn) m->ops->after_attn(m, l, &st, want ? &a : NULL);
         if (m->ops->layer_end) m->ops->layer_end(m, l, &st);
         for (int s = 0; s < n_seqs; s++) {
             hreq *r = &h->r[idx[s]];

@@ -22,3 +22,9 @@ lethe_status lethe_backend_create(const lethe_backend_params *p, lethe_backend *
 void lethe_backend_destroy(lethe_backend *be) {
     if (be && be->ops && be->ops->destroy) be->ops->destroy(be);
 }
+
+size_t lethe_attn_scores_out_len(const lethe_score_seq *seqs, int32_t n_seqs, int32_t n_groups) {
+    size_t n = 0;
+    for (int32_t s = 0; s < n_seqs; s++) n += (size_t)n_groups * (size_t)(seqs[s].c1 - seqs[s].c0);
+    return n;
+}

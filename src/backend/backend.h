@@ -72,18 +72,77 @@ typedef struct lethe_attn_args {
     const int32_t *sel_slots;    /* host [sel_begin[n_seqs]] */
     int32_t n_heads, n_kv_heads, head_dim;
     float scale;                 /* usually 1/sqrt(head_dim) */
-    /* Optional score output for sparse methods (NULL = not wanted):
-     * scores[h, i, e] = scale * q_i,h . k_e (pre-softmax) for query row i of the
-     * batch and selection entry e within its sequence, written as HOST float
-     * [n_heads, n_tokens, score_stride]; entries past the causal limit = -INF. */
-    float *scores;
-    int32_t score_stride;
     /* ---- quantized KV (kvquant): NULL or format NATIVE = k_cache / v_cache
      * hold the backend's kv type; otherwise they hold that format's codes and
-     * kvq its side arrays. Read by attention_quant.{c,cu}; no score output
-     * (scores must be NULL) with a quantized format. ---- */
+     * kvq its side arrays. Read by attention_quant.{c,cu}. ---- */
     const lethe_kv_quant *kvq;
 } lethe_attn_args;
+
+/* ---- attention scores for sparse methods (ops->attn_scores) ----
+ *
+ * Per-key scores of a few query rows, reduced ON the backend to what the
+ * methods consume, so nothing of size rows x keys ever exists in full
+ * (SnapKV / PyramidKV / H2O / OmniKV, methods.md §2.4 K1/K2). For sequence s
+ * (lethe_score_seq): the scored queries are batch rows [q_row, q_row +
+ * n_rows); its keys are key_slots[key_begin .. key_begin + n_keys), ascending
+ * logical position, the LAST n_rows of them being the scored rows' own
+ * tokens (the attention convention), so scored row i (0-based) sees keys
+ * [0, lim_i], lim_i = n_keys - n_rows + i. With raw(h, i, e) = scale *
+ * q[q_row + i, h] . K[key_slots[key_begin + e], h / (n_heads / n_kv_heads)]
+ * for visible e (-INF otherwise) and the candidates e in [c0, c1):
+ *
+ *   LETHE_SCORES_LOGIT_MAX   v(h, e) = max over rows i of raw(h, i, e)
+ *   LETHE_SCORES_PROB_*      v(h, e) = (1 / n_rows) * sum over rows i of
+ *                            softmax_e'(raw(h, i, e'))[e], the denominator
+ *                            over the visible e' in [c0, c1) with
+ *                            LETHE_SCORES_CAND_DENOM (the anchor), else over
+ *                            the row's whole causal selection [0, lim_i]
+ *                            (original SnapKV / H2O); a row with no visible
+ *                            key in its denominator contributes 0
+ *
+ * then the heads are reduced in n_groups groups of n_heads / n_groups
+ * consecutive query heads (1 = all heads, the anchor's token-shared set;
+ * n_kv_heads = per KV head, methods.md §2.3 (b)): LOGIT_MAX and PROB_MAX take
+ * the max over the group's heads, PROB_SUM the sum, PROB_MEAN the mean.
+ * Output: HOST float, the sequences one after another, each [n_groups, c1 -
+ * c0] (row g = group g, column j = candidate c0 + j). Device scratch is
+ * O(n_heads x (candidates + rows)) floats per sequence; the CPU twin
+ * (backend/cpu/scores.c) computes each raw score exactly as the CPU attention
+ * does (one fmaf chain over d, then * scale) and the softmax in double. */
+enum {
+    LETHE_SCORES_LOGIT_MAX = 0,
+    LETHE_SCORES_PROB_MAX = 1,
+    LETHE_SCORES_PROB_SUM = 2,
+    LETHE_SCORES_PROB_MEAN = 3,
+    LETHE_SCORES_KIND_MASK = 3,
+    LETHE_SCORES_CAND_DENOM = 1 << 2, /* flag: softmax denominator over the candidates only */
+};
+
+/* One sequence's request; int32 fields only (a device backend stages it as an index array). */
+typedef struct lethe_score_seq {
+    int32_t q_row, n_rows;       /* scored batch rows [q_row, q_row + n_rows), n_rows >= 1 */
+    int32_t key_begin, n_keys;   /* keys: key_slots[key_begin ..], n_keys >= n_rows */
+    int32_t c0, c1;              /* candidate keys [c0, c1), 0 <= c0 <= c1 <= n_keys */
+    int32_t mode;                /* LETHE_SCORES_* kind | flags */
+} lethe_score_seq;
+
+typedef struct lethe_attn_scores_args {
+    float *out;                  /* HOST, sum over s of n_groups * (c1 - c0) floats */
+    const void *q;               /* [n_tokens, n_heads, head_dim] after RoPE (backend) */
+    const void *k_cache;         /* [n_slots, n_kv_heads, head_dim] this layer, backend kv type
+                                  * (not a quantized format) */
+    int32_t n_tokens;            /* rows of q */
+    int32_t n_seqs;
+    const lethe_score_seq *seqs; /* host [n_seqs] */
+    const int32_t *key_slots;    /* host, indexed by key_begin (e.g. the attention's sel_slots) */
+    int32_t n_key_slots;         /* its length */
+    int32_t n_heads, n_kv_heads, head_dim;
+    int32_t n_groups;            /* divides n_heads */
+    float scale;
+} lethe_attn_scores_args;
+
+/* floats attn_scores writes for these requests */
+size_t lethe_attn_scores_out_len(const lethe_score_seq *seqs, int32_t n_seqs, int32_t n_groups);
 
 typedef struct lethe_backend_ops {
     const char *name;            /* "cpu", "cuda" */
@@ -159,6 +218,11 @@ typedef struct lethe_backend_ops {
     void (*kv_store_quant)(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
                            void *v_cache, const void *k, const void *v, const int32_t *slots,
                            int32_t n, int32_t n_kv_heads, int32_t head_dim);
+    /* ---- attention scores for sparse methods (added by the score-pipeline
+     * work; see lethe_attn_scores_args): reduced per-key scores of a few
+     * query rows, written to a HOST array; synchronous (returns when `out`
+     * is filled). Not allowed during graph capture. ---- */
+    void (*attn_scores)(lethe_backend *be, const lethe_attn_scores_args *a);
 } lethe_backend_ops;
 
 struct lethe_backend {

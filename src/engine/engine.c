@@ -514,7 +514,6 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->store);
     free(e->sel);
     free(e->sel_begin);
-    free(e->scores);
     free(e->logits);
     free(e->detok_buf);
     lethe_queue_destroy(&e->q);

@@ -84,8 +84,7 @@ struct lethe_engine {
     int32_t *store;                   /* [cap_rows] store slots of the current layer */
     int32_t *sel, *sel_begin;         /* selection of the current layer */
     int64_t cap_sel;
-    float *scores;
-    size_t cap_scores;
+    bool layer_scores;                /* the method's needs_scores for the current layer */
     float *logits;                    /* [cap_logits, n_vocab] */
     int32_t cap_logits;
     lethe_sparse_step st;

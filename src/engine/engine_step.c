@@ -9,8 +9,10 @@
  *   4. method->prepare, runner->forward; inside, per layer, plan_layer()
  *      answers "where do the new K/V go and what does attention read" by
  *      asking the sparse method for each sequence's selection
- *      (build_prefill_selection / build_decode_selection), then after_attn +
- *      layer_end; method->finish_step (eviction) after the forward
+ *      (build_prefill_selection / build_decode_selection), then after_attn
+ *      (with the attention's arguments when needs_scores: the method scores
+ *      through the backend's attn_scores op) + layer_end; method->finish_step
+ *      (eviction) after the forward
  *   5. lethe_sched_commit: n_computed advances, full blocks go to the cache
  *   6. per logits row: forced token or lethe_sampler_sample, then EOS / stop
  *      token / detokenize / stop strings / max_tokens / max_model_len, one
@@ -62,7 +64,7 @@ static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const
         e->cap_sel = LETHE_MAX(total, 2 * e->cap_sel);
         e->sel = lethe_xrealloc(e->sel, (size_t)e->cap_sel * sizeof(int32_t));
     }
-    int32_t off = 0, max_sel = 0;
+    int32_t off = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
         const lethe_sparse_seq *sq = &e->seqs[s];
         int32_t cap = lethe_kv_row_len(e->pool, sp, sq->row);
@@ -77,31 +79,22 @@ static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const
         }
         e->sel_begin[s] = off;
         off += n;
-        max_sel = LETHE_MAX(max_sel, n);
     }
     e->sel_begin[n_seqs] = off;
     out->store_slots = e->store;
     out->sel_begin = e->sel_begin;
     out->sel_slots = e->sel;
-    out->scores = NULL;
-    out->score_stride = 0;
     out->kvq = lethe_kv_quant_of(e->pool, layer);
-    if (m->ops->needs_scores && m->ops->needs_scores(m, layer)) {
-        size_t need = (size_t)e->runner.cfg.n_heads * (size_t)b->n_tokens * (size_t)max_sel;
-        if (need > e->cap_scores) {
-            e->cap_scores = LETHE_MAX(need, 2 * e->cap_scores);
-            e->scores = lethe_xrealloc(e->scores, e->cap_scores * sizeof(float));
-        }
-        out->scores = e->scores;
-        out->score_stride = max_sel;
-    }
+    /* asked here, while the step's selections are built: after_attn then gets
+     * the attention's arguments to score with (backend attn_scores) */
+    e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
 }
 
-static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b, const lethe_layer_plan *plan) {
+static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b, const lethe_attn_args *a) {
     lethe_engine *e = ctx;
     lethe_sparse_method *m = e->method;
     (void)b;
-    if (m->ops->after_attn) m->ops->after_attn(m, layer, &e->st, plan->scores, plan->score_stride);
+    if (m->ops->after_attn) m->ops->after_attn(m, layer, &e->st, e->layer_scores ? a : NULL);
     if (m->ops->layer_end) m->ops->layer_end(m, layer, &e->st);
 }
 

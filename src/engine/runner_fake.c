@@ -113,7 +113,12 @@ static void fake_forward(void *vctx, const lethe_fwd_batch *b, const lethe_fwd_h
         uint64_t *t = c->h;
         c->h = c->h_next;
         c->h_next = t;
-        if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &plan);
+        if (hooks->after_attn) { /* no q / K here: methods cannot score (lethe_sparse_scores) */
+            lethe_attn_args a = {.n_tokens = b->n_tokens, .n_seqs = b->n_seqs, .q_begin = b->seq_begin,
+                                 .sel_begin = plan.sel_begin, .sel_slots = plan.sel_slots,
+                                 .n_heads = 1, .n_kv_heads = 1, .head_dim = 1, .scale = 1.0f};
+            hooks->after_attn(hooks->ctx, l, b, &a);
+        }
     }
     for (int32_t k = 0; k < b->n_logits; k++)
         lethe_fake_logits(&c->p, c->h[b->logit_rows[k]], logits + (size_t)k * (size_t)c->p.n_vocab);

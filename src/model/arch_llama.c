@@ -163,10 +163,10 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
             .n_tokens = n, .n_seqs = b->n_seqs, .q_begin = b->seq_begin,
             .sel_begin = plan.sel_begin, .sel_slots = plan.sel_slots, .n_heads = c->n_heads,
             .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .scale = scale,
-            .scores = plan.scores, .score_stride = plan.score_stride, .kvq = plan.kvq,
+            .kvq = plan.kvq,
         };
         o->attention(be, &args);
-        if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &plan);
+        if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &args);
 
         o->matmul(be, ws->xn, ws->att, L->wo, n, c->dim, q_dim);
         o->add(be, ws->x, ws->xn, (size_t)n * c->dim);

@@ -26,7 +26,7 @@ typedef struct lethe_graph_state {
     int64_t n_replays, n_captures, n_eager;  /* counters for reports and tests */
 } lethe_graph_state;
 
-/* Runs one step with `plan` for every layer (plan->scores must be NULL).
+/* Runs one step with `plan` for every layer (no after_attn hook).
  * use_graph: capture/replay decode-shaped steps (n_tokens == n_seqs ==
  * n_logits, n_seqs <= LETHE_GRAPH_MAX_BATCH) through gs; other steps run
  * eagerly. logits_out as in lethe_model_forward. The caller must keep the

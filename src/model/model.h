@@ -56,8 +56,6 @@ typedef struct lethe_layer_plan {
     const int32_t *store_slots; /* [n_tokens] cache slot receiving each new token */
     const int32_t *sel_begin;   /* [n_seqs + 1] see lethe_attn_args */
     const int32_t *sel_slots;   /* selection, last n_q(s) entries = the new tokens */
-    float *scores;              /* optional score output (see lethe_attn_args), NULL = none */
-    int32_t score_stride;
     /* the layer's KV storage format (kv_pool.h); NULL = the backend's kv type.
      * Non-NULL: kv_store_quant instead of kv_store, and attention reads codes. */
     const lethe_kv_quant *kvq;
@@ -69,9 +67,11 @@ typedef struct lethe_fwd_hooks {
      * for methods that select with the current query (read with act_to_host). */
     void (*plan_layer)(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                        lethe_layer_plan *out);
-    /* optional: after the layer's attention ran (scores filled if requested). */
+    /* optional: after the layer's attention ran; a = exactly what it read (q,
+     * this layer's K/V cache, the plan's selections), valid during the call,
+     * e.g. for sparse methods that score queries against keys (attn_scores). */
     void (*after_attn)(void *ctx, int32_t layer, const lethe_fwd_batch *b,
-                       const lethe_layer_plan *plan);
+                       const lethe_attn_args *a);
 } lethe_fwd_hooks;
 
 typedef struct lethe_arch lethe_arch;

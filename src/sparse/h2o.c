@@ -125,34 +125,45 @@ static int32_t h2o_select_decode(lethe_sparse_method *m, int32_t layer, const le
 }
 
 static void h2o_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                           const float *scores, int32_t stride) {
+                           const lethe_attn_args *attn) {
     h2o_priv *p = PRIV(m);
-    int32_t H = m->env.n_heads;
-    float *tmp = NULL;
+    lethe_score_seq *req = lethe_xmalloc((size_t)st->n_seqs * sizeof(*req));
+    int32_t *who = lethe_xmalloc((size_t)st->n_seqs * sizeof(*who)), n = 0;
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
         h2o_state *hs = q->state;
         int32_t L = lethe_sparse_row_len(m, layer, q->row);
         lethe_rowvec_resize(&hs->acc[layer], L, 0.0f); /* new tokens start at 0 */
-        if (!scores || !seq_scores(p, q)) continue;
+        if (!attn || !seq_scores(p, q)) continue;
         int32_t wn = q->n_new;
         if (q->is_prefill && p->window > 0 && p->window < wn) wn = p->window;
-        const float *raw = scores + (size_t)(q->q_row + q->n_new - wn) * stride;
-        size_t hstr = (size_t)st->batch->n_tokens * stride;
-        tmp = lethe_xrealloc(tmp, (size_t)L * sizeof(float));
-        if (!q->is_prefill) /* decode: per-head probabilities summed over heads */
-            lethe_window_scores(raw, H, hstr, (size_t)stride, wn, L, 0, L, LETHE_SCORE_PROBABILITY,
-                                false, LETHE_REDUCE_SUM, tmp);
-        else if (p->mode == LETHE_SCORE_LOGITS) {
-            lethe_window_scores(raw, H, hstr, (size_t)stride, wn, L, 0, L, LETHE_SCORE_LOGITS, false,
-                                LETHE_REDUCE_MAX, tmp);
-            lethe_softmax_inplace(tmp, L);
-        } else
-            lethe_window_scores(raw, H, hstr, (size_t)stride, wn, L, 0, L, LETHE_SCORE_PROBABILITY,
-                                false, LETHE_REDUCE_MAX, tmp);
-        lethe_score_accumulate(hs->acc[layer].v, tmp, L, LETHE_REDUCE_SUM);
+        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L); /* select_all */
+        /* every resident token is a candidate; softmax over the full causal row.
+         * decode: per-head probabilities summed over heads; prefill logits: max
+         * raw logit (softmaxed over the row below); prefill probability: per-head
+         * window mean, max over heads */
+        int32_t mode = !q->is_prefill ? LETHE_SCORES_PROB_SUM
+                       : p->mode == LETHE_SCORE_LOGITS ? LETHE_SCORES_LOGIT_MAX
+                                                       : LETHE_SCORES_PROB_MAX;
+        req[n] = (lethe_score_seq){.q_row = q->q_row + q->n_new - wn, .n_rows = wn,
+                                   .key_begin = attn->sel_begin[i], .n_keys = L, .c0 = 0, .c1 = L,
+                                   .mode = mode};
+        who[n++] = i;
     }
-    free(tmp);
+    float *out = lethe_xmalloc((lethe_attn_scores_out_len(req, n, 1) + 1) * sizeof(float));
+    if (lethe_sparse_scores(m, attn, req, n, 1, out)) {
+        size_t off = 0;
+        for (int32_t k = 0; k < n; k++) {
+            h2o_state *hs = st->seqs[who[k]].state;
+            int32_t L = req[k].c1;
+            if (req[k].mode == LETHE_SCORES_LOGIT_MAX) lethe_softmax_inplace(out + off, L);
+            lethe_score_accumulate(hs->acc[layer].v, out + off, L, LETHE_REDUCE_SUM);
+            off += (size_t)L;
+        }
+    }
+    free(out);
+    free(who);
+    free(req);
 }
 
 /* the row length finish_step leaves for a row of len tokens */

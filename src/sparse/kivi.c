@@ -128,7 +128,7 @@ static void qdq_page(const kivi_priv *p, float *K, float *V, const int32_t *slot
 }
 
 static void kivi_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                            const float *scores, int32_t stride) {
+                            const lethe_attn_args *attn) {
     kivi_priv *p = PRIV(m);
     float *K = lethe_sparse_kv_host(m, layer, false), *V = lethe_sparse_kv_host(m, layer, true);
     if (p->bits == 16 || !K) return;

@@ -171,10 +171,11 @@ static int32_t omni_decode(lethe_sparse_method *m, int32_t layer, const lethe_sp
 }
 
 static void omni_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                            const float *scores, int32_t stride) {
-    if (!scores) return;
+                            const lethe_attn_args *attn) {
+    if (!attn) return;
     int32_t s = m->knobs.sink_keep_tokens, r = m->knobs.recent_keep_tokens, K = m->knobs.decode_keep_tokens;
-    float *tmp = NULL;
+    lethe_score_seq *req = lethe_xmalloc((size_t)st->n_seqs * sizeof(*req));
+    int32_t *who = lethe_xmalloc((size_t)st->n_seqs * sizeof(*who)), n = 0;
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
         if (q->is_prefill) continue;
@@ -183,18 +184,34 @@ static void omni_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_s
         int32_t c0 = s, c1 = L - r;
         os->valid = c1 - c0 > K; /* a row that fits reads every token */
         if (!os->valid) continue;
-        tmp = lethe_xrealloc(tmp, (size_t)(c1 - c0) * sizeof(float));
-        const float *raw = scores + (size_t)(q->q_row + q->n_new - 1) * stride;
-        lethe_window_scores(raw, m->env.n_heads, (size_t)st->batch->n_tokens * stride, (size_t)stride,
-                            1, L, c0, c1, LETHE_SCORE_PROBABILITY, true, LETHE_REDUCE_MAX, tmp);
+        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L); /* a full layer reads all */
+        /* the decode query: per head softmax over the candidates, max over heads */
+        req[n] = (lethe_score_seq){.q_row = q->q_row + q->n_new - 1, .n_rows = 1,
+                                   .key_begin = attn->sel_begin[i], .n_keys = L, .c0 = c0, .c1 = c1,
+                                   .mode = LETHE_SCORES_PROB_MAX | LETHE_SCORES_CAND_DENOM};
+        who[n++] = i;
+    }
+    float *out = lethe_xmalloc((lethe_attn_scores_out_len(req, n, 1) + 1) * sizeof(float));
+    bool ok = lethe_sparse_scores(m, attn, req, n, 1, out);
+    size_t off = 0;
+    for (int32_t k = 0; k < n; k++) {
+        omni_state *os = st->seqs[who[k]].state;
+        int32_t c0 = req[k].c0, nc = req[k].c1 - c0;
+        if (!ok) { /* nothing to score with (no backend): read everything */
+            os->valid = false;
+            continue;
+        }
         if (os->cap < K) {
             os->sel = lethe_xrealloc(os->sel, (size_t)K * sizeof(int32_t));
             os->cap = K;
         }
-        os->n_sel = lethe_topk_indices(tmp, c1 - c0, K, os->sel);
+        os->n_sel = lethe_topk_indices(out + off, nc, K, os->sel);
         for (int32_t j = 0; j < os->n_sel; j++) os->sel[j] += c0;
+        off += (size_t)nc;
     }
-    free(tmp);
+    free(out);
+    free(who);
+    free(req);
 }
 
 static void omni_finish(lethe_sparse_method *m, const lethe_sparse_step *st) { PRIV(m)->st = NULL; }

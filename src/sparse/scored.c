@@ -106,27 +106,44 @@ int32_t lethe_scored_select_decode(lethe_sparse_method *m, int32_t layer, const 
 }
 
 void lethe_scored_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                             const float *scores, int32_t stride) {
+                             const lethe_attn_args *attn) {
     lethe_scored_priv *p = PRIV(m);
     int32_t s = m->knobs.sink_keep_tokens, r = m->knobs.recent_keep_tokens;
-    float *tmp = NULL;
+    lethe_score_seq *req = lethe_xmalloc((size_t)st->n_seqs * sizeof(*req));
+    int32_t *who = lethe_xmalloc((size_t)st->n_seqs * sizeof(*who)), n = 0;
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
         sc_state *ss = q->state;
         int32_t L = lethe_sparse_row_len(m, layer, q->row);
         lethe_rowvec_resize(&ss->score[layer], L, -INFINITY);
-        if (!scores || !seq_scores(p, q)) continue;
+        if (!attn || !seq_scores(p, q)) continue;
         /* window: the last min(w, n_new) queries of this step (they lie in the final chunk) */
         int32_t wn = q->is_prefill ? LETHE_MIN(p->w, q->n_new) : q->n_new;
         int32_t c0 = s, c1 = L - r;
         if (c1 <= c0 || wn <= 0) continue;
-        tmp = lethe_xrealloc(tmp, (size_t)(c1 - c0) * sizeof(float));
-        const float *raw = scores + (size_t)(q->q_row + q->n_new - wn) * stride;
-        lethe_window_scores(raw, m->env.n_heads, (size_t)st->batch->n_tokens * stride,
-                            (size_t)stride, wn, L, c0, c1, p->mode, true, LETHE_REDUCE_MAX, tmp);
-        lethe_score_accumulate(ss->score[layer].v + c0, tmp, c1 - c0, LETHE_REDUCE_MAX);
+        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L); /* select_all: entry == row position */
+        /* logits: max over window rows and heads; probability: per head the
+         * window mean of the softmax over the candidates, max over heads */
+        req[n] = (lethe_score_seq){
+            .q_row = q->q_row + q->n_new - wn, .n_rows = wn, .key_begin = attn->sel_begin[i],
+            .n_keys = L, .c0 = c0, .c1 = c1,
+            .mode = p->mode == LETHE_SCORE_LOGITS ? LETHE_SCORES_LOGIT_MAX
+                                                  : LETHE_SCORES_PROB_MAX | LETHE_SCORES_CAND_DENOM};
+        who[n++] = i;
     }
-    free(tmp);
+    float *out = lethe_xmalloc((lethe_attn_scores_out_len(req, n, 1) + 1) * sizeof(float));
+    if (lethe_sparse_scores(m, attn, req, n, 1, out)) {
+        size_t off = 0;
+        for (int32_t k = 0; k < n; k++) {
+            sc_state *ss = st->seqs[who[k]].state;
+            int32_t nc = req[k].c1 - req[k].c0;
+            lethe_score_accumulate(ss->score[layer].v + req[k].c0, out + off, nc, LETHE_REDUCE_MAX);
+            off += (size_t)nc;
+        }
+    }
+    free(out);
+    free(who);
+    free(req);
 }
 
 int32_t lethe_scored_after(const lethe_sparse_method *m, int32_t layer, int32_t len, bool prefill,

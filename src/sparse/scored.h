@@ -37,7 +37,7 @@ int32_t lethe_scored_select(lethe_sparse_method *m, int32_t layer, const lethe_s
 int32_t lethe_scored_select_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                                    int32_t seq, const void *q, int32_t *sel, int32_t cap);
 void lethe_scored_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                             const float *scores, int32_t stride);
+                             const lethe_attn_args *attn);
 void lethe_scored_finish(lethe_sparse_method *m, const lethe_sparse_step *st);
 int32_t lethe_scored_min_final_chunk(const lethe_sparse_method *m);
 int32_t lethe_scored_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,

@@ -11,12 +11,14 @@
  *
  *   prepare(step)                                   once, before the forward
  *   for each layer l:                               inside the model forward
- *       needs_scores(l)                             should attention emit scores?
+ *       needs_scores(l)                             will after_attn score queries?
  *       for each sequence s of the step:
  *           build_prefill_selection(l, s)           if s.is_prefill
  *           build_decode_selection(l, s, q)         otherwise (may read q)
  *       -- the model stores the new K/V and runs attention over the selections --
- *       after_attn(l, scores)                       scores only if needs_scores(l)
+ *       after_attn(l, attn)                         attn (what attention read) only if
+ *                                                   needs_scores(l): the method may
+ *                                                   score with lethe_sparse_scores
  *       layer_end(l)                                end of the layer's attention
  *   finish_step(step)                               after the forward, before
  *                                                   tokens are published: the ONLY
@@ -187,10 +189,13 @@ struct lethe_sparse_ops {
     int32_t (*build_decode_selection)(lethe_sparse_method *m, int32_t layer,
                                       const lethe_sparse_step *st, int32_t seq, const void *q,
                                       int32_t *sel, int32_t cap);
-    /* optional: scores (host, [n_heads, n_tokens, stride], see lethe_attn_args)
-     * when needs_scores(layer) was true, else NULL */
+    /* optional. attn: the layer's attention arguments (q after RoPE, this
+     * layer's K cache, each sequence's selection in step order) when
+     * needs_scores(layer) was true, else NULL; valid during the call only.
+     * A method turns them into reduced per-key scores with lethe_sparse_scores
+     * (the backend's attn_scores op: on the device, nothing rows x keys). */
     void (*after_attn)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                       const float *scores, int32_t stride);
+                       const lethe_attn_args *attn);
     void (*layer_end)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st);
     void (*finish_step)(lethe_sparse_method *m, const lethe_sparse_step *st); /* optional */
 
@@ -265,6 +270,15 @@ int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, i
 float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value);
 /* whether the backend's KV is host f32 (callable before the pool exists, e.g. in configure) */
 bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m);
+
+/* Reduced attention scores for the requests req[0..n) (lethe_score_seq:
+ * rows, keys, candidates, mode; keys index attn->sel_slots, so key_begin is
+ * normally attn->sel_begin[seq]) through the backend's attn_scores op, into
+ * HOST out [lethe_attn_scores_out_len(req, n, n_groups)]. Returns false (out
+ * untouched) when there is nothing to score with: attn NULL, or no backend /
+ * no q (the fake runner), where methods skip scoring. */
+bool lethe_sparse_scores(const lethe_sparse_method *m, const lethe_attn_args *attn,
+                         const lethe_score_seq *req, int32_t n, int32_t n_groups, float *out);
 
 /* Converts ascending row-entry indices sel[0..n) of `row` in `layer` into slot
  * ids in place (selections are slot lists). */

@@ -1,7 +1,7 @@
 /* sparse_common.c - helpers every sparse method shares on top of the contract:
  * typed knob tables (defaults, parsing with bounds, lookup), the prefill-
  * policy and admission wrappers, host access to stored K/V (CPU backend),
- * entry -> slot conversion, and row-aligned score vectors that follow
+ * the attn_scores call, entry -> slot conversion, and row-aligned score vectors that follow
  * compaction (with their chain-cache snapshot format). */
 #include <errno.h>
 #include <math.h>
@@ -112,6 +112,23 @@ float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool va
     if (!lethe_sparse_kv_host_ok(m) || !m->env.pool) return NULL;
     if (lethe_kv_format_of(m->env.pool) != LETHE_KV_NATIVE) return NULL; /* codes, not f32 */
     return value ? lethe_kv_v(m->env.pool, layer) : lethe_kv_k(m->env.pool, layer);
+}
+
+bool lethe_sparse_scores(const lethe_sparse_method *m, const lethe_attn_args *attn,
+                         const lethe_score_seq *req, int32_t n, int32_t n_groups, float *out) {
+    lethe_backend *be = m->env.be;
+    if (!attn || !attn->q || !be || n == 0) return false;
+    /* attn_scores reads K in the backend's kv type (no quantized-format path yet) */
+    LETHE_ASSERT(!attn->kvq || attn->kvq->format == LETHE_KV_NATIVE);
+    lethe_attn_scores_args a = {
+        .out = out, .q = attn->q, .k_cache = attn->k_cache, .n_tokens = attn->n_tokens,
+        .n_seqs = n, .seqs = req, .key_slots = attn->sel_slots,
+        .n_key_slots = attn->sel_begin[attn->n_seqs], .n_heads = attn->n_heads,
+        .n_kv_heads = attn->n_kv_heads, .head_dim = attn->head_dim, .n_groups = n_groups,
+        .scale = attn->scale,
+    };
+    be->ops->attn_scores(be, &a);
+    return true;
 }
 
 void lethe_sparse_entries_to_slots(const lethe_sparse_method *m, int32_t layer, int32_t row,

@@ -26,10 +26,8 @@
  * get probability exactly 0, and blocks entirely beyond its limit leave its
  * state unchanged (rescale by exp(0) = 1, add 0). So a query's output is
  * bit-identical whatever tile, batch or thread count it is computed in.
- *
- * With a->scores set, the pre-softmax scores are also written (host float
- * [n_heads, n_tokens, score_stride]) for entries [0, limit] and -INF for
- * entries (limit, n_sel); entries from n_sel to score_stride are untouched. */
+ * (Per-key scores for the sparse methods: attn_scores, scores.c, which
+ * computes each score with this same FMA chain.) */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -249,18 +247,13 @@ static void tile_pv(const att_tile *t, float (*P)[ATT_BLOCK], const float *corr,
     }
 }
 
-/* Masks, writes scores, updates the online softmax; P receives probabilities. */
+/* Masks, updates the online softmax; P receives probabilities. */
 static void tile_softmax(att_tile *t, int32_t e0, float (*S)[ATT_BLOCK], float *corr) {
-    const lethe_attn_args *a = t->a;
     const int G = t->G;
     for (int v = 0; v < t->nv; v++) {
-        const int r = v / G, h = v % G;
+        const int r = v / G;
         const int32_t lim = t->limit[r];
         float *s = S[v];
-        if (a->scores) {
-            float *dst = a->scores + ((size_t)(t->hg0 + h) * a->n_tokens + t->row0 + r) * a->score_stride;
-            for (int b = 0; b < ATT_BLOCK && e0 + b <= lim; b++) dst[e0 + b] = s[b];
-        }
         for (int b = 0; b < ATT_BLOCK; b++)
             if (e0 + b > lim) s[b] = -INFINITY;
         __m256 mx = _mm256_set1_ps(t->m[v]);
@@ -342,11 +335,6 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
     for (int v = 0; v < t.nv; v++) {
         const float inv = 1.0f / t.l[v];
         for (int d = 0; d < t.hd; d++) t.out[v][d] *= inv;
-        if (a->scores) {
-            float *dst = a->scores +
-                         ((size_t)(t.hg0 + v % t.G) * a->n_tokens + t.row0 + v / t.G) * a->score_stride;
-            for (int32_t e = t.limit[v / t.G] + 1; e < n_sel; e++) dst[e] = -INFINITY;
-        }
     }
 }
 
@@ -363,7 +351,6 @@ void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
         int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
         int32_t n_sel = a->sel_begin[s + 1] - a->sel_begin[s];
         LETHE_ASSERT(n_q >= 0 && n_sel >= n_q);
-        LETHE_ASSERT(!a->scores || n_sel <= a->score_stride);
     }
     const int G = a->n_heads / a->n_kv_heads;
     const int qt = LETHE_MAX(1, VEC_TARGET / G);

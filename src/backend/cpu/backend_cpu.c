@@ -121,6 +121,7 @@ static const lethe_backend_ops cpu_ops = {
     .graph_reset = cpu_graph_reset,
     .measure_peaks = cpu_measure_peaks,
     .kv_store_quant = lethe_cpu_kv_store_quant,
+    .attn_scores = lethe_cpu_attn_scores,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

@@ -6,7 +6,7 @@
  * with G = n_heads / n_kv_heads; q, out [n_tokens, n_heads, D], caches
  * [n_slots, n_kv_heads, D], all bf16; softmax and accumulation in fp32.
  *
- * Three kernels:
+ * Two kernels (+ their merge):
  *  - split_kernel (decode, and any head_dim the tensor-core kernel does not
  *    take): flash-decoding. A block = (query row, KV head, split); its G query
  *    heads share every K/V row it reads. The selection is cut into n_splits
@@ -19,7 +19,6 @@
  *    attention (WMMA bf16, fp32 accumulate). A block = 64 query rows of one
  *    sequence and one head; keys in tiles of 64 gathered through the slot
  *    table, causal mask per row, online softmax with O kept in shared memory.
- *  - scores_kernel: optional raw scale*q.k output for sparse methods.
  *
  * Index arrays are staged once per call (or pre-staged per step). */
 #include "backend/cuda/cuda_common.cuh"
@@ -415,36 +414,6 @@ prefill_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *_
     }
 }
 
-/* ---- optional score output ---------------------------------------------- */
-
-/* grid: x = query row, y = head; scores[h, r, e] for e < n_sel of the row's sequence */
-__global__ void scores_kernel(float *__restrict__ scores, const bf16 *__restrict__ q,
-                              const bf16 *__restrict__ kc, const int32_t *__restrict__ q_begin,
-                              const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
-                              int n_seqs, int n_tokens, int n_heads, int n_kv, int D, float scale,
-                              int stride) {
-    extern __shared__ float qf[];
-    const int32_t r = blockIdx.x;
-    const int h = blockIdx.y, kvh = h / (n_heads / n_kv);
-    const int s = seq_of_row(q_begin, n_seqs, r);
-    const int32_t n_q = q_begin[s + 1] - q_begin[s], n_sel = sel_begin[s + 1] - sel_begin[s];
-    const int32_t limit = n_sel - n_q + (r - q_begin[s]);
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        qf[d] = __bfloat162float(q[((size_t)r * n_heads + h) * D + d]);
-    __syncthreads();
-    float *dst = scores + ((size_t)h * n_tokens + r) * stride;
-    for (int32_t e = threadIdx.x; e < n_sel; e += blockDim.x) {
-        float v = -INFINITY;
-        if (e <= limit) {
-            const bf16 *k = kc + ((size_t)sel[sel_begin[s] + e] * n_kv + kvh) * D;
-            float acc = 0.0f;
-            for (int d = 0; d < D; d++) acc += qf[d] * __bfloat162float(k[d]);
-            v = scale * acc;
-        }
-        dst[e] = v;
-    }
-}
-
 /* ---- launcher ------------------------------------------------------------ */
 
 static int pick_splits(const cuda_ctx *c, int64_t base_blocks) {
@@ -511,27 +480,6 @@ static void launch_prefill(cuda_ctx *c, const lethe_attn_args *a, const int32_t 
     CU_LAUNCH_CHECK();
 }
 
-static void run_scores(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
-                       const int32_t *d_sb, const int32_t *d_sel) {
-    LETHE_ASSERT(!c->capturing && "graph capture: score output needs host transfers");
-    const size_t n = (size_t)a->n_heads * a->n_tokens * a->score_stride;
-    if (!n) return;
-    size_t cap = c->scores_cap;
-    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, n * sizeof(float));
-    c->scores_cap = cap;
-    /* entries past a sequence's selection stay as the caller left them */
-    CU_CHECK(cudaMemcpyAsync(c->scores_d, a->scores, n * sizeof(float), cudaMemcpyHostToDevice,
-                             c->stream));
-    scores_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128,
-                    (size_t)a->head_dim * sizeof(float), c->stream>>>(
-        c->scores_d, (const bf16 *)a->q, (const bf16 *)a->k_cache, d_qb, d_sb, d_sel, a->n_seqs,
-        a->n_tokens, a->n_heads, a->n_kv_heads, a->head_dim, a->scale, a->score_stride);
-    CU_LAUNCH_CHECK();
-    CU_CHECK(cudaMemcpyAsync(a->scores, c->scores_d, n * sizeof(float), cudaMemcpyDeviceToHost,
-                             c->stream));
-    CU_CHECK(cudaStreamSynchronize(c->stream));
-}
-
 extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a) {
     if (a->kvq && a->kvq->format != LETHE_KV_NATIVE) { /* quantized KV: attention_quant.cu */
         lethe_cuda_attention_quant(be, a);
@@ -546,14 +494,12 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     for (int s = 0; s < a->n_seqs; s++) {
         const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
         LETHE_ASSERT(n_q >= 0 && a->sel_begin[s + 1] - a->sel_begin[s] >= n_q);
-        LETHE_ASSERT(!a->scores || a->sel_begin[s + 1] - a->sel_begin[s] <= a->score_stride);
         if (n_q != 1) decode = false;
     }
     if (a->n_tokens == 0) return;
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
-    if (a->scores) run_scores(c, a, d_qb, d_sb, d_sel);
     if (!decode && (D == 64 || D == 128)) {
         if (D == 64) launch_prefill<64>(c, a, d_qb, d_sb, d_sel);
         else launch_prefill<128>(c, a, d_qb, d_sb, d_sel);

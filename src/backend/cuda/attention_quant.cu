@@ -345,7 +345,6 @@ static void launch_qsplit(cuda_ctx *c, const lethe_attn_args *a, const int32_t *
 extern "C" void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(a->kvq && a->kvq->format == LETHE_KV_FP8_E4M3);
-    LETHE_ASSERT(!a->scores && "score output is not implemented over quantized KV");
     LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
     LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
     const int D = a->head_dim;

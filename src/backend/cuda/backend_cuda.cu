@@ -441,6 +441,7 @@ static const lethe_backend_ops cuda_ops = {
     /* .graph_reset */ cuda_graph_reset,
     /* .measure_peaks */ cuda_measure_peaks,
     /* .kv_store_quant */ lethe_cuda_kv_store_quant,
+    /* .attn_scores */ lethe_cuda_attn_scores,
 };
 
 #define INIT_CHECK(call, what)                                                              \

@@ -22,6 +22,7 @@
  *   rope.cu          rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
  *   attention.cu     prefill/extend (tensor cores) + split-K flash decoding
  *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3)
+ *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p) */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
@@ -104,7 +105,7 @@ typedef struct cuda_ctx {
     float *qattn_ws;
     size_t qattn_ws_cap;         /* bytes */
 
-    /* optional attention score output (sparse methods), fp32 */
+    /* attn_scores scratch (scores.cu), fp32 */
     float *scores_d;
     size_t scores_cap;           /* bytes */
 
@@ -147,6 +148,7 @@ void lethe_cuda_rmsnorm(lethe_backend *be, void *out, const void *x, const void 
 void lethe_cuda_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n, int32_t n_heads,
                      int32_t head_dim, const lethe_rope_config *rope);
 void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a);
+void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a);
 void lethe_cuda_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
                       int32_t n, int32_t dim);
 void lethe_cuda_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,

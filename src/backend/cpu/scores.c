@@ -1,0 +1,108 @@
+/* scores.c - attn_scores on the CPU backend: reduced per-key scores of a few
+ * query rows for the sparse methods (semantics: lethe_attn_scores_args in
+ * backend.h; CUDA twin: backend/cuda/scores.cu).
+ *
+ * Exactness: a raw score is computed as the CPU attention computes it (one
+ * fmaf chain over d in increasing order from 0, then * scale), and the
+ * reduction is the one sparse/select_util.c's lethe_window_scores applied to
+ * the attention's full score output before this op existed (max in float;
+ * softmax max and sum in double, p = (float)(exp(s - m) / l) summed over rows
+ * in row order in float, divided by n_rows, heads reduced in head order), so
+ * the methods' scores are bit-identical to that path.
+ *
+ * Work per sequence: the query heads in parallel (OpenMP), each producing its
+ * row-reduced values v(h, .) [n_cand] in a scratch [n_heads, n_cand], then
+ * the group reduction in head order. Scratch: n_heads * n_cand floats plus
+ * one raw row [n_keys] per head in flight. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_ops.h"
+#include "core/util.h"
+
+/* raw[e] = scale * q . K[slot(e), kvh] for e in [lo, hi) */
+static void raw_scores(const lethe_attn_scores_args *a, const lethe_score_seq *sq, const float *q,
+                       int kvh, int32_t lo, int32_t hi, float *raw) {
+    const int D = a->head_dim;
+    const size_t kv_stride = (size_t)a->n_kv_heads * D;
+    const float *kc = a->k_cache;
+    const int32_t *slots = a->key_slots + sq->key_begin;
+    for (int32_t e = lo; e < hi; e++) {
+        const float *k = kc + (size_t)slots[e] * kv_stride + (size_t)kvh * D;
+        float acc = 0.0f;
+        for (int d = 0; d < D; d++) acc = fmaf(q[d], k[d], acc);
+        raw[e] = acc * a->scale;
+    }
+}
+
+/* v[j] for candidate c0 + j of query head h, reduced over the scored rows */
+static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *sq, int h,
+                        float *raw, float *v) {
+    const int32_t c0 = sq->c0, c1 = sq->c1, nc = c1 - c0;
+    const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
+    const bool cand = (sq->mode & LETHE_SCORES_CAND_DENOM) != 0;
+    const int kvh = h / (a->n_heads / a->n_kv_heads);
+    for (int32_t j = 0; j < nc; j++) v[j] = kind == LETHE_SCORES_LOGIT_MAX ? -INFINITY : 0.0f;
+    for (int32_t i = 0; i < sq->n_rows; i++) {
+        const int32_t lim = sq->n_keys - sq->n_rows + i; /* last visible key */
+        const float *q = (const float *)a->q + ((size_t)(sq->q_row + i) * a->n_heads + h) * a->head_dim;
+        const int32_t vc1 = LETHE_MIN(c1, lim + 1);      /* visible candidates [c0, vc1) */
+        if (kind == LETHE_SCORES_LOGIT_MAX) {
+            raw_scores(a, sq, q, kvh, c0, vc1, raw);
+            for (int32_t e = c0; e < vc1; e++)
+                if (raw[e] > v[e - c0]) v[e - c0] = raw[e];
+            continue;
+        }
+        const int32_t d0 = cand ? c0 : 0, d1 = cand ? vc1 : lim + 1; /* denominator */
+        raw_scores(a, sq, q, kvh, d0, d1, raw); /* [d0, d1) covers the visible candidates */
+        double m = -INFINITY, l = 0.0;
+        for (int32_t e = d0; e < d1; e++)
+            if (raw[e] > m) m = raw[e];
+        if (m == -INFINITY) continue; /* no visible key in the denominator */
+        for (int32_t e = d0; e < d1; e++) l += exp((double)raw[e] - m);
+        for (int32_t e = c0; e < vc1; e++) v[e - c0] += (float)(exp((double)raw[e] - m) / l);
+    }
+    if (kind != LETHE_SCORES_LOGIT_MAX)
+        for (int32_t j = 0; j < nc; j++) v[j] = v[j] / (float)sq->n_rows;
+}
+
+void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
+    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0 && a->head_dim > 0);
+    const int H = a->n_heads, per_group = a->n_heads / a->n_groups;
+    size_t off = 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
+        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
+        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
+        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
+        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
+        const int32_t nc = sq->c1 - sq->c0;
+        if (nc == 0) continue;
+        float *hv = lethe_xmalloc((size_t)H * (size_t)nc * sizeof(float));
+        const int nt = sq->n_rows * (int64_t)sq->n_keys < 4096 ? 1 : lethe_cpu_threads(be);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int h = 0; h < H; h++) {
+            float *raw = lethe_xmalloc((size_t)sq->n_keys * sizeof(float));
+            head_values(a, sq, h, raw, hv + (size_t)h * nc);
+            free(raw);
+        }
+        const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
+        for (int g = 0; g < a->n_groups; g++) {
+            float *o = a->out + off + (size_t)g * nc;
+            for (int32_t j = 0; j < nc; j++) {
+                float acc = kind == LETHE_SCORES_LOGIT_MAX || kind == LETHE_SCORES_PROB_MAX ? -INFINITY : 0.0f;
+                for (int h = g * per_group; h < (g + 1) * per_group; h++) {
+                    float x = hv[(size_t)h * nc + j];
+                    if (kind == LETHE_SCORES_LOGIT_MAX || kind == LETHE_SCORES_PROB_MAX) acc = x > acc ? x : acc;
+                    else acc += x;
+                }
+                o[j] = kind == LETHE_SCORES_PROB_MEAN ? acc / (float)per_group : acc;
+            }
+        }
+        free(hv);
+        off += (size_t)a->n_groups * (size_t)nc;
+    }
+}

@@ -1,0 +1,269 @@
+/* scores.cu - attn_scores on the CUDA backend: reduced per-key scores of a
+ * few query rows for the sparse methods (semantics: lethe_attn_scores_args in
+ * backend.h; CPU twin: backend/cpu/scores.c).
+ *
+ * Nothing of size rows x keys is materialized (methods.md §2.4 K1, flash-
+ * style two passes). Three kernels on the backend stream, then one small
+ * device -> host copy of the reduced output:
+ *
+ *  1. stats (probability modes only): block = (sequence, up to SC_RB scored
+ *     rows, query head); its threads stride over the row's denominator keys
+ *     (candidates, or the whole causal selection), each keeping an online
+ *     (max m, sum l of exp(s - m)) per row, merged across the block.
+ *     Output stats [n_heads, n_rows] (m, l) per sequence.
+ *  2. values: block = (sequence, tile of SC_THREADS candidates, query head),
+ *     a thread per candidate key; the scored rows' q vectors pass through
+ *     shared memory SC_RB at a time; per key it keeps the max raw score
+ *     (LOGIT_MAX) or the sum over rows of exp(s - m_i) / l_i, divided by
+ *     n_rows. Output v [n_heads, n_cand] per sequence.
+ *  3. reduce: a thread per (group, candidate) folds the group's heads in
+ *     head order (max / sum / mean) into the output [n_groups, n_cand].
+ *
+ * Raw scores are fp32 FMA chains over d in increasing order of the bf16 q
+ * and K (the CPU twin's order), so with identical inputs they match the CPU
+ * up to the rounding of q/K to bf16; exp is expf and sums are fp32
+ * (the CPU uses double), hence the tolerances in test_cuda_ops.
+ *
+ * Scratch (c->scores_d, grows outside capture): n_heads * (n_cand + 2 *
+ * n_rows) + n_groups * n_cand floats summed over the sequences, i.e.
+ * O(n_heads * n_cand) per sequence. Work: O(n_heads * n_rows * n_keys * D)
+ * FMAs per pass, the cost of the window scorer itself. */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <math.h>
+
+#define SC_THREADS 128
+#define SC_RB 8      /* scored rows per register block */
+
+/* per-sequence device descriptor (offsets in floats into the scratch) */
+typedef struct sc_desc {
+    int32_t q_row, n_rows, key_begin, n_keys, c0, c1, mode, pad;
+    int64_t hv_off;    /* v [n_heads, n_cand] */
+    int64_t st_off;    /* stats [n_heads, n_rows] as float2 (m, l), in float2 units */
+    int64_t out_off;   /* output [n_groups, n_cand] */
+} sc_desc;
+
+/* Loads up to SC_RB query rows [r0, r0 + nr) of head h into Qs [nr, D] (fp32). */
+__device__ __forceinline__ void load_rows(float *Qs, const bf16 *__restrict__ q, const sc_desc &sd,
+                                          int r0, int nr, int h, int H, int D) {
+    for (int idx = threadIdx.x; idx < nr * D; idx += blockDim.x) {
+        const int r = idx / D, d = idx - r * D;
+        Qs[idx] = __bfloat162float(q[((size_t)(sd.q_row + r0 + r) * H + h) * D + d]);
+    }
+}
+
+/* acc[r] = sum_d Qs[r][d] * k[d] for r < nr: one fmaf chain over d in order */
+__device__ __forceinline__ void row_dots(const float *Qs, const bf16 *__restrict__ k, int D, int nr,
+                                         float *acc) {
+#pragma unroll
+    for (int r = 0; r < SC_RB; r++) acc[r] = 0.0f;
+    const __nv_bfloat162 *k2 = (const __nv_bfloat162 *)k;
+    for (int d = 0; d < D; d += 2) {
+        const float2 kf = __bfloat1622float2(k2[d / 2]);
+#pragma unroll
+        for (int r = 0; r < SC_RB; r++) {
+            if (r < nr) {
+                acc[r] = fmaf(Qs[r * D + d], kf.x, acc[r]);
+                acc[r] = fmaf(Qs[r * D + d + 1], kf.y, acc[r]);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void ml_merge(float &m, float &l, float m2, float l2) {
+    const float M = fmaxf(m, m2);
+    if (M == -INFINITY) return; /* both empty */
+    l = l * expf(m - M) + l2 * expf(m2 - M);
+    m = M;
+}
+
+/* grid: x = work item (seq, r0), y = query head */
+__global__ void sc_stats_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                                const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                                const int32_t *__restrict__ slots, int H, int n_kv, int D,
+                                float scale, float2 *__restrict__ stats) {
+    extern __shared__ float Qs[];
+    __shared__ float red_m[SC_RB][SC_THREADS / 32], red_l[SC_RB][SC_THREADS / 32];
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int r0 = work[2 * blockIdx.x + 1], h = blockIdx.y, kvh = h / (H / n_kv);
+    const int nr = min(SC_RB, sd.n_rows - r0);
+    load_rows(Qs, q, sd, r0, nr, h, H, D);
+    __syncthreads();
+    const bool cand = (sd.mode & LETHE_SCORES_CAND_DENOM) != 0;
+    const int32_t lim0 = sd.n_keys - sd.n_rows + r0; /* last key visible to row r0 */
+    const int32_t lo = cand ? sd.c0 : 0;
+    const int32_t hi = cand ? min(sd.c1, lim0 + nr) : lim0 + nr;
+    float m[SC_RB], l[SC_RB], acc[SC_RB];
+#pragma unroll
+    for (int r = 0; r < SC_RB; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int32_t e = lo + threadIdx.x; e < hi; e += blockDim.x) {
+        const bf16 *k = kc + ((size_t)slots[sd.key_begin + e] * n_kv + kvh) * D;
+        row_dots(Qs, k, D, nr, acc);
+#pragma unroll
+        for (int r = 0; r < SC_RB; r++) {
+            if (r < nr && e <= lim0 + r) {
+                const float s = acc[r] * scale;
+                if (s > m[r]) {
+                    l[r] = l[r] * expf(m[r] - s) + 1.0f;
+                    m[r] = s;
+                } else {
+                    l[r] += expf(s - m[r]);
+                }
+            }
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < SC_RB; r++) {
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[r], o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l[r], o);
+            ml_merge(m[r], l[r], m2, l2);
+        }
+        if (lane == 0) red_m[r][warp] = m[r], red_l[r][warp] = l[r];
+    }
+    __syncthreads();
+    if (threadIdx.x < nr) {
+        const int r = threadIdx.x;
+        float mm = red_m[r][0], ll = red_l[r][0];
+        for (int w = 1; w < SC_THREADS / 32; w++) ml_merge(mm, ll, red_m[r][w], red_l[r][w]);
+        stats[sd.st_off + (int64_t)h * sd.n_rows + r0 + r] = make_float2(mm, ll);
+    }
+}
+
+/* grid: x = work item (seq, j0), y = query head */
+__global__ void sc_values_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                                 const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                                 const int32_t *__restrict__ slots, int H, int n_kv, int D,
+                                 float scale, const float2 *__restrict__ stats,
+                                 float *__restrict__ hv) {
+    extern __shared__ float Qs[];
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int32_t j = work[2 * blockIdx.x + 1] + threadIdx.x, nc = sd.c1 - sd.c0;
+    const int h = blockIdx.y, kvh = h / (H / n_kv);
+    const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
+    const bool valid = j < nc;
+    const int32_t e = sd.c0 + j;
+    const bf16 *k = valid ? kc + ((size_t)slots[sd.key_begin + e] * n_kv + kvh) * D : kc;
+    float v = kind == LETHE_SCORES_LOGIT_MAX ? -INFINITY : 0.0f, acc[SC_RB];
+    for (int r0 = 0; r0 < sd.n_rows; r0 += SC_RB) {
+        const int nr = min(SC_RB, sd.n_rows - r0);
+        const int32_t lim0 = sd.n_keys - sd.n_rows + r0;
+        __syncthreads(); /* the previous rows' Qs are no longer read */
+        load_rows(Qs, q, sd, r0, nr, h, H, D);
+        __syncthreads();
+        if (!valid || e > lim0 + nr - 1) continue; /* not visible to any row of the chunk */
+        row_dots(Qs, k, D, nr, acc);
+#pragma unroll
+        for (int r = 0; r < SC_RB; r++) {
+            if (r < nr && e <= lim0 + r) {
+                const float s = acc[r] * scale;
+                if (kind == LETHE_SCORES_LOGIT_MAX) {
+                    v = s > v ? s : v;
+                } else {
+                    const float2 st = stats[sd.st_off + (int64_t)h * sd.n_rows + r0 + r];
+                    if (st.x != -INFINITY) v += expf(s - st.x) / st.y;
+                }
+            }
+        }
+    }
+    if (valid) hv[sd.hv_off + (int64_t)h * nc + j] = kind == LETHE_SCORES_LOGIT_MAX ? v : v / (float)sd.n_rows;
+}
+
+/* grid: x = work item (seq, j0), y = group */
+__global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                                 const float *__restrict__ hv, float *__restrict__ out, int H,
+                                 int n_groups) {
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int32_t j = work[2 * blockIdx.x + 1] + threadIdx.x, nc = sd.c1 - sd.c0;
+    if (j >= nc) return;
+    const int g = blockIdx.y, per = H / n_groups;
+    const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
+    const bool is_max = kind == LETHE_SCORES_LOGIT_MAX || kind == LETHE_SCORES_PROB_MAX;
+    float acc = is_max ? -INFINITY : 0.0f;
+    for (int h = g * per; h < (g + 1) * per; h++) {
+        const float x = hv[sd.hv_off + (int64_t)h * nc + j];
+        acc = is_max ? (x > acc ? x : acc) : acc + x;
+    }
+    out[sd.out_off + (int64_t)g * nc + j] = kind == LETHE_SCORES_PROB_MEAN ? acc / (float)per : acc;
+}
+
+extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    LETHE_ASSERT(!c->capturing && "graph capture: attn_scores copies its output to the host");
+    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0);
+    LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= 256);
+    const int H = a->n_heads, D = a->head_dim;
+    /* host pass: descriptors, scratch offsets, work lists */
+    int64_t n_hv = 0, n_st = 0, n_out = 0;
+    int32_t n_stat_items = 0, n_val_items = 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
+        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
+        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
+        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
+        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
+        const int32_t nc = sq->c1 - sq->c0;
+        if (nc == 0) continue;
+        if ((sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX)
+            n_stat_items += (sq->n_rows + SC_RB - 1) / SC_RB;
+        n_val_items += (nc + SC_THREADS - 1) / SC_THREADS;
+    }
+    if (n_val_items == 0) return;
+    /* keys first: the descriptors below then take the ring's next bytes */
+    const int32_t *d_slots = lethe_cuda_stage_idx(c, a->key_slots, (size_t)a->n_key_slots);
+    const size_t desc_bytes = ((size_t)a->n_seqs * sizeof(sc_desc) + 255) & ~(size_t)255;
+    const size_t work_bytes = (size_t)(n_stat_items + n_val_items) * 2 * sizeof(int32_t);
+    void *hview;
+    char *dbase = (char *)lethe_cuda_ring_alloc(c, desc_bytes + work_bytes, &hview);
+    sc_desc *hd = (sc_desc *)hview;
+    int32_t *hw_stat = (int32_t *)((char *)hview + desc_bytes), *hw_val = hw_stat + 2 * n_stat_items;
+    int32_t ks = 0, kv = 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        const int32_t nc = sq->c1 - sq->c0;
+        sc_desc d = {sq->q_row, sq->n_rows, sq->key_begin, sq->n_keys, sq->c0, sq->c1, sq->mode, 0,
+                     n_hv, n_st, n_out};
+        hd[s] = d;
+        if (nc == 0) continue;
+        n_hv += (int64_t)H * nc;
+        n_out += (int64_t)a->n_groups * nc;
+        if ((sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX) {
+            n_st += (int64_t)H * sq->n_rows;
+            for (int32_t r0 = 0; r0 < sq->n_rows; r0 += SC_RB) hw_stat[2 * ks] = s, hw_stat[2 * ks + 1] = r0, ks++;
+        }
+        for (int32_t j0 = 0; j0 < nc; j0 += SC_THREADS) hw_val[2 * kv] = s, hw_val[2 * kv + 1] = j0, kv++;
+    }
+    LETHE_ASSERT(ks == n_stat_items && kv == n_val_items);
+    LETHE_ASSERT((size_t)n_out == lethe_attn_scores_out_len(a->seqs, a->n_seqs, a->n_groups));
+    CU_CHECK(cudaMemcpyAsync(dbase, hview, desc_bytes + work_bytes, cudaMemcpyHostToDevice, c->stream));
+    const sc_desc *d_desc = (const sc_desc *)dbase;
+    const int32_t *d_stat = (const int32_t *)(dbase + desc_bytes), *d_val = d_stat + 2 * n_stat_items;
+
+    /* scratch: hv [n_hv] | out [n_out] | stats [n_st] float2 (8-byte aligned: n_hv + n_out even) */
+    const size_t n_f = (size_t)(n_hv + n_out + 1) & ~(size_t)1;
+    size_t cap = c->scores_cap;
+    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, (n_f + 2 * (size_t)n_st) * sizeof(float));
+    c->scores_cap = cap;
+    float *hv = c->scores_d, *out = c->scores_d + n_hv;
+    float2 *stats = (float2 *)(c->scores_d + n_f);
+
+    const size_t smem = (size_t)SC_RB * D * sizeof(float);
+    const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
+    if (n_stat_items > 0) {
+        sc_stats_kernel<<<dim3((unsigned)n_stat_items, (unsigned)H), SC_THREADS, smem, c->stream>>>(
+            d_desc, d_stat, q, kc, d_slots, H, a->n_kv_heads, D, a->scale, stats);
+        CU_LAUNCH_CHECK();
+    }
+    sc_values_kernel<<<dim3((unsigned)n_val_items, (unsigned)H), SC_THREADS, smem, c->stream>>>(
+        d_desc, d_val, q, kc, d_slots, H, a->n_kv_heads, D, a->scale, stats, hv);
+    CU_LAUNCH_CHECK();
+    sc_reduce_kernel<<<dim3((unsigned)n_val_items, (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
+        d_desc, d_val, hv, out, H, a->n_groups);
+    CU_LAUNCH_CHECK();
+    CU_CHECK(cudaMemcpyAsync(a->out, out, (size_t)n_out * sizeof(float), cudaMemcpyDeviceToHost,
+                             c->stream));
+    CU_CHECK(cudaStreamSynchronize(c->stream));
+}
