@@ -326,6 +326,104 @@ static void test_attention(void) {
     run_attn_case(&cases[7], 0);
 }
 
+/* ---- attn_scores (sparse methods' reduced scores) ------------------------- */
+
+typedef struct score_case {
+    const char *name;
+    int n_heads, n_kv, hd;
+    int n_seqs;
+    int n_rows[4], n_keys[4], c0[4], r[4]; /* candidates [c0, n_keys - r) */
+    int few;  /* large: n_groups 1 only (the CPU twin is the slow side) */
+} score_case;
+
+/* CUDA vs the CPU twin: every mode kind x denominator flag x n_groups in
+ * {1, n_kv, n_heads}, sequences of one case batched in one call with
+ * different modes; GPU output NaN-poisoned (packed: nothing may stay NaN). */
+static void run_score_case(const score_case *tc) {
+    const int H = tc->n_heads, KV = tc->n_kv, D = tc->hd, S = tc->n_seqs;
+    int T = 0, n_list = 0;
+    for (int s = 0; s < S; s++) T += tc->n_rows[s] + 2, n_list += tc->n_keys[s];
+    const int n_slots = n_list + 17;
+    const size_t kv_dim = (size_t)KV * D;
+    float *kc = rand_bf16((size_t)n_slots * kv_dim, 1), *q = rand_bf16((size_t)T * H * D, 2);
+    pair pk = pair_act(kc, (size_t)n_slots * kv_dim), pq = pair_act(q, (size_t)T * H * D);
+    int32_t *slots = lethe_xmalloc((size_t)n_list * sizeof(int32_t));
+    for (int i = 0; i < n_list; i++) slots[i] = (int32_t)(lethe_splitmix64(&g_rng) % (uint64_t)n_slots);
+    static const int kinds[] = {LETHE_SCORES_LOGIT_MAX, LETHE_SCORES_PROB_MAX, LETHE_SCORES_PROB_SUM,
+                                LETHE_SCORES_PROB_MEAN};
+    const int groups[3] = {1, KV, H};
+    double worst = 0;
+    for (int variant = 0; variant < 8 * 3; variant += tc->few ? 3 : 1) {
+        const int n_groups = groups[variant % 3], v = variant / 3;
+        lethe_score_seq req[4];
+        int row = 0, key = 0;
+        for (int s = 0; s < S; s++) {
+            int mode = kinds[(v + s) % 4] | ((v / 4 + s) % 2 ? LETHE_SCORES_CAND_DENOM : 0);
+            req[s] = (lethe_score_seq){.q_row = row + 1, .n_rows = tc->n_rows[s], .key_begin = key,
+                                       .n_keys = tc->n_keys[s], .c0 = tc->c0[s],
+                                       .c1 = tc->n_keys[s] - tc->r[s], .mode = mode};
+            row += tc->n_rows[s] + 2;
+            key += tc->n_keys[s];
+        }
+        const size_t n_out = lethe_attn_scores_out_len(req, S, n_groups);
+        float *oc = lethe_xmalloc((n_out + 1) * sizeof(float)), *og = lethe_xmalloc((n_out + 1) * sizeof(float));
+        for (size_t i = 0; i <= n_out; i++) og[i] = NAN, oc[i] = NAN;
+        lethe_attn_scores_args a = {.out = oc, .q = pq.c, .k_cache = pk.c, .n_tokens = T, .n_seqs = S,
+                                    .seqs = req, .key_slots = slots, .n_key_slots = n_list,
+                                    .n_heads = H, .n_kv_heads = KV, .head_dim = D, .n_groups = n_groups,
+                                    .scale = 1.0f / sqrtf((float)D)};
+        g_cpu->ops->attn_scores(g_cpu, &a);
+        a.out = og, a.q = pq.g, a.k_cache = pk.g;
+        g_gpu->ops->attn_scores(g_gpu, &a);
+        CHECK_MSG(isnan(og[n_out]), "%s: wrote past its output", tc->name);
+        size_t off = 0;
+        for (int s = 0; s < S; s++) {
+            const size_t n = (size_t)n_groups * (req[s].c1 - req[s].c0);
+            const bool logit = (req[s].mode & LETHE_SCORES_KIND_MASK) == LETHE_SCORES_LOGIT_MAX;
+            double amax = 0;
+            for (size_t i = 0; i < n; i++)
+                if (isfinite(oc[off + i])) amax = fmax(amax, fabs(oc[off + i]));
+            for (size_t i = 0; i < n; i++) {
+                const float c = oc[off + i], g = og[off + i];
+                CHECK_MSG(!isnan(g), "%s seq %d mode %d groups %d [%zu]: NaN (unwritten)", tc->name, s,
+                          req[s].mode, n_groups, i);
+                if (isinf(c)) {
+                    CHECK_MSG(g == c, "%s seq %d mode %d [%zu]: %g vs %g", tc->name, s, req[s].mode, i, g, c);
+                    continue;
+                }
+                /* logits: fp32 dots in another order; probabilities: expf and fp32 sums */
+                double err = fabs((double)g - c), tol = logit ? 1e-4 * (1.0 + fabs(c)) : 2e-3 * fabs(c) + 1e-6 * amax;
+                if (!logit && fabs(c) > 1e-3 * amax) worst = fmax(worst, err / fabs(c));
+                CHECK_MSG(err <= tol, "%s seq %d mode %d groups %d [%zu]: %.7g vs cpu %.7g", tc->name, s,
+                          req[s].mode, n_groups, i, g, c);
+            }
+            off += n;
+        }
+        free(oc), free(og);
+    }
+    fprintf(stderr, "    attn_scores %-24s max rel err (probabilities) %.2e\n", tc->name, worst);
+    pair_free(&pk), pair_free(&pq);
+    free(kc), free(q), free(slots);
+}
+
+static void test_attn_scores(void) {
+    static const score_case cases[] = {
+        /* decode rows (OmniKV filter layer, H2O decode eviction), ragged, one at 40K keys */
+        {"decode ragged 40K", 32, 8, 128, 3, {1, 1, 1}, {40000, 300, 5}, {64, 0, 1}, {512, 0, 1}, 0},
+        /* SnapKV window (w = 32) at 33K keys + a short sequence whose recent < w */
+        {"window 33K", 8, 2, 128, 2, {32, 32}, {33000, 100}, {64, 4}, {512, 8}, 1},
+        /* H2O prefill: a whole-chunk window of 200 rows, all keys candidates */
+        {"h2o chunk d64 gqa3", 9, 3, 64, 2, {200, 7}, {1000, 7}, {0, 0}, {0, 0}, 0},
+        /* tiny-llama shape (head_dim 16), an empty candidate range */
+        {"tiny d16", 4, 2, 16, 3, {8, 1, 3}, {120, 60, 9}, {4, 2, 5}, {8, 6, 4}, 0},
+        /* head_dim 256 and 96, MHA */
+        {"d256 gqa16", 16, 1, 256, 2, {5, 1}, {700, 2000}, {0, 100}, {10, 100}, 0},
+        {"d96 mha", 4, 4, 96, 1, {17}, {513}, {3}, {5}, 0},
+    };
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_score_case(&cases[i]);
+    run_score_case(&cases[1]); /* fresh inputs: a race shows up as a moving error */
+}
+
 static void test_free_memory(void) {
     size_t f0 = g_gpu->ops->free_memory(g_gpu);
     CHECK(f0 > ((size_t)1 << 30));
@@ -350,6 +448,7 @@ int main(void) {
     TEST_RUN(test_pointwise);
     TEST_RUN(test_rows);
     TEST_RUN(test_attention);
+    TEST_RUN(test_attn_scores);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_cuda_ops: all passed\n");
