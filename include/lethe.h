@@ -134,6 +134,15 @@ typedef struct lethe_engine_params {
      * model. Lets dummy weights (config.json) serve text: e.g. the Llama-3
      * tokenizer with the dummy Llama-3.1-8B shape. */
     const char *tokenizer;
+    /* added with CUDA-graph decode (src/engine/engine_forward.c): never
+     * capture or replay CUDA graphs (vLLM's --enforce-eager). Graphs are used
+     * on the CUDA backend for pure decode steps of methods whose selection is
+     * the same in every layer (dense), padded to bucket sizes. */
+    bool enforce_eager;
+    /* tests: pad decode batches to the graph bucket sizes even where no graph
+     * runs (CPU backend, or with enforce_eager), to prove padding changes no
+     * real request's output */
+    bool pad_decode_batches;
 } lethe_engine_params;
 
 void lethe_engine_default_params(lethe_engine_params *p);
@@ -185,6 +194,11 @@ typedef struct lethe_engine_stats {
     int64_t n_preemptions;
     int64_t n_steps;
     int64_t n_requests_finished;
+    /* forward path (CUDA-graph decode, src/engine/engine_forward.c) */
+    int64_t graph_replays;    /* decode steps replayed from a captured CUDA graph */
+    int64_t graph_captures;   /* decode steps that captured a graph (and ran it) */
+    int64_t eager_steps;      /* steps whose ops were launched one by one */
+    int64_t padded_seqs;      /* dummy sequences added to pad decode batches to buckets */
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */

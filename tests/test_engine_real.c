@@ -6,6 +6,9 @@
  *    16 mixed-length requests alone vs together (chunked, mixed steps), with
  *    the prefix cache on vs off (shared prefixes, staggered arrivals), and in
  *    a KV pool so small that requests are preempted and recomputed;
+ *  - tiny-llama with decode batches padded to CUDA-graph bucket sizes
+ *    (pad_decode_batches, the CPU stand-in for graph decode): every logit
+ *    bit-identical to unpadded, the scratch slot never leaks;
  *  - models/SmolLM2-135M-Instruct.Q4_1.gguf (the default model): a short
  *    chat case, alone vs batched with a shared system prompt. */
 #include <string.h>
@@ -191,6 +194,87 @@ static void test_preemption_same_output(void) {
     lethe_engine_destroy(e);
 }
 
+/* Decode batches padded to graph buckets (engine_forward.c) on the CPU
+ * backend, where no graph runs but the padding is the same: the full logits
+ * of every token equal the unpadded run's bit for bit. max_num_seqs 13 is not
+ * a bucket (largest bucket 16); as requests finish the decode batch shrinks
+ * through many sizes that are and are not buckets. */
+typedef struct fullout {
+    int32_t tokens[MAXT];
+    float logits[MAXT][256];
+    int32_t n;
+    bool done;
+} fullout;
+
+static void on_full(void *user, const lethe_event *ev) {
+    fullout *o = user;
+    if (ev->n_tokens) {
+        CHECK(o->n < MAXT && ev->logits && ev->n_vocab == 256);
+        memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
+        o->tokens[o->n++] = ev->token;
+    }
+    if (ev->finished) o->done = true;
+}
+
+static lethe_engine_stats run_padded(bool pad, fullout *outs) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = TINY;
+    p.kv_cache_bytes = 1 << 20;
+    p.max_num_batched_tokens = 96;
+    p.max_num_seqs = 13;
+    p.check_invariants = true; /* includes the scratch slot's accounting */
+    p.n_threads = 2;
+    p.pad_decode_batches = pad;
+    lethe_engine *e = NULL;
+    CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
+    CHECK_EQ_INT(lethe_kv_scratch_slot(e->pool) >= 0, pad);
+    memset(outs, 0, sizeof(fullout) * NREQ);
+    for (int i = 0; i < NREQ; i++) {
+        lethe_request_params rp = {0};
+        lethe_sampling_default_params(&rp.sampling);
+        rp.sampling.temperature = 0;
+        rp.sampling.max_tokens = g_jobs[i].max_tokens;
+        rp.sampling.ignore_eos = true;
+        rp.prompt = g_jobs[i].prompt;
+        rp.n_prompt = g_jobs[i].n;
+        rp.want_logits = true;
+        rp.cb = on_full;
+        rp.user = &outs[i];
+        uint64_t id;
+        CHECK(lethe_engine_add_request(e, &rp, &id) == 0);
+    }
+    drain(e);
+    lethe_engine_stats s;
+    lethe_engine_get_stats(e, &s);
+    CHECK_EQ_INT(s.kv_slots_used, 0);
+    CHECK_EQ_INT(s.graph_replays + s.graph_captures, 0); /* the CPU backend has no graphs */
+    CHECK_EQ_INT(s.eager_steps, s.n_steps);
+    lethe_engine_destroy(e);
+    return s;
+}
+
+static void test_padded_decode_same_logits(void) {
+    make_jobs(g_jobs, false);
+    static fullout plain[NREQ], padded[NREQ];
+    lethe_engine_stats s0 = run_padded(false, plain);
+    lethe_engine_stats s1 = run_padded(true, padded);
+    CHECK_EQ_INT(s0.padded_seqs, 0);
+    CHECK(s1.padded_seqs > 0);
+    CHECK_EQ_INT(s0.n_steps, s1.n_steps);
+    for (int i = 0; i < NREQ; i++) {
+        CHECK(plain[i].done && padded[i].done);
+        CHECK_EQ_INT(plain[i].n, padded[i].n);
+        for (int32_t t = 0; t < plain[i].n; t++) {
+            CHECK_MSG(plain[i].tokens[t] == padded[i].tokens[t], "request %d token %d", i, t);
+            CHECK_MSG(!memcmp(plain[i].logits[t], padded[i].logits[t], sizeof(plain[i].logits[t])),
+                      "request %d token %d: padded logits differ", i, t);
+        }
+    }
+    fprintf(stderr, "    padded decode: %lld dummy sequences over %lld steps, logits bit-identical\n",
+            (long long)s1.padded_seqs, (long long)s1.n_steps);
+}
+
 /* the default model: chat prompts with a shared system message */
 static void test_smollm2_chat(void) {
     static const char *questions[] = {"What is the capital of France?", "Name a primary color.",
@@ -235,6 +319,7 @@ int main(void) {
     TEST_RUN(test_alone_vs_batch);
     TEST_RUN(test_prefix_cache_on_off);
     TEST_RUN(test_preemption_same_output);
+    TEST_RUN(test_padded_decode_same_logits);
     TEST_RUN(test_smollm2_chat);
     return 0;
 }

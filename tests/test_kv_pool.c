@@ -298,6 +298,43 @@ static void test_random(bool per_layer) {
 static void test_random_shared(void) { test_random(false); }
 static void test_random_per_layer(void) { test_random(true); }
 
+/* The padding scratch slot: last id in every space, never handed out, held by
+ * the pool's own reference (the checker counts it and refuses rows on it). */
+static void test_scratch_slot(void) {
+    for (int per_layer = 0; per_layer < 2; per_layer++) {
+        lethe_kv_pool_params p = {.n_layers = 3, .n_kv_heads = 2, .head_dim = 4, .n_slots = 9,
+                                  .per_layer = per_layer, .scratch_slot = true};
+        lethe_kv_pool *pool = NULL;
+        CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_OK);
+        CHECK_EQ_INT(lethe_kv_scratch_slot(pool), 8);
+        CHECK_EQ_INT(lethe_kv_min_free(pool), 8);
+        check_ok(pool);
+        int32_t pos[8];
+        seq_pos(pos, 0, 8);
+        int32_t r = lethe_kv_row_alloc(pool);
+        CHECK(lethe_kv_row_append(pool, r, 8, pos));
+        CHECK(!lethe_kv_row_append(pool, r, 1, pos)); /* the scratch slot is not allocatable */
+        for (int32_t sp = 0; sp < lethe_kv_n_spaces(pool); sp++)
+            for (int32_t i = 0; i < 8; i++) CHECK(lethe_kv_row_slots(pool, sp, r)[i] != 8);
+        check_ok(pool);
+        lethe_kv_row_release(pool, r);
+        check_ok(pool);
+        /* corruption: a row pointing at the scratch slot */
+        r = lethe_kv_row_alloc(pool);
+        CHECK(lethe_kv_row_append(pool, r, 1, pos));
+        int32_t was = pool->tabs[(size_t)r * (size_t)pool->n_spaces].slot[0];
+        pool->tabs[(size_t)r * (size_t)pool->n_spaces].slot[0] = 8;
+        CHECK(lethe_kv_check(pool, NULL, 0) != LETHE_OK);
+        CHECK_STR_CONTAINS(lethe_last_error(), "scratch");
+        pool->tabs[(size_t)r * (size_t)pool->n_spaces].slot[0] = was;
+        check_ok(pool);
+        lethe_kv_pool_destroy(pool);
+    }
+    lethe_kv_pool_params p = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 4, .n_slots = 1, .scratch_slot = true};
+    lethe_kv_pool *pool = NULL;
+    CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_ERR_CAPACITY);
+}
+
 static void test_errors(void) {
     lethe_kv_pool *pool = NULL;
     lethe_kv_pool_params p = {.n_layers = 2, .n_kv_heads = 1, .head_dim = 4, .n_slots = 0};
@@ -317,6 +354,7 @@ int main(void) {
     TEST_RUN(test_page_meta);
     TEST_RUN(test_random_shared);
     TEST_RUN(test_random_per_layer);
+    TEST_RUN(test_scratch_slot);
     TEST_RUN(test_errors);
     return 0;
 }

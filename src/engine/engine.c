@@ -3,7 +3,9 @@
  *
  * Construction order (lethe_engine_create_with):
  *   limits -> sparse method (its flags choose the row layout) -> forward
- *   workspace -> KV pool sized from the budget (handed to the method) ->
+ *   workspace -> forward path (engine_forward.c: uniform plan, graphs,
+ *   padding) -> KV pool sized from the budget, plus the padding scratch slot
+ *   (handed to the method) ->
  *   runner bind ->
  *   radix cache (if the method allows prefix reuse) -> scheduler -> sampler
  *   scratch -> inbox.
@@ -166,12 +168,14 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     }
     if (e->runner.workspace && (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens)) != LETHE_OK)
         goto fail;
+    eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
     if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
+    const bool scratch = e->max_bucket > 0;
     lethe_kv_pool_params pp = {
         .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
-        .n_slots = n_slots, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
+        .n_slots = n_slots + scratch, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
         .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
-        .be = e->runner.be, .format = lethe_sparse_kv_format(e->method),
+        .be = e->runner.be, .format = lethe_sparse_kv_format(e->method), .scratch_slot = scratch,
     };
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
@@ -183,24 +187,27 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                              .split_prefill_decode = e->p.split_prefill_decode};
     e->sched = lethe_sched_create(&sp, e->pool, e->radix, e->method);
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
-    e->cap_logits = LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens);
+    /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
+    e->cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->max_bucket);
     e->logits = malloc((size_t)e->cap_logits * (size_t)e->n_vocab * sizeof(float));
     if (!e->logits) {
         st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->cap_logits, e->n_vocab);
         goto fail;
     }
+    eng_forward_bind(e);
     if (e->tok) {
         e->detok_cap = 3 * (lethe_tokenizer_max_token_bytes(e->tok) + 4) + 1;
         e->detok_buf = lethe_xmalloc(e->detok_cap);
     }
     e->n_buckets = 1024;
     e->table = lethe_xcalloc(e->n_buckets, sizeof(*e->table));
-    e->stats.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool);
+    e->stats.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool); /* without the scratch slot */
     eng_publish_stats(e);
-    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s",
+    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
              lethe_kv_format_name(pp.format), e->max_model_len,
-             ops->name, e->radix ? ", prefix cache on" : "");
+             ops->name, e->radix ? ", prefix cache on" : "",
+             e->use_graphs ? ", CUDA-graph decode" : e->max_bucket ? ", padded decode" : "");
     *out = e;
     return LETHE_OK;
 fail:
@@ -514,6 +521,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->store);
     free(e->sel);
     free(e->sel_begin);
+    free(e->gs);
     free(e->logits);
     free(e->detok_buf);
     lethe_queue_destroy(&e->q);

@@ -7,6 +7,9 @@
  *   engine_step.c    one step: schedule, build the batch, forward with the
  *                    plan_layer hooks routed through the sparse method,
  *                    sample, detokenize, stop checks, events
+ *   engine_forward.c how the step's forward runs: per-layer hooks, or one
+ *                    uniform plan (staged once; decode steps as CUDA graphs
+ *                    padded to bucket sizes)
  *   engine_thread.c  threaded mode: start/stop/submit/cancel
  *
  * Ownership: in threaded mode the engine thread owns everything below except
@@ -101,6 +104,13 @@ struct lethe_engine {
     bool thread_running;
     atomic_bool stop_flag;
 
+    /* forward path (engine_forward.c) */
+    bool uniform;                     /* one plan per step (LETHE_SPARSE_UNIFORM + runner support) */
+    bool use_graphs;                  /* uniform, a backend with graphs, not enforce_eager */
+    int32_t max_bucket;               /* decode batches <= this are padded to a bucket; 0 = never */
+    int32_t scratch_slot;             /* KV slot of padding sequences (pool-reserved), -1 = none */
+    lethe_graph_state *gs;
+
     /* chain cache (engine_chain.c); NULL outside chain mode */
     struct lethe_chain_table *chains;
     uint8_t chain_fp[32];
@@ -135,5 +145,12 @@ int32_t eng_chain_rows_held(lethe_engine *e);            /* rows held outside ru
 
 /* engine_step.c */
 int eng_step(lethe_engine *e);
+void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs); /* step scratch capacity */
+
+/* engine_forward.c */
+void eng_forward_init(lethe_engine *e);   /* at create, after the method, before the pool */
+void eng_forward_bind(lethe_engine *e);   /* at create, once the pool exists */
+/* runs e->batch through the runner: hooks per layer, or the uniform plan */
+void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks);
 
 #endif /* LETHE_ENGINE_INTERNAL_H */

@@ -6,7 +6,8 @@
  *      to their rows (sched/scheduler.c)
  *   3. the batch: tokens, logical positions, sequence boundaries, the rows
  *      whose logits are wanted (last row of chunks that reach the end)
- *   4. method->prepare, runner->forward; inside, per layer, plan_layer()
+ *   4. method->prepare, the forward (eng_forward: per layer, or once for a
+ *      uniform method, see engine_forward.c); inside, per layer, plan_layer()
  *      answers "where do the new K/V go and what does attention read" by
  *      asking the sparse method for each sequence's selection
  *      (build_prefill_selection / build_decode_selection), then after_attn
@@ -25,7 +26,7 @@
 #include "core/util.h"
 #include "engine/engine_internal.h"
 
-static void ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
+void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
     if (n_rows > e->cap_rows) {
         e->cap_rows = LETHE_MAX(n_rows, 2 * e->cap_rows);
         e->b_tokens = lethe_xrealloc(e->b_tokens, (size_t)e->cap_rows * sizeof(int32_t));
@@ -223,7 +224,7 @@ int eng_step(lethe_engine *e) {
         eng_finish(e, q, LETHE_FINISH_ERROR, q->r.fail_reason);
     }
     if (out.n_items > 0) {
-        ensure_caps(e, out.n_tokens, out.n_items);
+        eng_ensure_caps(e, out.n_tokens, out.n_items);
         int32_t row = 0, n_logits = 0;
         for (int32_t i = 0; i < out.n_items; i++) {
             const lethe_sched_item *it = &out.items[i];
@@ -248,7 +249,7 @@ int eng_step(lethe_engine *e) {
         lethe_sparse_method *m = e->method;
         if (m->ops->prepare) m->ops->prepare(m, &e->st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
-        e->runner.forward(e->runner.ctx, &e->batch, &hooks, e->logits);
+        eng_forward(e, &hooks); /* engine_forward.c: per-layer hooks or one uniform plan */
         if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
         lethe_sched_commit(e->sched, &out);
         e->stats.n_steps++;

@@ -42,6 +42,12 @@ static void mr_forward(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hook
     lethe_model_forward(&mr->model, b, mr->k, mr->v, hooks, logits);
 }
 
+static void mr_forward_uniform(void *ctx, const lethe_fwd_batch *b, const lethe_layer_plan *plan,
+                               bool use_graph, lethe_graph_state *gs, float *logits) {
+    model_runner *mr = ctx;
+    lethe_model_forward_uniform(&mr->model, b, mr->k, mr->v, plan, use_graph, gs, logits);
+}
+
 static void mr_destroy(void *ctx) {
     model_runner *mr = ctx;
     if (!mr) return;
@@ -63,6 +69,7 @@ lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_run
     out->workspace = mr_workspace;
     out->bind = mr_bind;
     out->forward = mr_forward;
+    out->forward_uniform = mr_forward_uniform;
     out->destroy = mr_destroy;
     return LETHE_OK;
 }

@@ -18,6 +18,7 @@
 #include "core/status.h"
 #include "kv/kv_pool.h"
 #include "model/config.h"
+#include "model/forward_uniform.h"
 #include "model/model.h"
 
 typedef struct lethe_runner {
@@ -33,6 +34,12 @@ typedef struct lethe_runner {
     lethe_status (*bind)(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max);
     /* logits: host [b->n_logits, n_vocab] */
     void (*forward)(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks, float *logits);
+    /* optional: the step with one plan for every layer
+     * (lethe_model_forward_uniform: arrays staged once, decode steps
+     * captured/replayed as CUDA graphs through gs when use_graph). NULL: the
+     * engine always calls forward (the fake runner). */
+    void (*forward_uniform)(void *ctx, const lethe_fwd_batch *b, const lethe_layer_plan *plan,
+                            bool use_graph, lethe_graph_state *gs, float *logits);
     void (*destroy)(void *ctx);
 } lethe_runner;
 

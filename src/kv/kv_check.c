@@ -11,6 +11,8 @@
  *  - n_free + (slots with count > 0) == n_slots;
  *  - count[s] == row entries pointing at s + holder references to s
  *    (so no row points at a free slot and nothing leaks);
+ *  - the scratch slot (if reserved) has exactly the pool's one reference and
+ *    no row holds it;
  *  - a row never holds the same slot twice; positions strictly ascend;
  *  - unused rows are empty. */
 #include <stdlib.h>
@@ -103,6 +105,11 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
                     st = lethe_errorf(LETHE_ERR_INVALID, "kv check: row %d space %d entry %d: bad slot %d", row, sp, i, slot);
                     goto out;
                 }
+                if (slot == lethe_kv_scratch_slot(pool)) {
+                    st = lethe_errorf(LETHE_ERR_INVALID, "kv check: row %d space %d entry %d holds the scratch slot %d",
+                                      row, sp, i, slot);
+                    goto out;
+                }
                 if (i > 0 && t->pos[i] <= t->pos[i - 1]) {
                     st = lethe_errorf(LETHE_ERR_INVALID, "kv check: row %d space %d: positions not ascending at entry %d (%d after %d)",
                                       row, sp, i, t->pos[i], t->pos[i - 1]);
@@ -131,6 +138,8 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
         goto out;
     }
 
+    if (lethe_kv_scratch_slot(pool) >= 0) /* the pool's own reference */
+        for (int32_t sp = 0; sp < pool->n_spaces; sp++) c.seen[sp][lethe_kv_scratch_slot(pool)]++;
     for (int32_t sp = 0; sp < pool->n_spaces; sp++) {
         const kv_space *s = &pool->spaces[sp];
         for (int32_t i = 0; i < ns; i++) {

@@ -47,6 +47,9 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
                             p->n_layers, p->n_kv_heads, p->head_dim);
     if (p->n_slots <= 0)
         return lethe_errorf(LETHE_ERR_CAPACITY, "kv pool: no KV slots fit the memory budget");
+    if (p->scratch_slot && p->n_slots < 2)
+        return lethe_errorf(LETHE_ERR_CAPACITY, "kv pool: %d slots leave none besides the scratch slot",
+                            p->n_slots);
     if (p->page_meta_floats < 0)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: page_meta_floats < 0");
     if (p->format != LETHE_KV_NATIVE && p->format != LETHE_KV_FP8_E4M3)
@@ -66,8 +69,11 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
             lethe_kv_pool_destroy(pool);
             return lethe_errorf(LETHE_ERR_NOMEM, "kv pool: %d slots: out of host memory", p->n_slots);
         }
-        for (int32_t i = 0; i < p->n_slots; i++) sp->free_stack[i] = p->n_slots - 1 - i;
-        sp->n_free = p->n_slots;
+        /* the scratch slot (last id) stays off the free list with the pool's reference */
+        const int32_t n_free = p->scratch_slot ? p->n_slots - 1 : p->n_slots;
+        for (int32_t i = 0; i < n_free; i++) sp->free_stack[i] = n_free - 1 - i;
+        sp->n_free = n_free;
+        if (p->scratch_slot) sp->ref[p->n_slots - 1] = 1;
     }
     pool->k = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
     pool->v = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
@@ -132,6 +138,9 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
 int32_t lethe_kv_n_layers(const lethe_kv_pool *pool) { return pool->p.n_layers; }
 int32_t lethe_kv_n_slots(const lethe_kv_pool *pool) { return pool->p.n_slots; }
 int32_t lethe_kv_n_spaces(const lethe_kv_pool *pool) { return pool->n_spaces; }
+int32_t lethe_kv_scratch_slot(const lethe_kv_pool *pool) {
+    return pool->p.scratch_slot ? pool->p.n_slots - 1 : -1;
+}
 bool lethe_kv_per_layer(const lethe_kv_pool *pool) { return pool->p.per_layer; }
 
 int32_t lethe_kv_space_of(const lethe_kv_pool *pool, int32_t layer) {

@@ -59,6 +59,12 @@ typedef struct lethe_kv_pool_params {
     int32_t page_meta_floats; /* floats of metadata per 16-token page; 0 = none */
     lethe_backend *be;        /* NULL: bookkeeping only (fake-model tests), no K/V buffers */
     lethe_kv_format format;   /* NATIVE (0) unless the method declares another */
+    /* Reserve one slot (the last id, n_slots - 1, in every slot space) that no
+     * row ever owns: the pool holds its only reference, so it is never on a
+     * free list and the checker counts it. Padding sequences of CUDA-graph
+     * decode buckets store their K/V there and attend only to it
+     * (engine_forward.c). n_slots includes it. */
+    bool scratch_slot;
 } lethe_kv_pool_params;
 
 /* Bytes one token costs across all layers (K and V, with the format's side
@@ -71,7 +77,9 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
 void lethe_kv_pool_destroy(lethe_kv_pool *pool); /* NULL-safe */
 
 int32_t lethe_kv_n_layers(const lethe_kv_pool *pool);
-int32_t lethe_kv_n_slots(const lethe_kv_pool *pool);  /* per slot space */
+int32_t lethe_kv_n_slots(const lethe_kv_pool *pool);  /* per slot space (incl. the scratch slot) */
+/* The reserved scratch slot (same id in every slot space), or -1 without one. */
+int32_t lethe_kv_scratch_slot(const lethe_kv_pool *pool);
 int32_t lethe_kv_n_spaces(const lethe_kv_pool *pool); /* 1 (shared) or n_layers */
 bool lethe_kv_per_layer(const lethe_kv_pool *pool);
 static inline int32_t lethe_kv_space_of_(bool per_layer, int32_t layer) {
@@ -140,8 +148,9 @@ typedef struct lethe_kv_holder {
 } lethe_kv_holder;
 
 /* Verifies: every slot is free (count 0, on its free list exactly once) or
- * referenced exactly `count` times by rows + holders; no row points at a free
- * slot or twice at the same slot; positions ascend; free-list sizes add up.
+ * referenced exactly `count` times by rows + holders (+ the pool's own
+ * reference on the scratch slot); no row points at a free slot, at the
+ * scratch slot or twice at the same slot; positions ascend; free-list sizes add up.
  * Returns LETHE_OK or LETHE_ERR_INVALID with a message naming the violation. */
 lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *holders,
                             int32_t n_holders);

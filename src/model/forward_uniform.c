@@ -12,6 +12,25 @@
 
 #include "core/log.h"
 
+static const int32_t g_buckets[] = {LETHE_GRAPH_BUCKET_LIST};
+#define N_BUCKETS ((int32_t)(sizeof(g_buckets) / sizeof(g_buckets[0])))
+_Static_assert(sizeof(g_buckets) / sizeof(g_buckets[0]) == 35, "bucket count (header comment)");
+
+int32_t lethe_graph_bucket(int32_t n, int32_t max_bucket) {
+    for (int32_t i = 0; i < N_BUCKETS; i++)
+        if (g_buckets[i] >= n) return g_buckets[i] <= max_bucket ? g_buckets[i] : 0;
+    return 0;
+}
+
+int32_t lethe_graph_max_bucket(int32_t max_seqs, int32_t max_rows) {
+    int32_t best = 0;
+    for (int32_t i = 0; i < N_BUCKETS && g_buckets[i] <= max_rows; i++) {
+        best = g_buckets[i];
+        if (best >= max_seqs) break;
+    }
+    return best;
+}
+
 typedef struct uniform_ctx {
     const lethe_layer_plan *plan;
 } uniform_ctx;

@@ -21,6 +21,23 @@
 
 #define LETHE_GRAPH_MAX_BATCH 256
 
+/* Decode batch sizes that get a CUDA graph in the engine (vLLM's default
+ * cudagraph capture sizes): 1, 2, 4, then every multiple of 8 up to
+ * LETHE_GRAPH_MAX_BATCH (35 sizes). A decode step of B sequences runs the
+ * graph of the smallest bucket >= B, padded with dummy sequences
+ * (src/engine/engine_forward.c), so at most 35 graphs exist and a padded
+ * step wastes < 8 rows (< 1 when B <= 4). */
+#define LETHE_GRAPH_BUCKET_LIST                                                                  \
+    1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152,   \
+        160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256
+
+/* The smallest bucket >= n, or 0 when that bucket would exceed max_bucket. */
+int32_t lethe_graph_bucket(int32_t n, int32_t max_bucket);
+/* The largest bucket an engine uses: the smallest bucket >= max_seqs (no
+ * larger decode batch can occur), or the largest bucket <= max_rows when
+ * that one does not fit the forward workspace (max_rows rows); 0 if none. */
+int32_t lethe_graph_max_bucket(int32_t max_seqs, int32_t max_rows);
+
 typedef struct lethe_graph_state {
     uint8_t warm[LETHE_GRAPH_MAX_BATCH + 1]; /* batch size ran eagerly once */
     int64_t n_replays, n_captures, n_eager;  /* counters for reports and tests */

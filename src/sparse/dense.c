@@ -3,7 +3,9 @@
  * The reference every sparse method is measured against, and the engine's
  * default. It uses the shared row layout (all layers keep the same tokens),
  * allows the radix prefix cache, never evicts and never needs scores, so
- * only the two required selection hooks are implemented. */
+ * only the two required selection hooks are implemented. Its selection is
+ * the same in every layer and ignores q, hence LETHE_SPARSE_UNIFORM (one plan
+ * per step, CUDA-graph decode). */
 #include "sparse/sparse.h"
 
 static int32_t dense_prefill(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
@@ -21,7 +23,7 @@ const lethe_sparse_ops lethe_sparse_dense = {
     .name = "dense",
     .aliases = {"vanilla", "full", "none", NULL},
     .summary = "full attention over every resident token (the reference; radix prefix cache)",
-    .flags = LETHE_SPARSE_PREFIX_CACHE,
+    .flags = LETHE_SPARSE_PREFIX_CACHE | LETHE_SPARSE_UNIFORM,
     .build_prefill_selection = dense_prefill,
     .build_decode_selection = dense_decode,
 };

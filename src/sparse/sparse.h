@@ -144,6 +144,14 @@ enum {
     LETHE_SPARSE_PER_LAYER_ROWS = 1u << 0, /* a slot space and row per layer (per-layer eviction) */
     LETHE_SPARSE_PREFIX_CACHE = 1u << 1,   /* radix prefix reuse is valid for this method */
     LETHE_SPARSE_PAGE_META = 1u << 2,      /* wants per-page metadata (page_meta_floats) */
+    /* Uniform: every layer gets the same selection (shared rows), built
+     * without the query, no scores, no after_attn / layer_end. The engine
+     * then builds the plan once per step (layer 0, q = NULL) and runs the
+     * step as one plan: index arrays staged once, pure decode steps replayed
+     * as CUDA graphs padded to bucket sizes (engine_forward.c). Only dense
+     * qualifies today (fp8_kv / kivi rewrite KV in after_attn, quest / omnikv
+     * select per layer). */
+    LETHE_SPARSE_UNIFORM = 1u << 3,
 };
 
 struct lethe_sparse_ops {

@@ -1,0 +1,110 @@
+/* engine_forward.c - how one engine step's forward runs.
+ *
+ * Two paths, chosen once at create (eng_forward_init):
+ *
+ *  - per-layer hooks (every method): runner->forward asks plan_layer at each
+ *    layer, so a method may select per layer, read q, get scores and run
+ *    after_attn / layer_end. Each layer stages its own index arrays.
+ *  - uniform plan (methods flagged LETHE_SPARSE_UNIFORM, i.e. dense, on a
+ *    runner with forward_uniform): plan_layer is asked once (layer 0, q =
+ *    NULL) and that plan serves every layer (lethe_model_forward_uniform):
+ *    the step's arrays are staged once, for prefill and mixed steps too. A
+ *    pure decode step (one token and one logits row per sequence) of B <=
+ *    max_bucket sequences is padded to the smallest graph bucket >= B
+ *    (LETHE_GRAPH_BUCKET_LIST) and, with graphs on, replays that bucket's
+ *    CUDA graph (captured on the bucket's second step; the first one sizes
+ *    the backend's buffers eagerly). Larger decode batches and all other
+ *    steps run eagerly.
+ *
+ * Padding: sequences B .. bucket-1 are dummies: token 0 at position 0, K/V
+ * stored into the pool's reserved scratch slot (lethe_kv_scratch_slot, owned
+ * by no request) and a selection of only that slot; their logits rows land
+ * after the real ones in e->logits and are never read. Every op computes a
+ * row (or a sequence's attention) independently of the others, so real
+ * requests get the same logits as unpadded (bit-identical on the CPU backend,
+ * tested by test_engine_real with pad_decode_batches; on CUDA cuBLAS may pick
+ * another kernel for another row count, so padded vs unpadded logits agree
+ * within bf16 rounding and greedy tokens match, tests/gpu/test_cuda_engine.c).
+ * Methods never see the dummies: e->batch and e->st keep the real B.
+ *
+ * Graphs exist on backends other than "cpu" (the CPU backend's graph ops
+ * are no-op twins); enforce_eager turns them off, pad_decode_batches pads
+ * without graphs (tests). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/log.h"
+#include "core/util.h"
+#include "engine/engine_internal.h"
+
+void eng_forward_init(lethe_engine *e) {
+    const lethe_sparse_ops *ops = e->method->ops;
+    if (ops->flags & LETHE_SPARSE_UNIFORM) /* the flag's contract (sparse.h) */
+        LETHE_ASSERT(!(ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) && !ops->needs_scores &&
+                     !ops->after_attn && !ops->layer_end);
+    e->uniform = (ops->flags & LETHE_SPARSE_UNIFORM) && e->runner.forward_uniform;
+    const bool has_graphs = e->runner.be && strcmp(e->runner.be->ops->name, "cpu") != 0;
+    e->use_graphs = e->uniform && has_graphs && !e->p.enforce_eager;
+    const bool pad = e->uniform && (e->use_graphs || e->p.pad_decode_batches);
+    e->max_bucket = pad ? lethe_graph_max_bucket(e->p.max_num_seqs, e->p.max_num_batched_tokens) : 0;
+    e->scratch_slot = -1;
+    e->gs = lethe_xcalloc(1, sizeof(*e->gs));
+}
+
+void eng_forward_bind(lethe_engine *e) {
+    if (e->max_bucket <= 0) return;
+    e->scratch_slot = lethe_kv_scratch_slot(e->pool);
+    LETHE_ASSERT(e->scratch_slot >= 0);
+    /* padding writes rows up to max_bucket: size the step arrays now so a
+     * padded step never reallocates arrays the batch already points at */
+    eng_ensure_caps(e, e->max_bucket, e->max_bucket);
+    LETHE_ASSERT(e->cap_logits >= e->max_bucket);
+}
+
+/* Appends dummy sequences S .. bucket-1 to the step's arrays (b and plan
+ * point into them). */
+static void pad_batch(lethe_engine *e, lethe_fwd_batch *b, lethe_layer_plan *plan, int32_t bucket) {
+    const int32_t S = b->n_seqs, scratch = e->scratch_slot;
+    LETHE_ASSERT(bucket <= e->cap_rows && bucket <= e->cap_seqs && scratch >= 0);
+    LETHE_ASSERT(b->tokens == e->b_tokens && plan->store_slots == e->store &&
+                 plan->sel_begin == e->sel_begin && plan->sel_slots == e->sel);
+    int32_t n_sel = e->sel_begin[S];
+    if (n_sel + (bucket - S) > e->cap_sel) {
+        e->cap_sel = LETHE_MAX(n_sel + (bucket - S), 2 * e->cap_sel);
+        e->sel = lethe_xrealloc(e->sel, (size_t)e->cap_sel * sizeof(int32_t));
+        plan->sel_slots = e->sel;
+    }
+    for (int32_t i = S; i < bucket; i++) {
+        e->b_tokens[i] = 0;
+        e->b_pos[i] = 0;
+        e->b_seq_begin[i + 1] = i + 1;
+        e->b_logit_rows[i] = i;
+        e->store[i] = scratch;
+        e->sel[n_sel++] = scratch;
+        e->sel_begin[i + 1] = n_sel;
+    }
+    b->n_tokens = b->n_seqs = b->n_logits = bucket;
+    e->stats.padded_seqs += bucket - S;
+}
+
+void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks) {
+    if (!e->uniform) {
+        e->runner.forward(e->runner.ctx, &e->batch, hooks, e->logits);
+        e->stats.eager_steps++;
+        return;
+    }
+    lethe_fwd_batch b = e->batch; /* padded below; methods keep seeing e->batch */
+    lethe_layer_plan plan;
+    hooks->plan_layer(hooks->ctx, 0, &b, NULL, &plan); /* the same in every layer */
+    LETHE_ASSERT(!plan.kvq); /* per-layer KV storage (quantized formats) is not uniform */
+    const int32_t S = b.n_seqs;
+    const bool decode = b.n_tokens == S && b.n_logits == S;
+    const int32_t bucket = decode && e->max_bucket > 0 ? lethe_graph_bucket(S, e->max_bucket) : 0;
+    if (bucket > S) pad_batch(e, &b, &plan, bucket);
+    lethe_graph_state *gs = e->gs;
+    const int64_t graphs_before = gs->n_replays + gs->n_captures;
+    e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->use_graphs && bucket > 0, gs, e->logits);
+    if (gs->n_replays + gs->n_captures == graphs_before) e->stats.eager_steps++;
+    e->stats.graph_replays = gs->n_replays;
+    e->stats.graph_captures = gs->n_captures;
+}
