@@ -8,9 +8,17 @@
  *       each line {"prompt": "..."} | {"messages": [...]} | {"prompt_token_ids": [...]}
  *       plus optional sampling fields (temperature, top_k, top_p, min_p,
  *       repetition/presence/frequency_penalty, max_tokens, seed, stop,
- *       stop_token_ids, ignore_eos, logprobs) and an "id" that is copied
- *       through; one result line per input line, in input order, with text,
- *       token_ids, finish_reason, usage (and error for rejected lines).
+ *       stop_token_ids, ignore_eos, logprobs, forced_token_ids) and an "id"
+ *       that is copied through; one result line per input line, in input
+ *       order, with text, token_ids, finish_reason, usage (and error for
+ *       rejected lines).
+ *       forced_token_ids (as `lethe serve`): the i-th generated token is
+ *       forced_token_ids[i] and the request ends after the last one (teacher
+ *       forcing: logits at every position of a known continuation).
+ *       --dump-logits FILE writes the raw next-token logits behind every
+ *       generated token as little-endian float32 rows of n_vocab, requests in
+ *       input order, each with completion_tokens rows (tests compare them
+ *       with transformers: tests/gpu/test_hf_logits.py).
  *
  * Every request goes through lethe_engine_add_request / lethe_engine_step,
  * so --input batches are scheduled together (continuous batching, prefix
@@ -209,6 +217,10 @@ typedef struct batch_item {
     size_t n_text, cap_text;
     int32_t *out_ids;
     int32_t n_out, cap_out;
+    int32_t *forced;
+    int32_t n_forced;
+    float *logits;           /* --dump-logits: [n_out, n_vocab] */
+    int32_t n_vocab;
     int32_t prompt_tokens, completion_tokens, cached_tokens;
     double ttft, t_submit, latency;
 } batch_item;
@@ -219,6 +231,11 @@ static void batch_cb(void *user, const lethe_event *ev) {
         if (b->n_out == b->cap_out) {
             b->cap_out = b->cap_out ? 2 * b->cap_out : 64;
             b->out_ids = lethe_xrealloc(b->out_ids, (size_t)b->cap_out * sizeof(int32_t));
+        }
+        if (ev->logits) {
+            b->logits = lethe_xrealloc(b->logits, (size_t)b->cap_out * (size_t)ev->n_vocab * sizeof(float));
+            memcpy(b->logits + (size_t)b->n_out * (size_t)ev->n_vocab, ev->logits, (size_t)ev->n_vocab * sizeof(float));
+            b->n_vocab = ev->n_vocab;
         }
         b->out_ids[b->n_out++] = ev->token;
     }
@@ -317,6 +334,16 @@ static void parse_line(lethe_engine *e, const char *line, int lineno, const leth
             b->sp.stop_token_ids[b->sp.n_stop_token_ids++] = (int32_t)x->valuedouble;
         }
     }
+    if ((f = cJSON_GetObjectItemCaseSensitive(j, "forced_token_ids"))) {
+        int n = cJSON_GetArraySize(f);
+        if (!cJSON_IsArray(f) || n == 0) { b->error = fmt_err("%s: \"forced_token_ids\" must be a non-empty array", where); goto out; }
+        b->forced = lethe_xmalloc((size_t)n * sizeof(int32_t));
+        cJSON *x;
+        cJSON_ArrayForEach(x, f) {
+            if (!cJSON_IsNumber(x)) { b->error = fmt_err("%s: \"forced_token_ids\" must hold integers", where); goto out; }
+            b->forced[b->n_forced++] = (int32_t)x->valuedouble;
+        }
+    }
     cJSON *prompt = cJSON_GetObjectItemCaseSensitive(j, "prompt");
     cJSON *msgs = cJSON_GetObjectItemCaseSensitive(j, "messages");
     cJSON *pids = cJSON_GetObjectItemCaseSensitive(j, "prompt_token_ids");
@@ -364,7 +391,9 @@ out:
     cJSON_Delete(j);
 }
 
-static void write_result(FILE *out, int index, batch_item *b) {
+static void write_result(FILE *out, FILE *dump, int index, batch_item *b) {
+    if (dump && b->logits && b->n_out > 0)
+        fwrite(b->logits, sizeof(float), (size_t)b->n_out * (size_t)b->n_vocab, dump);
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "index", index);
     if (b->id_field) cJSON_AddItemToObject(o, "id", cJSON_Duplicate(b->id_field, true));
@@ -403,9 +432,12 @@ static void free_item(batch_item *b) {
     free(b->error);
     free(b->text);
     free(b->out_ids);
+    free(b->forced);
+    free(b->logits);
 }
 
-static int run_batch(lethe_engine *e, const char *in_path, const char *out_path, const lethe_sampling_params *def) {
+static int run_batch(lethe_engine *e, const char *in_path, const char *out_path, const char *dump_path,
+                     const lethe_sampling_params *def) {
     FILE *in = !strcmp(in_path, "-") ? stdin : fopen(in_path, "r");
     if (!in) {
         fprintf(stderr, "lethe generate: --input %s: cannot open\n", in_path);
@@ -415,6 +447,13 @@ static int run_batch(lethe_engine *e, const char *in_path, const char *out_path,
     if (!out) {
         fprintf(stderr, "lethe generate: --output %s: cannot create\n", out_path);
         if (in != stdin) fclose(in);
+        return 1;
+    }
+    FILE *dump = NULL;
+    if (dump_path && !(dump = fopen(dump_path, "wb"))) {
+        fprintf(stderr, "lethe generate: --dump-logits %s: cannot create\n", dump_path);
+        if (in != stdin) fclose(in);
+        if (out != stdout) fclose(out);
         return 1;
     }
     int n = 0, cap = 64;
@@ -442,7 +481,8 @@ static int run_batch(lethe_engine *e, const char *in_path, const char *out_path,
     for (int i = 0; i < n; i++) {
         batch_item *b = &items[i];
         if (b->error) { b->done = true; continue; }
-        lethe_request_params rp = {.prompt = b->ids, .n_prompt = b->n_ids, .sampling = b->sp, .cb = batch_cb, .user = b};
+        lethe_request_params rp = {.prompt = b->ids, .n_prompt = b->n_ids, .sampling = b->sp, .cb = batch_cb, .user = b,
+                                   .forced = b->forced, .n_forced = b->n_forced, .want_logits = dump != NULL};
         uint64_t id;
         b->t_submit = lethe_time_s();
         if (lethe_engine_add_request(e, &rp, &id) != 0) {
@@ -462,7 +502,7 @@ static int run_batch(lethe_engine *e, const char *in_path, const char *out_path,
             break;
         }
         while (next_write < n && items[next_write].done) {
-            write_result(out, next_write, &items[next_write]);
+            write_result(out, dump, next_write, &items[next_write]);
             next_write++;
         }
         int d = 0;
@@ -474,7 +514,7 @@ static int run_batch(lethe_engine *e, const char *in_path, const char *out_path,
             progress(done, n, t0, st.generation_tokens_total);
         }
     }
-    for (; next_write < n; next_write++) write_result(out, next_write, &items[next_write]);
+    for (; next_write < n; next_write++) write_result(out, dump, next_write, &items[next_write]);
     double dt = lethe_time_s() - t0;
     lethe_engine_stats st;
     lethe_engine_get_stats(e, &st);
@@ -482,11 +522,14 @@ static int run_batch(lethe_engine *e, const char *in_path, const char *out_path,
     int n_err = 0;
     for (int i = 0; i < n; i++) n_err += items[i].error != NULL;
     fprintf(stderr, "\n[%d requests (%d rejected) in %.2f s | prompt: %lld tokens (%lld from the prefix cache), "
-                    "%.1f tok/s | generation: %lld tokens, %.1f tok/s | %lld steps, %lld preemptions]\n",
+                    "%.1f tok/s | generation: %lld tokens, %.1f tok/s | %lld steps, %lld preemptions | "
+                    "%lld graph replays, %lld graph captures, %lld eager steps, %lld padding seqs]\n",
             n, n_err, dt, (long long)prompt_total, (long long)st.prefix_hit_tokens,
             dt > 0 ? (double)st.prefill_tokens_computed / dt : 0.0, (long long)st.generation_tokens_total,
             dt > 0 ? (double)st.generation_tokens_total / dt : 0.0, (long long)st.n_steps,
-            (long long)st.n_preemptions);
+            (long long)st.n_preemptions, (long long)st.graph_replays, (long long)st.graph_captures,
+            (long long)st.eager_steps, (long long)st.padded_seqs);
+    if (dump) fclose(dump);
     if (out != stdout) fclose(out);
     else fflush(stdout);
     for (int i = 0; i < n; i++) free_item(&items[i]);
@@ -504,7 +547,7 @@ int lethe_cmd_generate(int argc, char **argv) {
     lethe_sampling_params sp;
     lethe_sampling_default_params(&sp);
     sp.max_tokens = GEN_DEFAULT_MAX_TOKENS;
-    const char *prompt = NULL, *system = NULL, *input = NULL, *output = NULL;
+    const char *prompt = NULL, *system = NULL, *input = NULL, *output = NULL, *dump_logits = NULL;
     bool chat = false, raw = false;
     uint64_t seed = 0;
     lethe_opt rows[LETHE_OPTS_MAX];
@@ -520,6 +563,9 @@ int lethe_cmd_generate(int argc, char **argv) {
     ROW("--input", "-i", LETHE_OPT_STR, &input, "FILE.jsonl",
         "batch: one request per line ({\"prompt\"|\"messages\"|\"prompt_token_ids\": ...} + sampling fields)", 1, 0);
     ROW("--output", "-o", LETHE_OPT_STR, &output, "FILE.jsonl", "batch results, one line per input (default stdout)", 1, 0);
+    ROW("--dump-logits", NULL, LETHE_OPT_STR, &dump_logits, "FILE",
+        "batch: raw next-token logits of every generated token, float32 [completion_tokens, n_vocab] per "
+        "request in input order (with \"forced_token_ids\": logits of a known continuation)", 1, 0);
 #undef ROW
     const char *pos[1];
     int n_pos = 0;
@@ -532,6 +578,10 @@ int lethe_cmd_generate(int argc, char **argv) {
     if (seed_given) {
         sp.seed = seed;
         sp.has_seed = true;
+    }
+    if (dump_logits && !input) {
+        fprintf(stderr, "lethe generate: --dump-logits needs --input FILE.jsonl\n");
+        return 2;
     }
     if (input && (prompt || chat)) {
         fprintf(stderr, "lethe generate: --input cannot be combined with --prompt or --chat\n");
@@ -553,7 +603,7 @@ int lethe_cmd_generate(int argc, char **argv) {
     }
     int rc;
     if (input) {
-        rc = run_batch(e, input, output, &sp);
+        rc = run_batch(e, input, output, dump_logits, &sp);
     } else if (chat && !prompt) {
         rc = run_chat(e, system, &sp);
     } else {

@@ -126,3 +126,60 @@ def test_prompt_from_stdin():
     # tiny-llama has no tokenizer: a text prompt is refused with a clear message
     assert r.returncode != 0
     assert "tokenizer" in r.stderr
+
+
+def read_ref(path):
+    """tests/data/hf-ref/*.bin named arrays (format in tests/gen/gen_model_fixtures.py)."""
+    import struct
+    import numpy as np
+    buf = open(path, "rb").read()
+    assert buf[:8] == b"LTHREF01"
+    (n,), off, out = struct.unpack_from("<I", buf, 8), 12, {}
+    for _ in range(n):
+        (nl,) = struct.unpack_from("<I", buf, off)
+        name = buf[off + 4:off + 4 + nl].decode()
+        off += 4 + nl
+        dtype, ndim = struct.unpack_from("<II", buf, off)
+        shape = struct.unpack_from(f"<{ndim}I", buf, off + 8)
+        off += 8 + 4 * ndim
+        count = int(np.prod(shape))
+        out[name] = np.frombuffer(buf, dtype="<f4" if dtype == 0 else "<i4", count=count,
+                                  offset=off).reshape(shape)
+        off += 4 * count
+    return out
+
+
+def test_dump_logits_forced_matches_hf(tmp_path):
+    """forced_token_ids + --dump-logits: the logits of a known continuation, in
+    input order, equal transformers' (fp32 CPU reference fixture) at those
+    positions; the three sequences run as one ragged batch (the CUDA twin of
+    this check is tests/gpu/test_hf_logits.py)."""
+    import numpy as np
+    ref = read_ref(os.path.join(ROOT, "tests", "data", "hf-ref", "tiny-llama.bin"))
+    seqs = [ref[f"seq{s}.tokens"].tolist() for s in range(3)]
+    lines = [json.dumps({"prompt_token_ids": s[:len(s) // 2], "forced_token_ids": s[len(s) // 2:]})
+             for s in seqs]
+    src, dst = batch_lines(tmp_path, lines)
+    dump = tmp_path / "logits.bin"
+    r = run(["--model", TINY, "--input", str(src), "--output", str(dst), "--dump-logits", str(dump),
+             "--enforce-eager"])
+    assert r.returncode == 0, r.stderr
+    assert "graph replays" in r.stderr
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    raw = np.fromfile(dump, dtype="<f4").reshape(-1, 256)
+    off = 0
+    for s, o, k in zip(seqs, out, range(3)):
+        h = len(s) // 2
+        assert o["token_ids"] == s[h:]
+        want = ref[f"seq{k}.logits"][h - 1:len(s) - 1]
+        got = raw[off:off + len(s) - h]
+        off += len(s) - h
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert off == raw.shape[0]
+    r = run(["--model", TINY, "-p", "x", "--dump-logits", str(dump)])
+    assert r.returncode == 2 and "needs --input" in r.stderr
+
+
+def test_help_has_graph_flags():
+    r = run(["--help"])
+    assert "--enforce-eager" in r.stdout and "--dump-logits" in r.stdout

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh BUILD - runs every CUDA test binary in BUILD/tests/gpu
 # (`make test-gpu`, on a machine with a CUDA device; never part of `make
-# test`), then the Python checks of tests/gpu/*.py against transformers when
-# torch can see a GPU. Prints PASS/FAIL per test and "N passed, N failed".
+# test`), then the Python checks tests/gpu/test_*.py BUILD against
+# transformers on the GPU (they FAIL, not skip, when torch sees no GPU).
+# Prints PASS/FAIL per test and "N passed, N failed".
 set -u
 build=${1:-build}
 cd "$(dirname "$0")/../.." || exit 1
