@@ -297,7 +297,7 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--output-len", "-o", LETHE_OPT_STR, &o.output, "LIST", "decode steps", 1, 0},
         {"--points", NULL, LETHE_OPT_STR, &o.points, "B:I:O,...", "explicit (batch:input:output) points instead of the sweep", 1, 0},
         {"--max-num-batched-tokens", NULL, LETHE_OPT_INT, &o.max_batched, "N", "tokens per prefill step", 1, 1 << 20},
-        {"--no-graph", NULL, LETHE_OPT_BOOL, &o.no_graph, NULL, "decode eagerly (no CUDA graphs)", 1, 0},
+        {"--no-graph", "--enforce-eager", LETHE_OPT_BOOL, &o.no_graph, NULL, "decode eagerly (no CUDA graphs)", 1, 0},
         {"--attention", NULL, LETHE_OPT_BOOL, &o.attention, NULL, "also time decode attention alone", 1, 0},
         {"--attention-only", NULL, LETHE_OPT_BOOL, &o.skip_model, NULL, "only the attention sweep (model from config, no weights)", 1, 0},
         {"--attn-batch", NULL, LETHE_OPT_STR, &o.attn_batch, "LIST", "attention sweep batch sizes", 1, 0},
