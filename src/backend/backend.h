@@ -223,6 +223,32 @@ typedef struct lethe_backend_ops {
      * query rows, written to a HOST array; synchronous (returns when `out`
      * is filled). Not allowed during graph capture. ---- */
     void (*attn_scores)(lethe_backend *be, const lethe_attn_scores_args *a);
+
+    /* ---- Quest page bounds (added by the quest issue; CPU twin
+     * backend/cpu/pages.c, CUDA backend/cuda/pages.cu) ----
+     * A page-bounds buffer (allocated by the caller with alloc) holds meta
+     * pages [n_meta, 2, kv_dim] in the KV element type (kv_size bytes): the
+     * elementwise min, then the max, of a page's keys. Storing them in the KV
+     * type is exact: a min or max of stored keys is a stored key value.
+     * page_minmax: for i in [0, n_pages), meta page page_ids[i] := min / max
+     * over the keys k_cache[slots[j]] ([n_slots, kv_dim]) for j in
+     * [slot_begin[i], slot_begin[i+1]) (at least one slot each; arbitrary slot
+     * ids, any count, so partial pages too). Host arrays: page_ids [n_pages],
+     * slot_begin [n_pages + 1], slots [slot_begin[n_pages]]. */
+    void (*page_minmax)(lethe_backend *be, void *meta, const void *k_cache, const int32_t *page_ids,
+                        const int32_t *slot_begin, const int32_t *slots, int32_t n_pages,
+                        int32_t kv_dim);
+    /* page_scores: Quest upper bounds of sequence s in [0, n_seqs): its query
+     * row q_rows[s] of q ([n_tokens, n_heads, head_dim] activations) against
+     * meta pages page_ids[page_begin[s] .. page_begin[s+1]):
+     *   out[i] = max over query heads h of sum_c max(q[h,c] * min[kh,c], q[h,c] * max[kh,c])
+     * with kh = h / (n_heads / n_kv_heads). out: HOST float [page_begin[n_seqs]],
+     * written when the op returns (a host sync on a device backend). Host
+     * arrays: q_rows [n_seqs], page_begin [n_seqs + 1], page_ids. */
+    void (*page_scores)(lethe_backend *be, float *out, const void *q, const void *meta,
+                        int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
+                        const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
+                        int32_t head_dim);
 } lethe_backend_ops;
 
 struct lethe_backend {

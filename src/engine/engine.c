@@ -68,9 +68,11 @@ static const char *base_name(const char *path) {
 static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     const lethe_model_config *c = &e->runner.cfg;
     size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
-    /* real bytes per token of the method's storage format (quantized KV: more slots) */
+    /* real bytes per token of the method's storage format (quantized KV: more slots),
+     * plus what the method keeps per slot (Quest's page bounds) */
     size_t tok_bytes = lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size,
-                                            lethe_sparse_kv_format(e->method));
+                                            lethe_sparse_kv_format(e->method)) +
+                       lethe_sparse_slot_overhead(e->method);
     size_t budget;
     bool cuda = e->runner.be && e->runner.be->ops->free_memory && e->runner.be->ops->free_memory(e->runner.be) > 0;
     if (cuda) {

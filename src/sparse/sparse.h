@@ -228,6 +228,13 @@ struct lethe_sparse_ops {
      * depend on knobs); NULL = LETHE_KV_NATIVE. The engine sizes the pool by
      * that format's real bytes per token (lethe_kv_token_bytes). */
     lethe_kv_format (*kv_format)(const lethe_sparse_method *m);
+
+    /* ---- added by the quest issue (optional) ---- */
+    /* backend bytes the method allocates per KV slot (all layers together)
+     * besides K and V (Quest: its page bounds); the engine adds them to the
+     * per-token cost when it sizes the pool, so the method's buffers fit in
+     * the same budget. Called before the pool exists. NULL = 0. */
+    size_t (*slot_overhead_bytes)(const lethe_sparse_method *m);
 };
 
 /* ---- registry (registry.c) ---- */
@@ -271,6 +278,7 @@ int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m); /* 0 without
 lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m); /* NATIVE without the hook */
 int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                                   int32_t n_total, int32_t chunk);
+size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m); /* 0 without the hook */
 
 /* Host view of a layer's stored K / V ([n_slots, n_kv_heads, head_dim] f32),
  * NULL when the backend's KV memory is not host f32 (CUDA: the method ops

@@ -99,6 +99,10 @@ int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, i
     return n_total;
 }
 
+size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m) {
+    return m && m->ops->slot_overhead_bytes ? m->ops->slot_overhead_bytes(m) : 0;
+}
+
 bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m) {
     const lethe_backend *be = m->env.be;
     return be && !strcmp(be->ops->name, "cpu") && be->ops->kv_size == sizeof(float);

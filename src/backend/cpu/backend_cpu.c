@@ -122,6 +122,9 @@ static const lethe_backend_ops cpu_ops = {
     .measure_peaks = cpu_measure_peaks,
     .kv_store_quant = lethe_cpu_kv_store_quant,
     .attn_scores = lethe_cpu_attn_scores,
+    /* Quest page bounds */
+    .page_minmax = lethe_cpu_page_minmax,
+    .page_scores = lethe_cpu_page_scores,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

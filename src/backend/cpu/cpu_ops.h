@@ -11,6 +11,7 @@
  *   attention_quant.c  the same over quantized KV (FP8 E4M3 codes + scales)
  *   scores.c       attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
+ *   pages.c        Quest page bounds: page_minmax, page_scores
  *
  * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
  * and each output element is computed by the same sequence of float
@@ -46,6 +47,13 @@ void lethe_cpu_gather_rows(lethe_backend *be, void *dst, const void *src, const 
 void lethe_cpu_add(lethe_backend *be, void *x, const void *y, size_t n);
 void lethe_cpu_add_bias(lethe_backend *be, void *y, const void *b, int32_t n, int32_t dim);
 void lethe_cpu_swiglu(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);
+void lethe_cpu_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
+                           const int32_t *page_ids, const int32_t *slot_begin, const int32_t *slots,
+                           int32_t n_pages, int32_t kv_dim);
+void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q, const void *meta,
+                           int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
+                           const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
+                           int32_t head_dim);
 
 /* RoPE inverse frequencies [head_dim/2] exactly as HF computes them in fp32
  * (rope_type default / linear / llama3). Shared with tests and the CUDA

@@ -442,6 +442,9 @@ static const lethe_backend_ops cuda_ops = {
     /* .measure_peaks */ cuda_measure_peaks,
     /* .kv_store_quant */ lethe_cuda_kv_store_quant,
     /* .attn_scores */ lethe_cuda_attn_scores,
+    /* Quest page bounds */
+    /* .page_minmax */ lethe_cuda_page_minmax,
+    /* .page_scores */ lethe_cuda_page_scores,
 };
 
 #define INIT_CHECK(call, what)                                                              \

@@ -24,6 +24,7 @@
  *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3)
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
+ *   pages.cu         Quest page bounds: page_minmax, page_scores
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p) */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
 #define LETHE_BACKEND_CUDA_COMMON_CUH
@@ -163,6 +164,14 @@ void lethe_cuda_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, voi
                                void *v_cache, const void *k, const void *v, const int32_t *slots,
                                int32_t n, int32_t n_kv_heads, int32_t head_dim);
 void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a);
+/* Quest page bounds (pages.cu) */
+void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
+                            const int32_t *page_ids, const int32_t *slot_begin,
+                            const int32_t *slots, int32_t n_pages, int32_t kv_dim);
+void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q, const void *meta,
+                            int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
+                            const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
+                            int32_t head_dim);
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
 void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);

@@ -1,0 +1,73 @@
+/* pages.c - Quest page bounds on the CPU backend (twin of cuda/pages.cu).
+ *
+ *   page_minmax  meta[page_ids[i]] = (min, max) over keys k_cache[slots[j]],
+ *                j in [slot_begin[i], slot_begin[i+1])         meta [n_meta, 2, kv_dim]
+ *   page_scores  out[i] = max_h sum_c max(q[h,c] min[kh,c], q[h,c] max[kh,c])
+ *
+ * These are the reference computations, written to be bit-identical to the
+ * host helpers the method used before (select_util.c lethe_page_minmax_add and
+ * lethe_quest_page_scores): the page starts as a copy of its first key and
+ * folds the others in slot-list order with strict < / > compares, and each
+ * head's bound is a left-to-right float sum over c. Each output element is
+ * computed by one thread in that fixed order, so results do not depend on the
+ * thread count or on which other pages / sequences share the call. */
+#include <math.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_ops.h"
+#include "core/util.h"
+
+void lethe_cpu_page_minmax(lethe_backend *be, void *meta_, const void *k_cache_,
+                           const int32_t *page_ids, const int32_t *slot_begin, const int32_t *slots,
+                           int32_t n_pages, int32_t kv_dim) {
+    float *meta = meta_;
+    const float *K = k_cache_;
+    const size_t kd = (size_t)kv_dim;
+    int nt = (int64_t)slot_begin[n_pages] * kv_dim < 65536 ? 1 : lethe_cpu_threads(be);
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int32_t i = 0; i < n_pages; i++) {
+        const int32_t b = slot_begin[i], e = slot_begin[i + 1];
+        LETHE_ASSERT(page_ids[i] >= 0 && e > b);
+        float *mn = meta + (size_t)page_ids[i] * 2 * kd, *mx = mn + kd;
+        const float *k0 = K + (size_t)slots[b] * kd;
+        memcpy(mn, k0, kd * sizeof(float));
+        memcpy(mx, k0, kd * sizeof(float));
+        for (int32_t j = b + 1; j < e; j++) {
+            const float *k = K + (size_t)slots[j] * kd;
+            for (size_t c = 0; c < kd; c++) {
+                if (k[c] < mn[c]) mn[c] = k[c];
+                if (k[c] > mx[c]) mx[c] = k[c];
+            }
+        }
+    }
+}
+
+void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q_, const void *meta_,
+                           int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
+                           const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
+                           int32_t head_dim) {
+    LETHE_ASSERT(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && page_begin[0] == 0);
+    const float *Q = q_, *meta = meta_;
+    const int32_t g = n_heads / n_kv_heads;
+    const size_t kd = (size_t)n_kv_heads * head_dim, qd = (size_t)n_heads * head_dim;
+    int nt = (int64_t)page_begin[n_seqs] * n_heads * head_dim < 65536 ? 1 : lethe_cpu_threads(be);
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const float *q = Q + (size_t)q_rows[s] * qd;
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int32_t i = page_begin[s]; i < page_begin[s + 1]; i++) {
+            const float *pm = meta + (size_t)page_ids[i] * 2 * kd;
+            float best = -INFINITY;
+            for (int32_t h = 0; h < n_heads; h++) {
+                const float *qh = q + (size_t)h * head_dim;
+                const float *mn = pm + (size_t)(h / g) * head_dim, *mx = mn + kd;
+                float u = 0.0f;
+                for (int32_t c = 0; c < head_dim; c++) {
+                    float a = qh[c] * mx[c], b = qh[c] * mn[c];
+                    u += a > b ? a : b;
+                }
+                if (u > best) best = u;
+            }
+            out[i] = best;
+        }
+    }
+}

@@ -1,0 +1,193 @@
+/* pages.cu - Quest page bounds on the CUDA backend (twin of cpu/pages.c).
+ *
+ *   page_minmax  meta[page_ids[i]] = (min, max) over keys k_cache[slots[j]],
+ *                j in [slot_begin[i], slot_begin[i+1])   meta [n_meta, 2, kv_dim] bf16
+ *   page_scores  out[i] = max_h sum_c max(q[h,c] min[kh,c], q[h,c] max[kh,c])  (host f32)
+ *
+ * page_minmax: one block per page, each thread owns VEC channels and folds
+ * the page's slots in list order with strict < / > compares in fp32, the CPU
+ * twin's rule; the result is a stored bf16 key value, so it is bit-identical
+ * to the CPU twin on the same (bf16-representable) keys.
+ *
+ * page_scores: the decode-time cost of Quest, a pass over 2 / P of the keys
+ * (bf16 bounds: 1/8 of K at P = 16). Grid (page tiles, sequences); the block
+ * stages its sequence's query row [n_heads, head_dim] in shared memory as
+ * fp32, each warp takes pages of the tile: per KV head the lanes hold channel
+ * pairs of min / max in registers (head_dim <= 256), then for every query head
+ * of the group a per-lane partial sum and a warp all-reduce. fp32 throughout;
+ * the sum order differs from the CPU's left-to-right one (float
+ * reassociation only). The op ends with a host sync (its output is host). */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <string.h>
+
+/* ---- page_minmax ------------------------------------------------------- */
+
+template <int VEC>
+__device__ __forceinline__ void load_vec(bf16 *v, const bf16 *k) {
+    if constexpr (VEC == 8) {
+        *(uint4 *)v = *(const uint4 *)k;
+    } else {
+#pragma unroll
+        for (int u = 0; u < VEC; u++) v[u] = k[u];
+    }
+}
+
+template <int VEC>
+__global__ void page_minmax_kernel(bf16 *__restrict__ meta, const bf16 *__restrict__ K,
+                                   const int32_t *__restrict__ page_ids,
+                                   const int32_t *__restrict__ slot_begin,
+                                   const int32_t *__restrict__ slots, int32_t kv_dim) {
+    const int32_t i = blockIdx.x, b = slot_begin[i], e = slot_begin[i + 1];
+    bf16 *mn_out = meta + (size_t)page_ids[i] * 2 * kv_dim, *mx_out = mn_out + kv_dim;
+    for (int32_t c0 = threadIdx.x * VEC; c0 < kv_dim; c0 += blockDim.x * VEC) {
+        float mn[VEC], mx[VEC];
+        {
+            const bf16 *k = K + (size_t)slots[b] * kv_dim + c0;
+            alignas(16) bf16 v[VEC];
+            load_vec<VEC>(v, k);
+#pragma unroll
+            for (int u = 0; u < VEC; u++) mn[u] = mx[u] = __bfloat162float(v[u]);
+        }
+        for (int32_t j = b + 1; j < e; j++) {
+            const bf16 *k = K + (size_t)slots[j] * kv_dim + c0;
+            alignas(16) bf16 v[VEC];
+            load_vec<VEC>(v, k);
+#pragma unroll
+            for (int u = 0; u < VEC; u++) {
+                float x = __bfloat162float(v[u]);
+                if (x < mn[u]) mn[u] = x;
+                if (x > mx[u]) mx[u] = x;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VEC; u++) { /* exact: both are bf16 values */
+            mn_out[c0 + u] = __float2bfloat16_rn(mn[u]);
+            mx_out[c0 + u] = __float2bfloat16_rn(mx[u]);
+        }
+    }
+}
+
+extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
+                                       const int32_t *page_ids, const int32_t *slot_begin,
+                                       const int32_t *slots, int32_t n_pages, int32_t kv_dim) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    LETHE_ASSERT(n_pages >= 0 && kv_dim > 0);
+    if (n_pages == 0) return;
+    LETHE_ASSERT(n_pages <= 0x7fffffff && slot_begin[0] == 0);
+    const int32_t *d_ids = lethe_cuda_stage_idx(c, page_ids, (size_t)n_pages);
+    const int32_t *d_beg = lethe_cuda_stage_idx(c, slot_begin, (size_t)n_pages + 1);
+    const int32_t *d_slots = lethe_cuda_stage_idx(c, slots, (size_t)slot_begin[n_pages]);
+    const bool vec = kv_dim % 8 == 0 && (uintptr_t)meta % 16 == 0 && (uintptr_t)k_cache % 16 == 0;
+    const int32_t per = vec ? kv_dim / 8 : kv_dim;
+    const unsigned threads = per >= 256 ? 256 : (unsigned)((per + 31) / 32 * 32);
+    if (vec)
+        page_minmax_kernel<8><<<(unsigned)n_pages, threads, 0, c->stream>>>(
+            (bf16 *)meta, (const bf16 *)k_cache, d_ids, d_beg, d_slots, kv_dim);
+    else
+        page_minmax_kernel<1><<<(unsigned)n_pages, threads, 0, c->stream>>>(
+            (bf16 *)meta, (const bf16 *)k_cache, d_ids, d_beg, d_slots, kv_dim);
+    CU_LAUNCH_CHECK();
+}
+
+/* ---- page_scores ------------------------------------------------------- */
+
+#define PS_WARPS 8
+#define PS_PAGES_PER_BLOCK 32 /* a tile: 4 pages per warp */
+#define PS_MAX_PAIRS 4        /* channel pairs per lane: head_dim <= 2 * 32 * 4 */
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+__global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
+                                   const bf16 *__restrict__ meta,
+                                   const int32_t *__restrict__ q_rows,
+                                   const int32_t *__restrict__ page_begin,
+                                   const int32_t *__restrict__ page_ids, int32_t n_heads,
+                                   int32_t n_kv_heads, int32_t head_dim) {
+    extern __shared__ float q_s[]; /* [n_heads * head_dim] */
+    const int32_t s = blockIdx.y;
+    const int32_t p0 = page_begin[s] + blockIdx.x * PS_PAGES_PER_BLOCK;
+    const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
+    if (p0 >= p1) return; /* uniform over the block */
+    const int32_t qd = n_heads * head_dim, kd = n_kv_heads * head_dim, g = n_heads / n_kv_heads;
+    const bf16 *q = Q + (size_t)q_rows[s] * qd;
+    for (int32_t i = threadIdx.x; i < qd; i += blockDim.x) q_s[i] = __bfloat162float(q[i]);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t n_pairs = head_dim / 2;
+    for (int32_t i = p0 + warp; i < p1; i += PS_WARPS) {
+        const bf16 *pm = meta + (size_t)page_ids[i] * 2 * kd;
+        float best = -INFINITY;
+        for (int32_t kh = 0; kh < n_kv_heads; kh++) {
+            float2 mn[PS_MAX_PAIRS], mx[PS_MAX_PAIRS];
+#pragma unroll
+            for (int r = 0; r < PS_MAX_PAIRS; r++) {
+                const int32_t cp = lane + 32 * r;
+                if (cp < n_pairs) {
+                    mn[r] = __bfloat1622float2(((const __nv_bfloat162 *)(pm + kh * head_dim))[cp]);
+                    mx[r] = __bfloat1622float2(((const __nv_bfloat162 *)(pm + kd + kh * head_dim))[cp]);
+                } else {
+                    mn[r] = mx[r] = make_float2(0.0f, 0.0f);
+                }
+            }
+            for (int32_t h = kh * g; h < (kh + 1) * g; h++) {
+                const float2 *qh = (const float2 *)(q_s + h * head_dim);
+                float u = 0.0f;
+#pragma unroll
+                for (int r = 0; r < PS_MAX_PAIRS; r++) {
+                    const int32_t cp = lane + 32 * r;
+                    if (cp < n_pairs) {
+                        const float2 qv = qh[cp];
+                        u += fmaxf(qv.x * mn[r].x, qv.x * mx[r].x);
+                        u += fmaxf(qv.y * mn[r].y, qv.y * mx[r].y);
+                    }
+                }
+                u = warp_sum(u);
+                if (u > best) best = u;
+            }
+        }
+        if (lane == 0) out[i] = best;
+    }
+}
+
+extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q,
+                                       const void *meta, int32_t n_seqs, const int32_t *q_rows,
+                                       const int32_t *page_begin, const int32_t *page_ids,
+                                       int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    LETHE_ASSERT(!c->capturing && "graph capture: page_scores ends with a host sync");
+    LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+    LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
+    if (n_seqs == 0) return;
+    LETHE_ASSERT(page_begin[0] == 0 && n_seqs <= 65535);
+    const int32_t total = page_begin[n_seqs];
+    if (total == 0) return;
+    int32_t max_pages = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);
+        max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
+    }
+    const size_t smem = (size_t)n_heads * head_dim * sizeof(float);
+    LETHE_ASSERT(smem <= c->smem_optin && "page_scores: the query row does not fit in shared memory");
+    if (smem > 48 * 1024) /* above the default: opt in (a cheap host call) */
+        CU_CHECK(cudaFuncSetAttribute(page_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem));
+    const int32_t *d_rows = lethe_cuda_stage_idx(c, q_rows, (size_t)n_seqs);
+    const int32_t *d_beg = lethe_cuda_stage_idx(c, page_begin, (size_t)n_seqs + 1);
+    const int32_t *d_ids = lethe_cuda_stage_idx(c, page_ids, (size_t)total);
+    void *h_out;
+    float *d_out = (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
+    dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
+    page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
+        d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
+        head_dim);
+    CU_LAUNCH_CHECK();
+    CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost,
+                             c->stream));
+    CU_CHECK(cudaStreamSynchronize(c->stream));
+    memcpy(out, h_out, (size_t)total * sizeof(float));
+}
