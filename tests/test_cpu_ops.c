@@ -6,7 +6,10 @@
  * a prefix + new tokens, permuted cache slots and sparse (subset) selections,
  * and the optional score output. GEMM determinism: the same output row is
  * bit-identical whatever the batch size, its position in the batch and the
- * thread count. Ends with a GEMM throughput line (GFLOP/s) for the log. */
+ * thread count. Quest page ops (page_minmax over arbitrary slot lists with
+ * partial pages, page_scores over several sequences) bit-identical to the
+ * direct host computation of select_util.c. Ends with a GEMM throughput line
+ * (GFLOP/s) for the log. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -15,6 +18,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
+#include "sparse/select_util.h"
 #include "test.h"
 
 static lethe_backend *g_be;   /* all cores */
@@ -373,6 +377,55 @@ static void bench_matmul(void) {
     }
 }
 
+/* ---- Quest page ops --------------------------------------------------------- */
+
+/* page_minmax over pages of arbitrary slots (lengths 1..P, so partial pages)
+ * and permuted meta page ids == lethe_page_minmax_build over the gathered
+ * keys; page_scores of three sequences (query rows, page lists sharing meta
+ * pages) == lethe_quest_page_scores. Bit-identical, both thread counts. */
+static void test_page_ops(void) {
+    enum { NS = 300, HK = 2, G = 4, D = 24, KVD = HK * D, P = 16, NP = 23, NMETA = 40, NQ = 5 };
+    float *K = rand_vec((size_t)NS * KVD), *q = rand_vec((size_t)NQ * G * HK * D);
+    for (int i = 0; i < NS * KVD; i += 7) K[i] = 0.0f; /* ties with the fold order */
+    int32_t ids[NP], beg[NP + 1], slots[NP * P], n_slots = 0, len[NP];
+    for (int i = 0; i < NMETA && i < NP; i++) ids[i] = (i * 17 + 5) % NMETA; /* distinct */
+    for (int i = 0; i < NP; i++) {
+        len[i] = i % 5 == 4 ? 1 + i % P : P; /* some partial pages */
+        beg[i] = n_slots;
+        for (int j = 0; j < len[i]; j++) slots[n_slots++] = (int32_t)(lethe_splitmix64(&g_rng) % NS);
+    }
+    beg[NP] = n_slots;
+    lethe_backend *bes[2] = {g_be, g_be1};
+    for (int b = 0; b < 2; b++) {
+        float *meta = lethe_xcalloc((size_t)NMETA * 2 * KVD, sizeof(float));
+        bes[b]->ops->page_minmax(bes[b], meta, K, ids, beg, slots, NP, KVD);
+        for (int i = 0; i < NP; i++) {
+            float keys[P * KVD], mn[KVD], mx[KVD];
+            for (int j = 0; j < len[i]; j++) memcpy(keys + j * KVD, K + (size_t)slots[beg[i] + j] * KVD, sizeof(float) * KVD);
+            lethe_page_minmax_build(keys, len[i], KVD, P, mn, mx);
+            CHECK(!memcmp(meta + (size_t)ids[i] * 2 * KVD, mn, sizeof(mn)));
+            CHECK(!memcmp(meta + (size_t)ids[i] * 2 * KVD + KVD, mx, sizeof(mx)));
+        }
+        /* three sequences: pages [0, 9), [9, 9) (none), [9, 23) reversed */
+        int32_t rows[3] = {4, 0, 2}, pbeg[4] = {0, 9, 9, 23}, pids[23];
+        for (int i = 0; i < 9; i++) pids[i] = ids[i];
+        for (int i = 9; i < 23; i++) pids[i] = ids[NP - 1 - (i - 9)];
+        float out[23], want[1];
+        for (int i = 0; i < 23; i++) out[i] = NAN;
+        bes[b]->ops->page_scores(bes[b], out, q, meta, 3, rows, pbeg, pids, G * HK, HK, D);
+        for (int s = 0; s < 3; s++)
+            for (int i = pbeg[s]; i < pbeg[s + 1]; i++) {
+                const float *pm = meta + (size_t)pids[i] * 2 * KVD;
+                lethe_quest_page_scores(q + (size_t)rows[s] * G * HK * D, G * HK, HK, D, pm, pm + KVD, 1, want);
+                CHECK_MSG(!memcmp(&out[i], want, sizeof(float)), "page %d: %g vs %g", i, (double)out[i],
+                          (double)want[0]);
+            }
+        free(meta);
+    }
+    free(K);
+    free(q);
+}
+
 int main(void) {
     lethe_backend_params p = {.device = "cpu", .n_threads = 0};
     CHECK(lethe_backend_cpu_create(&p, &g_be) == LETHE_OK);
@@ -390,6 +443,7 @@ int main(void) {
     TEST_RUN(test_rope);
     TEST_RUN(test_attention);
     TEST_RUN(test_attention_tile_invariance);
+    TEST_RUN(test_page_ops);
     TEST_RUN(bench_matmul);
     g_be->ops->destroy(g_be); /* not lethe_backend_destroy: keeps CUDA out of the link */
     g_be1->ops->destroy(g_be1);

@@ -130,6 +130,10 @@ static const char *big_cfg(const char *name) {
     if (!strcmp(name, "kivi")) return "kivi_bits=16,kv_quant_page_size=16";
     if (!strcmp(name, "streamingllm")) return "sink_keep_tokens=4,recent_keep_tokens=1000";
     if (!strcmp(name, "dense") || !strcmp(name, "fp8_kv")) return NULL;
+    /* through the page ops in every layer (they select every page here) */
+    if (!strcmp(name, "quest"))
+        return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096,quest_skip_layers=0,"
+               "quest_always_score=true";
     return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096";
 }
 

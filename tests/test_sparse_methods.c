@@ -12,7 +12,8 @@
  *  - per-method properties: StreamingLLM's kept ranges and decode cycle,
  *    SnapKV's kept set == oracle top-k of window logits, PyramidKV per-layer
  *    budgets, H2O compaction between chunks, Quest page count and
- *    current-page rule, OmniKV sparse layers == sink + oracle top-K + recent,
+ *    current-page rule and its selection == a scratch oracle (batched decode,
+ *    page boundaries, compaction), OmniKV sparse layers == sink + oracle top-K + recent,
  *    KIVI / FP8 stored values within their bounds and tail pages exact;
  *  - registry and knob parsing errors, the OmniKV layer picker. */
 #include <math.h>
@@ -232,6 +233,10 @@ static const char *big_cfg(const char *name) {
     if (!strcmp(name, "h2o")) return "h2o_prefill_budget=1000,h2o_decode_budget=1000";
     if (!strcmp(name, "kivi")) return "kivi_bits=16";
     if (!strcmp(name, "streamingllm")) return "sink_keep_tokens=4,recent_keep_tokens=1000";
+    /* the page ops run in every layer; with K >= pages every page is selected */
+    if (!strcmp(name, "quest"))
+        return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=100000,quest_skip_layers=0,"
+               "quest_always_score=true";
     return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=100000";
 }
 
@@ -439,6 +444,58 @@ static void test_quest(void) {
     h_close(&h);
 }
 
+/* Request 0's Quest selection in layer l at its last decode step, recomputed
+ * from scratch from the row's current entries: bounds of the completed pages
+ * over the keys in entry order (lethe_page_minmax_build), the decode query,
+ * lethe_quest_page_scores, top-(K - current pages), then the current page(s). */
+static void check_quest_oracle(harness *h, int l, int32_t budget) {
+    enum { P = 16 };
+    const int32_t L = len_of(h, l, 0), *pos = pos_of(h, l, 0);
+    const uint64_t id = h->r[0].id;
+    const int32_t nd = (L - 1) / P, n_cur = LETHE_CEIL_DIV(L, P) - nd, K = LETHE_MAX(3, budget / P);
+    static float keys[NSLOTS * KVD], mn[NSLOTS * KVD], mx[NSLOTS * KVD], q[H * D], u[NSLOTS];
+    for (int32_t e = 0; e < nd * P; e++)
+        for (int i = 0; i < KVD; i++) keys[e * KVD + i] = gen(id, l, pos[e], 1, i);
+    lethe_page_minmax_build(keys, nd * P, KVD, P, mn, mx);
+    for (int i = 0; i < H * D; i++) q[i] = gen(id, l, pos[L - 1], 0, i);
+    lethe_quest_page_scores(q, H, HK, D, mn, mx, nd, u);
+    int32_t top[NSLOTS];
+    int32_t np = lethe_topk_indices(u, nd, K - n_cur, top);
+    CHECK_EQ_INT(h->n_sel[l], np * P + (L - nd * P));
+    int32_t e = 0;
+    for (int32_t i = 0; i < np; i++)
+        for (int32_t t = 0; t < P; t++) CHECK_EQ_INT(h->sel_pos[l][e++], pos[top[i] * P + t]);
+    for (int32_t t = nd * P; t < L; t++) CHECK_EQ_INT(h->sel_pos[l][e++], pos[t]);
+}
+
+/* Quest through the page ops == the scratch oracle at every decode step:
+ * two requests decoding in one batch (one op call each for both), across a
+ * page boundary (incremental refresh == scratch), then after a compaction of
+ * the shared row (lethe_kv_keep drops entries mid-row: the pool's page
+ * watermark must make the stale pages recompute). */
+static void test_quest_oracle(void) {
+    harness h;
+    h_open(&h, "quest", "sink_keep_tokens=4,recent_keep_tokens=4,decode_keep_tokens=56,quest_skip_layers=1");
+    h_add(&h, 0, 31, 150, 175);
+    h_add(&h, 1, 32, 120, 175);
+    while (h.r[0].n_done < 151) h_step(&h);
+    for (int step = 0; step < 12; step++) {
+        for (int l = 1; l < NL; l++) check_quest_oracle(&h, l, 64);
+        CHECK_EQ_INT(h.n_sel[0], len_of(&h, 0, 0)); /* skipped layer: dense */
+        h_step(&h);
+    }
+    int32_t keep[NSLOTS], n = 0, L = len_of(&h, 0, 0);
+    for (int32_t e = 0; e < L; e++)
+        if (e < 21 || e >= 45) keep[n++] = e;
+    lethe_kv_keep(h.pool, 0, h.r[0].row, keep, n);
+    check_invariants(&h);
+    for (int step = 0; step < 5; step++) {
+        h_step(&h);
+        for (int l = 1; l < NL; l++) check_quest_oracle(&h, l, 64);
+    }
+    h_close(&h);
+}
+
 static void test_omnikv(void) {
     harness h;
     h_open(&h, "omnikv", "sink_keep_tokens=3,recent_keep_tokens=5,decode_keep_tokens=10,omnikv_full_layers=0:2");
@@ -560,6 +617,7 @@ int main(void) {
     TEST_RUN(test_pyramidkv);
     TEST_RUN(test_h2o);
     TEST_RUN(test_quest);
+    TEST_RUN(test_quest_oracle);
     TEST_RUN(test_omnikv);
     TEST_RUN(test_quantizers);
     TEST_RUN(test_lifecycle_all);
