@@ -9,8 +9,10 @@
  * lengths that are not multiples of the kernels' tiles or vector widths,
  * GQA groups 1/3/4/8/16, head_dim 32/64/96/128/256, ragged batches mixing
  * decode rows with prefill and extend chunks over permuted cache slots,
- * sparse (subset) selections, the pre-staged (stage_step) path, and
- * attn_scores (every mode, up to 40K candidates). Needs a CUDA device (make test-gpu). */
+ * sparse (subset) selections, the pre-staged (stage_step) path,
+ * attn_scores (every mode, up to 40K candidates), and the Quest page ops
+ * (page_minmax: exact; page_scores: fp32 reassociation only). Needs a CUDA
+ * device (make test-gpu). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -422,6 +424,113 @@ static void test_attn_scores(void) {
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_score_case(&cases[i]);
     run_score_case(&cases[1]); /* fresh inputs: a race shows up as a moving error */
+
+/* ---- Quest page ops ------------------------------------------------------- */
+
+typedef struct page_case {
+    const char *name;
+    int n_heads, n_kv, hd;
+    int n_seqs;
+    int n_pages[4];  /* pages scored per sequence (0 allowed; > 32 spans several tiles) */
+} page_case;
+
+/* page_minmax over random slot lists (1..40 slots: partial and oversized
+ * pages) into permuted meta pages of a NaN-poisoned buffer: written pages
+ * bit-identical to the CPU twin (a min / max of bf16 keys is a bf16 key),
+ * the others still NaN. page_scores of each sequence's query row over its
+ * page list (pages shared between sequences, some pages twice): host output
+ * NaN-poisoned, |gpu - cpu| <= 1e-5 of sum_c |q_c| max(|m_c|, |M_c|). */
+static void run_page_case(const page_case *tc) {
+    const int H = tc->n_heads, KV = tc->n_kv, D = tc->hd, KVD = KV * D, S = tc->n_seqs;
+    int32_t n_pages = 0;
+    for (int s = 0; s < S; s++) n_pages = LETHE_MAX(n_pages, tc->n_pages[s]);
+    n_pages += 3;
+    const int32_t n_meta = 2 * n_pages + 5, NS = 700, n_tok = 7;
+    float *keys = rand_bf16((size_t)NS * KVD, 2), *qh = rand_bf16((size_t)n_tok * H * D, 1);
+    for (size_t i = 0; i < (size_t)NS * KVD; i += 11) keys[i] = 0.0f;
+    int32_t *ids = lethe_xmalloc((size_t)n_pages * sizeof(int32_t));
+    int32_t *beg = lethe_xmalloc((size_t)(n_pages + 1) * sizeof(int32_t));
+    int32_t *slots = lethe_xmalloc((size_t)n_pages * 40 * sizeof(int32_t)), n_sl = 0;
+    for (int32_t i = 0; i < n_pages; i++) {
+        ids[i] = (int32_t)((i * 7 + 3) % n_meta); /* n_meta is not a multiple of 7: distinct */
+        beg[i] = n_sl;
+        int32_t len = i % 6 == 5 ? 1 + (int32_t)(lethe_splitmix64(&g_rng) % 40) : 16;
+        for (int32_t j = 0; j < len; j++) slots[n_sl++] = (int32_t)(lethe_splitmix64(&g_rng) % NS);
+    }
+    beg[n_pages] = n_sl;
+    pair pk = pair_act(keys, (size_t)NS * KVD), pq = pair_act(qh, (size_t)n_tok * H * D);
+    pair pm = pair_act(NULL, (size_t)n_meta * 2 * KVD);
+    poison(&pm);
+    g_cpu->ops->page_minmax(g_cpu, pm.c, pk.c, ids, beg, slots, n_pages, KVD);
+    g_gpu->ops->page_minmax(g_gpu, pm.g, pk.g, ids, beg, slots, n_pages, KVD);
+    float *mg = lethe_xmalloc((size_t)n_meta * 2 * KVD * sizeof(float));
+    float *mc = lethe_xmalloc((size_t)n_meta * 2 * KVD * sizeof(float));
+    g_gpu->ops->act_to_host(g_gpu, mg, pm.g, (size_t)n_meta * 2 * KVD);
+    g_cpu->ops->act_to_host(g_cpu, mc, pm.c, (size_t)n_meta * 2 * KVD);
+    bool *written = lethe_xcalloc((size_t)n_meta, sizeof(bool));
+    for (int32_t i = 0; i < n_pages; i++) written[ids[i]] = true;
+    for (int32_t p = 0; p < n_meta; p++)
+        for (int32_t c = 0; c < 2 * KVD; c++) {
+            float g = mg[(size_t)p * 2 * KVD + c], e = mc[(size_t)p * 2 * KVD + c];
+            if (written[p])
+                CHECK_MSG(g == e, "%s page_minmax: meta page %d element %d: %g vs %g", tc->name, p, c,
+                          (double)g, (double)e);
+            else
+                CHECK_MSG(isnan(g), "%s page_minmax: meta page %d was not to be written", tc->name, p);
+        }
+    /* scoring: sequence s reads pages ids[(s + i) % n_pages] (overlapping lists) */
+    int32_t rows[4], pbeg[5] = {0}, *pids = lethe_xmalloc((size_t)4 * n_pages * sizeof(int32_t));
+    for (int s = 0; s < S; s++) {
+        rows[s] = (int32_t)((s * 3 + 1) % n_tok);
+        for (int i = 0; i < tc->n_pages[s]; i++) pids[pbeg[s] + i] = ids[(s + i) % n_pages];
+        if (tc->n_pages[s] > 2) pids[pbeg[s] + 1] = pids[pbeg[s]]; /* a page twice */
+        pbeg[s + 1] = pbeg[s] + tc->n_pages[s];
+    }
+    const int32_t total = pbeg[S];
+    float *ug = lethe_xmalloc((size_t)(total + 1) * sizeof(float));
+    float *uc = lethe_xmalloc((size_t)(total + 1) * sizeof(float));
+    for (int32_t i = 0; i <= total; i++) ug[i] = NAN;
+    ug[total] = 12345.0f; /* guard: nothing past the output */
+    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, rows, pbeg, pids, H, KV, D);
+    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, rows, pbeg, pids, H, KV, D);
+    CHECK(ug[total] == 12345.0f);
+    double worst = 0;
+    for (int s = 0; s < S; s++)
+        for (int32_t i = pbeg[s]; i < pbeg[s + 1]; i++) {
+            const float *mn = mc + (size_t)pids[i] * 2 * KVD, *mx = mn + KVD;
+            double scale = 1e-30;
+            for (int h = 0; h < H; h++) {
+                double a = 0;
+                for (int c = 0; c < D; c++) {
+                    int kc = (h / (H / KV)) * D + c;
+                    a += fabs(qh[(size_t)rows[s] * H * D + (size_t)h * D + c]) *
+                         fmax(fabs(mn[kc]), fabs(mx[kc]));
+                }
+                scale = fmax(scale, a);
+            }
+            CHECK_MSG(isfinite(ug[i]), "%s page_scores: output %d not written", tc->name, i);
+            double e = fabs((double)ug[i] - uc[i]) / scale;
+            worst = fmax(worst, e);
+            CHECK_MSG(e <= 1e-5, "%s page_scores: seq %d page %d: %g vs %g (err %.3g of scale)", tc->name,
+                      s, i, (double)ug[i], (double)uc[i], e);
+        }
+    fprintf(stderr, "    %s: page_minmax exact, page_scores max err %.3g\n", tc->name, worst);
+    pair_free(&pk), pair_free(&pq), pair_free(&pm);
+    free(keys), free(qh), free(ids), free(beg), free(slots), free(mg), free(mc), free(written);
+    free(pids), free(ug), free(uc);
+}
+
+static void test_page_ops(void) {
+    static const page_case cases[] = {
+        {"llama8b", 32, 8, 128, 3, {40, 1, 300}},
+        {"mha", 8, 8, 64, 2, {33, 32}},
+        {"tiny hd16", 4, 2, 16, 2, {5, 0}},
+        {"scalar kv_dim 20", 2, 1, 20, 1, {9}},
+        {"hd256 big query", 64, 4, 256, 2, {70, 3}},   /* 64 KiB query row: smem opt-in */
+        {"group 16", 16, 1, 96, 4, {1, 2, 65, 0}},
+    };
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_page_case(&cases[i]);
+    run_page_case(&cases[0]); /* fresh inputs: a race shows up as a moving error */
 }
 
 static void test_free_memory(void) {
@@ -449,6 +558,7 @@ int main(void) {
     TEST_RUN(test_rows);
     TEST_RUN(test_attention);
     TEST_RUN(test_attn_scores);
+    TEST_RUN(test_page_ops);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_cuda_ops: all passed\n");
