@@ -233,8 +233,9 @@ typedef struct lethe_backend_ops {
      * page_minmax: for i in [0, n_pages), meta page page_ids[i] := min / max
      * over the keys k_cache[slots[j]] ([n_slots, kv_dim]) for j in
      * [slot_begin[i], slot_begin[i+1]) (at least one slot each; arbitrary slot
-     * ids, any count, so partial pages too). Host arrays: page_ids [n_pages],
-     * slot_begin [n_pages + 1], slots [slot_begin[n_pages]]. */
+     * ids, any count, so partial pages too; page_ids distinct within a call).
+     * Host arrays: page_ids [n_pages], slot_begin [n_pages + 1], slots
+     * [slot_begin[n_pages]]. */
     void (*page_minmax)(lethe_backend *be, void *meta, const void *k_cache, const int32_t *page_ids,
                         const int32_t *slot_begin, const int32_t *slots, int32_t n_pages,
                         int32_t kv_dim);

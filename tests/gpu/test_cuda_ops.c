@@ -424,6 +424,7 @@ static void test_attn_scores(void) {
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_score_case(&cases[i]);
     run_score_case(&cases[1]); /* fresh inputs: a race shows up as a moving error */
+}
 
 /* ---- Quest page ops ------------------------------------------------------- */
 
