@@ -71,7 +71,7 @@ static void h_open(harness *h, const char *method, const char *cfg) {
     CHECK_MSG(lethe_sparse_create(method, cfg, &env, &h->m) == LETHE_OK, "%s", lethe_last_error());
     lethe_kv_pool_params pp = {.n_layers = NL, .n_kv_heads = HK, .head_dim = D, .n_slots = NSLOTS,
                                .per_layer = (o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0, .be = h->be,
-                               .format = lethe_sparse_kv_format(h->m)};
+                               .format = lethe_sparse_kv_format(h->m), .kivi_res_blocks = MAXR};
     CHECK(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK);
     h->m->env.pool = h->pool;
     h->chunk = 24;
@@ -545,22 +545,35 @@ static void test_quantizers(void) {
     h_open(&h, "kivi", "kivi_bits=4,kv_quant_page_size=16");
     h_add(&h, 0, 6, 40, 41);
     while (h.r[0].n_done < 41) h_step(&h);
-    /* pages [0,16) and [16,32) quantized; the tail 32..40 bit-exact */
-    const float *K = lethe_kv_k(h.pool, 1);
+    /* the pool holds 4-bit codes: groups [0,16) and [16,32) quantized per
+     * channel (error <= s / 2), the tail 32..40 bit-exact in the f32 residual */
+    CHECK(lethe_kv_format_kind(lethe_kv_format_of(h.pool)) == LETHE_KV_KIVI);
+    const lethe_kv_quant *kq = lethe_kv_quant_of(h.pool, 1);
+    const uint8_t *Kc = lethe_kv_k(h.pool, 1);
     const int32_t *slots = lethe_kv_row_slots(h.pool, 0, h.r[0].row);
-    for (int pg = 0; pg < 2; pg++)
+    const size_t cb = lethe_kivi_code_bytes(KVD, 4);
+    for (int pg = 0; pg < 2; pg++) {
+        const int32_t e = kq->kivi->slot_aux[slots[pg * 16]];
+        CHECK(e >= 0);
+        const float *ks = (const float *)kq->k_group + (size_t)e * 2 * KVD;
         for (int c = 0; c < KVD; c++) {
             float mn = INFINITY, mx = -INFINITY;
             for (int t = pg * 16; t < pg * 16 + 16; t++) mn = fminf(mn, gen(6, 1, t, 1, c)), mx = fmaxf(mx, gen(6, 1, t, 1, c));
             float s = (mx - mn) / 15.0f;
-            for (int t = pg * 16; t < pg * 16 + 16; t++)
-                CHECK(fabsf(K[(size_t)slots[t] * KVD + c] - gen(6, 1, t, 1, c)) <= s * 0.5f * 1.0001f + 1e-6f);
+            CHECK(ks[c] == s && ks[KVD + c] == mn);
+            for (int t = pg * 16; t < pg * 16 + 16; t++) {
+                CHECK(kq->kivi->slot_aux[slots[t]] == e);
+                float x = (float)lethe_code_get(Kc + (size_t)slots[t] * cb, c, 4) * ks[c] + ks[KVD + c];
+                CHECK(fabsf(x - gen(6, 1, t, 1, c)) <= s * 0.5f * 1.0001f + 1e-6f);
+            }
         }
-    for (int t = 32; t < 41; t++)
-        for (int c = 0; c < KVD; c++) CHECK(K[(size_t)slots[t] * KVD + c] == gen(6, 1, t, 1, c));
-    bool changed = false;
-    for (int c = 0; c < KVD; c++) changed |= K[(size_t)slots[0] * KVD + c] != gen(6, 1, 0, 1, c);
-    CHECK(changed);
+    }
+    for (int t = 32; t < 41; t++) {
+        const int32_t aux = kq->kivi->slot_aux[slots[t]];
+        CHECK(aux < 0);
+        for (int c = 0; c < KVD; c++)
+            CHECK(((const float *)kq->k_res)[(size_t)(-1 - aux) * KVD + c] == gen(6, 1, t, 1, c));
+    }
     h_close(&h);
     h_open(&h, "fp8", NULL);
     h_add(&h, 0, 6, 30, 31);

@@ -41,15 +41,58 @@ typedef struct lethe_backend lethe_backend;
  *   FP8_E4M3  k_cache / v_cache: uint8 E4M3 codes [n_slots, n_kv_heads, head_dim]
  *             (src/sparse/quant.h), plus k_scale / v_scale: f32
  *             [n_slots, n_kv_heads] (amax / 448 of that token's head vector;
- *             x^ = e4m3(code) * scale). Backend memory, like the caches. */
+ *             x^ = e4m3(code) * scale). Backend memory, like the caches.
+ *   KIVI      packed 2/4/8-bit codes + group params + full-precision residual (below). */
 typedef enum lethe_kv_format {
     LETHE_KV_NATIVE = 0,
     LETHE_KV_FP8_E4M3 = 1,
+    LETHE_KV_KIVI = 2,           /* kind; bits and group size ride in the value, see below */
+    LETHE_KV_FORMAT_INT_ = 0x7fffffff, /* keeps the enum int-sized (KIVI packs fields) */
 } lethe_kv_format;
+
+/* KIVI (methods.md §15, src/sparse/quant.h), C = n_kv_heads * head_dim, b bits,
+ * G tokens per K group = channels per V group. A KIVI format value is
+ * LETHE_KV_KIVI_FORMAT(b, G); lethe_kv_format_kind() strips b and G.
+ *   k_cache / v_cache  uint8 packed b-bit codes [n_slots][C b / 8] (element
+ *                      i of a slot row at bit i b), meaningful once the slot's
+ *                      group is complete;
+ *   v_param            f32 [n_slots][2][C / G]: per-token V group scale, zero;
+ *   k_group            f32 [n_groups][2][C]: per-channel K scale, zero of one
+ *                      complete group of G tokens of a row (n_groups = n_slots / G);
+ *   k_res / v_res      native kv type [n_res][C]: full-precision residual
+ *                      (each row's incomplete tail group), n_res = res blocks * G;
+ *   kivi               HOST step plan (below), shared by all layers.
+ * Slot s reads: aux = kivi->slot_aux[s]; aux >= 0: codes of slot s with K group
+ * entry aux and V params of slot s; aux < 0: residual entry -(1 + aux). */
+#define LETHE_KV_KIVI_FORMAT(bits, group) \
+    ((lethe_kv_format)(LETHE_KV_KIVI | ((bits) << 8) | ((group) << 16)))
+static inline lethe_kv_format lethe_kv_format_kind(lethe_kv_format f) { return (lethe_kv_format)(f & 0xFF); }
+static inline int32_t lethe_kv_kivi_bits(lethe_kv_format f) { return (int32_t)((f >> 8) & 0xFF); }
+static inline int32_t lethe_kv_kivi_group(lethe_kv_format f) { return (int32_t)((f >> 16) & 0x7FFF); }
+
+/* What kv_store_quant does for KIVI this step (host memory, written by the
+ * method in its prepare hook before the forward, same for every layer):
+ * first the n_pack groups completed this step are quantized (member t of group
+ * p: pack_src >= 0 = new token row i of this store's k / v, < 0 = residual
+ * entry -(1 + r); its slot pack_slot; the group's K params go to k_group
+ * entry pack_entry[p]); then every new token whose slot_aux is < 0 is written
+ * to its residual entry. So residual entries a completed group frees can be
+ * reused by the same step's newer tokens. */
+typedef struct lethe_kivi_plan {
+    int32_t *slot_aux;           /* [n_slots] */
+    int32_t n_pack;
+    const int32_t *pack_src;     /* [n_pack * G] */
+    const int32_t *pack_slot;    /* [n_pack * G] */
+    const int32_t *pack_entry;   /* [n_pack] */
+} lethe_kivi_plan;
 
 typedef struct lethe_kv_quant {
     lethe_kv_format format;
     void *k_scale, *v_scale;     /* FP8_E4M3: f32 [n_slots, n_kv_heads] backend memory */
+    /* KIVI (backend memory, layouts above) */
+    void *v_param, *k_group, *k_res, *v_res;
+    int32_t n_groups, n_res;
+    const lethe_kivi_plan *kivi;
 } lethe_kv_quant;
 
 /* What one layer's attention reads, for every sequence of the step.

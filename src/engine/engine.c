@@ -80,6 +80,23 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     } else {
         budget = e->p.kv_cache_bytes ? e->p.kv_cache_bytes : ENG_DEFAULT_KV_BYTES;
     }
+    /* KIVI keeps a full-precision residual block (G tokens) per running request:
+     * a fixed share of at most 1/8 of the budget, and at most max_num_seqs blocks;
+     * the scheduler then runs at most that many requests at once */
+    const lethe_kv_format fmt = lethe_sparse_kv_format(e->method);
+    if (lethe_kv_format_kind(fmt) == LETHE_KV_KIVI) {
+        size_t blk = lethe_kv_kivi_res_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size, fmt, 1);
+        int64_t nb = (int64_t)(budget / 8 / blk);
+        if (nb > e->p.max_num_seqs) nb = e->p.max_num_seqs;
+        if (nb < 1) nb = 1;
+        e->kivi_res_blocks = (int32_t)nb;
+        if (nb < e->p.max_num_seqs) {
+            LOG_INFO("engine: kivi residual for %lld running requests (max_num_seqs %d lowered)", (long long)nb,
+                     e->p.max_num_seqs);
+            e->p.max_num_seqs = (int32_t)nb;
+        }
+        budget = budget > blk * (size_t)nb ? budget - blk * (size_t)nb : 0;
+    }
     int64_t slots = (int64_t)(budget / tok_bytes);
     int64_t cap = (int64_t)e->p.max_num_seqs * e->max_model_len;
     if (slots > cap) slots = cap;
@@ -178,6 +195,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         .n_slots = n_slots + scratch, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
         .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
         .be = e->runner.be, .format = lethe_sparse_kv_format(e->method), .scratch_slot = scratch,
+        .kivi_res_blocks = e->kivi_res_blocks,
     };
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;

@@ -61,6 +61,7 @@ struct lethe_engine {
     lethe_engine_params p;            /* strings below are owned copies */
     char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
     int32_t max_model_len, n_vocab;
+    int32_t kivi_res_blocks;     /* KIVI residual blocks (engine.c size_pool), else 0 */
     lethe_runner runner;
     lethe_tokenizer *tok;             /* NULL: token ids only (dummy models, fake runner) */
     size_t detok_cap;                 /* text buffer for one token */

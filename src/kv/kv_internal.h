@@ -28,6 +28,7 @@ struct lethe_kv_pool {
     kv_space *spaces;    /* [n_spaces] */
     void **k, **v;       /* [n_layers] backend buffers (NULL without a backend) */
     lethe_kv_quant *q;   /* [n_layers] quantized side arrays (format != NATIVE), else NULL */
+    lethe_kivi_plan kplan; /* KIVI: host slot index + the step's pack plan (the method fills it) */
     /* rows: tabs[row * n_spaces + sp] */
     kv_rowtab *tabs;
     bool *row_used;      /* [max_rows] */

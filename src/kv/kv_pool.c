@@ -16,28 +16,71 @@
 
 #include "core/util.h"
 
-/* bytes of one slot of one layer's K (or V) buffer, and of its scale array */
+/* bytes of one slot of one layer's K (or V) buffer, and of its per-slot side
+ * arrays (FP8: the scale; KIVI: V group params + this slot's share of the K
+ * group table, counted for K and V together, so halved here) */
 static size_t code_bytes(int32_t n_kv_heads, int32_t head_dim, size_t kv_elem_size,
                          lethe_kv_format f) {
     size_t n = (size_t)n_kv_heads * (size_t)head_dim;
-    return f == LETHE_KV_FP8_E4M3 ? n : n * kv_elem_size;
+    switch (lethe_kv_format_kind(f)) {
+    case LETHE_KV_FP8_E4M3: return n;
+    case LETHE_KV_KIVI: return (n * (size_t)lethe_kv_kivi_bits(f) + 7) / 8;
+    default: return n * kv_elem_size;
+    }
 }
-static size_t side_bytes(int32_t n_kv_heads, lethe_kv_format f) {
-    return f == LETHE_KV_FP8_E4M3 ? (size_t)n_kv_heads * sizeof(float) : 0;
+static size_t side_bytes(int32_t n_kv_heads, int32_t head_dim, lethe_kv_format f) {
+    switch (lethe_kv_format_kind(f)) {
+    case LETHE_KV_FP8_E4M3: return (size_t)n_kv_heads * sizeof(float);
+    case LETHE_KV_KIVI: /* (V params 8 C / G + K table 8 C / G) / 2 */
+        return 8u * (size_t)n_kv_heads * (size_t)head_dim / (size_t)lethe_kv_kivi_group(f);
+    default: return 0;
+    }
 }
 
 size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
                             size_t kv_elem_size, lethe_kv_format format) {
-    return (size_t)n_layers * 2u *
-           (code_bytes(n_kv_heads, head_dim, kv_elem_size, format) + side_bytes(n_kv_heads, format));
+    size_t b = (size_t)n_layers * 2u *
+               (code_bytes(n_kv_heads, head_dim, kv_elem_size, format) + side_bytes(n_kv_heads, head_dim, format));
+    if (lethe_kv_format_kind(format) == LETHE_KV_KIVI) b += sizeof(int32_t); /* host slot_aux */
+    return b;
+}
+
+size_t lethe_kv_kivi_res_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
+                               size_t kv_elem_size, lethe_kv_format format, int32_t res_blocks) {
+    if (lethe_kv_format_kind(format) != LETHE_KV_KIVI) return 0;
+    return (size_t)n_layers * 2u * (size_t)res_blocks * (size_t)lethe_kv_kivi_group(format) *
+           (size_t)n_kv_heads * (size_t)head_dim * kv_elem_size;
 }
 
 const char *lethe_kv_format_name(lethe_kv_format f) {
-    switch (f) {
+    switch (lethe_kv_format_kind(f)) {
     case LETHE_KV_NATIVE: return "native";
     case LETHE_KV_FP8_E4M3: return "fp8_e4m3";
+    case LETHE_KV_KIVI:
+        switch (lethe_kv_kivi_bits(f)) {
+        case 2: return "kivi2";
+        case 4: return "kivi4";
+        case 8: return "kivi8";
+        }
+        return "kivi?";
+    default: break;
     }
     return "?";
+}
+
+static lethe_status alloc_kivi(lethe_kv_pool *pool, lethe_kv_quant *q) {
+    const lethe_kv_pool_params *p = &pool->p;
+    lethe_backend *be = p->be;
+    const size_t C = (size_t)p->n_kv_heads * (size_t)p->head_dim;
+    const int32_t G = lethe_kv_kivi_group(p->format);
+    q->n_groups = LETHE_MAX(1, p->n_slots / G);
+    q->n_res = LETHE_MAX(1, p->kivi_res_blocks) * G;
+    q->kivi = &pool->kplan;
+    lethe_status st = be->ops->alloc(be, (size_t)p->n_slots * 2u * (C / (size_t)G) * sizeof(float), &q->v_param);
+    if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)q->n_groups * 2u * C * sizeof(float), &q->k_group);
+    if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)q->n_res * C * be->ops->kv_size, &q->k_res);
+    if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)q->n_res * C * be->ops->kv_size, &q->v_res);
+    return st;
 }
 
 lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool **out) {
@@ -52,8 +95,15 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
                             p->n_slots);
     if (p->page_meta_floats < 0)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: page_meta_floats < 0");
-    if (p->format != LETHE_KV_NATIVE && p->format != LETHE_KV_FP8_E4M3)
+    const lethe_kv_format kind = lethe_kv_format_kind(p->format);
+    if (kind != LETHE_KV_NATIVE && kind != LETHE_KV_FP8_E4M3 && kind != LETHE_KV_KIVI)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: unknown KV format %d", (int)p->format);
+    if (kind == LETHE_KV_KIVI) {
+        const int32_t b = lethe_kv_kivi_bits(p->format), G = lethe_kv_kivi_group(p->format);
+        if ((b != 2 && b != 4 && b != 8) || G <= 0 || p->head_dim % G || (G * b) % 8 || p->per_layer)
+            return lethe_errorf(LETHE_ERR_INVALID, "kv pool: bad KIVI format (bits %d, group %d, head_dim %d%s)",
+                                b, G, p->head_dim, p->per_layer ? ", per-layer rows" : "");
+    }
     if (p->format != LETHE_KV_NATIVE && p->be && !p->be->ops->kv_store_quant)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "kv pool: the %s backend has no %s KV",
                             p->be->ops->name, lethe_kv_format_name(p->format));
@@ -79,13 +129,24 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
     pool->v = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
     if (p->be && p->format != LETHE_KV_NATIVE)
         pool->q = lethe_xcalloc((size_t)p->n_layers, sizeof(lethe_kv_quant));
+    if (p->be && kind == LETHE_KV_KIVI) {
+        pool->kplan.slot_aux = malloc((size_t)p->n_slots * sizeof(int32_t));
+        if (!pool->kplan.slot_aux) {
+            lethe_kv_pool_destroy(pool);
+            return lethe_errorf(LETHE_ERR_NOMEM, "kv pool: KIVI slot index: out of host memory");
+        }
+        for (int32_t i = 0; i < p->n_slots; i++) pool->kplan.slot_aux[i] = INT32_MIN; /* never stored */
+    }
     if (p->be) {
         size_t bytes = (size_t)p->n_slots * code_bytes(p->n_kv_heads, p->head_dim, p->be->ops->kv_size, p->format);
-        size_t side = (size_t)p->n_slots * side_bytes(p->n_kv_heads, p->format);
+        size_t side = (size_t)p->n_slots * side_bytes(p->n_kv_heads, p->head_dim, p->format);
         for (int32_t l = 0; l < p->n_layers; l++) {
             lethe_status st = p->be->ops->alloc(p->be, bytes, &pool->k[l]);
             if (st == LETHE_OK) st = p->be->ops->alloc(p->be, bytes, &pool->v[l]);
-            if (st == LETHE_OK && pool->q) {
+            if (st == LETHE_OK && pool->q && kind == LETHE_KV_KIVI) {
+                pool->q[l].format = p->format;
+                st = alloc_kivi(pool, &pool->q[l]);
+            } else if (st == LETHE_OK && pool->q) {
                 pool->q[l].format = p->format;
                 st = p->be->ops->alloc(p->be, side, &pool->q[l].k_scale);
                 if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].v_scale);
@@ -118,9 +179,15 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
             if (pool->v && pool->v[l]) pool->p.be->ops->release(pool->p.be, pool->v[l]);
             if (pool->q && pool->q[l].k_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].k_scale);
             if (pool->q && pool->q[l].v_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].v_scale);
+            if (pool->q) {
+                void *kv[4] = {pool->q[l].v_param, pool->q[l].k_group, pool->q[l].k_res, pool->q[l].v_res};
+                for (int i = 0; i < 4; i++)
+                    if (kv[i]) pool->p.be->ops->release(pool->p.be, kv[i]);
+            }
         }
     }
     free(pool->q);
+    free(pool->kplan.slot_aux);
     free(pool->k);
     free(pool->v);
     for (int32_t s = 0; s < pool->n_spaces && pool->spaces; s++) {
@@ -175,6 +242,10 @@ void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer) {
 }
 
 lethe_kv_format lethe_kv_format_of(const lethe_kv_pool *pool) { return pool->p.format; }
+
+lethe_kivi_plan *lethe_kv_kivi_plan(lethe_kv_pool *pool) {
+    return pool->kplan.slot_aux ? &pool->kplan : NULL;
+}
 
 const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer) {
     LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);

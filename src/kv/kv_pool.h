@@ -34,8 +34,13 @@
  * token over all layers (lethe_kv_token_bytes):
  *   NATIVE    2 * n_layers * n_kv_heads * head_dim * kv_size
  *   FP8_E4M3  2 * n_layers * n_kv_heads * (head_dim + 4)
+ *   KIVI b/G  n_layers * KH hd (2 b / 8 + 16 / G) + 4   (codes, V group params,
+ *             the slot's share of the K group table, host slot index; backend.h)
+ *             plus a fixed full-precision residual of kivi_res_blocks * G tokens
+ *             (lethe_kv_kivi_res_bytes), one block per running request
  * so the same memory budget holds kv_size * hd / (hd + 4) times the slots
- * (CUDA bf16, hd 128: 1.94x; CPU f32: 3.88x). */
+ * (CUDA bf16, hd 128: 1.94x; CPU f32: 3.88x) with FP8, and with KIVI 2-bit,
+ * G 32 at KH 8, hd 128: 4096 / 1028 = 3.98x against bf16. */
 #ifndef LETHE_KV_POOL_H
 #define LETHE_KV_POOL_H
 
@@ -65,6 +70,7 @@ typedef struct lethe_kv_pool_params {
      * decode buckets store their K/V there and attend only to it
      * (engine_forward.c). n_slots includes it. */
     bool scratch_slot;
+    int32_t kivi_res_blocks;  /* KIVI: residual blocks of G tokens (one per running row) */
 } lethe_kv_pool_params;
 
 /* Bytes one token costs across all layers (K and V, with the format's side
@@ -72,6 +78,9 @@ typedef struct lethe_kv_pool_params {
 size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
                             size_t kv_elem_size, lethe_kv_format format);
 const char *lethe_kv_format_name(lethe_kv_format f);
+/* KIVI's fixed residual (0 for other formats): res_blocks * G tokens, K and V, native type */
+size_t lethe_kv_kivi_res_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
+                               size_t kv_elem_size, lethe_kv_format format, int32_t res_blocks);
 
 lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool **out);
 void lethe_kv_pool_destroy(lethe_kv_pool *pool); /* NULL-safe */
@@ -97,6 +106,9 @@ lethe_kv_format lethe_kv_format_of(const lethe_kv_pool *pool);
 /* The layer's quantized-format descriptor for kv_store_quant / attention;
  * NULL for NATIVE (and without a backend). */
 const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer);
+/* KIVI: the host plan every layer's lethe_kv_quant points at (slot_aux
+ * [n_slots], INT32_MIN = never stored); NULL for other formats / no backend. */
+lethe_kivi_plan *lethe_kv_kivi_plan(lethe_kv_pool *pool);
 
 /* ---- rows ---- */
 int32_t lethe_kv_row_alloc(lethe_kv_pool *pool);            /* a fresh empty row id */

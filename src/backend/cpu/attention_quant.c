@@ -6,6 +6,11 @@
  *   FP8_E4M3  K/V caches: uint8 codes [n_slots, n_kv_heads, head_dim];
  *             kvq->k_scale / v_scale: f32 [n_slots, n_kv_heads];
  *             x^ = e4m3(code) * scale (src/sparse/quant.h).
+ *   KIVI      packed b-bit codes per slot + V group params per slot + K group
+ *             table + f32 residual, addressed through the host slot index
+ *             kvq->kivi->slot_aux (backend.h); kv_store_quant packs the
+ *             groups the method's plan completes (quant.c reference quantizers)
+ *             and writes the other new tokens to the residual.
  *
  * kv_store_quant: per token and KV head, lethe_fp8_quant_vec (the reference
  * quantizer of src/sparse/quant.c, so CPU codes ARE the reference codes).
@@ -33,9 +38,55 @@
 #define QA_HEAD_DIM_MAX 512
 #define QA_VEC_MAX (QA_QT * QA_GROUP_MAX)
 
+/* KIVI store: pack the plan's completed groups (reference quantizers of
+ * quant.c, so CPU codes ARE the reference codes), then write the new tokens
+ * that stay in the residual (f32 on the CPU backend). */
+static void kivi_store(const lethe_kv_quant *kvq, uint8_t *kc, uint8_t *vc, const float *k,
+                       const float *v, const int32_t *slots, int32_t n, int32_t C) {
+    const lethe_kivi_plan *pl = kvq->kivi;
+    const int32_t b = lethe_kv_kivi_bits(kvq->format), G = lethe_kv_kivi_group(kvq->format);
+    const size_t cb = lethe_kivi_code_bytes(C, b), np = (size_t)C / (size_t)G;
+    float *kres = kvq->k_res, *vres = kvq->v_res, *kgrp = kvq->k_group, *vpar = kvq->v_param;
+    float *tmp = lethe_xmalloc((size_t)G * C * sizeof(float));
+    uint8_t *codes = lethe_xmalloc((size_t)G * cb);
+    for (int32_t p = 0; p < pl->n_pack; p++) {
+        const int32_t *src = pl->pack_src + (size_t)p * G, *dst = pl->pack_slot + (size_t)p * G;
+        const int32_t e = pl->pack_entry[p];
+        LETHE_ASSERT(e >= 0 && e < kvq->n_groups);
+        for (int32_t j = 0; j < G; j++) {
+            const float *kr = src[j] >= 0 ? k + (size_t)src[j] * C : kres + (size_t)(-1 - src[j]) * C;
+            LETHE_ASSERT(src[j] < n && (src[j] >= 0 || -1 - src[j] < kvq->n_res));
+            memcpy(tmp + (size_t)j * C, kr, (size_t)C * sizeof(float));
+        }
+        float *ks = kgrp + (size_t)e * 2 * C;
+        lethe_kivi_quant_keys(tmp, G, C, b, codes, ks, ks + C);
+        for (int32_t j = 0; j < G; j++) {
+            memcpy(kc + (size_t)dst[j] * cb, codes + (size_t)j * cb, cb);
+            const float *vr = src[j] >= 0 ? v + (size_t)src[j] * C : vres + (size_t)(-1 - src[j]) * C;
+            float *vp = vpar + (size_t)dst[j] * 2 * np;
+            lethe_kivi_quant_value(vr, C, G, b, vc + (size_t)dst[j] * cb, vp, vp + np);
+        }
+    }
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t aux = pl->slot_aux[slots[i]];
+        LETHE_ASSERT(aux != INT32_MIN);
+        if (aux >= 0) continue; /* packed above */
+        const size_t r = (size_t)(-1 - aux);
+        LETHE_ASSERT(r < (size_t)kvq->n_res);
+        memcpy(kres + r * C, k + (size_t)i * C, (size_t)C * sizeof(float));
+        memcpy(vres + r * C, v + (size_t)i * C, (size_t)C * sizeof(float));
+    }
+    free(codes);
+    free(tmp);
+}
+
 void lethe_cpu_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
                               void *v_cache, const void *k, const void *v, const int32_t *slots,
                               int32_t n, int32_t n_kv_heads, int32_t head_dim) {
+    if (kvq && lethe_kv_format_kind(kvq->format) == LETHE_KV_KIVI) {
+        kivi_store(kvq, k_cache, v_cache, k, v, slots, n, n_kv_heads * head_dim);
+        return;
+    }
     LETHE_ASSERT(kvq && kvq->format == LETHE_KV_FP8_E4M3);
     const size_t kv_dim = (size_t)n_kv_heads * (size_t)head_dim;
     uint8_t *kc = k_cache, *vc = v_cache;
@@ -73,6 +124,30 @@ static inline void fp8_row(float *dst, const uint8_t *codes, const float *scales
     const uint8_t *c = codes + ((size_t)slot * n_kv + g) * hd;
     const float s = scales[(size_t)slot * n_kv + g];
     for (int d = 0; d < hd; d++) dst[d] = e4m3_value(c[d]) * s;
+}
+
+/* KIVI: dequantizes K and V rows (slot, kv head g) into kd / vd [hd] (the
+ * formula of lethe_kivi_dequant_keys / _value), or copies the residual */
+static inline void kivi_rows(float *kd, float *vd, const lethe_kv_quant *q, const uint8_t *kc,
+                             const uint8_t *vc, int32_t slot, int g, int n_kv, int hd) {
+    const int32_t aux = q->kivi->slot_aux[slot];
+    const size_t C = (size_t)n_kv * hd, c0 = (size_t)g * hd;
+    if (aux < 0) {
+        const size_t r = (size_t)(-1 - aux);
+        memcpy(kd, (const float *)q->k_res + r * C + c0, (size_t)hd * sizeof(float));
+        memcpy(vd, (const float *)q->v_res + r * C + c0, (size_t)hd * sizeof(float));
+        return;
+    }
+    const int32_t b = lethe_kv_kivi_bits(q->format), G = lethe_kv_kivi_group(q->format);
+    const size_t cb = lethe_kivi_code_bytes((int32_t)C, b), np = C / (size_t)G;
+    const float *ks = (const float *)q->k_group + (size_t)aux * 2 * C, *kz = ks + C;
+    const float *vp = (const float *)q->v_param + (size_t)slot * 2 * np, *vz = vp + np;
+    const uint8_t *kr = kc + (size_t)slot * cb, *vr = vc + (size_t)slot * cb;
+    for (int d = 0; d < hd; d++) {
+        const int32_t c = (int32_t)c0 + d;
+        kd[d] = (float)lethe_code_get(kr, c, b) * ks[c] + kz[c];
+        vd[d] = (float)lethe_code_get(vr, c, b) * vp[c / G] + vz[c / G];
+    }
 }
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -137,12 +212,17 @@ static void qattend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int
     }
     const uint8_t *kc = a->k_cache, *vc = a->v_cache;
     const float *ks = a->kvq->k_scale, *vs = a->kvq->v_scale;
+    const bool kivi = lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI;
     const int32_t n_ent = limit[qt - 1] + 1;
     for (int32_t e0 = 0; e0 < n_ent; e0 += QA_BLOCK) {
         const int nb = LETHE_MIN(QA_BLOCK, n_ent - e0);
         for (int b = 0; b < nb; b++) {
-            fp8_row(kb + (size_t)b * hd, kc, ks, sel[e0 + b], g, n_kv, hd);
-            fp8_row(vb + (size_t)b * hd, vc, vs, sel[e0 + b], g, n_kv, hd);
+            if (kivi) {
+                kivi_rows(kb + (size_t)b * hd, vb + (size_t)b * hd, a->kvq, kc, vc, sel[e0 + b], g, n_kv, hd);
+            } else {
+                fp8_row(kb + (size_t)b * hd, kc, ks, sel[e0 + b], g, n_kv, hd);
+                fp8_row(vb + (size_t)b * hd, vc, vs, sel[e0 + b], g, n_kv, hd);
+            }
         }
         for (int v = 0; v < nv; v++) {
             const int32_t lim = limit[v / G];
@@ -171,7 +251,8 @@ static void qattend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int
 }
 
 void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
-    LETHE_ASSERT(a->kvq && a->kvq->format == LETHE_KV_FP8_E4M3);
+    LETHE_ASSERT(a->kvq && (a->kvq->format == LETHE_KV_FP8_E4M3 ||
+                            lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI));
     LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
     LETHE_ASSERT(a->n_heads / a->n_kv_heads <= QA_GROUP_MAX);
     LETHE_ASSERT(a->head_dim > 0 && a->head_dim <= QA_HEAD_DIM_MAX);
