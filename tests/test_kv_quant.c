@@ -147,8 +147,153 @@ static void test_attention(void) {
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_case(&cases[i]);
 }
 
+
+/* ---- KIVI: packed codes, group params, residual (backend.h LETHE_KV_KIVI) ---- */
+
+enum { KV_KV = 2, KV_D = 64, KV_C = KV_KV * KV_D, KV_G = 32, KV_SLOTS = 160, KV_BLOCKS = 2 };
+
+typedef struct kivi_fix {
+    int bits;
+    uint8_t *kc, *vc;
+    float *vpar, *kgrp, *kres, *vres;
+    int32_t aux[KV_SLOTS];
+    lethe_kivi_plan plan;
+    lethe_kv_quant q;
+    float ktok[96][KV_C], vtok[96][KV_C]; /* every token's f32 K / V by row index */
+    int32_t slot_of[96];
+} kivi_fix;
+
+/* Two steps of one row (block 1): 40 tokens (group 0 packed from new rows,
+ * tokens 32..39 to the residual), then 30 more (group 1 = 8 residual + 24 new,
+ * tokens 64..69 reuse residual entries 0..5 of the block). */
+static void kivi_fill(kivi_fix *f, int bits) {
+    memset(f, 0, sizeof(*f));
+    f->bits = bits;
+    const size_t cb = lethe_kivi_code_bytes(KV_C, bits);
+    f->kc = calloc(KV_SLOTS, cb), f->vc = calloc(KV_SLOTS, cb);
+    f->vpar = calloc((size_t)KV_SLOTS * 2 * KV_C / KV_G, sizeof(float));
+    f->kgrp = calloc((size_t)(KV_SLOTS / KV_G) * 2 * KV_C, sizeof(float));
+    f->kres = calloc((size_t)KV_BLOCKS * KV_G * KV_C, sizeof(float));
+    f->vres = calloc((size_t)KV_BLOCKS * KV_G * KV_C, sizeof(float));
+    for (int i = 0; i < KV_SLOTS; i++) f->aux[i] = INT32_MIN;
+    f->plan.slot_aux = f->aux;
+    f->q = (lethe_kv_quant){.format = LETHE_KV_KIVI_FORMAT(bits, KV_G), .v_param = f->vpar, .k_group = f->kgrp,
+                            .k_res = f->kres, .v_res = f->vres, .n_groups = KV_SLOTS / KV_G,
+                            .n_res = KV_BLOCKS * KV_G, .kivi = &f->plan};
+    for (int t = 0; t < 70; t++) {
+        f->slot_of[t] = (t * 37 + 11) % KV_SLOTS; /* scattered, distinct */
+        for (int c = 0; c < KV_C; c++) f->ktok[t][c] = 3.0f * frand() + (c % 7) * 0.5f, f->vtok[t][c] = frand();
+    }
+    const int res0 = 1 * KV_G;
+    int32_t src[KV_G], dst[KV_G], entry[1], slots[40];
+    /* step 1 */
+    for (int j = 0; j < KV_G; j++) src[j] = j, dst[j] = f->slot_of[j], f->aux[dst[j]] = 3;
+    entry[0] = 3;
+    for (int t = 32; t < 40; t++) f->aux[f->slot_of[t]] = -(1 + res0 + t % KV_G);
+    for (int t = 0; t < 40; t++) slots[t] = f->slot_of[t];
+    f->plan.n_pack = 1, f->plan.pack_src = src, f->plan.pack_slot = dst, f->plan.pack_entry = entry;
+    g_be->ops->kv_store_quant(g_be, &f->q, f->kc, f->vc, f->ktok[0], f->vtok[0], slots, 40, KV_KV, KV_D);
+    /* step 2 */
+    for (int j = 0; j < KV_G; j++) {
+        int t = 32 + j;
+        src[j] = t < 40 ? -(1 + res0 + t % KV_G) : t - 40;
+        dst[j] = f->slot_of[t];
+    }
+    for (int j = 0; j < KV_G; j++) f->aux[dst[j]] = 0;
+    entry[0] = 0;
+    for (int t = 64; t < 70; t++) f->aux[f->slot_of[t]] = -(1 + res0 + t % KV_G);
+    for (int t = 40; t < 70; t++) slots[t - 40] = f->slot_of[t];
+    g_be->ops->kv_store_quant(g_be, &f->q, f->kc, f->vc, f->ktok[40], f->vtok[40], slots, 30, KV_KV, KV_D);
+}
+
+static void kivi_free(kivi_fix *f) {
+    free(f->kc), free(f->vc), free(f->vpar), free(f->kgrp), free(f->kres), free(f->vres);
+}
+
+static void test_kivi_store(void) {
+    for (int bits = 2; bits <= 8; bits *= 2) {
+        static kivi_fix f;
+        kivi_fill(&f, bits);
+        const size_t cb = lethe_kivi_code_bytes(KV_C, bits), np = KV_C / KV_G;
+        const int entries[2] = {3, 0};
+        for (int g = 0; g < 2; g++) { /* the reference quantizer over the same G tokens */
+            uint8_t codes[KV_G * KV_C];
+            float sc[KV_C], zr[KV_C];
+            lethe_kivi_quant_keys(f.ktok[g * KV_G], KV_G, KV_C, bits, codes, sc, zr);
+            CHECK(!memcmp(f.kgrp + (size_t)entries[g] * 2 * KV_C, sc, sizeof(sc)));
+            CHECK(!memcmp(f.kgrp + (size_t)entries[g] * 2 * KV_C + KV_C, zr, sizeof(zr)));
+            for (int j = 0; j < KV_G; j++) {
+                int t = g * KV_G + j, slot = f.slot_of[t];
+                CHECK(!memcmp(f.kc + (size_t)slot * cb, codes + (size_t)j * cb, cb));
+                uint8_t vcodes[KV_C];
+                float vs[KV_C / KV_G], vz[KV_C / KV_G];
+                lethe_kivi_quant_value(f.vtok[t], KV_C, KV_G, bits, vcodes, vs, vz);
+                CHECK(!memcmp(f.vc + (size_t)slot * cb, vcodes, cb));
+                CHECK(!memcmp(f.vpar + (size_t)slot * 2 * np, vs, sizeof(vs)));
+                CHECK(!memcmp(f.vpar + (size_t)slot * 2 * np + np, vz, sizeof(vz)));
+            }
+        }
+        for (int t = 64; t < 70; t++) { /* residual: exact */
+            int r = -1 - f.aux[f.slot_of[t]];
+            CHECK(!memcmp(f.kres + (size_t)r * KV_C, f.ktok[t], sizeof(f.ktok[t])));
+            CHECK(!memcmp(f.vres + (size_t)r * KV_C, f.vtok[t], sizeof(f.vtok[t])));
+        }
+        kivi_free(&f);
+    }
+}
+
+/* attention over the KIVI pool == dense attention over its dequantized KV */
+static void test_kivi_attention(void) {
+    static kivi_fix f;
+    kivi_fill(&f, 2);
+    const int H = 8;
+    const size_t cb = lethe_kivi_code_bytes(KV_C, 2), np = KV_C / KV_G;
+    float *kd = calloc((size_t)KV_SLOTS * KV_C, sizeof(float)), *vd = calloc((size_t)KV_SLOTS * KV_C, sizeof(float));
+    for (int t = 0; t < 70; t++) {
+        int s = f.slot_of[t], aux = f.aux[s];
+        if (aux < 0) {
+            memcpy(kd + (size_t)s * KV_C, f.kres + (size_t)(-1 - aux) * KV_C, KV_C * sizeof(float));
+            memcpy(vd + (size_t)s * KV_C, f.vres + (size_t)(-1 - aux) * KV_C, KV_C * sizeof(float));
+            continue;
+        }
+        for (int c = 0; c < KV_C; c++) {
+            const float *ks = f.kgrp + (size_t)aux * 2 * KV_C;
+            kd[(size_t)s * KV_C + c] = (float)lethe_code_get(f.kc + (size_t)s * cb, c, 2) * ks[c] + ks[KV_C + c];
+        }
+        lethe_kivi_dequant_value(f.vc + (size_t)s * cb, f.vpar + (size_t)s * 2 * np, f.vpar + (size_t)s * 2 * np + np,
+                                 KV_C, KV_G, 2, vd + (size_t)s * KV_C);
+    }
+    /* two "sequences" over the same row: a 5-token extend at the end and a decode at 50 tokens */
+    int32_t q_begin[3] = {0, 5, 6}, sel_begin[3] = {0, 70, 120}, sel[120];
+    for (int t = 0; t < 70; t++) sel[t] = f.slot_of[t];
+    for (int t = 0; t < 50; t++) sel[70 + t] = f.slot_of[t];
+    const int T = 6;
+    float *q = malloc((size_t)T * H * KV_D * sizeof(float));
+    for (int i = 0; i < T * H * KV_D; i++) q[i] = frand();
+    float *od = malloc((size_t)T * H * KV_D * sizeof(float)), *oq = malloc((size_t)T * H * KV_D * sizeof(float));
+    for (int i = 0; i < T * H * KV_D; i++) oq[i] = NAN;
+    lethe_attn_args a = {.out = od, .q = q, .k_cache = kd, .v_cache = vd, .n_tokens = T, .n_seqs = 2,
+                         .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel, .n_heads = H,
+                         .n_kv_heads = KV_KV, .head_dim = KV_D, .scale = 0.125f};
+    g_be->ops->attention(g_be, &a);
+    a.out = oq, a.k_cache = f.kc, a.v_cache = f.vc, a.kvq = &f.q;
+    g_be->ops->attention(g_be, &a);
+    double mx = 0, err = 0;
+    for (int i = 0; i < T * H * KV_D; i++) {
+        CHECK_MSG(isfinite(oq[i]), "element %d not written", i);
+        mx = fmax(mx, fabs(od[i]));
+        err = fmax(err, fabs(oq[i] - od[i]));
+    }
+    fprintf(stderr, "    kivi2 attention vs dense over the dequantized KV: max abs err %.2e of %.2e\n", err, mx);
+    CHECK(err <= 1e-5 * fmax(mx, 1e-3));
+    free(kd), free(vd), free(q), free(od), free(oq);
+    kivi_free(&f);
+}
+
 /* ---- engine: pool capacity and outputs ---- */
 
+static const char *g_sparse_config;
+static int32_t g_max_len; /* 0 = the default below */
 static lethe_engine *open_engine(const char *model, bool tiny, const char *method, size_t kv_bytes) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
@@ -157,12 +302,13 @@ static lethe_engine *open_engine(const char *model, bool tiny, const char *metho
     p.seed = 7;
     p.device = "cpu";
     p.n_threads = 2;
-    p.max_model_len = tiny ? 128 : 256;
+    p.max_model_len = g_max_len ? g_max_len : tiny ? 128 : 256;
     p.max_num_seqs = 4096;
     p.max_num_batched_tokens = 64;
     p.enable_prefix_caching = false;
     p.kv_cache_bytes = kv_bytes;
     p.sparse_method = method;
+    p.sparse_config = !strcmp(method, "kivi") ? g_sparse_config : NULL;
     p.check_invariants = true;
     lethe_engine *e = NULL;
     int rc = lethe_engine_create(&p, &e);
@@ -192,6 +338,27 @@ static void test_pool_capacity(void) {
     fprintf(stderr, "    same %zu-byte budget: dense %lld slots, fp8_kv %lld (%.2fx)\n", budget,
             (long long)slots[0], (long long)slots[1], ratio);
     CHECK(ratio > 3.1 && ratio < 3.3); /* 4 * 16 / 20 */
+    /* kivi 2-bit, G 16 (tiny head_dim 16): per token 2 layers x (2 x 32 x 2 / 8 codes
+     * + 16 x 32 / 16 group params) + 4 = 100 bytes, after a residual of
+     * min(max_num_seqs, budget / 8 / block) blocks of 16 f32 tokens */
+    lethe_engine *e = open_engine("tests/data/tiny-llama/config.json", true, "kivi", budget);
+    lethe_engine_stats st;
+    lethe_engine_get_stats(e, &st);
+    lethe_engine_destroy(e);
+    const lethe_kv_format kf = LETHE_KV_KIVI_FORMAT(2, 16);
+    const size_t kt = lethe_kv_token_bytes(2, 2, 16, sizeof(float), kf);
+    const size_t blk = lethe_kv_kivi_res_bytes(2, 2, 16, sizeof(float), kf, 1);
+    CHECK_EQ_INT(kt, 100);
+    CHECK_EQ_INT(blk, 2 * 2 * 16 * 32 * 4);
+    const size_t nb = budget / 8 / blk;
+    /* the residual bounds the running requests (nb = 64 here), and the engine never
+     * holds more than running requests x max_model_len (128 for the tiny model) */
+    const int64_t fit = (int64_t)((budget - nb * blk) / kt);
+    CHECK_EQ_INT(st.kv_slots_total, LETHE_MIN(fit, (int64_t)nb * 128));
+    double kr = (double)fit / (double)slots[0];
+    fprintf(stderr, "    kivi 2-bit: %lld slots fit (%.2fx dense; %.2fx per token, 7/8 of the budget), %lld kept "
+            "(%d running x 128)\n", (long long)fit, kr, (double)nat / (double)kt, (long long)st.kv_slots_total, (int)nb);
+    CHECK(kr > 4.4 && kr < 4.6);
 }
 
 typedef struct gen_out {
@@ -242,7 +409,19 @@ static void test_smollm2_close_to_dense(void) {
     CHECK(d.tok[0] == f.tok[0]);
     CHECK(e < 0.12);
     CHECK(same >= 6);
-    free(d.logits), free(f.logits);
+    free(f.logits);
+    gen_out k;
+    g_sparse_config = "kivi_bits=4,kv_quant_page_size=32";
+    generate("kivi", &k); /* 96-token prompt: 3 groups of 32 quantized from the first step */
+    same = 0;
+    for (int i = 0; i < 8; i++) same += d.tok[i] == k.tok[i];
+    e = rel_err(k.logits, d.logits, (size_t)d.n_vocab);
+    fprintf(stderr, "    SmolLM2 kivi 4-bit vs dense: %d/8 greedy tokens equal, first-step logits rel err %.3g\n",
+            same, e);
+    CHECK(d.tok[0] == k.tok[0]);
+    CHECK(e < 0.25);
+    CHECK(same >= 5);
+    free(k.logits), free(d.logits);
 }
 
 int main(void) {
@@ -250,6 +429,9 @@ int main(void) {
     CHECK(lethe_backend_create(&bp, &g_be) == LETHE_OK);
     TEST_RUN(test_store);
     TEST_RUN(test_attention);
+    TEST_RUN(test_kivi_store);
+    TEST_RUN(test_kivi_attention);
+    g_sparse_config = "kivi_bits=2,kv_quant_page_size=16";
     TEST_RUN(test_pool_capacity);
     TEST_RUN(test_smollm2_close_to_dense);
     lethe_backend_destroy(g_be);
