@@ -446,14 +446,18 @@ static void run_page_case(const page_case *tc) {
     int32_t n_pages = 0;
     for (int s = 0; s < S; s++) n_pages = LETHE_MAX(n_pages, tc->n_pages[s]);
     n_pages += 3;
-    const int32_t n_meta = 2 * n_pages + 5, NS = 700, n_tok = 7;
+    /* page ids (i * 7 + 3) % n_meta are distinct only if 7 does not divide n_meta
+     * (the op requires distinct ids per call: two pages writing one id race) */
+    int32_t n_meta = 2 * n_pages + 5;
+    if (n_meta % 7 == 0) n_meta++;
+    const int32_t NS = 700, n_tok = 7;
     float *keys = rand_bf16((size_t)NS * KVD, 2), *qh = rand_bf16((size_t)n_tok * H * D, 1);
     for (size_t i = 0; i < (size_t)NS * KVD; i += 11) keys[i] = 0.0f;
     int32_t *ids = lethe_xmalloc((size_t)n_pages * sizeof(int32_t));
     int32_t *beg = lethe_xmalloc((size_t)(n_pages + 1) * sizeof(int32_t));
     int32_t *slots = lethe_xmalloc((size_t)n_pages * 40 * sizeof(int32_t)), n_sl = 0;
     for (int32_t i = 0; i < n_pages; i++) {
-        ids[i] = (int32_t)((i * 7 + 3) % n_meta); /* n_meta is not a multiple of 7: distinct */
+        ids[i] = (int32_t)((i * 7 + 3) % n_meta); /* distinct: see n_meta */
         beg[i] = n_sl;
         int32_t len = i % 6 == 5 ? 1 + (int32_t)(lethe_splitmix64(&g_rng) % 40) : 16;
         for (int32_t j = 0; j < len; j++) slots[n_sl++] = (int32_t)(lethe_splitmix64(&g_rng) % NS);
