@@ -66,6 +66,10 @@ static bool cpu_graph_launch(lethe_backend *be, int32_t key, float *logits_dst) 
 static void cpu_graph_reset(lethe_backend *be) {}
 
 /* memcpy bandwidth (64 MiB, read + written bytes) and the f32 GEMM rate */
+/* one attention kernel; no device profiler */
+static int cpu_attn_kernel(lethe_backend *be, int version) { return 0; }
+static void cpu_profile_range(lethe_backend *be, bool start) {}
+
 static lethe_status cpu_measure_peaks(lethe_backend *be, double *copy_bps, double *gemm_fps) {
     const size_t n = (size_t)16 << 20; /* floats */
     float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
@@ -125,6 +129,8 @@ static const lethe_backend_ops cpu_ops = {
     /* Quest page bounds */
     .page_minmax = lethe_cpu_page_minmax,
     .page_scores = lethe_cpu_page_scores,
+    .attn_kernel = cpu_attn_kernel,
+    .profile_range = cpu_profile_range,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

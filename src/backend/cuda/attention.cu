@@ -20,8 +20,13 @@
  *    sequence and one head; keys in tiles of 64 gathered through the slot
  *    table, causal mask per row, online softmax with O kept in shared memory.
  *
+ * These are the v1 kernels. attention_v2.cu has the v2 generation (mma.sync
+ * + cp.async pipelines) for head_dim 64/128; lethe_cuda_attention dispatches
+ * on c->attn_kernel (LETHE_ATTN_KERNEL=v1|v2, ops->attn_kernel), and shapes v2
+ * does not take run here.
+ *
  * Index arrays are staged once per call (or pre-staged per step). */
-#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/attention_common.cuh"
 
 #include <math.h>
 #include <mma.h>
@@ -29,34 +34,9 @@
 #define SPLIT_THREADS 128
 #define SPLIT_TILE 128      /* keys per tile = threads */
 #define SPLIT_GMAX 8        /* query heads per block (larger groups use several blocks) */
-#define SPLIT_MAX 64
-#define LOG2E 1.4426950408889634f
-
-__device__ __forceinline__ int seq_of_row(const int32_t *q_begin, int n_seqs, int32_t r) {
-    int lo = 0, hi = n_seqs - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (q_begin[mid] <= r) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
-/* Key range of item (query row) r: sel + [0, n_ent). */
-__device__ __forceinline__ void item_range(const int32_t *q_begin, const int32_t *sel_begin,
-                                           int n_seqs, bool decode, int32_t r, int32_t *base,
-                                           int32_t *n_ent) {
-    int s = decode ? r : seq_of_row(q_begin, n_seqs, r);
-    int32_t n_sel = sel_begin[s + 1] - sel_begin[s];
-    int32_t n_q = decode ? 1 : q_begin[s + 1] - q_begin[s];
-    int32_t j = decode ? 0 : r - q_begin[s];
-    *base = sel_begin[s];
-    *n_ent = n_sel - n_q + j + 1;
-}
 
 __device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits) {
-    int32_t per = (n_ent + n_splits - 1) / n_splits;
-    per = (per + SPLIT_TILE - 1) / SPLIT_TILE * SPLIT_TILE;
-    return per < SPLIT_TILE ? SPLIT_TILE : per;
+    return split_chunk(n_ent, n_splits, SPLIT_TILE);
 }
 
 /* grid: x = item (query row), y = KV head * head chunks, z = split.
@@ -241,14 +221,15 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
 /* grid: x = item, y = head; block D threads (<= 256) */
 __global__ void merge_kernel(bf16 *__restrict__ out, const int32_t *__restrict__ q_begin,
                              const int32_t *__restrict__ sel_begin, int n_seqs, int decode,
-                             int n_heads, int D, int n_splits, const float *__restrict__ ws_o,
-                             const float *__restrict__ ws_lse) {
+                             int n_heads, int D, int n_splits, int gran, int skip_single,
+                             const float *__restrict__ ws_o, const float *__restrict__ ws_lse) {
     const int32_t r = blockIdx.x;
     const int h = blockIdx.y;
     int32_t base, n_ent;
     item_range(q_begin, sel_begin, n_seqs, decode != 0, r, &base, &n_ent);
-    const int32_t chunk = split_chunk(n_ent, n_splits);
+    const int32_t chunk = split_chunk(n_ent, n_splits, gran);
     const int n_eff = (n_ent + chunk - 1) / chunk;
+    if (skip_single && n_eff == 1) return; /* the split kernel wrote this row */
     const size_t idx0 = ((size_t)r * n_heads + h) * n_splits;
     float mx = -INFINITY;
     for (int i = 0; i < n_eff; i++) mx = fmaxf(mx, ws_lse[idx0 + i]);
@@ -441,9 +422,17 @@ static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d
         a->n_seqs, decode ? 1 : 0, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
         ws_lse);
     CU_LAUNCH_CHECK();
-    merge_kernel<<<dim3((unsigned)n_items, (unsigned)a->n_heads), D < 256 ? D : 256, 0,
-                   c->stream>>>((bf16 *)a->out, d_qb, d_sb, a->n_seqs, decode ? 1 : 0, a->n_heads,
-                                D, n_splits, ws_o, ws_lse);
+    lethe_cuda_attn_merge(c, a->out, d_qb, d_sb, a->n_seqs, decode, n_items, a->n_heads, D,
+                          n_splits, SPLIT_TILE, false, ws_o, ws_lse);
+}
+
+void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const int32_t *d_sb,
+                           int n_seqs, bool decode, int32_t n_items, int n_heads, int D,
+                           int n_splits, int gran, bool skip_single, const float *ws_o,
+                           const float *ws_lse) {
+    merge_kernel<<<dim3((unsigned)n_items, (unsigned)n_heads), D < 256 ? D : 256, 0, c->stream>>>(
+        (bf16 *)out, d_qb, d_sb, n_seqs, decode ? 1 : 0, n_heads, D, n_splits, gran,
+        skip_single ? 1 : 0, ws_o, ws_lse);
     CU_LAUNCH_CHECK();
 }
 
@@ -500,6 +489,11 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
+    if (c->attn_kernel >= 2 && (D == 64 || D == 128)) {
+        if (decode) lethe_cuda_attn_decode_v2(c, a, d_qb, d_sb, d_sel);
+        else lethe_cuda_attn_prefill_v2(c, a, d_qb, d_sb, d_sel);
+        return;
+    }
     if (!decode && (D == 64 || D == 128)) {
         if (D == 64) launch_prefill<64>(c, a, d_qb, d_sb, d_sel);
         else launch_prefill<128>(c, a, d_qb, d_sb, d_sel);

@@ -1,0 +1,63 @@
+/* attention_common.cuh - helpers shared by the attention kernels (internal).
+ *
+ * attention.cu holds the v1 kernels (SIMT split-K decode, WMMA prefill), the
+ * score output, the LSE merge and the dispatcher; attention_v2.cu the v2
+ * kernels (mma.sync bf16 + cp.async pipelines). Both follow backend.h's
+ * lethe_attn_args semantics (the CPU twin is backend/cpu/attention.c).
+ * LETHE_ATTN_KERNEL=v1|v2 (read at backend creation, ops->attn_kernel at run
+ * time) picks the generation. */
+#ifndef LETHE_BACKEND_CUDA_ATTENTION_COMMON_CUH
+#define LETHE_BACKEND_CUDA_ATTENTION_COMMON_CUH
+
+#include "backend/cuda/cuda_common.cuh"
+
+#define LOG2E 1.4426950408889634f
+#define SPLIT_MAX 64 /* most split-K chunks per (row, KV head) */
+
+__device__ __forceinline__ int seq_of_row(const int32_t *q_begin, int n_seqs, int32_t r) {
+    int lo = 0, hi = n_seqs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (q_begin[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Key range of item (query row) r: sel + [0, n_ent). */
+__device__ __forceinline__ void item_range(const int32_t *q_begin, const int32_t *sel_begin,
+                                           int n_seqs, bool decode, int32_t r, int32_t *base,
+                                           int32_t *n_ent) {
+    int s = decode ? r : seq_of_row(q_begin, n_seqs, r);
+    int32_t n_sel = sel_begin[s + 1] - sel_begin[s];
+    int32_t n_q = decode ? 1 : q_begin[s + 1] - q_begin[s];
+    int32_t j = decode ? 0 : r - q_begin[s];
+    *base = sel_begin[s];
+    *n_ent = n_sel - n_q + j + 1;
+}
+
+/* Keys per split-K chunk of a row with n_ent keys: whole multiples of gran.
+ * The grid has n_splits chunks per row (fixed from the batch size, so it can
+ * be captured); a row's effective count ceil(n_ent / chunk) comes from its
+ * device-resident length, and blocks past it exit. */
+__device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits, int gran) {
+    int32_t per = (n_ent + n_splits - 1) / n_splits;
+    per = (per + gran - 1) / gran * gran;
+    return per < gran ? gran : per;
+}
+
+/* Merges the split-K partials ws_o [items, n_heads, n_splits, D] (each
+ * normalized) and ws_lse [items, n_heads, n_splits] (log2 domain) into out
+ * [items, n_heads, D] bf16. skip_single: rows with one effective split were
+ * written to out directly by the split kernel and are left alone. */
+void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const int32_t *d_sb,
+                           int n_seqs, bool decode, int32_t n_items, int n_heads, int D,
+                           int n_splits, int gran, bool skip_single, const float *ws_o,
+                           const float *ws_lse);
+
+/* v2 launchers (attention_v2.cu); D is 64 or 128. */
+void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                               const int32_t *d_sb, const int32_t *d_sel);
+void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                const int32_t *d_sb, const int32_t *d_sel);
+
+#endif /* LETHE_BACKEND_CUDA_ATTENTION_COMMON_CUH */

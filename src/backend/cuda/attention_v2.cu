@@ -1,0 +1,604 @@
+/* attention_v2.cu - v2 attention kernels: bf16 tensor cores through
+ * mma.sync.m16n8k16 (fp32 accumulate), K/V rows gathered through the slot
+ * table with cp.async into multi-buffered shared memory, online softmax in
+ * registers (FlashAttention-2 register layout: the S accumulator of QK^T is
+ * reused as the A operand of PV without a shared-memory round trip).
+ * Semantics: backend.h's lethe_attn_args, same as attention.cu (v1) and the
+ * CPU twin backend/cpu/attention.c. head_dim 64 and 128; attention.cu keeps
+ * the generic v1 kernels for every other shape.
+ *
+ * decode_v2_kernel (one query row per sequence): a block = (row, KV head,
+ * split) with the G <= 16 query heads of that KV head as the 16 rows of the
+ * mma M dimension (rows >= G are zero), so every K/V row is read once per
+ * group. 4 warps; warp w takes the 16-key tiles w, w+4, w+8, ... of the
+ * split and runs its own NST-stage cp.async pipeline in its own shared
+ * memory (no block barrier in the main loop); slot ids of the tile after
+ * next are loaded one tile ahead. At the end the 4 warp states (m, l, O)
+ * are merged through shared memory; a row with one effective split writes
+ * bf16 out directly, else a normalized partial + LSE for the merge kernel.
+ * The grid (splits per row) is fixed by the batch size and the occupancy,
+ * so a decode step can be a CUDA graph; effective splits come from the
+ * device-resident selection lengths.
+ *
+ * prefill_v2_kernel (prefill / extend, causal, ragged batches): a block =
+ * 64 query rows of one sequence x one head, 4 warps of 16 rows; 64-key K/V
+ * tiles double-buffered with cp.async (tile t+1 loads while t computes),
+ * Q fragments in registers, causal mask only on tiles that cross the
+ * diagonal. Tiles are ordered heaviest first (more keys), heads of one tile
+ * adjacent (their K/V rows meet in L2).
+ *
+ * Fragment layouts (PTX ISA, mma.m16n8k16 bf16; g = lane / 4, t = lane % 4):
+ *   A 16x16 row-major:  a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+ *   B 16x8 "col":       b0 (k=2t..2t+1, n=g)  b1 (k=2t+8.., n=g)
+ *   C 16x8 f32:         c0,c1 (g, 2t..2t+1)   c2,c3 (g+8, 2t..2t+1)
+ * K tiles [keys][D] in shared memory are B of QK^T via ldmatrix (keys = n);
+ * V tiles [keys][D] are B of PV via ldmatrix.trans (keys = k). Shared rows
+ * are padded to D + 8 elements: 8 consecutive rows hit 8 distinct 16-byte
+ * bank groups, so ldmatrix is conflict-free. */
+#include "backend/cuda/attention_common.cuh"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* ---- PTX wrappers -------------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16-byte global -> shared copy; src_bytes 0 fills the 16 bytes with zeros
+ * (src must still be a valid address) */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                        const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
+                                          const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+
+/* c += a b  (16x16 bf16 x 16x8 bf16 -> 16x8 f32) */
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); /* .x (low half) = lo */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+__device__ __forceinline__ uint32_t ld_u32(const bf16 *p) { return __ldg((const unsigned int *)p); }
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+/* ---- decode ---------------------------------------------------------------- */
+
+#define DV2_WARPS 4
+#define DV2_THREADS (DV2_WARPS * 32)
+#define DV2_KT 16                        /* keys per warp tile */
+#define DV2_GRAN (DV2_WARPS * DV2_KT)    /* split chunks are multiples of this */
+#define DV2_GMAX 16                      /* query heads per block = mma M */
+
+template <int D>
+struct dv2_cfg {
+    static constexpr int NST = D == 64 ? 6 : 3;            /* pipeline stages per warp */
+    static constexpr int LD = D + 8;                       /* bf16 per shared row */
+    static constexpr int STAGE = 2 * DV2_KT * LD;          /* K tile then V tile, bf16 */
+    static constexpr size_t WARP_BYTES = (size_t)NST * STAGE * 2;
+    static constexpr int LDO = D + 4;                      /* floats per merge row */
+    static constexpr size_t MERGE_BYTES = (size_t)DV2_WARPS * DV2_GMAX * (LDO + 2) * 4;
+    static constexpr size_t PIPE_BYTES = DV2_WARPS * WARP_BYTES;
+    static constexpr size_t SMEM = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
+};
+
+/* grid: x = item (query row), y = KV head * head chunks, z = split. n_splits
+ * == 1: every row writes out directly (ws unused). */
+template <int D>
+__global__ void __launch_bounds__(DV2_THREADS)
+decode_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                 const bf16 *__restrict__ vc, const int32_t *__restrict__ q_begin,
+                 const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
+                 int n_seqs, int decode, int n_heads, int n_kv, float scale_log2, int n_splits,
+                 float *__restrict__ ws_o, float *__restrict__ ws_lse) {
+    typedef dv2_cfg<D> C;
+    constexpr int NST = C::NST, LD = C::LD;
+    constexpr int CPR = D / 8;        /* 16-byte chunks per row */
+    constexpr int RPI = 32 / CPR;     /* rows per warp pass */
+    constexpr int PASSES = DV2_KT / RPI;
+    extern __shared__ __align__(128) char dv2_smem[];
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int32_t r = blockIdx.x;
+    const int G_all = n_heads / n_kv, n_chunks = (G_all + DV2_GMAX - 1) / DV2_GMAX;
+    const int kvh = blockIdx.y / n_chunks;
+    const int h0 = kvh * G_all + (blockIdx.y % n_chunks) * DV2_GMAX;
+    const int G = min(DV2_GMAX, kvh * G_all + G_all - h0);
+    const int split = blockIdx.z;
+
+    int32_t base, n_ent;
+    item_range(q_begin, sel_begin, n_seqs, decode != 0, r, &base, &n_ent);
+    const int32_t chunk = split_chunk(n_ent, n_splits, DV2_GRAN);
+    const int32_t k_begin = split * chunk;
+    if (k_begin >= n_ent) return; /* past this row's effective split count (block-uniform) */
+    const int32_t k_end = min(n_ent, k_begin + chunk);
+    const bool direct = chunk >= n_ent; /* one effective split: no merge pass */
+    const int n_tiles = (k_end - k_begin + DV2_KT - 1) / DV2_KT;
+    const int n_my = n_tiles > warp ? (n_tiles - warp + DV2_WARPS - 1) / DV2_WARPS : 0;
+
+    /* Q rows g, g+8 (heads h0 + row) as A fragments, unscaled bf16 */
+    uint32_t qa[D / 16][4];
+    {
+        const size_t q0 = ((size_t)r * n_heads + h0) * D;
+        const bool ok0 = g < G, ok1 = g + 8 < G;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            const int d = ks * 16 + 2 * t4;
+            qa[ks][0] = ok0 ? ld_u32(q + q0 + (size_t)g * D + d) : 0u;
+            qa[ks][1] = ok1 ? ld_u32(q + q0 + (size_t)(g + 8) * D + d) : 0u;
+            qa[ks][2] = ok0 ? ld_u32(q + q0 + (size_t)g * D + d + 8) : 0u;
+            qa[ks][3] = ok1 ? ld_u32(q + q0 + (size_t)(g + 8) * D + d + 8) : 0u;
+        }
+    }
+
+    bf16 *wbuf = (bf16 *)dv2_smem + (size_t)warp * NST * C::STAGE;
+    const size_t row_stride = (size_t)n_kv * D;
+    const bf16 *kbase = kc + (size_t)kvh * D, *vbase = vc + (size_t)kvh * D;
+    /* lane l holds the slot of key (l & 15) of a tile; -1 past k_end */
+    auto tile_key0 = [&](int j) -> int32_t { return k_begin + (warp + j * DV2_WARPS) * DV2_KT; };
+    auto load_slot = [&](int j) -> int32_t {
+        const int32_t e = tile_key0(j) + (lane & 15);
+        return e < k_end ? __ldg(sel + base + e) : -1;
+    };
+    auto issue = [&](int32_t myslot, int st) {
+        bf16 *ks_ = wbuf + st * C::STAGE, *vs_ = ks_ + DV2_KT * LD;
+        const int cc = lane % CPR;
+#pragma unroll
+        for (int i = 0; i < PASSES; i++) {
+            const int rr = i * RPI + lane / CPR;
+            const int32_t s = __shfl_sync(0xffffffffu, myslot, rr);
+            const size_t off = (size_t)(s >= 0 ? s : 0) * row_stride + cc * 8;
+            const int nb = s >= 0 ? 16 : 0; /* zero rows past the end: 0 * garbage could be NaN */
+            cp_async16(ks_ + rr * LD + cc * 8, kbase + off, nb);
+            cp_async16(vs_ + rr * LD + cc * 8, vbase + off, nb);
+        }
+    };
+
+#pragma unroll
+    for (int st = 0; st < NST - 1; st++) {
+        if (st < n_my) issue(load_slot(st), st);
+        cp_async_commit(); /* empty groups keep the wait counts uniform */
+    }
+    int32_t slot_next = NST - 1 < n_my ? load_slot(NST - 1) : -1;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f; /* rows g, g + 8 */
+
+    for (int j = 0; j < n_my; j++) {
+        cp_async_wait<NST - 2>(); /* this lane's copies of tile j landed */
+        __syncwarp();             /* ... and every lane's */
+        const int jn = j + NST - 1;
+        if (jn < n_my) issue(slot_next, jn % NST); /* stage of tile j - 1, consumed */
+        cp_async_commit();
+        if (jn + 1 < n_my) slot_next = load_slot(jn + 1);
+
+        const bf16 *Ks = wbuf + (j % NST) * C::STAGE, *Vs = Ks + DV2_KT * LD;
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3,
+                    Ks + ((lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16(s[0], qa[ks], b0, b1);
+            mma_bf16(s[1], qa[ks], b2, b3);
+        }
+        const int32_t key0 = tile_key0(j);
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int32_t key = key0 + nt * 8 + 2 * t4 + (c & 1);
+                s[nt][c] = key < k_end ? s[nt][c] * scale_log2 : -INFINITY;
+                if (c < 2) mx0 = fmaxf(mx0, s[nt][c]);
+                else mx1 = fmaxf(mx1, s[nt][c]);
+            }
+        /* the tile's first key is valid, so both maxima are finite */
+        const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
+        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1); /* 0 on the first tile */
+        m0 = mn0, m1 = mn1;
+        float p[2][4];
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            p[nt][0] = exp2f(s[nt][0] - mn0), p[nt][1] = exp2f(s[nt][1] - mn0);
+            p[nt][2] = exp2f(s[nt][2] - mn1), p[nt][3] = exp2f(s[nt][3] - mn1);
+            sum0 += p[nt][0] + p[nt][1];
+            sum1 += p[nt][2] + p[nt][3];
+        }
+        l0 = l0 * al0 + sum0; /* per-lane partial; reduced over the quad at the end */
+        l1 = l1 * al1 + sum1;
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) o[i][0] *= al0, o[i][1] *= al0, o[i][2] *= al1, o[i][3] *= al1;
+        const uint32_t pa[4] = {pack_bf16(p[0][0], p[0][1]), pack_bf16(p[0][2], p[0][3]),
+                                pack_bf16(p[1][0], p[1][1]), pack_bf16(p[1][2], p[1][3])};
+#pragma unroll
+        for (int dt = 0; dt < D / 16; dt++) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3,
+                      Vs + (((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dt * 16 + (lane >> 4) * 8);
+            mma_bf16(o[2 * dt], pa, b0, b1);
+            mma_bf16(o[2 * dt + 1], pa, b2, b3);
+        }
+        __syncwarp(); /* tile j's stage is refilled by the next iteration */
+    }
+    cp_async_wait<0>();
+    l0 = quad_sum(l0), l1 = quad_sum(l1);
+    __syncthreads(); /* every warp is done with the pipeline buffers: reuse them */
+
+    /* merge the 4 warp states: os [w][16][LDO], ms [w][16], ls [w][16] */
+    float *os = (float *)dv2_smem;
+    float *ms = os + DV2_WARPS * DV2_GMAX * C::LDO, *ls = ms + DV2_WARPS * DV2_GMAX;
+    {
+        float *o0 = os + (warp * DV2_GMAX + g) * C::LDO, *o1 = o0 + 8 * C::LDO;
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) {
+            const int d = i * 8 + 2 * t4;
+            o0[d] = o[i][0], o0[d + 1] = o[i][1];
+            o1[d] = o[i][2], o1[d + 1] = o[i][3];
+        }
+        if (t4 == 0) {
+            ms[warp * DV2_GMAX + g] = m0, ms[warp * DV2_GMAX + g + 8] = m1;
+            ls[warp * DV2_GMAX + g] = l0, ls[warp * DV2_GMAX + g + 8] = l1;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += DV2_THREADS) {
+        const int hg = i / D, d = i % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DV2_WARPS; w++) M = fmaxf(M, ms[w * DV2_GMAX + hg]);
+        float L = 0.0f, O = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DV2_WARPS; w++) {
+            const float wt = exp2f(ms[w * DV2_GMAX + hg] - M); /* 0 for a warp without tiles */
+            L += wt * ls[w * DV2_GMAX + hg];
+            O += wt * os[(w * DV2_GMAX + hg) * C::LDO + d];
+        }
+        const size_t row = (size_t)r * n_heads + h0 + hg;
+        if (direct) {
+            out[row * D + d] = __float2bfloat16(O / L);
+        } else {
+            const size_t idx = row * n_splits + split;
+            ws_o[idx * D + d] = O / L;
+            if (d == 0) ws_lse[idx] = M + log2f(L);
+        }
+    }
+}
+
+template <int D>
+static int dv2_blocks_per_sm(void) {
+    static int n = 0; /* per instantiation; the kernel attributes never change */
+    if (!n) {
+        CU_CHECK(cudaFuncSetAttribute(decode_v2_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)dv2_cfg<D>::SMEM));
+        CU_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_v2_kernel<D>, DV2_THREADS,
+                                                               dv2_cfg<D>::SMEM));
+        if (n < 1) n = 1;
+    }
+    return n;
+}
+
+template <int D>
+static void launch_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                             const int32_t *d_sb, const int32_t *d_sel) {
+    const int32_t n_items = a->n_tokens;
+    const int G = a->n_heads / a->n_kv_heads;
+    const int n_chunks = (G + DV2_GMAX - 1) / DV2_GMAX;
+    /* one wave: as many splits as fit next to the other (row, KV head) blocks;
+     * rounding down keeps the last wave from being a small tail */
+    const int64_t base_blocks = (int64_t)n_items * a->n_kv_heads * n_chunks;
+    const int64_t slots = (int64_t)c->n_sms * dv2_blocks_per_sm<D>();
+    int64_t ns = slots / base_blocks;
+    const int n_splits = (int)(ns < 1 ? 1 : ns > SPLIT_MAX ? SPLIT_MAX : ns);
+    float *ws_o = NULL, *ws_lse = NULL;
+    const size_t n_part = (size_t)n_items * a->n_heads * n_splits;
+    if (n_splits > 1) {
+        size_t cap = c->attn_ws_cap * sizeof(float);
+        lethe_cuda_reserve(c, (void **)&c->attn_ws, &cap, n_part * (D + 1) * sizeof(float));
+        c->attn_ws_cap = cap / sizeof(float);
+        ws_o = c->attn_ws, ws_lse = c->attn_ws + n_part * D;
+    }
+    LETHE_ASSERT(a->n_kv_heads * n_chunks <= 65535);
+    dim3 grid((unsigned)n_items, (unsigned)(a->n_kv_heads * n_chunks), (unsigned)n_splits);
+    decode_v2_kernel<D><<<grid, DV2_THREADS, dv2_cfg<D>::SMEM, c->stream>>>(
+        (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb,
+        d_sb, d_sel, a->n_seqs, 1, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
+        ws_lse);
+    CU_LAUNCH_CHECK();
+    if (n_splits > 1)
+        lethe_cuda_attn_merge(c, a->out, d_qb, d_sb, a->n_seqs, true, n_items, a->n_heads, D,
+                              n_splits, DV2_GRAN, true, ws_o, ws_lse);
+}
+
+void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                               const int32_t *d_sb, const int32_t *d_sel) {
+    LETHE_ASSERT(a->n_tokens == a->n_seqs);
+    if (a->head_dim == 64) launch_decode_v2<64>(c, a, d_qb, d_sb, d_sel);
+    else if (a->head_dim == 128) launch_decode_v2<128>(c, a, d_qb, d_sb, d_sel);
+    else LETHE_ASSERT(!"decode v2: head_dim must be 64 or 128");
+}
+
+/* ---- prefill / extend -------------------------------------------------------- */
+
+#define PF2_BM 64 /* query rows per block (4 warps x 16) */
+#define PF2_BN 64 /* keys per tile */
+#define PF2_THREADS 128
+
+template <int D>
+struct pf2_cfg {
+    static constexpr int LD = D + 8;
+    static constexpr int Q_ELEMS = PF2_BM * LD;
+    static constexpr int KV_ELEMS = PF2_BN * LD;
+    /* Q, then 2 buffers x (K, V) */
+    static constexpr size_t SMEM = (size_t)(Q_ELEMS + 4 * KV_ELEMS) * 2;
+};
+
+/* grid: x = head, y = tile (tiles[y] = {seq, first row within seq}, heaviest first) */
+template <int D>
+__global__ void __launch_bounds__(PF2_THREADS, 2)
+prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                  const bf16 *__restrict__ vc, const int32_t *__restrict__ q_begin,
+                  const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
+                  const int32_t *__restrict__ tiles, int n_heads, int n_kv, float scale_log2) {
+    typedef pf2_cfg<D> C;
+    constexpr int LD = C::LD;
+    constexpr int CPR = D / 8;                 /* 16-byte chunks per row */
+    constexpr int RPP = PF2_THREADS / CPR;     /* rows per block pass */
+    constexpr int PASSES = PF2_BN / RPP;       /* == PF2_BM / RPP */
+    static_assert(PF2_BM == PF2_BN, "one pass count for Q and K/V tiles");
+    extern __shared__ __align__(128) char pf2_smem[];
+    bf16 *Qs = (bf16 *)pf2_smem;
+    bf16 *KVs = Qs + C::Q_ELEMS; /* buffer b: K at 2b, V at 2b + 1 (units of KV_ELEMS) */
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int h = blockIdx.x, kvh = h / (n_heads / n_kv);
+    const int s = tiles[2 * blockIdx.y], qt0 = tiles[2 * blockIdx.y + 1];
+    const int32_t qb = q_begin[s], n_q = q_begin[s + 1] - qb;
+    const int32_t sb = sel_begin[s], n_sel = sel_begin[s + 1] - sb, n_pre = n_sel - n_q;
+    const int rows_here = min(PF2_BM, n_q - qt0);
+    const int32_t kend = n_pre + qt0 + rows_here; /* entries [0, kend) are read */
+    const int n_kt = (kend + PF2_BN - 1) / PF2_BN;
+    const size_t row_stride = (size_t)n_kv * D;
+    const int cc = tid % CPR, r0 = tid / CPR;
+
+    /* Q tile (rows past the sequence are zeros) */
+#pragma unroll
+    for (int i = 0; i < PASSES; i++) {
+        const int rr = r0 + i * RPP;
+        const bool ok = rr < rows_here;
+        const bf16 *src = q + ((size_t)(qb + qt0 + (ok ? rr : 0)) * n_heads + h) * D + cc * 8;
+        cp_async16(Qs + rr * LD + cc * 8, src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+
+    int32_t slot[PASSES]; /* slots of this thread's rows in the next tile to issue */
+    auto load_slots = [&](int kt) {
+#pragma unroll
+        for (int i = 0; i < PASSES; i++) {
+            const int32_t e = kt * PF2_BN + r0 + i * RPP;
+            slot[i] = e < kend ? __ldg(sel + sb + e) : -1;
+        }
+    };
+    auto issue = [&](int buf) {
+        bf16 *Kd = KVs + (size_t)(2 * buf) * C::KV_ELEMS, *Vd = Kd + C::KV_ELEMS;
+#pragma unroll
+        for (int i = 0; i < PASSES; i++) {
+            const int rr = r0 + i * RPP;
+            const size_t off = (size_t)(slot[i] >= 0 ? slot[i] : 0) * row_stride +
+                               (size_t)kvh * D + cc * 8;
+            const int nb = slot[i] >= 0 ? 16 : 0;
+            cp_async16(Kd + rr * LD + cc * 8, kc + off, nb);
+            cp_async16(Vd + rr * LD + cc * 8, vc + off, nb);
+        }
+    };
+    load_slots(0);
+    issue(0);
+    cp_async_commit();
+    if (n_kt > 1) load_slots(1);
+
+    cp_async_wait<1>(); /* the Q group */
+    __syncthreads();
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+        ldsm_x4(qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3],
+                Qs + (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + ks * 16 +
+                    (lane >> 4) * 8);
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const int32_t lim0 = n_pre + qt0 + warp * 16 + g, lim1 = lim0 + 8; /* inclusive, rows g, g+8 */
+    const int32_t diag = n_pre + qt0; /* keys > diag are masked for some row of the block */
+
+    for (int kt = 0; kt < n_kt; kt++) {
+        cp_async_wait<0>(); /* tile kt (this thread's copies) */
+        __syncthreads();    /* every thread's copies; every warp done with tile kt - 1 */
+        if (kt + 1 < n_kt) issue((kt + 1) & 1);
+        cp_async_commit();
+        if (kt + 2 < n_kt) load_slots(kt + 2);
+
+        const bf16 *Ks = KVs + (size_t)(2 * (kt & 1)) * C::KV_ELEMS, *Vs = Ks + C::KV_ELEMS;
+        float sc[PF2_BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < PF2_BN / 8; i++) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++)
+#pragma unroll
+            for (int np = 0; np < PF2_BN / 16; np++) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3,
+                        Ks + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * LD + ks * 16 +
+                            ((lane >> 3) & 1) * 8);
+                mma_bf16(sc[2 * np], qa[ks], b0, b1);
+                mma_bf16(sc[2 * np + 1], qa[ks], b2, b3);
+            }
+        const int32_t key0 = kt * PF2_BN;
+        const bool need_mask = key0 + PF2_BN - 1 > diag; /* block-uniform */
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < PF2_BN / 8; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float v = sc[nt][c] * scale_log2;
+                if (need_mask) {
+                    const int32_t key = key0 + nt * 8 + 2 * t4 + (c & 1);
+                    if (key > (c < 2 ? lim0 : lim1)) v = -INFINITY;
+                }
+                sc[nt][c] = v;
+                if (c < 2) mx0 = fmaxf(mx0, v);
+                else mx1 = fmaxf(mx1, v);
+            }
+        /* key 0 is valid for every row, so m is finite from the first tile on;
+         * a fully masked row in a later tile keeps m (alpha 1, p 0) */
+        const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
+        const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+        m0 = mn0, m1 = mn1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < PF2_BN / 8; nt++) {
+            sc[nt][0] = exp2f(sc[nt][0] - mn0), sc[nt][1] = exp2f(sc[nt][1] - mn0);
+            sc[nt][2] = exp2f(sc[nt][2] - mn1), sc[nt][3] = exp2f(sc[nt][3] - mn1);
+            sum0 += sc[nt][0] + sc[nt][1];
+            sum1 += sc[nt][2] + sc[nt][3];
+        }
+        l0 = l0 * al0 + sum0;
+        l1 = l1 * al1 + sum1;
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) o[i][0] *= al0, o[i][1] *= al0, o[i][2] *= al1, o[i][3] *= al1;
+#pragma unroll
+        for (int kk = 0; kk < PF2_BN / 16; kk++) {
+            const uint32_t pa[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
+                                    pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                                    pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                    pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 16; dt++) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3,
+                          Vs + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + dt * 16 +
+                              (lane >> 4) * 8);
+                mma_bf16(o[2 * dt], pa, b0, b1);
+                mma_bf16(o[2 * dt + 1], pa, b2, b3);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    l0 = quad_sum(l0), l1 = quad_sum(l1);
+    const int ra = warp * 16 + g, rb = ra + 8;
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) {
+        const int d = i * 8 + 2 * t4;
+        if (ra < rows_here)
+            *(__nv_bfloat162 *)(out + ((size_t)(qb + qt0 + ra) * n_heads + h) * D + d) =
+                __floats2bfloat162_rn(o[i][0] * inv0, o[i][1] * inv0);
+        if (rb < rows_here)
+            *(__nv_bfloat162 *)(out + ((size_t)(qb + qt0 + rb) * n_heads + h) * D + d) =
+                __floats2bfloat162_rn(o[i][2] * inv1, o[i][3] * inv1);
+    }
+}
+
+typedef struct pf2_tile {
+    int32_t seq, r0, work;
+} pf2_tile;
+
+static int pf2_heavier_first(const void *x, const void *y) {
+    const pf2_tile *a = (const pf2_tile *)x, *b = (const pf2_tile *)y;
+    if (a->work != b->work) return a->work > b->work ? -1 : 1;
+    if (a->seq != b->seq) return a->seq < b->seq ? -1 : 1;
+    return a->r0 < b->r0 ? -1 : a->r0 > b->r0;
+}
+
+template <int D>
+static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                              const int32_t *d_sb, const int32_t *d_sel) {
+    int32_t n_tiles = 0;
+    for (int s = 0; s < a->n_seqs; s++)
+        n_tiles += (a->q_begin[s + 1] - a->q_begin[s] + PF2_BM - 1) / PF2_BM;
+    if (!n_tiles) return;
+    LETHE_ASSERT(n_tiles <= 65535 && "prefill v2: more than 65535 query tiles in one call");
+    pf2_tile *list = (pf2_tile *)malloc((size_t)n_tiles * sizeof(pf2_tile));
+    LETHE_ASSERT(list);
+    int32_t t = 0;
+    for (int s = 0; s < a->n_seqs; s++) {
+        const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
+        const int32_t n_pre = a->sel_begin[s + 1] - a->sel_begin[s] - n_q;
+        for (int32_t r0 = 0; r0 < n_q; r0 += PF2_BM) {
+            const int32_t rows = n_q - r0 < PF2_BM ? n_q - r0 : PF2_BM;
+            list[t++] = (pf2_tile){s, r0, n_pre + r0 + rows};
+        }
+    }
+    qsort(list, (size_t)n_tiles, sizeof(pf2_tile), pf2_heavier_first);
+    void *h;
+    int32_t *d_tiles = (int32_t *)lethe_cuda_ring_alloc(c, (size_t)n_tiles * 2 * sizeof(int32_t), &h);
+    int32_t *ht = (int32_t *)h;
+    for (int32_t i = 0; i < n_tiles; i++) ht[2 * i] = list[i].seq, ht[2 * i + 1] = list[i].r0;
+    free(list);
+    CU_CHECK(cudaMemcpyAsync(d_tiles, ht, (size_t)n_tiles * 2 * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, c->stream));
+    static bool attr_set = false; /* per instantiation */
+    if (!attr_set) {
+        CU_CHECK(cudaFuncSetAttribute(prefill_v2_kernel<D>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)pf2_cfg<D>::SMEM));
+        attr_set = true;
+    }
+    prefill_v2_kernel<D><<<dim3((unsigned)a->n_heads, (unsigned)n_tiles), PF2_THREADS,
+                           pf2_cfg<D>::SMEM, c->stream>>>(
+        (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb,
+        d_sb, d_sel, d_tiles, a->n_heads, a->n_kv_heads, a->scale * LOG2E);
+    CU_LAUNCH_CHECK();
+}
+
+void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                const int32_t *d_sb, const int32_t *d_sel) {
+    if (a->head_dim == 64) launch_prefill_v2<64>(c, a, d_qb, d_sb, d_sel);
+    else if (a->head_dim == 128) launch_prefill_v2<128>(c, a, d_qb, d_sb, d_sel);
+    else LETHE_ASSERT(!"prefill v2: head_dim must be 64 or 128");
+}
