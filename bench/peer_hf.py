@@ -9,7 +9,9 @@ same call (scripts/gpu-check.sh):
     (flash backend where it takes the shape, else PyTorch's default choice)
     on the shapes of lethe's attention sweep: q [B, H, 1, D], K/V
     [B, KV, ctx, D] bf16, GQA.
-Reads lethe's --json output and prints the ratios side by side."""
+Reads lethe's --json output and prints the ratios side by side: the ratio
+column is lethe's default attention kernel (the entry's "us"); where the JSON
+has every kernel generation ("kernels": v1, v2) their ratios follow."""
 import argparse
 import json
 import statistics
@@ -114,7 +116,10 @@ def main():
         att.append((e, t, used))
         res["attention"].append({"batch": e["batch"], "ctx": e["ctx"], "torch_us": t * 1e6,
                                  "torch_backend": used, "lethe_us": e["us"],
-                                 "speedup": t * 1e6 / e["us"]})
+                                 "lethe_kernel": e.get("kernel", "default"),
+                                 "speedup": t * 1e6 / e["us"],
+                                 "speedup_per_kernel": {k: t * 1e6 / v["us"] for k, v in
+                                                        e.get("kernels", {}).items()}})
     tok_s, step = hf_decode(a.config, a.batch, a.input_len, a.output_len)
     mine = [p for p in lethe.get("points", [])
             if p["batch"] == a.batch and p["input"] == a.input_len]
@@ -129,10 +134,12 @@ def main():
               f"{d['lethe_tok_s'] / tok_s:.2f}x")
     else:
         print(f"decode b{a.batch}: HF transformers {tok_s:.0f} tok/s (no lethe point to compare)")
-    print(f"{'batch':>6} {'ctx':>7} {'lethe us':>10} {'torch us':>10} {'torch/lethe':>12}  backend")
+    print(f"{'batch':>6} {'ctx':>7} {'lethe us':>10} {'torch us':>10} {'torch/lethe':>12}  backend"
+          "  (lethe kernel; per kernel)")
     for e, t, used in att:
+        per = " ".join(f"{k} {t * 1e6 / v['us']:.2f}x" for k, v in e.get("kernels", {}).items())
         print(f"{e['batch']:>6} {e['ctx']:>7} {e['us']:>10.1f} {t * 1e6:>10.1f} "
-              f"{t * 1e6 / e['us']:>11.2f}x  {used}")
+              f"{t * 1e6 / e['us']:>11.2f}x  {used}  ({e.get('kernel', 'default')}; {per})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -3,8 +3,9 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,peer,plot,sparse,replay
-# (default: build,test,bench,peer,plot; sparse and replay only when named).
+# table last. PHASES: any of build,test,bench,peer,plot,profile,sparse,replay
+# (default: build,test,bench,peer,plot,profile; sparse and replay only when
+# named).
 #
 #   sparse  `lethe bench sparse` (issue #5): SnapKV 2K largest batch + decode
 #           tok/s vs dense at 32K and 128K, Quest / OmniKV vs dense at batch
@@ -17,6 +18,14 @@
 #           dense-radix, snapkv-nocache, snapkv-chain on one generated trace
 #           (8 agents x 6 turns, tool outputs 500-2000 words, concurrency 8).
 #           ~3 min. REPLAY_ARGS adds/overrides flags. -> $OUT/replay.json
+#   profile Nsight Compute (ncu --clock-control none; this GPU machine is a
+#           VM) on the decode attention kernels (v1 and v2) at b8 x 32K, the
+#           prefill attention kernels at 8K, and one eager decode step of the
+#           dummy Llama-3.1-8B (b8 x 2K); the range is set by `lethe bench
+#           engine --profile` (cudaProfilerStart/Stop), kernels outside it run
+#           unprofiled. ~1.5-3 min. Summary in $OUT/profile.txt
+#           (scripts/ncu_summary.py), reports in $OUT/ncu-*.ncu-rep. A missing
+#           or failing ncu is reported and the run goes on.
 #
 # Libraries lethe links that the GPU image may lack (cJSON, PCRE2, ICU,
 # libmicrohttpd, libcurl) are taken from Debian .debs carried in .deb/
@@ -24,7 +33,7 @@
 # are unpacked into .deb/root and passed through EXTRA_CFLAGS/EXTRA_LDFLAGS.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-phases=${1:-build,test,bench,peer,plot}
+phases=${1:-build,test,bench,peer,plot,profile}
 has() { [[ ",$phases," == *",$1,"* ]]; }
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 t_start=$(date +%s)
@@ -119,6 +128,44 @@ fi
 if has plot; then
     python3 scripts/plot_bench.py "$OUT/bench.json" "$OUT/bench.png" >>"$OUT/summary.txt" 2>&1
 fi
+if has profile; then
+    t0=$(date +%s)
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    : >"$OUT/profile.txt"
+    if [ -z "$NCU" ]; then
+        echo "ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute): no profile" >>"$OUT/profile.txt"
+    else
+        cfg=configs/llama-3.1-8b-instruct/config.json
+        # ncu_run NAME TIMEOUT NCU-ARGS... -- LETHE-ARGS...: profile, export CSV, never fail the run
+        ncu_run() {
+            local name=$1 lim=$2; shift 2
+            local nargs=() ; while [ "$1" != "--" ]; do nargs+=("$1"); shift; done; shift
+            rm -f "$OUT/ncu-$name.ncu-rep"
+            timeout "$lim" "$NCU" --clock-control none --profile-from-start off --force-overwrite \
+                -o "$OUT/ncu-$name" "${nargs[@]}" ./build/lethe bench engine "$@" \
+                >"$OUT/ncu-$name.log" 2>&1
+            local rc=$?
+            [ $rc -ne 0 ] && echo "ncu $name: rc=$rc (124 = timed out after ${lim}s); see ncu-$name.log: $(grep -m1 -i 'error' "$OUT/ncu-$name.log")" >>"$OUT/profile.txt"
+            if [ -f "$OUT/ncu-$name.ncu-rep" ]; then
+                "$NCU" --import "$OUT/ncu-$name.ncu-rep" --csv --page raw --print-units base \
+                    >"$OUT/ncu-$name.csv" 2>>"$OUT/ncu-$name.log" ||
+                    echo "ncu $name: CSV export failed" >>"$OUT/profile.txt"
+            fi
+        }
+        # attention kernels: one call of each generation in the range
+        ncu_run attn 120 --section SpeedOfLight --section Occupancy --section LaunchStats \
+            --section WarpStateStats --metrics dram__bytes_read.sum -- \
+            -m $cfg --attention-only --attn-batch 8 --attn-ctx 32768 --attn-prefill 8192 --reps 1 --profile
+        python3 scripts/ncu_summary.py kernels "attention kernels: decode b8 x 32K (v1 split_kernel + merge, v2 decode_v2_kernel [+ merge]), prefill 8K (v1 prefill_kernel, v2 prefill_v2_kernel); default kernel: ${LETHE_ATTN_KERNEL:-built-in}" \
+            "$OUT/ncu-attn.csv" >>"$OUT/profile.txt" 2>&1
+        # one decode step of the 8B model (eager: every kernel of the step is a launch)
+        ncu_run step 150 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed -- \
+            -m $cfg --load-format dummy --points 8:2048:3 --no-graph --profile
+        python3 scripts/ncu_summary.py share "one decode step, dummy Llama-3.1-8B, batch 8 x 2K context, eager (no graph)" \
+            "$OUT/ncu-step.csv" >>"$OUT/profile.txt" 2>&1
+    fi
+    log "profile: ($(( $(date +%s) - t0 ))s) -> profile.txt"
+fi
 echo; echo "================ summary ($(( $(date +%s) - t_start ))s) ================"
 cat "$OUT/summary.txt"
 grep -A12 "^ batch" "$OUT/bench.log" 2>/dev/null | head -14
@@ -127,3 +174,5 @@ grep -A20 "^== side by side" "$OUT/peer.log" 2>/dev/null
 grep -B1 -A4 "^   input |" "$OUT/sparse.log" 2>/dev/null
 grep -A5 "^matched batch" "$OUT/sparse.log" 2>/dev/null
 grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null
+grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
+[ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }

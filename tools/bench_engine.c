@@ -15,9 +15,13 @@
  * device copy and an 8192^3 GEMM). KV layout: contiguous slots per sequence
  * (slot = seq * capacity + position), dense selection; steps go through
  * lethe_model_forward_uniform, so decode steps replay CUDA graphs unless
- * --no-graph. --attention adds a decode-attention-only sweep (the kernel
- * alone vs copy bandwidth). --json writes everything (scripts/plot_bench.py
- * draws it). */
+ * --no-graph. --attention adds attention-only sweeps: decode (the kernel
+ * alone vs copy bandwidth) and prefill (causal, vs the GEMM peak), each for
+ * every attention kernel generation of the backend side by side (CUDA: v1,
+ * v2; the JSON entry's top-level numbers are the default one's). --profile
+ * wraps one call per attention kernel and the last decode step in the
+ * profiler range for `ncu --profile-from-start off` (scripts/gpu-check.sh
+ * profile). --json writes everything (scripts/plot_bench.py draws it). */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -36,10 +40,10 @@
 
 typedef struct bench_opts {
     const char *model, *load_format, *device, *json;
-    const char *batch, *input, *output, *attn_batch, *attn_ctx, *points;
+    const char *batch, *input, *output, *attn_batch, *attn_ctx, *attn_prefill, *points;
     int32_t max_batched, threads, reps;
     uint64_t seed;
-    bool no_graph, attention, skip_model;
+    bool no_graph, attention, skip_model, profile;
 } bench_opts;
 
 static int parse_list(const char *s, int32_t *out, const char *flag) {
@@ -180,9 +184,12 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
         lethe_fwd_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .n_seqs = B,
                              .seq_begin = seq_begin, .n_logits = B, .logit_rows = logit_rows};
         lethe_layer_plan plan = {.store_slots = store, .sel_begin = sel_begin, .sel_slots = sel};
+        const bool prof = o->profile && step == out - 1 && be->ops->profile_range;
+        if (prof) be->ops->profile_range(be, true);
         double ts = lethe_time_s();
         lethe_model_forward_uniform(m, &b, kc, vc, &plan, !o->no_graph, gs, logits);
         steps[step] = lethe_time_s() - ts;
+        if (prof) be->ops->profile_range(be, false);
     }
     /* the first two steps run eagerly / capture: report the steady state */
     int skip = out > 4 ? 2 : 0;
@@ -209,14 +216,70 @@ done:
     return st;
 }
 
-/* ---- decode attention alone -------------------------------------------------- */
+/* ---- attention alone ----------------------------------------------------------- */
 
+/* Kernel generations to compare: both (v1, v2) where the backend can switch
+ * (ops->attn_kernel), else the one it has (0). Returns the count; *dflt is
+ * the default generation, restored by the caller. */
+static int attn_versions(lethe_backend *be, int *vers, int *dflt) {
+    if (!be->ops->attn_kernel || be->ops->attn_kernel(be, 0) == 0) {
+        vers[0] = 0;
+        *dflt = 0;
+        return 1;
+    }
+    *dflt = be->ops->attn_kernel(be, 0);
+    vers[0] = 1, vers[1] = 2;
+    return 2;
+}
+
+/* Times `reps` calls of a (after 3 warm-up calls); with `profile`, one more
+ * call inside the profiler range (ncu --profile-from-start off). */
+static double time_attention(lethe_backend *be, const lethe_attn_args *a, int reps, bool profile) {
+    for (int r = 0; r < 3; r++) be->ops->attention(be, a);
+    be->ops->sync(be);
+    double t0 = lethe_time_s();
+    for (int r = 0; r < reps; r++) be->ops->attention(be, a);
+    be->ops->sync(be);
+    double t = (lethe_time_s() - t0) / reps;
+    if (profile && be->ops->profile_range) {
+        be->ops->profile_range(be, true);
+        be->ops->attention(be, a);
+        be->ops->profile_range(be, false);
+    }
+    return t;
+}
+
+static void upload_random(lethe_backend *be, void *dst, size_t n) {
+    const size_t chunk = (size_t)1 << 22;
+    float *h = lethe_xmalloc(LETHE_MIN(chunk, n ? n : 1) * sizeof(float));
+    uint64_t rng = 99;
+    for (size_t r = 0; r < LETHE_MIN(chunk, n); r++)
+        h[r] = (float)((lethe_splitmix64(&rng) >> 40) * 0x1p-24) * 2.0f - 1.0f;
+    const size_t es = be->ops->act_size;
+    for (size_t off = 0; off < n; off += chunk)
+        be->ops->act_from_host(be, (char *)dst + off * es, h, LETHE_MIN(chunk, n - off));
+    free(h);
+}
+
+static const char *ver_name(int v) { return v == 1 ? "v1" : v == 2 ? "v2" : "default"; }
+
+/* Decode attention (one query per sequence, dense selection of ctx slots):
+ * bytes of K + V read per call vs the copy bandwidth, per kernel generation;
+ * the entry's us / gb_s / frac_copy are the default generation's (what the
+ * engine runs; bench/peer_hf.py compares those with torch). */
 static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, const int32_t *bs,
-                              int nb, const int32_t *ctxs, int nc, double copy_bps, int reps) {
+                              int nb, const int32_t *ctxs, int nc, double copy_bps, int reps,
+                              bool profile) {
     cJSON *arr = cJSON_CreateArray();
     const int32_t H = c->n_heads, KV = c->n_kv_heads, D = c->head_dim, kv_dim = KV * D;
-    printf("\ndecode attention alone (H=%d KV=%d D=%d, bf16 KV, %d reps)\n", H, KV, D, reps);
-    printf("%6s %8s %10s %10s %8s\n", "batch", "ctx", "us/call", "GB/s", "of copy");
+    int vers[2], dflt;
+    const int nv = attn_versions(be, vers, &dflt);
+    printf("\ndecode attention alone (H=%d KV=%d D=%d, bf16 KV, %d reps; default kernel %s)\n", H,
+           KV, D, reps, ver_name(dflt));
+    printf("%6s %8s", "batch", "ctx");
+    for (int v = 0; v < nv; v++)
+        printf(" | %4s %9s %8s %7s", ver_name(vers[v]), "us/call", "GB/s", "of copy");
+    printf("\n");
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < nc; j++) {
             const int32_t B = bs[i], L = ctxs[j];
@@ -232,20 +295,10 @@ static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, co
                 if (q) be->ops->release(be, q);
                 continue;
             }
-            /* random K, V, q (never zeros), uploaded in chunks */
-            const size_t chunk = (size_t)1 << 22;
-            float *h = lethe_xmalloc(chunk * sizeof(float));
-            uint64_t rng = 99;
-            for (size_t r = 0; r < chunk; r++)
-                h[r] = (float)((lethe_splitmix64(&rng) >> 40) * 0x1p-24) * 2.0f - 1.0f;
-            const size_t nkv = slots * kv_dim, es = be->ops->act_size;
-            for (size_t off = 0; off < nkv; off += chunk) {
-                size_t n = LETHE_MIN(chunk, nkv - off);
-                be->ops->act_from_host(be, (char *)k + off * es, h, n);
-                be->ops->act_from_host(be, (char *)v + off * es, h, n);
-            }
-            be->ops->act_from_host(be, q, h, (size_t)B * H * D);
-            free(h);
+            /* random K, V, q (never zeros) */
+            upload_random(be, k, slots * kv_dim);
+            upload_random(be, v, slots * kv_dim);
+            upload_random(be, q, (size_t)B * H * D);
             int32_t *qb = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
             int32_t *sb = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
             int32_t *sel = lethe_xmalloc(slots * sizeof(int32_t));
@@ -258,23 +311,34 @@ static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, co
                                  .n_seqs = B, .q_begin = qb, .sel_begin = sb, .sel_slots = sel,
                                  .n_heads = H, .n_kv_heads = KV, .head_dim = D,
                                  .scale = 1.0f / sqrtf((float)D)};
-            for (int r = 0; r < 3; r++) be->ops->attention(be, &a);
-            be->ops->sync(be);
-            double t0 = lethe_time_s();
-            for (int r = 0; r < reps; r++) be->ops->attention(be, &a);
-            be->ops->sync(be);
-            double t = (lethe_time_s() - t0) / reps;
-            be->ops->unstage(be);
-            double bytes = 2.0 * slots * kv_dim * be->ops->kv_size;
-            double frac = copy_bps > 0 ? bytes / copy_bps / t : 0;
-            printf("%6d %8d %10.1f %10.1f %7.1f%%\n", B, L, t * 1e6, bytes / t * 1e-9, 100 * frac);
+            const double bytes = 2.0 * slots * kv_dim * be->ops->kv_size;
             cJSON *e = cJSON_CreateObject();
             cJSON_AddNumberToObject(e, "batch", B);
             cJSON_AddNumberToObject(e, "ctx", L);
-            cJSON_AddNumberToObject(e, "us", t * 1e6);
-            cJSON_AddNumberToObject(e, "gb_s", bytes / t * 1e-9);
-            cJSON_AddNumberToObject(e, "frac_copy", frac);
+            cJSON *per = cJSON_AddObjectToObject(e, "kernels");
+            printf("%6d %8d", B, L);
+            for (int vi = 0; vi < nv; vi++) {
+                if (vers[vi]) be->ops->attn_kernel(be, vers[vi]);
+                const double t = time_attention(be, &a, reps, profile);
+                const double frac = copy_bps > 0 ? bytes / copy_bps / t : 0;
+                printf(" | %4s %9.1f %8.1f %6.1f%%", ver_name(vers[vi]), t * 1e6, bytes / t * 1e-9,
+                       100 * frac);
+                cJSON *k1 = cJSON_AddObjectToObject(per, ver_name(vers[vi]));
+                cJSON_AddNumberToObject(k1, "us", t * 1e6);
+                cJSON_AddNumberToObject(k1, "gb_s", bytes / t * 1e-9);
+                cJSON_AddNumberToObject(k1, "frac_copy", frac);
+                if (vers[vi] == dflt) {
+                    cJSON_AddStringToObject(e, "kernel", ver_name(dflt));
+                    cJSON_AddNumberToObject(e, "us", t * 1e6);
+                    cJSON_AddNumberToObject(e, "gb_s", bytes / t * 1e-9);
+                    cJSON_AddNumberToObject(e, "frac_copy", frac);
+                }
+            }
+            printf("\n");
+            fflush(stdout);
+            if (dflt) be->ops->attn_kernel(be, dflt);
             cJSON_AddItemToArray(arr, e);
+            be->ops->unstage(be);
             be->ops->release(be, k), be->ops->release(be, v);
             be->ops->release(be, q), be->ops->release(be, o);
             free(qb), free(sb), free(sel);
@@ -282,10 +346,86 @@ static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, co
     return arr;
 }
 
+/* Prefill attention alone: one sequence of L new tokens, causal over itself
+ * (dense selection), FLOPs 4 H D L (L + 1) / 2 vs the measured GEMM peak. */
+static cJSON *prefill_attention_sweep(lethe_backend *be, const lethe_model_config *c,
+                                      const int32_t *lens, int nl, double gemm_fps, int reps,
+                                      bool profile) {
+    cJSON *arr = cJSON_CreateArray();
+    const int32_t H = c->n_heads, KV = c->n_kv_heads, D = c->head_dim, kv_dim = KV * D;
+    int vers[2], dflt;
+    const int nv = attn_versions(be, vers, &dflt);
+    printf("\nprefill attention alone (H=%d KV=%d D=%d, causal, one sequence, %d reps)\n", H, KV,
+           D, reps);
+    printf("%8s", "tokens");
+    for (int v = 0; v < nv; v++) printf(" | %4s %9s %8s %7s", ver_name(vers[v]), "us/call", "TFLOP/s", "of pk");
+    printf("\n");
+    for (int i = 0; i < nl; i++) {
+        const int32_t L = lens[i];
+        void *k = NULL, *v = NULL, *q = NULL, *o = NULL;
+        if (be->ops->alloc(be, (size_t)L * kv_dim * be->ops->kv_size, &k) != LETHE_OK ||
+            be->ops->alloc(be, (size_t)L * kv_dim * be->ops->kv_size, &v) != LETHE_OK ||
+            be->ops->alloc(be, (size_t)L * H * D * be->ops->act_size, &q) != LETHE_OK ||
+            be->ops->alloc(be, (size_t)L * H * D * be->ops->act_size, &o) != LETHE_OK) {
+            fprintf(stderr, "prefill attention sweep: %d tokens do not fit, skipped\n", L);
+            if (k) be->ops->release(be, k);
+            if (v) be->ops->release(be, v);
+            if (q) be->ops->release(be, q);
+            continue;
+        }
+        upload_random(be, k, (size_t)L * kv_dim);
+        upload_random(be, v, (size_t)L * kv_dim);
+        upload_random(be, q, (size_t)L * H * D);
+        int32_t qb[2] = {0, L}, sb[2] = {0, L};
+        int32_t *sel = lethe_xmalloc((size_t)L * sizeof(int32_t));
+        for (int32_t e = 0; e < L; e++) sel[e] = e;
+        const int32_t *arrays[3] = {qb, sb, sel};
+        size_t counts[3] = {2, 2, (size_t)L};
+        be->ops->stage_step(be, arrays, counts, 3);
+        lethe_attn_args a = {.out = o, .q = q, .k_cache = k, .v_cache = v, .n_tokens = L,
+                             .n_seqs = 1, .q_begin = qb, .sel_begin = sb, .sel_slots = sel,
+                             .n_heads = H, .n_kv_heads = KV, .head_dim = D,
+                             .scale = 1.0f / sqrtf((float)D)};
+        const double flops = 4.0 * H * D * ((double)L * (L + 1) / 2);
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "tokens", L);
+        cJSON_AddNumberToObject(e, "flops", flops);
+        cJSON *per = cJSON_AddObjectToObject(e, "kernels");
+        printf("%8d", L);
+        for (int vi = 0; vi < nv; vi++) {
+            if (vers[vi]) be->ops->attn_kernel(be, vers[vi]);
+            const double t = time_attention(be, &a, reps, profile);
+            const double frac = gemm_fps > 0 ? flops / gemm_fps / t : 0;
+            printf(" | %4s %9.1f %8.1f %6.1f%%", ver_name(vers[vi]), t * 1e6, flops / t * 1e-12,
+                   100 * frac);
+            cJSON *k1 = cJSON_AddObjectToObject(per, ver_name(vers[vi]));
+            cJSON_AddNumberToObject(k1, "us", t * 1e6);
+            cJSON_AddNumberToObject(k1, "tflops", flops / t * 1e-12);
+            cJSON_AddNumberToObject(k1, "frac_gemm_peak", frac);
+            if (vers[vi] == dflt) {
+                cJSON_AddStringToObject(e, "kernel", ver_name(dflt));
+                cJSON_AddNumberToObject(e, "us", t * 1e6);
+                cJSON_AddNumberToObject(e, "tflops", flops / t * 1e-12);
+                cJSON_AddNumberToObject(e, "frac_gemm_peak", frac);
+            }
+        }
+        printf("\n");
+        fflush(stdout);
+        if (dflt) be->ops->attn_kernel(be, dflt);
+        cJSON_AddItemToArray(arr, e);
+        be->ops->unstage(be);
+        be->ops->release(be, k), be->ops->release(be, v);
+        be->ops->release(be, q), be->ops->release(be, o);
+        free(sel);
+    }
+    return arr;
+}
+
 int lethe_bench_engine(int argc, char **argv) {
     bench_opts o = {.model = "configs/llama-3.1-8b-instruct/config.json", .load_format = "auto",
                     .device = "cuda", .batch = "1,8,32,64", .input = "1024", .output = "64",
-                    .attn_batch = "8,64", .attn_ctx = "4096,16384,32768", .max_batched = 8192,
+                    .attn_batch = "8,64", .attn_ctx = "4096,16384,32768", .attn_prefill = "8192",
+                    .max_batched = 8192,
                     .reps = 20, .seed = 0};
     lethe_opt rows[] = {
         {"--model", "-m", LETHE_OPT_STR, &o.model, "PATH", "model: .gguf, HF folder, or config.json (dummy)", 1, 0},
@@ -302,7 +442,9 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--attention-only", NULL, LETHE_OPT_BOOL, &o.skip_model, NULL, "only the attention sweep (model from config, no weights)", 1, 0},
         {"--attn-batch", NULL, LETHE_OPT_STR, &o.attn_batch, "LIST", "attention sweep batch sizes", 1, 0},
         {"--attn-ctx", NULL, LETHE_OPT_STR, &o.attn_ctx, "LIST", "attention sweep context lengths", 1, 0},
+        {"--attn-prefill", NULL, LETHE_OPT_STR, &o.attn_prefill, "LIST", "prefill attention sweep lengths (one sequence, causal)", 1, 0},
         {"--reps", NULL, LETHE_OPT_INT, &o.reps, "N", "timed repetitions (attention sweep)", 1, 100000},
+        {"--profile", NULL, LETHE_OPT_BOOL, &o.profile, NULL, "profiler range (ncu --profile-from-start off) around one call per attention kernel and the last decode step", 1, 0},
         {"--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "dummy weights and token seed", 1, 0},
         {"--json", NULL, LETHE_OPT_STR, &o.json, "PATH", "write results as JSON", 1, 0},
     };
@@ -314,10 +456,12 @@ int lethe_bench_engine(int argc, char **argv) {
                              pos, &n_pos, 0);
     if (r) return r > 0 ? 0 : 2;
     int32_t bs[MAX_SWEEP], ins[MAX_SWEEP], outs[MAX_SWEEP], abs_[MAX_SWEEP], actx[MAX_SWEEP];
+    int32_t apf[MAX_SWEEP];
     int nb = parse_list(o.batch, bs, "--batch"), ni = parse_list(o.input, ins, "--input-len");
     int no = parse_list(o.output, outs, "--output-len");
     int nab = parse_list(o.attn_batch, abs_, "--attn-batch"), nac = parse_list(o.attn_ctx, actx, "--attn-ctx");
-    if (nb < 0 || ni < 0 || no < 0 || nab < 0 || nac < 0) return 2;
+    int napf = parse_list(o.attn_prefill, apf, "--attn-prefill");
+    if (nb < 0 || ni < 0 || no < 0 || nab < 0 || nac < 0 || napf < 0) return 2;
     /* the run list: explicit points, or the cross product of the sweep lists */
     int32_t pb[MAX_SWEEP * MAX_SWEEP], pi[MAX_SWEEP * MAX_SWEEP], po[MAX_SWEEP * MAX_SWEEP];
     int np = 0;
@@ -381,8 +525,10 @@ int lethe_bench_engine(int argc, char **argv) {
             rc = 1;
             goto out;
         }
-        cJSON_AddItemToObject(root, "attention",
-                              attention_sweep(be, &cfg, abs_, nab, actx, nac, copy_bps, o.reps));
+        cJSON_AddItemToObject(root, "attention", attention_sweep(be, &cfg, abs_, nab, actx, nac,
+                                                                 copy_bps, o.reps, o.profile));
+        cJSON_AddItemToObject(root, "prefill_attention",
+                              prefill_attention_sweep(be, &cfg, apf, napf, gemm_fps, o.reps, o.profile));
         goto out;
     }
     lethe_model_load_params lp = {.path = o.model, .format = fmt, .seed = o.seed, .progress = false};
@@ -434,9 +580,13 @@ int lethe_bench_engine(int argc, char **argv) {
                 cJSON_AddNumberToObject(e, "graph_captures", (double)pt.captures);
                 cJSON_AddItemToArray(pts, e);
             }
-    if (o.attention)
-        cJSON_AddItemToObject(root, "attention",
-                              attention_sweep(be, &m.cfg, abs_, nab, actx, nac, copy_bps, o.reps));
+    if (o.attention) {
+        cJSON_AddItemToObject(root, "attention", attention_sweep(be, &m.cfg, abs_, nab, actx, nac,
+                                                                 copy_bps, o.reps, o.profile));
+        cJSON_AddItemToObject(root, "prefill_attention", prefill_attention_sweep(
+                                                             be, &m.cfg, apf, napf, gemm_fps,
+                                                             o.reps, o.profile));
+    }
 out:
     if (o.json) {
         char *txt = cJSON_Print(root);

@@ -7,12 +7,13 @@
  * the check. The error measure is ||gpu - cpu|| / ||cpu|| with thresholds per
  * op (bf16 output rounding alone is ~2e-3). Sizes include single rows,
  * lengths that are not multiples of the kernels' tiles or vector widths,
- * GQA groups 1/3/4/8/16, head_dim 32/64/96/128/256, ragged batches mixing
+ * GQA groups 1/3/4/8/12/16/32, head_dim 32/64/96/128/256, ragged batches mixing
  * decode rows with prefill and extend chunks over permuted cache slots,
- * sparse (subset) selections, the pre-staged (stage_step) path,
- * attn_scores (every mode, up to 40K candidates), and the Quest page ops
- * (page_minmax: exact; page_scores: fp32 reassociation only). Needs a CUDA
- * device (make test-gpu). */
+ * sparse (subset) selections, the pre-staged (stage_step) path, contexts
+ * >= 16K (split-K; every attention case runs once per kernel generation,
+ * ops->attn_kernel: v1, v2), attn_scores (every mode, up to 40K
+ * candidates), and the Quest page ops (page_minmax: exact; page_scores: fp32
+ * reassociation only). Needs a CUDA device (make test-gpu). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -224,18 +225,23 @@ static void test_rows(void) {
 
 /* ---- KV store + attention ------------------------------------------------ */
 
+#define ATTN_MAX_SEQS 24
+
+static int g_attn_version; /* kernel generation under test (ops->attn_kernel), 0 = n/a */
+
 typedef struct attn_case {
     const char *name;
     int n_heads, n_kv, hd;
-    int n_seqs;
-    int n_q[6];     /* queries per sequence */
-    int n_sel[6];   /* selection length (>= n_q) */
+    int n_seqs;     /* <= ATTN_MAX_SEQS */
+    int n_q[ATTN_MAX_SEQS];   /* queries per sequence */
+    int n_sel[ATTN_MAX_SEQS]; /* selection length (>= n_q) */
     int sparse;     /* drop a random subset of the prefix */
 } attn_case;
 
 static void run_attn_case(const attn_case *tc, int staged) {
     const int H = tc->n_heads, KV = tc->n_kv, D = tc->hd, S = tc->n_seqs;
-    int32_t q_begin[7] = {0}, sel_begin[7] = {0};
+    int32_t q_begin[ATTN_MAX_SEQS + 1] = {0}, sel_begin[ATTN_MAX_SEQS + 1] = {0};
+    LETHE_ASSERT(S >= 1 && S <= ATTN_MAX_SEQS);
     int32_t n_slots = 0;
     for (int s = 0; s < S; s++) {
         q_begin[s + 1] = q_begin[s] + tc->n_q[s];
@@ -291,13 +297,13 @@ static void run_attn_case(const attn_case *tc, int staged) {
     a.q = pq.g, a.out = po.g, a.k_cache = pk.g, a.v_cache = pv.g;
     g_gpu->ops->attention(g_gpu, &a);
     char what[160];
-    snprintf(what, sizeof what, "attention %s (H=%d KV=%d D=%d T=%d%s)", tc->name, H, KV, D, T,
-             staged ? ", staged" : "");
+    snprintf(what, sizeof what, "attention v%d %s (H=%d KV=%d D=%d T=%d%s)", g_attn_version,
+             tc->name, H, KV, D, T, staged ? ", staged" : "");
     compare(&pk, (size_t)n_slots * kv_dim, 1e-6, "kv_store K");
     compare(&pv, (size_t)n_slots * kv_dim, 1e-6, "kv_store V");
     double e = compare(&po, (size_t)T * H * D, 1.5e-2, what);
     if (staged) g_gpu->ops->unstage(g_gpu);
-    fprintf(stderr, "    %-70s rel err %.2e\n", what, e);
+    fprintf(stderr, "    %-76s rel err %.2e\n", what, e);
     pair_free(&pk), pair_free(&pv), pair_free(&pq), pair_free(&pkn), pair_free(&pvn), pair_free(&po);
     free(perm), free(sel), free(store), free(kc), free(vc), free(q), free(kn), free(vn);
 }
@@ -319,13 +325,49 @@ static void test_attention(void) {
         {"sparse extend", 8, 2, 128, 2, {17, 3}, {400, 90}, 1},
         {"mixed d64", 8, 2, 64, 3, {1, 10, 4}, {50, 10, 70}, 0},
         {"sparse decode short", 32, 8, 128, 2, {1, 1}, {129, 300}, 1},
+        /* the v2 kernels' shapes: head_dim 64/128, GQA groups 1/4/8 and > 16
+         * (several head chunks), lengths off the 16/64-key tiles */
+        {"decode mha d128", 4, 4, 128, 3, {1, 1, 1}, {1, 15, 17}, 0},
+        {"decode mha d64", 6, 6, 64, 3, {1, 1, 1}, {2, 65, 1000}, 0},
+        {"decode gqa4 d64", 8, 2, 64, 2, {1, 1}, {3, 190}, 0},
+        {"decode gqa8 d64", 16, 2, 64, 4, {1, 1, 1, 1}, {16, 63, 64, 3001}, 0},
+        {"decode gqa4 d128", 16, 4, 128, 4, {1, 1, 1, 1}, {4, 257, 2049, 777}, 0},
+        {"decode gqa8 d128", 16, 2, 128, 3, {1, 1, 1}, {1, 80, 4097}, 0},
+        {"decode gqa32 d64", 64, 2, 64, 2, {1, 1}, {100, 1500}, 0},
+        {"decode gqa12 d128", 24, 2, 128, 2, {1, 1}, {31, 333}, 0},
+        /* n_kv * batch past the device's one-wave block count: one split per
+         * row, written without the merge pass */
+        {"decode batch-wide", 32, 8, 128, 24,
+         {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+         {1, 2, 15, 16, 17, 63, 64, 65, 100, 128, 129, 255, 256, 257, 500, 1000, 1023, 1024, 1025,
+          2000, 3000, 4095, 4096, 4097}, 0},
+        {"sparse decode d64 gqa8", 16, 2, 64, 3, {1, 1, 1}, {40, 900, 5000}, 1},
+        {"prefill mha d64", 4, 4, 64, 2, {129, 1}, {129, 1}, 0},
+        {"prefill gqa4 d64", 12, 3, 64, 3, {127, 64, 3}, {127, 64, 3}, 0},
+        {"extend gqa4 d128", 16, 4, 128, 3, {70, 1, 200}, {1000, 65, 263}, 0},
+        {"sparse extend d64", 8, 1, 64, 3, {40, 1, 65}, {700, 300, 900}, 1},
+        /* long contexts: split-K over >= 16K keys */
+        {"decode long b4", 32, 8, 128, 4, {1, 1, 1, 1}, {16384, 20000, 16385, 33000}, 0},
+        {"decode long d64", 9, 3, 64, 2, {1, 1}, {17000, 24576}, 0},
+        {"sparse decode long", 32, 8, 128, 2, {1, 1}, {30000, 16500}, 1},
+        {"extend long prefix", 8, 2, 128, 2, {130, 1}, {16500, 17000}, 0},
     };
-    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_attn_case(&cases[i], 0);
-    run_attn_case(&cases[1], 1);
-    run_attn_case(&cases[8], 1);
-    /* repeat with fresh inputs: a kernel race shows up as a moving error */
-    run_attn_case(&cases[1], 0);
-    run_attn_case(&cases[7], 0);
+    const int versions[] = {1, 2};
+    const int n_versions = g_gpu->ops->attn_kernel ? 2 : 1;
+    const int dflt = g_gpu->ops->attn_kernel ? g_gpu->ops->attn_kernel(g_gpu, 0) : 0;
+    for (int vi = 0; vi < n_versions; vi++) {
+        g_attn_version = g_gpu->ops->attn_kernel ? g_gpu->ops->attn_kernel(g_gpu, versions[vi]) : 0;
+        for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_attn_case(&cases[i], 0);
+        run_attn_case(&cases[1], 1);
+        run_attn_case(&cases[8], 1);
+        run_attn_case(&cases[23], 1);
+        /* repeat with fresh inputs: a kernel race shows up as a moving error */
+        run_attn_case(&cases[1], 0);
+        run_attn_case(&cases[7], 0);
+        run_attn_case(&cases[19], 0);
+        run_attn_case(&cases[27], 0);
+    }
+    if (dflt) g_gpu->ops->attn_kernel(g_gpu, dflt);
 }
 
 /* ---- attn_scores (sparse methods' reduced scores) ------------------------- */
