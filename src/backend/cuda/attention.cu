@@ -489,7 +489,7 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
-    if (c->attn_kernel >= 2 && (D == 64 || D == 128)) {
+    if (c->attn_kernel >= 2 && lethe_cuda_attn_v2_fits(c, D, decode)) {
         if (decode) lethe_cuda_attn_decode_v2(c, a, d_qb, d_sb, d_sel);
         else lethe_cuda_attn_prefill_v2(c, a, d_qb, d_sb, d_sel);
         return;

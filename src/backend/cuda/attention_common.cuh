@@ -54,7 +54,9 @@ void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const in
                            int n_splits, int gran, bool skip_single, const float *ws_o,
                            const float *ws_lse);
 
-/* v2 launchers (attention_v2.cu); D is 64 or 128. */
+/* v2 launchers (attention_v2.cu); D is 64 or 128. v2_fits: the shape is one
+ * v2 takes (D 64/128) and its shared memory fits this device's opt-in limit. */
+bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D, bool decode);
 void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                                const int32_t *d_sb, const int32_t *d_sel);
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,

@@ -21,7 +21,7 @@
  * device-resident selection lengths.
  *
  * prefill_v2_kernel (prefill / extend, causal, ragged batches): a block =
- * 64 query rows of one sequence x one head, 4 warps of 16 rows; 64-key K/V
+ * 128 query rows of one sequence x one head, 8 warps of 16 rows; 64-key K/V
  * tiles double-buffered with cp.async (tile t+1 loads while t computes),
  * Q fragments in registers, causal mask only on tiles that cross the
  * diagonal. Tiles are ordered heaviest first (more keys), heads of one tile
@@ -65,13 +65,15 @@ __device__ __forceinline__ void ldsm_x4(uint32_t &r0, uint32_t &r1, uint32_t &r2
                                         const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_u32(p)));
+                 : "r"(smem_u32(p))
+                 : "memory"); /* ordered after cp.async waits and barriers */
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3,
                                           const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_u32(p)));
+                 : "r"(smem_u32(p))
+                 : "memory"); /* ordered after cp.async waits and barriers */
 }
 
 /* c += a b  (16x16 bf16 x 16x8 bf16 -> 16x8 f32) */
@@ -363,22 +365,27 @@ void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int3
 
 /* ---- prefill / extend -------------------------------------------------------- */
 
-#define PF2_BM 64 /* query rows per block (4 warps x 16) */
+/* 128 query rows per block (8 warps x 16) rather than 64: every K/V tile
+ * read from L2 serves twice the rows. At 64 rows the L2 -> SM traffic at
+ * the tensor-core rate (~32 KB of K/V per 2 MFLOP block-tile) would be about
+ * 12 TB/s, above what L2 delivers. */
+#define PF2_BM 128
 #define PF2_BN 64 /* keys per tile */
-#define PF2_THREADS 128
+#define PF2_WARPS (PF2_BM / 16)
+#define PF2_THREADS (PF2_WARPS * 32)
 
 template <int D>
 struct pf2_cfg {
     static constexpr int LD = D + 8;
     static constexpr int Q_ELEMS = PF2_BM * LD;
     static constexpr int KV_ELEMS = PF2_BN * LD;
-    /* Q, then 2 buffers x (K, V) */
+    /* Q, then 2 buffers x (K, V): 104 KB at D = 128 (opt-in dynamic shared memory) */
     static constexpr size_t SMEM = (size_t)(Q_ELEMS + 4 * KV_ELEMS) * 2;
 };
 
 /* grid: x = head, y = tile (tiles[y] = {seq, first row within seq}, heaviest first) */
 template <int D>
-__global__ void __launch_bounds__(PF2_THREADS, 2)
+__global__ void __launch_bounds__(PF2_THREADS, 1)
 prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
                   const bf16 *__restrict__ vc, const int32_t *__restrict__ q_begin,
                   const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
@@ -387,8 +394,9 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
     constexpr int LD = C::LD;
     constexpr int CPR = D / 8;                 /* 16-byte chunks per row */
     constexpr int RPP = PF2_THREADS / CPR;     /* rows per block pass */
-    constexpr int PASSES = PF2_BN / RPP;       /* == PF2_BM / RPP */
-    static_assert(PF2_BM == PF2_BN, "one pass count for Q and K/V tiles");
+    constexpr int PASSES = PF2_BN / RPP;       /* K/V tile passes */
+    constexpr int QPASSES = PF2_BM / RPP;
+    static_assert(PF2_BN % RPP == 0 && PF2_BM % RPP == 0, "whole passes");
     extern __shared__ __align__(128) char pf2_smem[];
     bf16 *Qs = (bf16 *)pf2_smem;
     bf16 *KVs = Qs + C::Q_ELEMS; /* buffer b: K at 2b, V at 2b + 1 (units of KV_ELEMS) */
@@ -407,7 +415,7 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
 
     /* Q tile (rows past the sequence are zeros) */
 #pragma unroll
-    for (int i = 0; i < PASSES; i++) {
+    for (int i = 0; i < QPASSES; i++) {
         const int rr = r0 + i * RPP;
         const bool ok = rr < rows_here;
         const bf16 *src = q + ((size_t)(qb + qt0 + (ok ? rr : 0)) * n_heads + h) * D + cc * 8;
@@ -455,6 +463,9 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     const int32_t lim0 = n_pre + qt0 + warp * 16 + g, lim1 = lim0 + 8; /* inclusive, rows g, g+8 */
     const int32_t diag = n_pre + qt0; /* keys > diag are masked for some row of the block */
+    /* a warp whose 16 rows are all past the sequence (short chunks, decode rows
+     * of a mixed batch) only helps load and keeps the barriers */
+    const bool warp_rows = warp * 16 < rows_here;
 
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait<0>(); /* tile kt (this thread's copies) */
@@ -463,6 +474,7 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
         cp_async_commit();
         if (kt + 2 < n_kt) load_slots(kt + 2);
 
+        if (!warp_rows) continue;
         const bf16 *Ks = KVs + (size_t)(2 * (kt & 1)) * C::KV_ELEMS, *Vs = Ks + C::KV_ELEMS;
         float sc[PF2_BN / 8][4];
 #pragma unroll
@@ -594,6 +606,13 @@ static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32
         (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb,
         d_sb, d_sel, d_tiles, a->n_heads, a->n_kv_heads, a->scale * LOG2E);
     CU_LAUNCH_CHECK();
+}
+
+bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D, bool decode) {
+    if (D != 64 && D != 128) return false;
+    const size_t need = decode ? (D == 64 ? dv2_cfg<64>::SMEM : dv2_cfg<128>::SMEM)
+                               : (D == 64 ? pf2_cfg<64>::SMEM : pf2_cfg<128>::SMEM);
+    return need <= c->smem_optin;
 }
 
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
