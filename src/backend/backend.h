@@ -33,6 +33,7 @@
 #include "model/config.h"
 
 typedef struct lethe_backend lethe_backend;
+typedef struct lethe_sample_args lethe_sample_args; /* backend/sample.h */
 
 /* ---- quantized KV storage (issue #5: KV quantization methods) ----
  * A KV layer is stored in one of these formats (the pool's, chosen by the
@@ -302,6 +303,14 @@ typedef struct lethe_backend_ops {
      * cudaProfilerStart/Stop, for `ncu --profile-from-start off`). */
     int (*attn_kernel)(lethe_backend *be, int version);
     void (*profile_range)(lethe_backend *be, bool start);
+    /* ---- sampling on the backend (backend/sample.h defines the arguments
+     * and the exact semantics; cpu/sample.c, cuda/sample.cu) ---- */
+    /* Picks one token per logits row: a->logits are backend activations
+     * [a->n, n_vocab] (e.g. the model's device logits rows), per-row params
+     * and penalty lists are host arrays, a->tokens (and a->logprobs if not
+     * NULL) are host outputs, valid when the call returns (it syncs). Same
+     * tokens on every backend for the same logits. Not graph-capturable. */
+    void (*sample)(lethe_backend *be, const lethe_sample_args *a);
 } lethe_backend_ops;
 
 struct lethe_backend {

@@ -1,12 +1,7 @@
-/* sampler.c - penalties, temperature, top-k / top-p / min-p, seeded draws,
- * raw logprobs. The pipeline and its semantics are documented in sampler.h.
- *
- * Cost per call is O(n_vocab) plus O(c log c) for sorting the c candidates
- * when top-k or top-p needs an order: top-p without top-k first keeps only
- * the tokens whose probability relative to the best is >= a threshold (1e-3,
- * then 1e-5, 1e-7, 0 until their mass reaches top_p) so that it sorts a few
- * hundred candidates, not the whole vocabulary. Such a threshold set is
- * always a prefix of the full sorted order, so the result is identical. */
+/* sampler.c - host-side sampling: request parameters -> the backend sample
+ * op's row definition (backend/sample.h, backend/cpu/sample.c), penalty
+ * entries from the token history, the counter-based RNG, raw logprobs. The
+ * pipeline and its semantics are documented in sampler.h. */
 #include "engine/sampler.h"
 
 #include <math.h>
@@ -15,26 +10,14 @@
 
 #include "core/util.h"
 
-/* ---- RNG: xoshiro256** (Blackman & Vigna), seeded through splitmix64 ---------- */
+/* ---- RNG: counter-based (backend/sample.h) ------------------------------------ */
 
 void lethe_rng_seed(lethe_rng *r, uint64_t seed) {
-    uint64_t sm = seed;
-    for (int i = 0; i < 4; i++) r->s[i] = lethe_splitmix64(&sm);
+    r->seed = seed;
+    r->draw = 0;
 }
 
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-uint64_t lethe_rng_next(lethe_rng *r) {
-    uint64_t *s = r->s;
-    const uint64_t out = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return out;
-}
+uint64_t lethe_rng_next(lethe_rng *r) { return lethe_sample_bits(r->seed, r->draw++); }
 
 double lethe_rng_uniform(lethe_rng *r) { return (double)(lethe_rng_next(r) >> 11) * 0x1.0p-53; }
 
@@ -45,12 +28,15 @@ lethe_status lethe_sampler_ws_init(lethe_sampler_ws *ws, int32_t n_vocab) {
     if (n_vocab <= 0) return lethe_errorf(LETHE_ERR_INVALID, "sampler: n_vocab %d <= 0", n_vocab);
     size_t n = (size_t)n_vocab;
     ws->n_vocab = n_vocab;
-    ws->logits = malloc(n * sizeof(float));
-    ws->idx = malloc(n * sizeof(int32_t));
-    ws->prob = malloc(n * sizeof(float));
+    ws->row.l = malloc(n * sizeof(float));
+    ws->row.q = malloc(n * sizeof(uint64_t));
+    ws->row.idx = malloc(n * sizeof(int32_t));
+    ws->pen_ids = malloc(n * sizeof(int32_t));
+    ws->pen_counts = malloc(n * sizeof(int32_t));
     ws->count = calloc(n, sizeof(int32_t));
     ws->mark = calloc(n, sizeof(uint32_t));
-    if (!ws->logits || !ws->idx || !ws->prob || !ws->count || !ws->mark) {
+    if (!ws->row.l || !ws->row.q || !ws->row.idx || !ws->pen_ids || !ws->pen_counts || !ws->count ||
+        !ws->mark) {
         lethe_sampler_ws_free(ws);
         return lethe_errorf(LETHE_ERR_NOMEM, "sampler: cannot allocate scratch for %d tokens",
                             n_vocab);
@@ -60,9 +46,11 @@ lethe_status lethe_sampler_ws_init(lethe_sampler_ws *ws, int32_t n_vocab) {
 
 void lethe_sampler_ws_free(lethe_sampler_ws *ws) {
     if (!ws) return;
-    free(ws->logits);
-    free(ws->idx);
-    free(ws->prob);
+    free(ws->row.l);
+    free(ws->row.q);
+    free(ws->row.idx);
+    free(ws->pen_ids);
+    free(ws->pen_counts);
     free(ws->count);
     free(ws->mark);
     memset(ws, 0, sizeof(*ws));
@@ -128,163 +116,63 @@ void lethe_sampler_logprobs(const float *logits, int32_t n_vocab, int32_t token,
 
 /* ---- sampling ------------------------------------------------------------------- */
 
-static void apply_penalties(lethe_sampler_ws *ws, const lethe_sampling_params *p,
-                            const int32_t *prompt, int32_t n_prompt, const int32_t *output,
-                            int32_t n_output) {
-    float *l = ws->logits;
-    const float r = p->repetition_penalty;
-    if (r != 1.0f) {
-        if (++ws->epoch == 0) { /* wrapped: clear stamps */
-            memset(ws->mark, 0, (size_t)ws->n_vocab * sizeof(uint32_t));
-            ws->epoch = 1;
-        }
-        for (int32_t pass = 0; pass < 2; pass++) {
-            const int32_t *ids = pass ? output : prompt;
-            int32_t n = pass ? n_output : n_prompt;
-            for (int32_t i = 0; i < n; i++) {
-                int32_t t = ids[i];
-                LETHE_ASSERT(t >= 0 && t < ws->n_vocab);
-                if (ws->mark[t] == ws->epoch) continue;
-                ws->mark[t] = ws->epoch;
-                l[t] = l[t] > 0 ? l[t] / r : l[t] * r;
-            }
-        }
+lethe_sample_row lethe_sampler_row(const lethe_sampling_params *p, const lethe_rng *rng) {
+    lethe_sample_row r;
+    memset(&r, 0, sizeof(r));
+    r.temperature = p->temperature;
+    r.top_k = p->top_k;
+    r.top_p = p->top_p;
+    r.min_p = p->min_p;
+    r.repetition_penalty = p->repetition_penalty;
+    r.presence_penalty = p->presence_penalty;
+    r.frequency_penalty = p->frequency_penalty;
+    r.seed = rng->seed;
+    r.draw = rng->draw;
+    return r;
+}
+
+int32_t lethe_sampler_penalty_entries(lethe_sampler_ws *ws, const lethe_sampling_params *p,
+                                      const int32_t *prompt, int32_t n_prompt,
+                                      const int32_t *output, int32_t n_output, int32_t *ids,
+                                      int32_t *counts) {
+    const bool rep = p->repetition_penalty != 1.0f;
+    const bool freq = p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f;
+    if (!rep && !freq) return 0;
+    if (++ws->epoch == 0) { /* wrapped: clear stamps */
+        memset(ws->mark, 0, (size_t)ws->n_vocab * sizeof(uint32_t));
+        ws->epoch = 1;
     }
-    if (p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f) {
-        for (int32_t i = 0; i < n_output; i++) {
-            LETHE_ASSERT(output[i] >= 0 && output[i] < ws->n_vocab);
-            ws->count[output[i]]++;
-        }
-        for (int32_t i = 0; i < n_output; i++) {
-            int32_t t = output[i], c = ws->count[t];
-            if (!c) continue; /* already applied (repeated id) */
-            l[t] -= (float)c * p->frequency_penalty + p->presence_penalty;
-            ws->count[t] = 0;
-        }
-    }
-}
-
-static int cmp_rank(const void *a, const void *b, void *ctx) {
-    const float *l = ctx;
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    float lx = l[x], ly = l[y];
-    if (lx != ly) return lx > ly ? -1 : 1;
-    return x < y ? -1 : (x > y);
-}
-
-static void sort_by_rank(int32_t *idx, int32_t n, const float *logits) {
-    qsort_r(idx, (size_t)n, sizeof(int32_t), cmp_rank, (void *)logits);
-}
-
-/* The k best ids (by rank) into idx[0..k), sorted. O(V log k) with a heap. */
-static int32_t select_top_k(const float *l, int32_t n_vocab, int32_t k, int32_t *idx) {
-    /* min-heap on rank: idx[0] is the worst of the kept */
     int32_t n = 0;
-    for (int32_t i = 0; i < n_vocab; i++) {
-        if (n == k) {
-            if (!ranks_before(l[i], i, l[idx[0]], idx[0])) continue;
-            idx[0] = i; /* replace the worst, sift down */
-            int32_t j = 0;
-            for (;;) {
-                int32_t c = 2 * j + 1;
-                if (c >= n) break;
-                if (c + 1 < n && ranks_before(l[idx[c]], idx[c], l[idx[c + 1]], idx[c + 1])) c++;
-                if (!ranks_before(l[idx[j]], idx[j], l[idx[c]], idx[c])) break;
-                int32_t t = idx[j]; idx[j] = idx[c]; idx[c] = t;
-                j = c;
-            }
-        } else { /* push, sift up */
-            int32_t j = n++;
-            idx[j] = i;
-            while (j > 0) {
-                int32_t pa = (j - 1) / 2;
-                if (!ranks_before(l[idx[pa]], idx[pa], l[idx[j]], idx[j])) break;
-                int32_t t = idx[j]; idx[j] = idx[pa]; idx[pa] = t;
-                j = pa;
-            }
+    for (int32_t i = 0; i < n_output; i++) { /* output counts (all zero between calls) */
+        LETHE_ASSERT(output[i] >= 0 && output[i] < ws->n_vocab);
+        ws->count[output[i]]++;
+    }
+    for (int32_t pass = rep ? 0 : 1; pass < 2; pass++) {
+        const int32_t *t = pass ? output : prompt;
+        const int32_t m = pass ? n_output : n_prompt;
+        for (int32_t i = 0; i < m; i++) {
+            const int32_t id = t[i];
+            LETHE_ASSERT(id >= 0 && id < ws->n_vocab);
+            if (ws->mark[id] == ws->epoch) continue;
+            ws->mark[id] = ws->epoch;
+            ids[n] = id;
+            counts[n++] = ws->count[id];
         }
     }
-    sort_by_rank(idx, n, l);
+    for (int32_t i = 0; i < n_output; i++) ws->count[output[i]] = 0;
     return n;
-}
-
-static int32_t argmax(const float *l, int32_t n) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (l[i] > l[best]) best = i; /* strict: the smallest id wins ties */
-    return best;
-}
-
-/* Non-greedy: weights w[id] = exp((l - max) / T) (the best has weight 1),
- * candidate ids in ws->idx, then one draw over the survivors' weights. */
-static int32_t sample_random(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng) {
-    const float *l = ws->logits;
-    const int32_t V = ws->n_vocab;
-    int32_t *idx = ws->idx;
-    float *w = ws->prob;
-    const float m = l[argmax(l, V)], inv_t = 1.0f / p->temperature;
-    double total = 0;
-    for (int32_t i = 0; i < V; i++) total += w[i] = expf((l[i] - m) * inv_t);
-    int32_t n;
-    if (p->top_k > 0 && p->top_k < V) {
-        n = select_top_k(l, V, p->top_k, idx);
-        total = 0;
-        for (int32_t c = 0; c < n; c++) total += w[idx[c]];
-    } else if (p->top_p < 1.0f) {
-        /* a threshold prefix of the sorted order whose mass reaches top_p */
-        static const float thresholds[] = {1e-3f, 1e-5f, 1e-7f, 0.0f};
-        n = 0;
-        for (size_t t = 0; t < LETHE_ARRAY_LEN(thresholds); t++) {
-            const float th = thresholds[t];
-            double mass = 0;
-            n = 0;
-            for (int32_t i = 0; i < V; i++)
-                if (w[i] >= th && w[i] > 0) {
-                    idx[n++] = i;
-                    mass += w[i];
-                }
-            if (mass >= p->top_p * total) break;
-        }
-        sort_by_rank(idx, n, l);
-    } else {
-        n = V;
-        for (int32_t i = 0; i < V; i++) idx[i] = i;
-    }
-    if (p->top_p < 1.0f) { /* candidates are in rank order here */
-        const double target = p->top_p * total;
-        double cum = 0;
-        int32_t keep = 0;
-        while (keep < n && cum < target) cum += w[idx[keep++]];
-        n = LETHE_MAX(keep, 1);
-    }
-    if (p->min_p > 0.0f) { /* p_i / p_max = w_i: the best candidate has weight 1 */
-        int32_t k = 0;
-        for (int32_t c = 0; c < n; c++)
-            if (w[idx[c]] >= p->min_p) idx[k++] = idx[c];
-        n = k;
-    }
-    total = 0;
-    for (int32_t c = 0; c < n; c++) total += w[idx[c]];
-    const double u = lethe_rng_uniform(rng) * total;
-    double cum = 0;
-    for (int32_t c = 0; c < n; c++) {
-        cum += w[idx[c]];
-        if (u < cum) return idx[c];
-    }
-    return idx[n - 1];
 }
 
 void lethe_sampler_sample(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng,
                           const float *logits, const int32_t *prompt, int32_t n_prompt,
                           const int32_t *output, int32_t n_output, lethe_sample_result *res) {
-    const int32_t V = ws->n_vocab;
-    memcpy(ws->logits, logits, (size_t)V * sizeof(float));
-    apply_penalties(ws, p, prompt, n_prompt, output, n_output);
-    if (p->temperature == 0.0f || p->top_k == 1)
-        res->token = argmax(ws->logits, V);
-    else
-        res->token = sample_random(ws, p, rng);
+    lethe_sample_row row = lethe_sampler_row(p, rng);
+    row.n_pen = lethe_sampler_penalty_entries(ws, p, prompt, n_prompt, output, n_output,
+                                              ws->pen_ids, ws->pen_counts);
+    res->token = lethe_sample_row_f32(logits, ws->n_vocab, &row, ws->pen_ids, ws->pen_counts,
+                                      &ws->row, NULL);
+    if (!lethe_sample_is_greedy(&row)) rng->draw++;
     res->logprob = 0.0f;
     res->n_top = 0;
-    if (p->logprobs >= 0) lethe_sampler_logprobs(logits, V, res->token, p->logprobs, res);
+    if (p->logprobs >= 0) lethe_sampler_logprobs(logits, ws->n_vocab, res->token, p->logprobs, res);
 }

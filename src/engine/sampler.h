@@ -7,21 +7,23 @@
  * The token history needed by the penalties (prompt + generated ids) is
  * passed in by the caller, which owns it anyway.
  *
- * Pipeline of lethe_sampler_sample (HF/vLLM semantics; the order of HF's
- * logits processors):
+ * lethe_sampler_sample is the backend `sample` op's definition applied to
+ * one host row (backend/sample.h states it; backend/cpu/sample.c implements
+ * it, and the CPU and CUDA ops run the same arithmetic), HF/vLLM semantics:
  *   1. repetition penalty r over the distinct ids of prompt + output:
  *        l > 0 ? l / r : l * r                              (HF, vLLM)
  *   2. frequency / presence penalties over the output ids (OpenAI):
  *        l -= count(id) * frequency + (count(id) > 0) * presence
  *   3. temperature == 0 or top_k == 1: greedy argmax of the penalised logits
- *      (smallest id wins ties); no random number is drawn. Otherwise
- *      l /= temperature and
+ *      (smallest id wins ties); no random number is drawn. Otherwise weights
+ *      exp((l - max) / temperature) in fixed point and
  *   4. top-k (k > 0), 5. top-p (smallest set of highest-probability tokens
  *      whose mass reaches top_p), 6. min-p (drop p < min_p * p_max), ranks
- *      ordered by (logit desc, id asc); then one uniform draw from the
- *      renormalised survivors.
- * The RNG draws exactly one 53-bit uniform per non-greedy sample, so a seeded
- * request reproduces the same tokens whatever else runs in the batch.
+ *      ordered by (logit desc, id asc); then one draw from the survivors.
+ * The RNG is counter-based: draw d of a request is a hash of (seed, d), and
+ * the request's counter advances once per non-greedy sample, so a seeded
+ * request reproduces the same tokens whatever else runs in the batch and
+ * whether the host or the device samples it.
  *
  * Logprobs (sampling.logprobs >= 0) follow vLLM's default ("raw_logprobs"):
  * log-softmax of the RAW model logits, before penalties and temperature. The
@@ -36,21 +38,24 @@
 #include "core/status.h"
 #include "lethe.h"
 
+#include "backend/sample.h"
+
 typedef struct lethe_rng {
-    uint64_t s[4]; /* xoshiro256** state, seeded through splitmix64 */
+    uint64_t seed; /* key of the counter-based stream (lethe_sample_bits) */
+    uint64_t draw; /* index of the next draw */
 } lethe_rng;
 
 void lethe_rng_seed(lethe_rng *r, uint64_t seed);
-uint64_t lethe_rng_next(lethe_rng *r);
+uint64_t lethe_rng_next(lethe_rng *r);  /* lethe_sample_bits(seed, draw++) */
 double lethe_rng_uniform(lethe_rng *r); /* [0, 1), 53 bits */
 
 typedef struct lethe_sampler_ws {
     int32_t n_vocab;
-    float *logits;     /* [n_vocab] penalised / scaled copy */
-    int32_t *idx;      /* [n_vocab] candidate ids */
-    float *prob;       /* [n_vocab] sampling weights by id, exp((l - max) / T) */
+    lethe_sample_scratch row; /* [n_vocab] each: penalised copy, weights, ids */
+    int32_t *pen_ids;  /* [n_vocab] penalty entries of one call */
+    int32_t *pen_counts;
     int32_t *count;    /* [n_vocab] output-token counts, all zero between calls */
-    uint32_t *mark;    /* [n_vocab] epoch stamps: "already penalised in this call" */
+    uint32_t *mark;    /* [n_vocab] epoch stamps: "already listed in this call" */
     uint32_t epoch;
 } lethe_sampler_ws;
 
@@ -73,6 +78,18 @@ typedef struct lethe_sample_result {
 void lethe_sampler_sample(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng,
                           const float *logits, const int32_t *prompt, int32_t n_prompt,
                           const int32_t *output, int32_t n_output, lethe_sample_result *res);
+
+/* The op's row parameters for a request (penalty entries not set). */
+lethe_sample_row lethe_sampler_row(const lethe_sampling_params *p, const lethe_rng *rng);
+
+/* The penalty entries of backend/sample.h for one request: each distinct id
+ * of prompt + output once with its output count (only output ids when the
+ * repetition penalty is off; none without penalties). ids / counts need
+ * room for min(n_vocab, n_prompt + n_output) entries; returns the count. */
+int32_t lethe_sampler_penalty_entries(lethe_sampler_ws *ws, const lethe_sampling_params *p,
+                                      const int32_t *prompt, int32_t n_prompt,
+                                      const int32_t *output, int32_t n_output, int32_t *ids,
+                                      int32_t *counts);
 
 /* Fills res->logprob / res->top for a given token (used by sample, and by the
  * engine for forced tokens); n_top <= LETHE_MAX_TOP_LOGPROBS, < 0 = none. */

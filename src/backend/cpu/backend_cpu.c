@@ -20,7 +20,12 @@ int lethe_cpu_threads(const lethe_backend *be) {
     return n > 0 ? n : omp_get_num_procs();
 }
 
-static void cpu_destroy(lethe_backend *be) { free(be); }
+static void cpu_destroy(lethe_backend *be) {
+    if (!be) return;
+    if (be->ctx) lethe_cpu_sample_free(be->ctx);
+    free(be->ctx);
+    free(be);
+}
 
 static lethe_status cpu_alloc(lethe_backend *be, size_t n_bytes, void **out) {
     size_t n = (n_bytes + CPU_ALIGN - 1) / CPU_ALIGN * CPU_ALIGN;
@@ -131,6 +136,7 @@ static const lethe_backend_ops cpu_ops = {
     .page_scores = lethe_cpu_page_scores,
     .attn_kernel = cpu_attn_kernel,
     .profile_range = cpu_profile_range,
+    .sample = lethe_cpu_sample,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {
@@ -141,7 +147,11 @@ lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backe
     if (!be) return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
     be->ops = &cpu_ops;
     be->n_threads = p->n_threads;
-    be->ctx = NULL;
+    be->ctx = calloc(1, sizeof(lethe_cpu_ctx));
+    if (!be->ctx) {
+        free(be);
+        return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
+    }
     *out = be;
     return LETHE_OK;
 }

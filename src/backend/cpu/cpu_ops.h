@@ -12,6 +12,7 @@
  *   scores.c       attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
  *   pages.c        Quest page bounds: page_minmax, page_scores
+ *   sample.c       the sample op (and the row function the host sampler uses)
  *
  * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
  * and each output element is computed by the same sequence of float
@@ -21,6 +22,15 @@
 #define LETHE_BACKEND_CPU_OPS_H
 
 #include "backend/backend.h"
+
+#include "backend/sample.h"
+
+/* be->ctx of the CPU backend: scratch that ops grow on first use */
+typedef struct lethe_cpu_ctx {
+    lethe_sample_scratch *sample; /* [n_sample] one per OpenMP thread */
+    int n_sample;
+    int32_t sample_vocab;
+} lethe_cpu_ctx;
 
 /* OpenMP thread count for ops: be->n_threads, or all cores when 0. */
 int lethe_cpu_threads(const lethe_backend *be);
@@ -54,6 +64,8 @@ void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q, const v
                            int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                            const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
                            int32_t head_dim);
+void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a);
+void lethe_cpu_sample_free(lethe_cpu_ctx *c);
 
 /* RoPE inverse frequencies [head_dim/2] exactly as HF computes them in fp32
  * (rope_type default / linear / llama3). Shared with tests and the CUDA
