@@ -185,9 +185,13 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                           ops->name, lethe_sparse_min_final_chunk(e->method), e->p.max_num_batched_tokens);
         goto fail;
     }
-    if (e->runner.workspace && (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens)) != LETHE_OK)
-        goto fail;
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
+    /* device logits rows: every logits row of a step, padded decode steps included */
+    if (e->runner.workspace &&
+        (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,
+                                  LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens),
+                                            e->max_bucket))) != LETHE_OK)
+        goto fail;
     if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
     const bool scratch = e->max_bucket > 0;
     lethe_kv_pool_params pp = {
@@ -209,6 +213,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
     /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
     e->cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->max_bucket);
+    { /* sampling on the backend unless LETHE_SAMPLE_ON_HOST=1 (debugging, comparisons) */
+        const char *h = getenv("LETHE_SAMPLE_ON_HOST");
+        e->ds.enabled = e->runner.sample && !(h && h[0] == '1');
+    }
     e->logits = malloc((size_t)e->cap_logits * (size_t)e->n_vocab * sizeof(float));
     if (!e->logits) {
         st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->cap_logits, e->n_vocab);
@@ -543,6 +551,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->sel_begin);
     free(e->gs);
     free(e->logits);
+    free(e->ds.rows), free(e->ds.tokens), free(e->ds.logprobs), free(e->ds.pen_ids), free(e->ds.pen_counts);
     free(e->detok_buf);
     lethe_queue_destroy(&e->q);
     pthread_mutex_destroy(&e->stats_mu);

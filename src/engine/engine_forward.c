@@ -27,6 +27,9 @@
  * within bf16 rounding and greedy tokens match, tests/gpu/test_cuda_engine.c).
  * Methods never see the dummies: e->batch and e->st keep the real B.
  *
+ * logits: e->logits (host rows), or NULL to leave every row, padding
+ * included, in the model's device logits for the sample op (engine_step.c).
+ *
  * Graphs exist on backends other than "cpu" (the CPU backend's graph ops
  * are no-op twins); enforce_eager turns them off, pad_decode_batches pads
  * without graphs (tests). */
@@ -87,9 +90,9 @@ static void pad_batch(lethe_engine *e, lethe_fwd_batch *b, lethe_layer_plan *pla
     e->stats.padded_seqs += bucket - S;
 }
 
-void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks) {
+void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits) {
     if (!e->uniform) {
-        e->runner.forward(e->runner.ctx, &e->batch, hooks, e->logits);
+        e->runner.forward(e->runner.ctx, &e->batch, hooks, logits);
         e->stats.eager_steps++;
         return;
     }
@@ -103,7 +106,7 @@ void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks) {
     if (bucket > S) pad_batch(e, &b, &plan, bucket);
     lethe_graph_state *gs = e->gs;
     const int64_t graphs_before = gs->n_replays + gs->n_captures;
-    e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->use_graphs && bucket > 0, gs, e->logits);
+    e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->use_graphs && bucket > 0, gs, logits);
     if (gs->n_replays + gs->n_captures == graphs_before) e->stats.eager_steps++;
     e->stats.graph_replays = gs->n_replays;
     e->stats.graph_captures = gs->n_captures;

@@ -91,6 +91,17 @@ struct lethe_engine {
     bool layer_scores;                /* the method's needs_scores for the current layer */
     float *logits;                    /* [cap_logits, n_vocab] */
     int32_t cap_logits;
+    /* sampling on the backend (engine_step.c): per logits row params, results,
+     * penalty entries; used when no row of a step needs host logits */
+    struct {
+        bool enabled;
+        lethe_sample_row *rows;       /* [cap_logits] */
+        int32_t *tokens;              /* [cap_logits] */
+        float *logprobs;              /* [cap_logits] */
+        int32_t *pen_ids, *pen_counts;
+        int64_t cap_pen;
+        int64_t n_steps;              /* steps sampled on the backend (tests) */
+    } ds;
     lethe_sparse_step st;
     lethe_fwd_batch batch;
 
@@ -152,6 +163,6 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs); /* step s
 void eng_forward_init(lethe_engine *e);   /* at create, after the method, before the pool */
 void eng_forward_bind(lethe_engine *e);   /* at create, once the pool exists */
 /* runs e->batch through the runner: hooks per layer, or the uniform plan */
-void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks);
+void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits); /* NULL: device */
 
 #endif /* LETHE_ENGINE_INTERNAL_H */

@@ -15,9 +15,15 @@
  *      through the backend's attn_scores op) + layer_end; method->finish_step
  *      (eviction) after the forward
  *   5. lethe_sched_commit: n_computed advances, full blocks go to the cache
- *   6. per logits row: forced token or lethe_sampler_sample, then EOS / stop
+ *   6. per logits row: forced token or the sampled one, then EOS / stop
  *      token / detokenize / stop strings / max_tokens / max_model_len, one
- *      event per token (the finishing one has finished = true)
+ *      event per token (the finishing one has finished = true). Sampling
+ *      runs on the backend (runner->sample -> ops->sample on the logits the
+ *      forward left on the device, no logits copy) unless a row of the step
+ *      needs host logits (want_logits, top logprobs, logprobs of a forced
+ *      token): then the forward copies the logits rows to the host and
+ *      lethe_sampler_sample runs there. Both give the same tokens
+ *      (backend/sample.h).
  *   7. invariant check (check_invariants) and the stats snapshot. */
 #include <stdlib.h>
 #include <string.h>
@@ -136,7 +142,67 @@ static bool add_text(eng_req *q, textbuf *t, const char *s, size_t n) {
     return hit;
 }
 
-static void process_token(lethe_engine *e, eng_req *q, const float *logits, textbuf *text) {
+/* ---- sampling on the backend ---- */
+
+/* No row of this step needs host logits. */
+static bool step_samples_on_device(const lethe_engine *e, const lethe_sched_out *out) {
+    if (!e->ds.enabled) return false;
+    for (int32_t i = 0; i < out->n_items; i++) {
+        if (!out->items[i].wants_logits) continue;
+        const eng_req *q = e->seq_req[i];
+        const bool forced = q->r.n_tokens - q->r.n_prompt < q->n_forced;
+        if (q->want_logits || q->sp.logprobs > 0 || (forced && q->sp.logprobs >= 0)) return false;
+    }
+    return true;
+}
+
+/* ops->sample over the step's logits rows (in order); results in e->ds. */
+static void sample_on_device(lethe_engine *e, const lethe_sched_out *out) {
+    if (!e->ds.rows) {
+        e->ds.rows = lethe_xmalloc((size_t)e->cap_logits * sizeof(*e->ds.rows));
+        e->ds.tokens = lethe_xmalloc((size_t)e->cap_logits * sizeof(int32_t));
+        e->ds.logprobs = lethe_xmalloc((size_t)e->cap_logits * sizeof(float));
+    }
+    int32_t k = 0;
+    int64_t n_pen = 0;
+    bool want_lp = false;
+    for (int32_t i = 0; i < out->n_items; i++) {
+        if (!out->items[i].wants_logits) continue;
+        eng_req *q = e->seq_req[i];
+        const lethe_req *r = &q->r;
+        const int32_t n_gen = r->n_tokens - r->n_prompt;
+        lethe_sample_row row = lethe_sampler_row(&q->sp, &q->rng);
+        if (n_gen < q->n_forced) { /* forced: the token is known, sample nothing */
+            memset(&row, 0, sizeof(row));
+            row.top_p = 1.0f;
+            row.repetition_penalty = 1.0f;
+        } else {
+            const int64_t need = n_pen + LETHE_MIN(e->n_vocab, r->n_tokens);
+            if (need > e->ds.cap_pen) {
+                e->ds.cap_pen = LETHE_MAX(need, 2 * e->ds.cap_pen);
+                e->ds.pen_ids = lethe_xrealloc(e->ds.pen_ids, (size_t)e->ds.cap_pen * sizeof(int32_t));
+                e->ds.pen_counts = lethe_xrealloc(e->ds.pen_counts, (size_t)e->ds.cap_pen * sizeof(int32_t));
+            }
+            row.pen_begin = (int32_t)n_pen;
+            row.n_pen = lethe_sampler_penalty_entries(&e->sws, &q->sp, r->tokens, r->n_prompt,
+                                                      r->tokens + r->n_prompt, n_gen,
+                                                      e->ds.pen_ids + n_pen, e->ds.pen_counts + n_pen);
+            n_pen += row.n_pen;
+            want_lp |= q->sp.logprobs == 0;
+        }
+        e->ds.rows[k++] = row;
+    }
+    LETHE_ASSERT(k == e->batch.n_logits && n_pen <= INT32_MAX);
+    lethe_sample_args a = {.n = k, .n_vocab = e->n_vocab, .rows = e->ds.rows,
+                           .pen_ids = e->ds.pen_ids, .pen_counts = e->ds.pen_counts,
+                           .n_pen = (int32_t)n_pen, .tokens = e->ds.tokens,
+                           .logprobs = want_lp ? e->ds.logprobs : NULL};
+    e->runner.sample(e->runner.ctx, &a);
+    e->ds.n_steps++;
+}
+
+/* logits: host row, or NULL when the backend sampled (k = the row's index) */
+static void process_token(lethe_engine *e, eng_req *q, const float *logits, int32_t k, textbuf *text) {
     lethe_req *r = &q->r;
     const int32_t n_gen = r->n_tokens - r->n_prompt;
     lethe_sample_result res;
@@ -145,6 +211,12 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, text
     if (forced) {
         res.token = q->forced[n_gen];
         if (q->sp.logprobs >= 0) lethe_sampler_logprobs(logits, e->n_vocab, res.token, q->sp.logprobs, &res);
+    } else if (!logits) {
+        res.token = e->ds.tokens[k];
+        LETHE_ASSERT(res.token >= 0 && res.token < e->n_vocab);
+        if (q->sp.logprobs == 0) res.logprob = e->ds.logprobs[k];
+        lethe_sample_row row = lethe_sampler_row(&q->sp, &q->rng);
+        if (!lethe_sample_is_greedy(&row)) q->rng.draw++; /* as lethe_sampler_sample does */
     } else {
         lethe_sampler_sample(&e->sws, &q->sp, &q->rng, logits, r->tokens, r->n_prompt,
                              r->tokens + r->n_prompt, n_gen, &res);
@@ -249,7 +321,9 @@ int eng_step(lethe_engine *e) {
         lethe_sparse_method *m = e->method;
         if (m->ops->prepare) m->ops->prepare(m, &e->st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
-        eng_forward(e, &hooks); /* engine_forward.c: per-layer hooks or one uniform plan */
+        const bool on_device = step_samples_on_device(e, &out);
+        eng_forward(e, &hooks, on_device ? NULL : e->logits); /* engine_forward.c: per-layer hooks or one uniform plan */
+        if (on_device) sample_on_device(e, &out); /* right after the forward or its graph replay */
         if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
         lethe_sched_commit(e->sched, &out);
         e->stats.n_steps++;
@@ -259,7 +333,8 @@ int eng_step(lethe_engine *e) {
         int32_t k = 0;
         for (int32_t i = 0; i < out.n_items; i++) {
             if (!out.items[i].wants_logits) continue;
-            process_token(e, e->seq_req[i], e->logits + (size_t)k * (size_t)e->n_vocab, &text);
+            process_token(e, e->seq_req[i], on_device ? NULL : e->logits + (size_t)k * (size_t)e->n_vocab,
+                          k, &text);
             k++;
         }
         free(text.s);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/sample.h"
 #include "core/util.h"
 #include "engine/runner.h"
 
@@ -32,9 +33,18 @@ static lethe_status mr_bind(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max
     return LETHE_OK;
 }
 
-static lethe_status mr_workspace(void *ctx, int32_t n_tokens_max) {
+static lethe_status mr_workspace(void *ctx, int32_t n_tokens_max, int32_t n_logits_max) {
     model_runner *mr = ctx;
-    return lethe_model_workspace_init(&mr->model, n_tokens_max);
+    return lethe_model_workspace_init_dev(&mr->model, n_tokens_max,
+                                          mr->model.be->ops->sample ? n_logits_max : 0);
+}
+
+static void mr_sample(void *ctx, lethe_sample_args *a) {
+    model_runner *mr = ctx;
+    lethe_backend *be = mr->model.be;
+    LETHE_ASSERT(a->n <= mr->model.n_logits_dev && a->n_vocab == mr->model.cfg.n_vocab);
+    a->logits = mr->model.logits_dev;
+    be->ops->sample(be, a);
 }
 
 static void mr_forward(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks, float *logits) {
@@ -70,6 +80,7 @@ lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_run
     out->bind = mr_bind;
     out->forward = mr_forward;
     out->forward_uniform = mr_forward_uniform;
+    out->sample = be->ops->sample ? mr_sample : NULL;
     out->destroy = mr_destroy;
     return LETHE_OK;
 }

@@ -28,11 +28,13 @@ typedef struct lethe_runner {
     lethe_backend *be;              /* NULL for the fake runner */
     /* optional, called before the KV pool is sized (device memory left after
      * weights AND workspace is what the pool may take): forward workspace
-     * for n_tokens_max rows */
-    lethe_status (*workspace)(void *ctx, int32_t n_tokens_max);
+     * for n_tokens_max rows, with room for n_logits_max logits rows on the
+     * device (for forward(logits = NULL) + sample) */
+    lethe_status (*workspace)(void *ctx, int32_t n_tokens_max, int32_t n_logits_max);
     /* called once the pool exists (K/V buffers; the fake allocates its state) */
     lethe_status (*bind)(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max);
-    /* logits: host [b->n_logits, n_vocab] */
+    /* logits: host [b->n_logits, n_vocab], or NULL when the caller samples
+     * on the device next (only if `sample` is set) */
     void (*forward)(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks, float *logits);
     /* optional: the step with one plan for every layer
      * (lethe_model_forward_uniform: arrays staged once, decode steps
@@ -40,6 +42,11 @@ typedef struct lethe_runner {
      * engine always calls forward (the fake runner). */
     void (*forward_uniform)(void *ctx, const lethe_fwd_batch *b, const lethe_layer_plan *plan,
                             bool use_graph, lethe_graph_state *gs, float *logits);
+    /* optional: the backend sample op (backend/sample.h) over the logits rows
+     * of the last forward(logits = NULL); a->logits is filled in by the
+     * runner, a->rows[i] is logits row i (padding rows, if any, come after
+     * a->n and are never sampled) */
+    void (*sample)(void *ctx, lethe_sample_args *a);
     void (*destroy)(void *ctx);
 } lethe_runner;
 

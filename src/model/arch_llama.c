@@ -19,6 +19,8 @@
  *   xn = rmsnorm(x); x += (silu(xn Wg^T) * (xn Wu^T)) Wd^T
  * then for the wanted rows: logits = rmsnorm(x[row]) lm_head^T, produced in
  * chunks of LOGIT_CHUNK rows so the logits buffer stays small with big vocabs.
+ * With logits_out == NULL the chunks land side by side in the logits buffer
+ * (sized for m->n_logits_dev rows) and stay on the device for ops->sample.
  * Only be->ops is used: the same code drives the CPU and CUDA backends. */
 #include <math.h>
 #include <string.h>
@@ -38,7 +40,7 @@ typedef struct llama_ws {
     void *att;      /* [N, H*hd] attention output */
     void *gate, *up;/* [N, ffn] */
     void *rows;     /* [LOGIT_CHUNK, dim] gathered logit rows */
-    void *logits;   /* [LOGIT_CHUNK, n_vocab] */
+    void *logits;   /* [max(LOGIT_CHUNK, n_logits_dev), n_vocab] */
 } llama_ws;
 
 static lethe_status llama_check(const lethe_model_config *c) {
@@ -83,6 +85,7 @@ static void llama_workspace_free(lethe_model *m) {
         if (bufs[i]) be->ops->release(be, bufs[i]);
     free(ws);
     m->ws = NULL;
+    m->logits_dev = NULL;
 }
 
 static lethe_status llama_workspace_init(lethe_model *m, int32_t n) {
@@ -98,7 +101,7 @@ static lethe_status llama_workspace_init(lethe_model *m, int32_t n) {
         {&ws->x, N * c->dim},      {&ws->xn, N * c->dim},      {&ws->q, N * q_dim},
         {&ws->k, N * kv_dim},      {&ws->v, N * kv_dim},       {&ws->att, N * q_dim},
         {&ws->gate, N * c->ffn_dim}, {&ws->up, N * c->ffn_dim}, {&ws->rows, chunk * c->dim},
-        {&ws->logits, chunk * c->n_vocab},
+        {&ws->logits, LETHE_MAX(chunk, (size_t)m->n_logits_dev) * c->n_vocab},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(plan); i++) {
         lethe_status st = be->ops->alloc(be, plan[i].n * a, plan[i].p);
@@ -107,6 +110,7 @@ static lethe_status llama_workspace_init(lethe_model *m, int32_t n) {
             return st; /* the backend's message names the size */
         }
     }
+    m->logits_dev = ws->logits;
     return LETHE_OK;
 }
 
@@ -183,6 +187,11 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
         const int32_t nr = LETHE_MIN(LOGIT_CHUNK, b->n_logits - r0);
         o->gather_rows(be, ws->rows, ws->x, b->logit_rows + r0, nr, c->dim);
         o->rmsnorm(be, ws->rows, ws->rows, m->w.out_norm, nr, c->dim, c->rms_eps);
+        if (!logits_out) { /* device-resident: row r0 of the logits buffer */
+            void *dst = (char *)ws->logits + (size_t)r0 * c->n_vocab * be->ops->act_size;
+            o->matmul(be, dst, ws->rows, m->w.lm_head, nr, c->n_vocab, c->dim);
+            continue;
+        }
         o->matmul(be, ws->logits, ws->rows, m->w.lm_head, nr, c->n_vocab, c->dim);
         o->logits_to_host(be, logits_out + (size_t)r0 * c->n_vocab, ws->logits,
                           (size_t)nr * c->n_vocab);

@@ -35,6 +35,10 @@ typedef struct uniform_ctx {
     const lethe_layer_plan *plan;
 } uniform_ctx;
 
+static void copy_dev_logits(lethe_model *m, const lethe_fwd_batch *b, float *dst) {
+    m->be->ops->logits_to_host(m->be, dst, m->logits_dev, (size_t)b->n_logits * m->cfg.n_vocab);
+}
+
 static void uniform_plan(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                          lethe_layer_plan *out) {
     *out = *((const uniform_ctx *)ctx)->plan;
@@ -58,18 +62,26 @@ void lethe_model_forward_uniform(lethe_model *m, const lethe_fwd_batch *b, void 
 
     const bool graphable = use_graph && gs && n == S && b->n_logits == S &&
                            S <= LETHE_GRAPH_MAX_BATCH;
+    /* Device-resident logits (room for them): the graph never contains the
+     * host copy, so one graph per key serves callers that sample on the
+     * device (logits_out == NULL) and callers that want host logits (copied
+     * eagerly after the replay). */
+    const bool dev = b->n_logits <= m->n_logits_dev;
+    float *const fwd_out = dev ? NULL : logits_out;
     if (graphable) {
-        if (o->graph_launch(be, S, logits_out)) {
+        if (o->graph_launch(be, S, fwd_out)) {
             gs->n_replays++;
             o->unstage(be);
+            if (dev && logits_out) copy_dev_logits(m, b, logits_out);
             return;
         }
         if (gs->warm[S] && o->graph_begin(be)) {
-            lethe_model_forward(m, b, k_cache, v_cache, &hooks, logits_out);
+            lethe_model_forward(m, b, k_cache, v_cache, &hooks, fwd_out);
             lethe_status st = o->graph_end(be, S);
             if (st == LETHE_OK) {
                 gs->n_captures++;
                 o->unstage(be);
+                if (dev && logits_out) copy_dev_logits(m, b, logits_out);
                 return;
             }
             LOG_WARN("decode graph for batch %d not captured (%s); running eagerly", S,

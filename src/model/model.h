@@ -86,6 +86,11 @@ typedef struct lethe_model {
     /* forward workspace, sized for n_tokens_max at lethe_model_workspace_init */
     int32_t n_tokens_max;
     void *ws;                   /* arch-private workspace struct */
+    /* device-resident logits (lethe_model_workspace_init_dev): after a forward
+     * with logits_out == NULL, logits_dev holds the b->n_logits rows
+     * [n_logits, n_vocab] in backend activations, for ops->sample */
+    int32_t n_logits_dev;
+    void *logits_dev;
 } lethe_model;
 
 typedef enum lethe_load_format {
@@ -113,10 +118,16 @@ void lethe_model_free(lethe_model *m); /* NULL-safe */
 
 /* Allocates forward activations for up to n_tokens_max rows per call (frees a previous one). */
 lethe_status lethe_model_workspace_init(lethe_model *m, int32_t n_tokens_max);
+/* Same, and keeps room for n_logits_dev rows of logits on the device (0: only
+ * the host path, whose lm_head runs in small row chunks). */
+lethe_status lethe_model_workspace_init_dev(lethe_model *m, int32_t n_tokens_max,
+                                            int32_t n_logits_dev);
 /* Frees the forward workspace (NULL-safe, idempotent); lethe_model_free calls it. */
 void lethe_model_workspace_free(lethe_model *m);
 
-/* Runs the forward pass; logits_out is HOST [b->n_logits, n_vocab] f32.
+/* Runs the forward pass; logits_out is HOST [b->n_logits, n_vocab] f32, or
+ * NULL to leave the rows on the device in m->logits_dev (needs b->n_logits <=
+ * m->n_logits_dev).
  * k_cache[l] / v_cache[l] are the per-layer KV buffers (backend memory). */
 void lethe_model_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
                          void *const *v_cache, const lethe_fwd_hooks *hooks, float *logits_out);

@@ -476,6 +476,7 @@ static const lethe_backend_ops cuda_ops = {
     /* .page_scores */ lethe_cuda_page_scores,
     /* .attn_kernel */ cuda_attn_kernel,
     /* .profile_range */ cuda_profile_range,
+    /* .sample */ lethe_cuda_sample,
 };
 
 #define INIT_CHECK(call, what)                                                              \
