@@ -14,12 +14,17 @@
  * ops->attn_kernel: v1, v2), attn_scores (every mode, up to 40K
  * candidates), and the Quest page ops (page_minmax: exact; page_scores: fp32
  * reassociation only). Needs a CUDA device (make test-gpu). */
+ * sparse (subset) selections, the pre-staged (stage_step) path,
+ * attn_scores (every mode, up to 40K candidates), the Quest page ops
+ * (page_minmax: exact; page_scores: fp32 reassociation only), and the sample
+ * op (exact token equality, see test_sample). Needs a CUDA device (make test-gpu). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/sample.h"
 #include "core/util.h"
 #include "test.h"
 
@@ -580,6 +585,96 @@ static void test_page_ops(void) {
     run_page_case(&cases[0]); /* fresh inputs: a race shows up as a moving error */
 }
 
+/* ---- sampling -------------------------------------------------------------- */
+
+/* The sample op's tokens depend only on integer sums and deterministic IEEE
+ * ops (backend/sample.h), so CUDA must equal the CPU twin on EVERY row, not
+ * only where probability margins are safe: any mismatch is a bug. Logits
+ * are bf16-exact, so both backends see the same values. Row parameters
+ * cycle through greedy, top-k 1 / small / large, top-p (tiny, medium),
+ * min-p, penalties with histories, flat (T = 5) and peaked rows. */
+static void sample_case(int n, int V, int variant) {
+    float *x = lethe_xmalloc((size_t)n * V * sizeof(float));
+    for (int r = 0; r < n; r++) {
+        const float scale = 1.0f + (float)((r * 7 + variant) % 13);
+        for (int i = 0; i < V; i++) x[(size_t)r * V + i] = bf16_round(frand() * scale);
+        if (r % 5 == 4) x[(size_t)r * V + (r * 131) % V] = bf16_round(scale + 3.0f); /* a peak */
+        if (r % 6 == 5) /* exact ties at the top: smallest id must win */
+            for (int i = 0; i < V; i += V / 7 + 1) x[(size_t)r * V + i] = bf16_round(scale + 1.0f);
+    }
+    pair px = pair_act(x, (size_t)n * V);
+    lethe_sample_row *rows = lethe_xcalloc((size_t)n, sizeof(*rows));
+    int32_t *ids = lethe_xmalloc((size_t)n * 40 * sizeof(int32_t)), *cnt = lethe_xmalloc((size_t)n * 40 * sizeof(int32_t));
+    int32_t n_pen = 0;
+    for (int r = 0; r < n; r++) {
+        lethe_sample_row *p = &rows[r];
+        p->temperature = 0.3f + 0.1f * (float)(r % 11);
+        p->top_p = 1.0f;
+        p->repetition_penalty = 1.0f;
+        p->seed = 0x5eed0000ull + (uint64_t)r * 977 + (uint64_t)variant;
+        p->draw = (uint64_t)(r * 3 + variant);
+        switch ((r + variant) % 10) {
+        case 0: p->temperature = 0.0f; break;
+        case 1: p->top_k = 1; break;
+        case 2: p->top_k = 40; break;
+        case 3: p->top_p = 0.9f; break;
+        case 4: p->top_p = 1e-6f; break;
+        case 5: p->min_p = 0.05f; break;
+        case 6: p->top_k = 2000, p->top_p = 0.95f, p->min_p = 0.01f; break;
+        case 7: p->temperature = 5.0f; break;
+        case 8: p->temperature = 1.0f, p->top_p = 0.5f; break;
+        case 9: p->top_k = V / 2, p->top_p = 0.99f; break;
+        }
+        if (r % 3 == 1) { /* penalties over 40 distinct ids, some with output counts */
+            p->repetition_penalty = 1.2f, p->frequency_penalty = 0.3f, p->presence_penalty = 0.2f;
+            p->pen_begin = n_pen;
+            for (int e = 0; e < 40 && e < V; e++) {
+                ids[n_pen] = (int32_t)(((uint64_t)e * 2654435761u + (uint64_t)r) % (uint64_t)V);
+                bool dup = false;
+                for (int f = p->pen_begin; f < n_pen; f++) dup |= ids[f] == ids[n_pen];
+                if (dup) continue;
+                cnt[n_pen++] = e % 3;
+            }
+            p->n_pen = n_pen - p->pen_begin;
+        }
+    }
+    int32_t *tc = lethe_xmalloc((size_t)n * sizeof(int32_t)), *tg = lethe_xmalloc((size_t)n * sizeof(int32_t));
+    float *lc = lethe_xmalloc((size_t)n * sizeof(float)), *lg = lethe_xmalloc((size_t)n * sizeof(float));
+    for (int r = 0; r < n; r++) tg[r] = -7, lg[r] = NAN; /* poisoned outputs */
+    lethe_sample_args a = {.n = n, .n_vocab = V, .rows = rows, .pen_ids = ids, .pen_counts = cnt,
+                           .n_pen = n_pen, .tokens = tc, .logprobs = lc};
+    a.logits = px.c;
+    g_cpu->ops->sample(g_cpu, &a);
+    a.logits = px.g, a.tokens = tg, a.logprobs = lg;
+    g_gpu->ops->sample(g_gpu, &a);
+    int n_sampled = 0;
+    for (int r = 0; r < n; r++) {
+        const lethe_sample_row *p = &rows[r];
+        CHECK_MSG(tg[r] == tc[r], "sample n=%d V=%d row %d (T=%g k=%d p=%g minp=%g pen=%d): cuda %d, cpu %d", n, V,
+                  r, (double)p->temperature, p->top_k, (double)p->top_p, (double)p->min_p, p->n_pen, tg[r], tc[r]);
+        CHECK_MSG(fabsf(lg[r] - lc[r]) <= 1e-5f * (1.0f + fabsf(lc[r])), "sample logprob row %d: %g vs %g", r,
+                  (double)lg[r], (double)lc[r]);
+        n_sampled += !lethe_sample_is_greedy(p);
+    }
+    /* a second call without logprobs: the same tokens (deterministic kernel) */
+    a.logprobs = NULL;
+    for (int r = 0; r < n; r++) tg[r] = -7;
+    g_gpu->ops->sample(g_gpu, &a);
+    for (int r = 0; r < n; r++) CHECK_MSG(tg[r] == tc[r], "sample rerun row %d: %d vs %d", r, tg[r], tc[r]);
+    fprintf(stderr, "    sample n=%-3d V=%-6d %d rows (%d sampled): tokens equal\n", n, V, n, n_sampled);
+    pair_free(&px);
+    free(x), free(rows), free(ids), free(cnt), free(tc), free(tg), free(lc), free(lg);
+}
+
+static void test_sample(void) {
+    static const int ns[] = {1, 7, 64};
+    static const int vocabs[] = {1000, 32000, 128256};
+    int variant = 0;
+    for (size_t vi = 0; vi < LETHE_ARRAY_LEN(vocabs); vi++)
+        for (size_t ni = 0; ni < LETHE_ARRAY_LEN(ns); ni++) sample_case(ns[ni], vocabs[vi], variant++);
+    sample_case(64, 128256, 5); /* fresh logits, other parameter rotation */
+}
+
 static void test_free_memory(void) {
     size_t f0 = g_gpu->ops->free_memory(g_gpu);
     CHECK(f0 > ((size_t)1 << 30));
@@ -606,6 +701,7 @@ int main(void) {
     TEST_RUN(test_attention);
     TEST_RUN(test_attn_scores);
     TEST_RUN(test_page_ops);
+    TEST_RUN(test_sample);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_cuda_ops: all passed\n");
