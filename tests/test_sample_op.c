@@ -10,7 +10,8 @@
  *    tokens; a fixed (seed, draw) reproduces, other draws move;
  *  - the engine on tiny-llama: sampled (seeded, non-greedy) requests take
  *    the backend path and give the same tokens as the host path
- *    (LETHE_SAMPLE_ON_HOST=1) and alone vs batched. */
+ *    (LETHE_SAMPLE_ON_HOST=1), alone vs batched, and with decode steps
+ *    padded to graph buckets (padding rows are never sampled). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -284,7 +285,7 @@ static void on_ev(void *user, const lethe_event *ev) {
     if (ev->n_tokens && o->n < 64) o->lp[o->n] = ev->logprob, o->tok[o->n++] = ev->token;
 }
 
-static void run_engine(bool host, bool batched, eout *outs, int64_t *dev_steps) {
+static void run_engine(bool host, bool batched, bool pad, eout *outs, int64_t *dev_steps) {
     if (host) setenv("LETHE_SAMPLE_ON_HOST", "1", 1);
     else unsetenv("LETHE_SAMPLE_ON_HOST");
     lethe_engine_params p;
@@ -292,6 +293,7 @@ static void run_engine(bool host, bool batched, eout *outs, int64_t *dev_steps) 
     p.model = "tests/data/tiny-llama";
     p.kv_cache_bytes = 1 << 20;
     p.check_invariants = true;
+    p.pad_decode_batches = pad; /* decode steps padded to graph buckets: dummy rows after the real ones */
     lethe_engine *e;
     CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
     for (int i = 0; i < 6; i++) {
@@ -320,22 +322,25 @@ static void run_engine(bool host, bool batched, eout *outs, int64_t *dev_steps) 
     }
     while (lethe_engine_has_work(e)) CHECK(lethe_engine_step(e) == 0);
     *dev_steps = e->ds.n_steps;
+    CHECK(!pad || e->stats.padded_seqs > 0);
     lethe_engine_destroy(e);
     unsetenv("LETHE_SAMPLE_ON_HOST");
 }
 
 static void test_engine_paths(void) {
-    static eout host[6], dev[6], dev_alone[6];
-    int64_t s_host, s_dev, s_alone;
-    run_engine(true, true, host, &s_host);
-    run_engine(false, true, dev, &s_dev);
-    run_engine(false, false, dev_alone, &s_alone);
-    CHECK(s_host == 0 && s_dev > 0 && s_alone > 0);
+    static eout host[6], dev[6], dev_alone[6], dev_pad[6];
+    int64_t s_host, s_dev, s_alone, s_pad;
+    run_engine(true, true, false, host, &s_host);
+    run_engine(false, true, false, dev, &s_dev);
+    run_engine(false, false, false, dev_alone, &s_alone);
+    run_engine(false, true, true, dev_pad, &s_pad);
+    CHECK(s_host == 0 && s_dev > 0 && s_alone > 0 && s_pad > 0);
     for (int i = 0; i < 6; i++) {
         CHECK_EQ_INT(dev[i].n, 24);
         CHECK_EQ_INT(host[i].n, 24);
         CHECK(!memcmp(host[i].tok, dev[i].tok, sizeof(host[i].tok)));
         CHECK(!memcmp(dev_alone[i].tok, dev[i].tok, sizeof(dev[i].tok)));
+        CHECK(!memcmp(dev_pad[i].tok, dev[i].tok, sizeof(dev[i].tok)));
         if (i == 1)
             for (int j = 0; j < 24; j++) CHECK(host[i].lp[j] == dev[i].lp[j] && dev[i].lp[j] < 0);
     }
