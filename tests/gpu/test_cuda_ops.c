@@ -12,12 +12,9 @@
  * sparse (subset) selections, the pre-staged (stage_step) path, contexts
  * >= 16K (split-K; every attention case runs once per kernel generation,
  * ops->attn_kernel: v1, v2), attn_scores (every mode, up to 40K
- * candidates), and the Quest page ops (page_minmax: exact; page_scores: fp32
- * reassociation only). Needs a CUDA device (make test-gpu). */
- * sparse (subset) selections, the pre-staged (stage_step) path,
- * attn_scores (every mode, up to 40K candidates), the Quest page ops
- * (page_minmax: exact; page_scores: fp32 reassociation only), and the sample
- * op (exact token equality, see test_sample). Needs a CUDA device (make test-gpu). */
+ * candidates), the Quest page ops (page_minmax: exact; page_scores: fp32
+ * reassociation only), and the sample op (exact token equality, see
+ * test_sample). Needs a CUDA device (make test-gpu). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
