@@ -353,6 +353,10 @@ static void test_attention(void) {
         {"decode long d64", 9, 3, 64, 2, {1, 1}, {17000, 24576}, 0},
         {"sparse decode long", 32, 8, 128, 2, {1, 1}, {30000, 16500}, 1},
         {"extend long prefix", 8, 2, 128, 2, {130, 1}, {16500, 17000}, 0},
+        /* mixed steps: v2 sends the single-query sequences to the decode
+         * kernel (item list, split-K + merge by item) and the rest to prefill */
+        {"mixed decode rows", 32, 8, 128, 6, {1, 1, 100, 1, 1, 1}, {3000, 17, 600, 1, 129, 5000}, 0},
+        {"mixed decode rows d64 sparse", 9, 3, 64, 4, {1, 7, 1, 1}, {20000, 300, 65, 2}, 1},
     };
     const int versions[] = {1, 2};
     const int n_versions = g_gpu->ops->attn_kernel ? 2 : 1;

@@ -222,15 +222,16 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
 __global__ void merge_kernel(bf16 *__restrict__ out, const int32_t *__restrict__ q_begin,
                              const int32_t *__restrict__ sel_begin, int n_seqs, int decode,
                              int n_heads, int D, int n_splits, int gran, int skip_single,
-                             const float *__restrict__ ws_o, const float *__restrict__ ws_lse) {
-    const int32_t r = blockIdx.x;
+                             const int32_t *__restrict__ items, const float *__restrict__ ws_o,
+                             const float *__restrict__ ws_lse) {
+    const int32_t it = blockIdx.x, r = items ? items[it] : it; /* partial index, query row */
     const int h = blockIdx.y;
     int32_t base, n_ent;
     item_range(q_begin, sel_begin, n_seqs, decode != 0, r, &base, &n_ent);
     const int32_t chunk = split_chunk(n_ent, n_splits, gran);
     const int n_eff = (n_ent + chunk - 1) / chunk;
     if (skip_single && n_eff == 1) return; /* the split kernel wrote this row */
-    const size_t idx0 = ((size_t)r * n_heads + h) * n_splits;
+    const size_t idx0 = ((size_t)it * n_heads + h) * n_splits;
     float mx = -INFINITY;
     for (int i = 0; i < n_eff; i++) mx = fmaxf(mx, ws_lse[idx0 + i]);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -423,16 +424,16 @@ static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d
         ws_lse);
     CU_LAUNCH_CHECK();
     lethe_cuda_attn_merge(c, a->out, d_qb, d_sb, a->n_seqs, decode, n_items, a->n_heads, D,
-                          n_splits, SPLIT_TILE, false, ws_o, ws_lse);
+                          n_splits, SPLIT_TILE, false, NULL, ws_o, ws_lse);
 }
 
 void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const int32_t *d_sb,
                            int n_seqs, bool decode, int32_t n_items, int n_heads, int D,
-                           int n_splits, int gran, bool skip_single, const float *ws_o,
-                           const float *ws_lse) {
+                           int n_splits, int gran, bool skip_single, const int32_t *d_items,
+                           const float *ws_o, const float *ws_lse) {
     merge_kernel<<<dim3((unsigned)n_items, (unsigned)n_heads), D < 256 ? D : 256, 0, c->stream>>>(
         (bf16 *)out, d_qb, d_sb, n_seqs, decode ? 1 : 0, n_heads, D, n_splits, gran,
-        skip_single ? 1 : 0, ws_o, ws_lse);
+        skip_single ? 1 : 0, d_items, ws_o, ws_lse);
     CU_LAUNCH_CHECK();
 }
 
@@ -489,7 +490,7 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
-    if (c->attn_kernel >= 2 && lethe_cuda_attn_v2_fits(c, D, decode)) {
+    if (c->attn_kernel >= 2 && lethe_cuda_attn_v2_fits(c, D)) {
         if (decode) lethe_cuda_attn_decode_v2(c, a, d_qb, d_sb, d_sel);
         else lethe_cuda_attn_prefill_v2(c, a, d_qb, d_sb, d_sel);
         return;

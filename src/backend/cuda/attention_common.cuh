@@ -47,16 +47,21 @@ __device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits, int 
 
 /* Merges the split-K partials ws_o [items, n_heads, n_splits, D] (each
  * normalized) and ws_lse [items, n_heads, n_splits] (log2 domain) into out
- * [items, n_heads, D] bf16. skip_single: rows with one effective split were
- * written to out directly by the split kernel and are left alone. */
+ * rows [n_heads, D] bf16: item i is query row d_items[i] (d_items NULL: row
+ * i). skip_single: rows with one effective split were written to out
+ * directly by the split kernel and are left alone. */
 void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const int32_t *d_sb,
                            int n_seqs, bool decode, int32_t n_items, int n_heads, int D,
-                           int n_splits, int gran, bool skip_single, const float *ws_o,
-                           const float *ws_lse);
+                           int n_splits, int gran, bool skip_single, const int32_t *d_items,
+                           const float *ws_o, const float *ws_lse);
 
 /* v2 launchers (attention_v2.cu); D is 64 or 128. v2_fits: the shape is one
- * v2 takes (D 64/128) and its shared memory fits this device's opt-in limit. */
-bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D, bool decode);
+ * v2 takes (D 64/128) and both v2 kernels' shared memory fits this device's
+ * opt-in limit. decode_v2: every sequence has one query (a->n_tokens ==
+ * a->n_seqs). prefill_v2: any batch; sequences with a single query go to the
+ * decode kernel (one block per KV head group and split instead of a 128-row
+ * tile per head), the rest to the prefill kernel. */
+bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D);
 void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                                const int32_t *d_sb, const int32_t *d_sel);
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,

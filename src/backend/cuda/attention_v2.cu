@@ -27,6 +27,11 @@
  * diagonal. Tiles are ordered heaviest first (more keys), heads of one tile
  * adjacent (their K/V rows meet in L2).
  *
+ * Mixed batches (decode rows next to prefill/extend chunks, the engine's
+ * mixed steps): single-query sequences go through decode_v2_kernel with an
+ * item list (one block per KV head group and split, K/V read once per group)
+ * instead of a mostly empty 128-row tile per query head.
+ *
  * Fragment layouts (PTX ISA, mma.m16n8k16 bf16; g = lane / 4, t = lane % 4):
  *   A 16x16 row-major:  a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
  *   B 16x8 "col":       b0 (k=2t..2t+1, n=g)  b1 (k=2t+8.., n=g)
@@ -123,15 +128,18 @@ struct dv2_cfg {
     static constexpr size_t SMEM = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
 };
 
-/* grid: x = item (query row), y = KV head * head chunks, z = split. n_splits
- * == 1: every row writes out directly (ws unused). */
+/* grid: x = item, y = KV head * head chunks, z = split. Item i is query row
+ * items[i] (items NULL: row i, and every sequence has one query, decode =
+ * 1); partials are indexed by item. n_splits == 1: every row writes out
+ * directly (ws unused). */
 template <int D>
 __global__ void __launch_bounds__(DV2_THREADS)
 decode_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
                  const bf16 *__restrict__ vc, const int32_t *__restrict__ q_begin,
                  const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
-                 int n_seqs, int decode, int n_heads, int n_kv, float scale_log2, int n_splits,
-                 float *__restrict__ ws_o, float *__restrict__ ws_lse) {
+                 const int32_t *__restrict__ items, int n_seqs, int decode, int n_heads, int n_kv,
+                 float scale_log2, int n_splits, float *__restrict__ ws_o,
+                 float *__restrict__ ws_lse) {
     typedef dv2_cfg<D> C;
     constexpr int NST = C::NST, LD = C::LD;
     constexpr int CPR = D / 8;        /* 16-byte chunks per row */
@@ -141,7 +149,7 @@ decode_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int32_t r = blockIdx.x;
+    const int32_t it = blockIdx.x, r = items ? items[it] : it;
     const int G_all = n_heads / n_kv, n_chunks = (G_all + DV2_GMAX - 1) / DV2_GMAX;
     const int kvh = blockIdx.y / n_chunks;
     const int h0 = kvh * G_all + (blockIdx.y % n_chunks) * DV2_GMAX;
@@ -299,11 +307,10 @@ decode_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 
             L += wt * ls[w * DV2_GMAX + hg];
             O += wt * os[(w * DV2_GMAX + hg) * C::LDO + d];
         }
-        const size_t row = (size_t)r * n_heads + h0 + hg;
         if (direct) {
-            out[row * D + d] = __float2bfloat16(O / L);
+            out[((size_t)r * n_heads + h0 + hg) * D + d] = __float2bfloat16(O / L);
         } else {
-            const size_t idx = row * n_splits + split;
+            const size_t idx = ((size_t)it * n_heads + h0 + hg) * n_splits + split;
             ws_o[idx * D + d] = O / L;
             if (d == 0) ws_lse[idx] = M + log2f(L);
         }
@@ -323,10 +330,12 @@ static int dv2_blocks_per_sm(void) {
     return n;
 }
 
+/* n_items query rows with one query each: rows 0..n_items-1 of an all-decode
+ * batch (d_items NULL), or the rows d_items[] of a mixed batch */
 template <int D>
 static void launch_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
-                             const int32_t *d_sb, const int32_t *d_sel) {
-    const int32_t n_items = a->n_tokens;
+                             const int32_t *d_sb, const int32_t *d_sel, int32_t n_items,
+                             const int32_t *d_items) {
     const int G = a->n_heads / a->n_kv_heads;
     const int n_chunks = (G + DV2_GMAX - 1) / DV2_GMAX;
     /* one wave: as many splits as fit next to the other (row, KV head) blocks;
@@ -347,19 +356,19 @@ static void launch_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_
     dim3 grid((unsigned)n_items, (unsigned)(a->n_kv_heads * n_chunks), (unsigned)n_splits);
     decode_v2_kernel<D><<<grid, DV2_THREADS, dv2_cfg<D>::SMEM, c->stream>>>(
         (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb,
-        d_sb, d_sel, a->n_seqs, 1, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
-        ws_lse);
+        d_sb, d_sel, d_items, a->n_seqs, d_items ? 0 : 1, a->n_heads, a->n_kv_heads,
+        a->scale * LOG2E, n_splits, ws_o, ws_lse);
     CU_LAUNCH_CHECK();
     if (n_splits > 1)
-        lethe_cuda_attn_merge(c, a->out, d_qb, d_sb, a->n_seqs, true, n_items, a->n_heads, D,
-                              n_splits, DV2_GRAN, true, ws_o, ws_lse);
+        lethe_cuda_attn_merge(c, a->out, d_qb, d_sb, a->n_seqs, d_items == NULL, n_items,
+                              a->n_heads, D, n_splits, DV2_GRAN, true, d_items, ws_o, ws_lse);
 }
 
 void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                                const int32_t *d_sb, const int32_t *d_sel) {
     LETHE_ASSERT(a->n_tokens == a->n_seqs);
-    if (a->head_dim == 64) launch_decode_v2<64>(c, a, d_qb, d_sb, d_sel);
-    else if (a->head_dim == 128) launch_decode_v2<128>(c, a, d_qb, d_sb, d_sel);
+    if (a->head_dim == 64) launch_decode_v2<64>(c, a, d_qb, d_sb, d_sel, a->n_tokens, NULL);
+    else if (a->head_dim == 128) launch_decode_v2<128>(c, a, d_qb, d_sb, d_sel, a->n_tokens, NULL);
     else LETHE_ASSERT(!"decode v2: head_dim must be 64 or 128");
 }
 
@@ -570,9 +579,23 @@ static int pf2_heavier_first(const void *x, const void *y) {
 template <int D>
 static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                               const int32_t *d_sb, const int32_t *d_sel) {
-    int32_t n_tiles = 0;
-    for (int s = 0; s < a->n_seqs; s++)
-        n_tiles += (a->q_begin[s + 1] - a->q_begin[s] + PF2_BM - 1) / PF2_BM;
+    /* single-query sequences (decode rows of a mixed step) -> decode kernel */
+    int32_t n_single = 0, n_tiles = 0;
+    for (int s = 0; s < a->n_seqs; s++) {
+        const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
+        if (n_q == 1) n_single++;
+        else n_tiles += (n_q + PF2_BM - 1) / PF2_BM;
+    }
+    if (n_single) {
+        void *hv;
+        int32_t *d_items = (int32_t *)lethe_cuda_ring_alloc(c, (size_t)n_single * sizeof(int32_t), &hv);
+        int32_t *hi = (int32_t *)hv, k = 0;
+        for (int s = 0; s < a->n_seqs; s++)
+            if (a->q_begin[s + 1] - a->q_begin[s] == 1) hi[k++] = a->q_begin[s];
+        CU_CHECK(cudaMemcpyAsync(d_items, hi, (size_t)n_single * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, c->stream));
+        launch_decode_v2<D>(c, a, d_qb, d_sb, d_sel, n_single, d_items);
+    }
     if (!n_tiles) return;
     LETHE_ASSERT(n_tiles <= 65535 && "prefill v2: more than 65535 query tiles in one call");
     pf2_tile *list = (pf2_tile *)malloc((size_t)n_tiles * sizeof(pf2_tile));
@@ -581,6 +604,7 @@ static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32
     for (int s = 0; s < a->n_seqs; s++) {
         const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
         const int32_t n_pre = a->sel_begin[s + 1] - a->sel_begin[s] - n_q;
+        if (n_q == 1) continue; /* done by the decode kernel above */
         for (int32_t r0 = 0; r0 < n_q; r0 += PF2_BM) {
             const int32_t rows = n_q - r0 < PF2_BM ? n_q - r0 : PF2_BM;
             list[t++] = (pf2_tile){s, r0, n_pre + r0 + rows};
@@ -608,11 +632,11 @@ static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32
     CU_LAUNCH_CHECK();
 }
 
-bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D, bool decode) {
+bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D) {
     if (D != 64 && D != 128) return false;
-    const size_t need = decode ? (D == 64 ? dv2_cfg<64>::SMEM : dv2_cfg<128>::SMEM)
-                               : (D == 64 ? pf2_cfg<64>::SMEM : pf2_cfg<128>::SMEM);
-    return need <= c->smem_optin;
+    const size_t dec = D == 64 ? dv2_cfg<64>::SMEM : dv2_cfg<128>::SMEM;
+    const size_t pre = D == 64 ? pf2_cfg<64>::SMEM : pf2_cfg<128>::SMEM;
+    return dec <= c->smem_optin && pre <= c->smem_optin;
 }
 
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
