@@ -80,10 +80,9 @@ static lethe_status kivi_configure(lethe_sparse_method *m) {
     if ((p->page & (p->page - 1)) || m->env.head_dim % p->page)
         return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config kv_quant_page_size=%d: must be a power "
                             "of two dividing head_dim %d", p->page, m->env.head_dim);
-    /* the packing / attention kernels exist on the CPU backend only so far */
-    if (m->env.be && p->bits != 16 && !lethe_sparse_kv_host_ok(m))
-        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "--sparse-method kivi: the %s backend has no KIVI "
-                            "kernels yet (kivi_bits=16 runs)", m->env.be->ops->name);
+    /* packing / attention kernels: backend/cpu/attention_quant.c and
+     * backend/cuda/attention_quant.cu (the CUDA kernels read 8 codes per load:
+     * head_dim % 8 == 0, which G | head_dim with G >= 16 gives) */
     return LETHE_OK;
 }
 
