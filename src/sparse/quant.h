@@ -18,7 +18,8 @@
  * scale. Relative error <= 2^-4 for |x| / scale >= 2^-6 (normal range),
  * absolute error <= 2^-10 * scale below it; a zero vector has scale 0, codes 0.
  *
- * CUDA twins needed: the same quantize/dequantize per group (docs/sparse-methods.md). */
+ * CUDA twins: backend/cuda/attention_quant.cu repeats these steps bit for bit
+ * (KIVI pack kernels, fp8_store_kernel; docs/sparse-methods.md). */
 #ifndef LETHE_SPARSE_QUANT_H
 #define LETHE_SPARSE_QUANT_H
 

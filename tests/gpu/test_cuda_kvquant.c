@@ -327,10 +327,10 @@ static void run_kivi_case(const kcase *tc) {
     int32_t *pent = lethe_xmalloc((size_t)n_groups * sizeof(int32_t));
     for (int step = 0; step < 3; step++) {
         /* ---- plan (kivi_prepare) ---- */
-        int32_t q_begin[4] = {0}, store[1024], n_pack = 0;
+        int32_t q_begin[4] = {0}, store[2048], n_pack = 0;
         for (int s = 0; s < S; s++) q_begin[s + 1] = q_begin[s] + tc->n_new[step][s];
         const int T = q_begin[S];
-        LETHE_ASSERT(T <= 1024);
+        LETHE_ASSERT(T <= 2048);
         for (int s = 0; s < S; s++) {
             const int t0 = len[s], L = t0 + tc->n_new[step][s];
             for (int g = n_done[s]; g < L / G; g++) {
