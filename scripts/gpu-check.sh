@@ -83,7 +83,7 @@ if has bench; then
     t0=$(date +%s)
     ./build/lethe bench engine -m configs/llama-3.1-8b-instruct/config.json --load-format dummy \
         --points ${BENCH_POINTS:-1:4096:64,32:512:64,64:8192:32,1:8192:8} --attention \
-        --attn-batch 8,32 --attn-ctx 16384,32768 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+        --attn-batch 8,32 --attn-ctx 16384,32768 --attn-prefill 8192 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     log "bench: ($(( $(date +%s) - t0 ))s)"
 fi
 if has peer; then
@@ -104,7 +104,7 @@ EOF2
 if has sparse; then
     t0=$(date +%s)
     ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
-        --budget 2048 --capacity-method snapkv --capacity-inputs 32768,131072 --capacity-output 256 \
+        --budget 2048 --capacity-method snapkv --capacity-inputs ${SPARSE_INPUTS:-32768,130560} --capacity-output 256 \
         --engine-tokens 131072 --matched-methods quest,omnikv --matched-batch 8 --matched-input 32768 \
         --matched-output 64 ${SPARSE_ARGS:-} --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.log"
     add_gpu "$OUT/sparse.json"
