@@ -404,7 +404,7 @@ static void cuda_profile_range(lethe_backend *be, bool start) {
 /* LETHE_ATTN_KERNEL=v1|v2|1|2 (unset: the default below) */
 static lethe_status attn_kernel_from_env(int *out) {
     const char *e = getenv("LETHE_ATTN_KERNEL");
-    *out = 1; /* v1 stays the default until v2 has passed test-gpu on the H200 */
+    *out = 2; /* v2 (tensor-core decode/prefill) passed make test-gpu on the H200 at 0ed5ebf (LETHE_ATTN_KERNEL=v2); v1 stays selectable */
     if (!e || !*e) return LETHE_OK;
     if (!strcmp(e, "v1") || !strcmp(e, "1")) *out = 1;
     else if (!strcmp(e, "v2") || !strcmp(e, "2")) *out = 2;
