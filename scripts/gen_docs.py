@@ -417,7 +417,14 @@ def sparse_section(results):
         out.append(f"**{r['_file']}**: commit `{r.get('commit', '?')}`, {r.get('date', '?')}, {where}; "
                    f"model `{r.get('model', '?')}` ({r.get('load_format', '?')} weights), device {dev}, {mem}, "
                    f"budget T = {r.get('budget')}, max_num_seqs {r.get('max_num_seqs')}, prefill chunk "
-                   f"{r.get('max_num_batched_tokens')} tokens, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}.")
+                   f"{r.get('max_num_batched_tokens')} tokens, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}"
+                   + (f", attention kernel {r['attn_kernel']}" if r.get("attn_kernel") else "") + ".")
+        notes = [r[k] for k in ("commit_note", "parts_note") if r.get(k)]
+        if r.get("gpu"):
+            notes.append("the GPU field is nvidia-smi's name, memory, SM clock and memory clock at query time (the GPU idle), driver version")
+        if notes:
+            out.append("")
+            out.append("Notes: " + "; ".join(notes) + ".")
         out.append("")
         cap = r.get("capacity")
         if cap:
@@ -446,6 +453,18 @@ def sparse_section(results):
                     fmt(md.get("tok_s"), 0), f"{a.get('dense_batch')} ({a.get('dense_batch_pool_limit')})",
                     fmt(dd.get("step_ms"), 2), fmt(dd.get("tok_s"), 0),
                     (fmt(p.get("tok_s_ratio"), 2) + "x") if p.get("tok_s_ratio") is not None else "—"]) + " |")
+            capped = []
+            for p in cap.get("points", []):
+                a = p.get("arithmetic", {})
+                mb, ml, db = a.get("method_batch"), a.get("method_batch_pool_limit"), a.get("dense_batch")
+                if a.get("method_capped_by_max_num_seqs") and ml and db:
+                    capped.append(f"L={p.get('input')}: the pool alone holds {ml} {m} sequences ({ml / db:.1f}x the "
+                                  f"dense batch of {db}; timed batch {mb} = {mb / db:.1f}x)")
+            if capped:
+                out.append("")
+                out.append(f"Batch capped by max_num_seqs {cap.get('max_num_seqs', r.get('max_num_seqs'))} (only the "
+                           "capped batch was timed; the uncapped one would need a larger max_num_seqs and CUDA-graph "
+                           "bucket): " + "; ".join(capped) + ".")
             errs = [f"L={p.get('input')}: {p['engine_run']['error']}" for p in cap.get("points", [])
                     if p.get("engine_run", {}).get("error")]
             if errs:

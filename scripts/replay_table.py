@@ -37,14 +37,22 @@ def section(results):
         t = r.get("trace", {})
         rows = r["results"]
         base = next((x for x in rows if x["config"] == "dense-radix"), rows[0])
-        out.append(f"**{r['_file']}** - commit {r.get('commit', '?')}, {r.get('date', '?')}, {r.get('machine', '?')}; "
-                   f"model `{os.path.basename(r.get('model', '?'))}`; trace: {t.get('agents')} agents, "
+        model = r.get("model", "?")
+        model = model if os.path.basename(model) == "config.json" else os.path.basename(model)
+        gpu = f", GPU {r['gpu']}" if r.get("gpu") else ""
+        out.append(f"**{r['_file']}** - commit {r.get('commit', '?')}, {r.get('date', '?')}, {r.get('machine', '?')}{gpu}; "
+                   f"model `{model}`"
+                   + (f", attention kernel {r['attn_kernel']}" if r.get("attn_kernel") else "")
+                   + f"; trace: {t.get('agents')} agents, "
                    f"{t.get('turns')} turns (generated: {t.get('min_turns')}-{t.get('max_turns')} turns/agent, "
                    f"system {t.get('system_tokens')} + task {t.get('task_tokens')} words, tool outputs "
                    f"{t.get('tool_min')}-{t.get('tool_max')}, replies {t.get('out_min')}-{t.get('out_max')}, "
-                   f"waits U[0, {t.get('max_wait_s')}) s, context <= {t.get('max_context')}, seed {t.get('seed')}); "
+                   f"waits U[0, {t.get('max_wait_s')}) s, context <= {t.get('max_context')}, seed {t.get('seed')}"
+                   + (f"; longest context {t['longest_context_tokens']:,} tokens" if t.get("longest_context_tokens") else "")
+                   + "); "
                    f"concurrency {rows[0].get('concurrency')}, wait scale {rows[0].get('wait_scale')}; "
-                   f"sparse knobs `{r.get('sparse_config', '-')}`; serve flags `{r.get('serve_args', '-')}`.")
+                   f"sparse knobs `{r.get('sparse_config', '-')}`; serve flags `{r.get('serve_args', '-')}`."
+                   + (f" Note: {r['commit_note']}." if r.get("commit_note") else ""))
         out.append("")
         out.append("| config | end-to-end s | speedup vs " + base["config"] + " | TTFT p50 ms | p90 ms | p99 ms "
                    "| prompt tokens | reused | computed | turns ok | chains created / resumed |")
