@@ -157,3 +157,18 @@ def test_no_results_no_page(tmp_path):
     assert run("--results", str(docs / "results"), "--docs", str(docs), "--check").returncode == 0
     assert run("--results", str(docs / "results"), "--docs", str(docs)).returncode == 0
     assert (docs / "benchmarks.md").read_text() == "# Benchmarks\n\nSomeone else's section.\n"
+
+
+def test_sparse_capped_batch_and_notes(tmp_path):
+    """A capacity point whose method batch hit max_num_seqs also shows the pool-limited batch and its
+    ratio; the attention kernel and the result's notes are rendered with its conditions."""
+    with open(os.path.join(ROOT, "docs", "results", "sparse-h200-llama8b-snapkv-32k.json")) as f:
+        r = json.load(f)
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    (docs / "results" / "s.json").write_text(json.dumps(r))
+    assert run("--results", str(docs / "results"), "--docs", str(docs), "--no-plots").returncode == 0
+    b = (docs / "benchmarks.md").read_text()
+    assert "| 256 (381) |" in b and "Batch capped by max_num_seqs 256" in b
+    assert "the pool alone holds 381 snapkv sequences (14.1x the dense batch of 27; timed batch 256 = 9.5x)" in b
+    assert "attention kernel v2" in b and "Notes: device copy of the working tree" in b
