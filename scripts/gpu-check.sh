@@ -16,7 +16,7 @@
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
 #           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
 #           dense-radix, snapkv-nocache, snapkv-chain on one generated trace
-#           (8 agents x 6 turns, tool outputs 500-2000 words, concurrency 8).
+#           (8 agents x 8 turns, tool outputs 500-2000 words, concurrency 8).
 #           ~3 min. REPLAY_ARGS adds/overrides flags. -> $OUT/replay.json
 #   profile Nsight Compute (ncu --clock-control none; this GPU machine is a
 #           VM) on the decode attention kernels (v1 and v2) at b8 x 32K, the
@@ -114,7 +114,7 @@ if has replay; then
     t0=$(date +%s)
     tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
     [ -f "$tok/tokenizer.json" ] || echo "replay: no $tok/tokenizer.json (carry .deb with tokenizers/llama3)"
-    ./build/lethe bench replay --generate --agents 8 --min-turns 6 --max-turns 6 --system-tokens 1000 \
+    ./build/lethe bench replay --generate --agents 8 --min-turns 8 --max-turns 8 --system-tokens 1000 \
         --task-tokens 500 --tool-min 500 --tool-max 2000 --out-min 20 --out-max 60 --max-wait 1 \
         --max-context 30000 --seed 42 --concurrency 8 --model configs/llama-3.1-8b-instruct/config.json \
         --configs dense-radix,snapkv-nocache,snapkv-chain \
