@@ -322,13 +322,19 @@ static int32_t quest_decode(lethe_sparse_method *m, int32_t layer, const lethe_s
     const int32_t P = p->page, nd = p->n_done.v[seq], L = lethe_sparse_row_len(m, layer, q->row);
     int32_t *top = iv(&p->top, nd);
     int32_t np = lethe_topk_indices(p->u.v + p->off.v[seq], nd, p->take.v[seq], top);
+    /* the chosen pages' slots, then the current page(s): whole pages of the
+     * row, copied as runs (ascending entries, as entries_to_slots wants) */
+    lethe_kv_pool *pool = m->env.pool;
+    const int32_t *slots = lethe_kv_row_slots(pool, lethe_kv_space_of(pool, layer), q->row);
     int32_t n = 0;
-    for (int32_t i = 0; i < np; i++)
-        for (int32_t t = top[i] * P; t < (top[i] + 1) * P; t++) sel[n++] = t;
-    for (int32_t t = nd * P; t < L; t++) sel[n++] = t; /* current page(s) */
-    LETHE_ASSERT(n <= cap);
-    lethe_sparse_entries_to_slots(m, layer, q->row, sel, n);
-    return n;
+    for (int32_t i = 0; i < np; i++) {
+        LETHE_ASSERT(top[i] < nd && (i == 0 || top[i] > top[i - 1]));
+        memcpy(sel + n, slots + (size_t)top[i] * P, (size_t)P * sizeof(int32_t));
+        n += P;
+    }
+    LETHE_ASSERT(n + (L - nd * P) <= cap);
+    memcpy(sel + n, slots + (size_t)nd * P, (size_t)(L - nd * P) * sizeof(int32_t));
+    return n + (L - nd * P);
 }
 
 /* dense layers (below skip, or without page bounds) all read the whole
