@@ -88,8 +88,6 @@ struct lethe_engine {
     int32_t *store;                   /* [cap_rows] store slots of the current layer */
     int32_t *sel, *sel_begin;         /* selection of the current layer */
     int64_t cap_sel;
-    int32_t plan_layer_built;         /* layer whose plan e->store / sel hold this step (-1: none) */
-    bool plan_staged;                 /* those arrays are pre-staged on the backend (ops->stage_step) */
     bool layer_scores;                /* the method's needs_scores for the current layer */
     float *logits;                    /* [cap_logits, n_vocab] */
     int32_t cap_logits;

@@ -51,77 +51,9 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
 
 /* ---- forward hooks ---- */
 
-/* The step's plan arrays (store, sel_begin, sel), built for an earlier layer,
- * serve this layer too: stage them once on the backend for the run of layers
- * that reuse them (on CUDA: one upload instead of one per op and layer). */
-static void stage_plan(lethe_engine *e) {
-    lethe_backend *be = e->runner.be;
-    if (e->plan_staged || !be) return;
-    const int32_t S = e->st.n_seqs;
-    const int32_t *arrays[3] = {e->store, e->sel_begin, e->sel};
-    size_t counts[3] = {(size_t)e->batch.n_tokens, (size_t)S + 1, (size_t)e->sel_begin[S]};
-    be->ops->stage_step(be, arrays, counts, 3);
-    e->plan_staged = true;
-}
-
-/* before e->store / sel change (a new layer's plan) and after the forward */
-static void unstage_plan(lethe_engine *e) {
-    if (!e->plan_staged) return;
-    e->runner.be->ops->unstage(e->runner.be);
-    e->plan_staged = false;
-}
-
-static void fill_plan(lethe_engine *e, int32_t layer, lethe_layer_plan *out) {
-    out->store_slots = e->store;
-    out->sel_begin = e->sel_begin;
-    out->sel_slots = e->sel;
-    out->kvq = lethe_kv_quant_of(e->pool, layer);
-    /* asked here, while the step's selections are built: after_attn then gets
-     * the attention's arguments to score with (backend attn_scores) */
-    lethe_sparse_method *m = e->method;
-    e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
-}
-
-static void build_plan(lethe_engine *e, int32_t layer, const void *q);
-
-/* check_invariants: the method said the layer keeps the previous layer's
- * selections; rebuild them and compare */
-static void check_same_selection(lethe_engine *e, int32_t layer, const void *q) {
-    const int32_t S = e->st.n_seqs, n_sel = e->sel_begin[S], n_tok = e->batch.n_tokens;
-    int32_t *prev = lethe_xmalloc(((size_t)n_sel + S + 1 + n_tok) * sizeof(int32_t));
-    memcpy(prev, e->sel, (size_t)n_sel * sizeof(int32_t));
-    memcpy(prev + n_sel, e->sel_begin, ((size_t)S + 1) * sizeof(int32_t));
-    memcpy(prev + n_sel + S + 1, e->store, (size_t)n_tok * sizeof(int32_t));
-    build_plan(e, layer, q);
-    LETHE_ASSERT(e->sel_begin[S] == n_sel && "same_selection: a selection changed length");
-    LETHE_ASSERT(!memcmp(prev, e->sel, (size_t)n_sel * sizeof(int32_t)) &&
-                 !memcmp(prev + n_sel, e->sel_begin, ((size_t)S + 1) * sizeof(int32_t)) &&
-                 !memcmp(prev + n_sel + S + 1, e->store, (size_t)n_tok * sizeof(int32_t)) &&
-                 "same_selection: the layer's selection differs from the previous layer's");
-    free(prev);
-}
-
 static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                        lethe_layer_plan *out) {
     lethe_engine *e = ctx;
-    lethe_sparse_method *m = e->method;
-    /* the previous layer's plan again (sparse.h same_selection): rows shared by
-     * all layers give the same store slots, the method vouches for the rest */
-    const bool same = layer > 0 && e->plan_layer_built == layer - 1 && m->ops->same_selection &&
-                      !lethe_kv_per_layer(e->pool) && m->ops->same_selection(m, layer, &e->st);
-    if (same) {
-        if (e->p.check_invariants) check_same_selection(e, layer, q);
-        else stage_plan(e);
-    } else {
-        unstage_plan(e); /* e->store / sel are about to change */
-        build_plan(e, layer, q);
-    }
-    e->plan_layer_built = layer;
-    fill_plan(e, layer, out);
-}
-
-/* the selections of every sequence for `layer` into e->store / sel_begin / sel */
-static void build_plan(lethe_engine *e, int32_t layer, const void *q) {
     lethe_sparse_method *m = e->method;
     const int32_t sp = lethe_kv_space_of(e->pool, layer);
     const int32_t n_seqs = e->st.n_seqs;
@@ -156,6 +88,13 @@ static void build_plan(lethe_engine *e, int32_t layer, const void *q) {
         off += n;
     }
     e->sel_begin[n_seqs] = off;
+    out->store_slots = e->store;
+    out->sel_begin = e->sel_begin;
+    out->sel_slots = e->sel;
+    out->kvq = lethe_kv_quant_of(e->pool, layer);
+    /* asked here, while the step's selections are built: after_attn then gets
+     * the attention's arguments to score with (backend attn_scores) */
+    e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
 }
 
 static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b, const lethe_attn_args *a) {
@@ -383,9 +322,7 @@ int eng_step(lethe_engine *e) {
         if (m->ops->prepare) m->ops->prepare(m, &e->st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
         const bool on_device = step_samples_on_device(e, &out);
-        e->plan_layer_built = -1;
         eng_forward(e, &hooks, on_device ? NULL : e->logits); /* engine_forward.c: per-layer hooks or one uniform plan */
-        unstage_plan(e);
         if (on_device) sample_on_device(e, &out); /* right after the forward or its graph replay */
         if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
         lethe_sched_commit(e->sched, &out);

@@ -170,18 +170,6 @@ static int32_t omni_decode(lethe_sparse_method *m, int32_t layer, const lethe_sp
     return n;
 }
 
-/* Full layers read the whole row; sparse layers read the choice of the
- * last filter layer, which only after_attn of a full layer changes; prefill
- * reads the whole row everywhere. So a layer whose kind (full / sparse)
- * is the previous layer's repeats its plan (sparse.h). */
-static bool omni_same_selection(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st) {
-    const bool *full = PRIV(m)->full;
-    if (full[layer] == full[layer - 1]) return true;
-    for (int32_t i = 0; i < st->n_seqs; i++)
-        if (!st->seqs[i].is_prefill) return false;
-    return true;
-}
-
 static void omni_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                             const lethe_attn_args *attn) {
     if (!attn) return;
@@ -249,5 +237,4 @@ const lethe_sparse_ops lethe_sparse_omnikv = {
     .knob_table = knobs,
     .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
     .configure = omni_configure,
-    .same_selection = omni_same_selection,
 };

@@ -337,18 +337,6 @@ static int32_t quest_decode(lethe_sparse_method *m, int32_t layer, const lethe_s
     return n + (L - nd * P);
 }
 
-/* dense layers (below skip, or without page bounds) all read the whole
- * row, and prefill reads it in every layer: those plans repeat (sparse.h) */
-static bool quest_same_selection(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st) {
-    const quest_priv *p = PRIV(m);
-    const bool dense = layer < p->skip || !p->meta[layer];
-    const bool prev_dense = layer - 1 < p->skip || !p->meta[layer - 1];
-    if (dense && prev_dense) return true;
-    for (int32_t s = 0; s < st->n_seqs; s++)
-        if (!st->seqs[s].is_prefill) return false;
-    return true;
-}
-
 const lethe_sparse_ops lethe_sparse_quest = {
     .name = "quest",
     .aliases = {NULL},
@@ -368,5 +356,4 @@ const lethe_sparse_ops lethe_sparse_quest = {
     .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
     .configure = quest_configure,
     .slot_overhead_bytes = quest_slot_overhead,
-    .same_selection = quest_same_selection,
 };

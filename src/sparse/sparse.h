@@ -235,18 +235,6 @@ struct lethe_sparse_ops {
      * per-token cost when it sizes the pool, so the method's buffers fit in
      * the same budget. Called before the pool exists. NULL = 0. */
     size_t (*slot_overhead_bytes)(const lethe_sparse_method *m);
-
-    /* ---- added for host cost (optional) ----
-     * true when every sequence's selection in `layer` (> 0) of step st is the
-     * one it had in layer - 1 (and would be rebuilt identically): the engine
-     * then neither asks build_*_selection for the layer nor stages the arrays
-     * again, but keeps the previous layer's plan (rows shared by all layers
-     * only). Asked after prepare, in layer order, before the layer's
-     * build_*_selection would be. Must not depend on q. With check_invariants
-     * the engine rebuilds the selections anyway and asserts they match.
-     * NULL = false (Quest: dense first layers; OmniKV: runs of full layers,
-     * runs of sparse layers that read one filter layer's choice). */
-    bool (*same_selection)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st);
 };
 
 /* ---- registry (registry.c) ---- */

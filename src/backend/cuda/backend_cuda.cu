@@ -99,11 +99,8 @@ static void cuda_stage_step(lethe_backend *be, const int32_t *const *arrays, con
     LETHE_ASSERT(n >= 0 && n <= LETHE_CUDA_MAX_STAGED && !c->capturing);
     size_t total = 0;
     for (int i = 0; i < n; i++) total += counts[i];
-    /* the pinned upload area is reused by every call: wait for the previous
-     * call's uploads only (an event), not the whole stream: the engine's
-     * per-layer path stages a plan mid-forward when layers repeat it */
-    if (c->stage_ev) CU_CHECK(cudaEventSynchronize(c->stage_ev));
-    else CU_CHECK(cudaEventCreateWithFlags(&c->stage_ev, cudaEventDisableTiming));
+    /* the pinned upload area is reused every step: wait for the previous upload */
+    CU_CHECK(cudaStreamSynchronize(c->stream));
     if (total > c->stage_h_cap) {
         if (c->stage_h) CU_CHECK(cudaFreeHost(c->stage_h));
         c->stage_h_cap = total + total / 4 + 1024;
@@ -124,7 +121,6 @@ static void cuda_stage_step(lethe_backend *be, const int32_t *const *arrays, con
         }
         off += counts[i];
     }
-    CU_CHECK(cudaEventRecord(c->stage_ev, c->stream));
     c->n_staged = n;
     c->step_logits_n = 0; /* a new step starts */
 }
@@ -427,7 +423,6 @@ static void cuda_destroy(lethe_backend *be) {
         for (int i = 0; i < LETHE_CUDA_MAX_STAGED; i++)
             if (c->staged[i].dev) cudaFree(c->staged[i].dev);
         if (c->stage_h) cudaFreeHost(c->stage_h);
-        if (c->stage_ev) cudaEventDestroy(c->stage_ev);
         if (c->ring_h) cudaFreeHost(c->ring_h);
         if (c->ring_d) cudaFree(c->ring_d);
         if (c->f32_d) cudaFree(c->f32_d);

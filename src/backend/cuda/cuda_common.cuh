@@ -93,7 +93,6 @@ typedef struct cuda_ctx {
     int n_staged;
     int32_t *stage_h;            /* pinned scratch used to upload staged arrays */
     size_t stage_h_cap;          /* elements */
-    cudaEvent_t stage_ev;        /* recorded after the last stage_step's uploads (NULL: none yet) */
 
     /* fp32 device scratch (casts for host transfers, scores) + pinned output */
     float *f32_d;
