@@ -263,6 +263,33 @@ static void upload_random(lethe_backend *be, void *dst, size_t n) {
 
 static const char *ver_name(int v) { return v == 1 ? "v1" : v == 2 ? "v2" : "default"; }
 
+/* Times the attention call `a` with each kernel generation vers[0..nv) and
+ * prints one "| vN us rate frac" column group per version. `work` is what one
+ * call moves or computes (bytes or FLOPs), `ceiling` the same-run device rate
+ * for it (copy bytes/s or GEMM FLOP/s; 0 = unknown), `unit` scales work/s into
+ * the printed rate (1e-9: GB/s, 1e-12: TFLOP/s). JSON: per[vN] = {us, rate_key,
+ * frac_key}; the default version's numbers also go to the top level of e. */
+static void time_versions(lethe_backend *be, const lethe_attn_args *a, const int *vers, int nv,
+                          int dflt, int reps, bool profile, double work, double ceiling, double unit,
+                          const char *rate_key, const char *frac_key, cJSON *per, cJSON *e) {
+    for (int vi = 0; vi < nv; vi++) {
+        if (vers[vi]) be->ops->attn_kernel(be, vers[vi]);
+        const double t = time_attention(be, a, reps, profile);
+        const double rate = work / t * unit, frac = ceiling > 0 ? work / ceiling / t : 0;
+        printf(" | %4s %9.1f %8.1f %6.1f%%", ver_name(vers[vi]), t * 1e6, rate, 100 * frac);
+        cJSON *k1 = cJSON_AddObjectToObject(per, ver_name(vers[vi]));
+        cJSON_AddNumberToObject(k1, "us", t * 1e6);
+        cJSON_AddNumberToObject(k1, rate_key, rate);
+        cJSON_AddNumberToObject(k1, frac_key, frac);
+        if (vers[vi] == dflt) {
+            cJSON_AddStringToObject(e, "kernel", ver_name(dflt));
+            cJSON_AddNumberToObject(e, "us", t * 1e6);
+            cJSON_AddNumberToObject(e, rate_key, rate);
+            cJSON_AddNumberToObject(e, frac_key, frac);
+        }
+    }
+}
+
 /* Decode attention (one query per sequence, dense selection of ctx slots):
  * bytes of K + V read per call vs the copy bandwidth, per kernel generation;
  * the entry's us / gb_s / frac_copy are the default generation's (what the
@@ -274,8 +301,8 @@ static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, co
     const int32_t H = c->n_heads, KV = c->n_kv_heads, D = c->head_dim, kv_dim = KV * D;
     int vers[2], dflt;
     const int nv = attn_versions(be, vers, &dflt);
-    printf("\ndecode attention alone (H=%d KV=%d D=%d, bf16 KV, %d reps; default kernel %s)\n", H,
-           KV, D, reps, ver_name(dflt));
+    printf("\ndecode attention alone (H=%d KV=%d D=%d, %s KV, %d reps; default kernel %s)\n", H,
+           KV, D, be->ops->kv_size == 2 ? "bf16" : "f32", reps, ver_name(dflt));
     printf("%6s %8s", "batch", "ctx");
     for (int v = 0; v < nv; v++)
         printf(" | %4s %9s %8s %7s", ver_name(vers[v]), "us/call", "GB/s", "of copy");
@@ -317,23 +344,8 @@ static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, co
             cJSON_AddNumberToObject(e, "ctx", L);
             cJSON *per = cJSON_AddObjectToObject(e, "kernels");
             printf("%6d %8d", B, L);
-            for (int vi = 0; vi < nv; vi++) {
-                if (vers[vi]) be->ops->attn_kernel(be, vers[vi]);
-                const double t = time_attention(be, &a, reps, profile);
-                const double frac = copy_bps > 0 ? bytes / copy_bps / t : 0;
-                printf(" | %4s %9.1f %8.1f %6.1f%%", ver_name(vers[vi]), t * 1e6, bytes / t * 1e-9,
-                       100 * frac);
-                cJSON *k1 = cJSON_AddObjectToObject(per, ver_name(vers[vi]));
-                cJSON_AddNumberToObject(k1, "us", t * 1e6);
-                cJSON_AddNumberToObject(k1, "gb_s", bytes / t * 1e-9);
-                cJSON_AddNumberToObject(k1, "frac_copy", frac);
-                if (vers[vi] == dflt) {
-                    cJSON_AddStringToObject(e, "kernel", ver_name(dflt));
-                    cJSON_AddNumberToObject(e, "us", t * 1e6);
-                    cJSON_AddNumberToObject(e, "gb_s", bytes / t * 1e-9);
-                    cJSON_AddNumberToObject(e, "frac_copy", frac);
-                }
-            }
+            time_versions(be, &a, vers, nv, dflt, reps, profile, bytes, copy_bps, 1e-9, "gb_s",
+                          "frac_copy", per, e);
             printf("\n");
             fflush(stdout);
             if (dflt) be->ops->attn_kernel(be, dflt);
@@ -392,23 +404,8 @@ static cJSON *prefill_attention_sweep(lethe_backend *be, const lethe_model_confi
         cJSON_AddNumberToObject(e, "flops", flops);
         cJSON *per = cJSON_AddObjectToObject(e, "kernels");
         printf("%8d", L);
-        for (int vi = 0; vi < nv; vi++) {
-            if (vers[vi]) be->ops->attn_kernel(be, vers[vi]);
-            const double t = time_attention(be, &a, reps, profile);
-            const double frac = gemm_fps > 0 ? flops / gemm_fps / t : 0;
-            printf(" | %4s %9.1f %8.1f %6.1f%%", ver_name(vers[vi]), t * 1e6, flops / t * 1e-12,
-                   100 * frac);
-            cJSON *k1 = cJSON_AddObjectToObject(per, ver_name(vers[vi]));
-            cJSON_AddNumberToObject(k1, "us", t * 1e6);
-            cJSON_AddNumberToObject(k1, "tflops", flops / t * 1e-12);
-            cJSON_AddNumberToObject(k1, "frac_gemm_peak", frac);
-            if (vers[vi] == dflt) {
-                cJSON_AddStringToObject(e, "kernel", ver_name(dflt));
-                cJSON_AddNumberToObject(e, "us", t * 1e6);
-                cJSON_AddNumberToObject(e, "tflops", flops / t * 1e-12);
-                cJSON_AddNumberToObject(e, "frac_gemm_peak", frac);
-            }
-        }
+        time_versions(be, &a, vers, nv, dflt, reps, profile, flops, gemm_fps, 1e-12, "tflops",
+                      "frac_gemm_peak", per, e);
         printf("\n");
         fflush(stdout);
         if (dflt) be->ops->attn_kernel(be, dflt);

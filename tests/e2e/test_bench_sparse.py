@@ -122,9 +122,9 @@ def test_help_and_bad_parts():
     assert p.returncode == 2 and "--parts" in p.stderr
 
 
-@pytest.mark.skipif(not os.path.exists(SMOL), reason="SmolLM2 GGUF not fetched (make model)")
 def test_tokenizer_option_gives_a_dummy_model_text(tmp_path):
     """--tokenizer: dummy weights (no tokenizer beside config.json) take text through another model's tokenizer."""
+    assert os.path.exists(SMOL), f"{SMOL} missing: `make test` fetches it (make model)"
     cfg = tiny_config(tmp_path / "config.json", vocab=49152)
     base = [LETHE, "generate", "-m", cfg, "--load-format", "dummy", "--threads", "2", "-n", "3", "--temperature", "0",
             "--ignore-eos"]

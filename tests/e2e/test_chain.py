@@ -246,10 +246,10 @@ LLAMA3_TOK = next((d for d in (os.path.join(ROOT, "..", "shared", "data", "token
                   None)
 
 
-@pytest.mark.skipif(LLAMA3_TOK is None, reason="Llama-3 tokenizer (../shared/data/tokenizers/llama3) not present")
 def test_replay_dummy_weights_llama3_template(tmp_path):
     """The GPU replay setup in small: dummy llama weights served with text through --tokenizer (Llama-3
     tokenizer and chat template, which trims message content), SnapKV chains append turns."""
+    assert LLAMA3_TOK is not None, "Llama-3 tokenizer not found in ../shared/data/tokenizers/llama3 (tests read ../shared)"
     import subprocess
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
