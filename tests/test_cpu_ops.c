@@ -412,7 +412,7 @@ static void test_page_ops(void) {
         for (int i = 9; i < 23; i++) pids[i] = ids[NP - 1 - (i - 9)];
         float out[23], want[1];
         for (int i = 0; i < 23; i++) out[i] = NAN;
-        bes[b]->ops->page_scores(bes[b], out, q, meta, 3, rows, pbeg, pids, G * HK, HK, D);
+        bes[b]->ops->page_scores(bes[b], out, q, meta, 3, rows, pbeg, pids, G * HK, HK, D, false);
         for (int s = 0; s < 3; s++)
             for (int i = pbeg[s]; i < pbeg[s + 1]; i++) {
                 const float *pm = meta + (size_t)pids[i] * 2 * KVD;

@@ -8,9 +8,11 @@
  * Memory model: pointers handed to ops (`void *`) are backend memory
  * ("device pointers"): activations in the backend's activation type
  * (ops->act_size bytes per element), weights in its weight type, KV in its KV
- * type. Index arrays (tokens, positions, slots, selections) are always HOST
- * int32 arrays; a device backend stages them itself. Only the host-transfer
- * ops move data between the two worlds.
+ * type. Index arrays (tokens, positions, slots, selections) are HOST int32
+ * arrays, which a device backend stages itself, or int32 backend memory
+ * (ops->alloc) that an op wrote (topk, select_expand): those are read where
+ * they are, so a selection built on the device never visits the host. Only
+ * the host-transfer ops move data between the two worlds.
  *
  * Layout conventions (row-major, last index fastest):
  *   activations x      [n_tokens, dim]
@@ -171,7 +173,9 @@ typedef struct lethe_score_seq {
 } lethe_score_seq;
 
 typedef struct lethe_attn_scores_args {
-    float *out;                  /* HOST, sum over s of n_groups * (c1 - c0) floats */
+    float *out;                  /* HOST, sum over s of n_groups * (c1 - c0) floats; backend
+                                  * f32 memory when out_on_backend */
+    bool out_on_backend;         /* asynchronous: no host copy, no sync (feeds ops->topk) */
     const void *q;               /* [n_tokens, n_heads, head_dim] after RoPE (backend) */
     const void *k_cache;         /* [n_slots, n_kv_heads, head_dim] this layer, backend kv type
                                   * (not a quantized format) */
@@ -187,6 +191,27 @@ typedef struct lethe_attn_scores_args {
 
 /* floats attn_scores writes for these requests */
 size_t lethe_attn_scores_out_len(const lethe_score_seq *seqs, int32_t n_seqs, int32_t n_groups);
+
+/* ---- selections built on the backend (ops->select_expand) ----
+ * One sequence's selection assembled from its row (row entries in logical
+ * order -> slot ids: rows[row_begin .. row_begin + row_len)) and the units a
+ * top-k picked: the entries
+ *     [0, head)
+ *     pick_off + u * unit + [0, unit)   for u = picks[pick_begin .. + n_picks)
+ *     [tail, row_len)
+ * in that order, written as slot ids to out[out_begin ..]. The picks are
+ * ascending and the three parts must not overlap (head <= pick_off + u * unit,
+ * the last unit ends <= tail), so the selection stays ascending, as attention
+ * wants. Quest: head 0, unit = page size, pick_off 0, tail = the first page
+ * holding new tokens; OmniKV: head = sink, unit 1, pick_off = sink, tail = the
+ * first recent entry. int32 fields only (staged as an index array). */
+typedef struct lethe_expand_seq {
+    int32_t row_begin, row_len;
+    int32_t head;
+    int32_t pick_begin, n_picks, pick_off;
+    int32_t tail;
+    int32_t out_begin;           /* its count is head + n_picks * unit + (row_len - tail) */
+} lethe_expand_seq;
 
 typedef struct lethe_backend_ops {
     const char *name;            /* "cpu", "cuda" */
@@ -293,7 +318,8 @@ typedef struct lethe_backend_ops {
     void (*page_scores)(lethe_backend *be, float *out, const void *q, const void *meta,
                         int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                         const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
-                        int32_t head_dim);
+                        int32_t head_dim, bool out_on_backend);
+    /* (out_on_backend: out is backend f32 memory, no host copy and no sync.) */
     /* Optional (NULL = not offered; benchmarks and tests only). attn_kernel:
      * selects the attention kernel generation (CUDA: 1 = v1, 2 = v2; the
      * default comes from LETHE_ATTN_KERNEL=v1|v2) when version > 0, and
@@ -311,6 +337,26 @@ typedef struct lethe_backend_ops {
      * NULL) are host outputs, valid when the call returns (it syncs). Same
      * tokens on every backend for the same logits. Not graph-capturable. */
     void (*sample)(lethe_backend *be, const lethe_sample_args *a);
+    /* ---- device-side selection (sparse methods' select_layer hook; CPU twin
+     * backend/cpu/select.c, CUDA backend/cuda/select.cu). Asynchronous: no
+     * host sync, outputs are backend memory that later ops read as index
+     * arrays. ----
+     * topk: segmented top-k. Segment s is scores[seg_begin[s] .. seg_begin[s+1])
+     * (backend f32); its k_s = out_begin[s+1] - out_begin[s] best entries
+     * (0 <= k_s <= the segment's length) are written as indices relative to
+     * the segment start, ASCENDING, to out[out_begin[s] ..] (backend int32).
+     * "Best" is lethe_rank_before (sparse/select_util.h): higher score first,
+     * ties to the smaller index, NaN last; -0.0 ties with +0.0. So the result
+     * equals lethe_topk_indices on every backend. Host arrays seg_begin,
+     * out_begin [n_segs + 1]. */
+    void (*topk)(lethe_backend *be, int32_t *out, const float *scores, int32_t n_segs,
+                 const int32_t *seg_begin, const int32_t *out_begin);
+    /* select_expand: the selections of n_seqs sequences (lethe_expand_seq, host
+     * [n_seqs]) into out (backend int32); rows: index array of every
+     * sequence's row slots (host or backend), picks: backend int32 (topk's
+     * out). */
+    void (*select_expand)(lethe_backend *be, int32_t *out, const int32_t *rows, const int32_t *picks,
+                          const lethe_expand_seq *seqs, int32_t n_seqs, int32_t unit);
 } lethe_backend_ops;
 
 struct lethe_backend {

@@ -303,7 +303,7 @@ static void score_layer(lethe_sparse_method *m, int32_t layer, const lethe_spars
         p->sc_beg.v[n_sc] = n_sc_ids;
         p->u.v = grow(p->u.v, &p->u.cap, n_sc_ids, sizeof(float));
         be->ops->page_scores(be, p->u.v, qact, p->meta[layer], n_sc, p->sc_rows.v, p->sc_beg.v,
-                             p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim);
+                             p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, false);
     }
 }
 

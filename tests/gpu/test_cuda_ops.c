@@ -544,8 +544,8 @@ static void run_page_case(const page_case *tc) {
     float *uc = lethe_xmalloc((size_t)(total + 1) * sizeof(float));
     for (int32_t i = 0; i <= total; i++) ug[i] = NAN;
     ug[total] = 12345.0f; /* guard: nothing past the output */
-    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, rows, pbeg, pids, H, KV, D);
-    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, rows, pbeg, pids, H, KV, D);
+    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, rows, pbeg, pids, H, KV, D, false);
+    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, rows, pbeg, pids, H, KV, D, false);
     CHECK(ug[total] == 12345.0f);
     double worst = 0;
     for (int s = 0; s < S; s++)

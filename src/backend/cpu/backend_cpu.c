@@ -137,6 +137,8 @@ static const lethe_backend_ops cpu_ops = {
     .attn_kernel = cpu_attn_kernel,
     .profile_range = cpu_profile_range,
     .sample = lethe_cpu_sample,
+    .topk = lethe_cpu_topk,
+    .select_expand = lethe_cpu_select_expand,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

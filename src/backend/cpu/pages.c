@@ -45,7 +45,8 @@ void lethe_cpu_page_minmax(lethe_backend *be, void *meta_, const void *k_cache_,
 void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q_, const void *meta_,
                            int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                            const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
-                           int32_t head_dim) {
+                           int32_t head_dim, bool out_on_backend) {
+    (void)out_on_backend; /* backend memory is host memory here */
     LETHE_ASSERT(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && page_begin[0] == 0);
     const float *Q = q_, *meta = meta_;
     const int32_t g = n_heads / n_kv_heads;

@@ -177,7 +177,7 @@ void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
 void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q, const void *meta,
                             int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                             const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
-                            int32_t head_dim);
+                            int32_t head_dim, bool out_on_backend);
 void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a); /* sample.cu */
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);

@@ -16,7 +16,8 @@
  * pairs of min / max in registers (head_dim <= 256), then for every query head
  * of the group a per-lane partial sum and a warp all-reduce. fp32 throughout;
  * the sum order differs from the CPU's left-to-right one (float
- * reassociation only). The op ends with a host sync (its output is host). */
+ * reassociation only). The op ends with a host sync when its output is host;
+ * with out_on_backend it is asynchronous. */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <string.h>
@@ -157,9 +158,10 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
 extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q,
                                        const void *meta, int32_t n_seqs, const int32_t *q_rows,
                                        const int32_t *page_begin, const int32_t *page_ids,
-                                       int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
+                                       int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                                       bool out_on_backend) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(!c->capturing && "graph capture: page_scores ends with a host sync");
+    LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
     LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
     LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
     if (n_seqs == 0) return;
@@ -179,13 +181,16 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     const int32_t *d_rows = lethe_cuda_stage_idx(c, q_rows, (size_t)n_seqs);
     const int32_t *d_beg = lethe_cuda_stage_idx(c, page_begin, (size_t)n_seqs + 1);
     const int32_t *d_ids = lethe_cuda_stage_idx(c, page_ids, (size_t)total);
-    void *h_out;
-    float *d_out = (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
+    void *h_out = NULL;
+    float *d_out = out_on_backend
+                       ? out
+                       : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
     dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
     page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
         d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
         head_dim);
     CU_LAUNCH_CHECK();
+    if (out_on_backend) return; /* stays on the device (feeds topk): no sync */
     CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost,
                              c->stream));
     CU_CHECK(cudaStreamSynchronize(c->stream));

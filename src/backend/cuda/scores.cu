@@ -4,7 +4,7 @@
  *
  * Nothing of size rows x keys is materialized (methods.md §2.4 K1, flash-
  * style two passes). Three kernels on the backend stream, then one small
- * device -> host copy of the reduced output:
+ * device -> host copy of the reduced output (none with out_on_backend):
  *
  *  1. stats (probability modes only): block = (sequence, up to SC_RB scored
  *     rows, query head); its threads stride over the row's denominator keys
@@ -190,7 +190,7 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
 
 extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(!c->capturing && "graph capture: attn_scores copies its output to the host");
+    LETHE_ASSERT(!c->capturing && "graph capture: attn_scores stages its descriptors");
     LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
     LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0);
     LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= 256);
@@ -247,7 +247,7 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
     size_t cap = c->scores_cap;
     lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, (n_f + 2 * (size_t)n_st) * sizeof(float));
     c->scores_cap = cap;
-    float *hv = c->scores_d, *out = c->scores_d + n_hv;
+    float *hv = c->scores_d, *out = a->out_on_backend ? a->out : c->scores_d + n_hv;
     float2 *stats = (float2 *)(c->scores_d + n_f);
 
     const size_t smem = (size_t)SC_RB * D * sizeof(float);
@@ -263,6 +263,7 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
     sc_reduce_kernel<<<dim3((unsigned)n_val_items, (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
         d_desc, d_val, hv, out, H, a->n_groups);
     CU_LAUNCH_CHECK();
+    if (a->out_on_backend) return; /* stays on the device (feeds topk): no sync */
     CU_CHECK(cudaMemcpyAsync(a->out, out, (size_t)n_out * sizeof(float), cudaMemcpyDeviceToHost,
                              c->stream));
     CU_CHECK(cudaStreamSynchronize(c->stream));
