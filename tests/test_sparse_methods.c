@@ -57,6 +57,7 @@ typedef struct harness {
     int32_t chunk;
     /* the last step's selections (positions) of request 0, per layer */
     int32_t sel_pos[NL][NSLOTS], n_sel[NL];
+    int32_t n_select_layer[3]; /* select_layer answers by lethe_sel_result */
 } harness;
 
 static void h_open(harness *h, const char *method, const char *cfg) {
@@ -151,17 +152,43 @@ static void h_step(harness *h) {
                 for (int i = 0; i < KVD; i++) k[row * KVD + i] = gen(id, l, p, 1, i);
                 for (int i = 0; i < KVD; i++) v[row * KVD + i] = gen(id, l, p, 2, i);
             }
-        bool want = m->ops->needs_scores && m->ops->needs_scores(m, l);
         int32_t n_sel = 0;
         int32_t sp = lethe_kv_space_of(h->pool, l);
+        /* as the engine does (engine_forward.c stage_rows): a method with
+         * select_layer answers for the whole step from the full rows; its
+         * BUILT selections are backend memory, which is host memory here */
+        static int32_t rows[MAXR * NSLOTS], rows_begin[MAXR + 1];
+        const int32_t *lsb = NULL, *lss = NULL;
+        lethe_sel_result how = LETHE_SEL_PER_SEQ;
+        if (m->ops->select_layer) {
+            int32_t off = 0;
+            for (int s = 0; s < n_seqs; s++) {
+                int32_t L = lethe_kv_row_len(h->pool, sp, seqs[s].row);
+                memcpy(rows + off, lethe_kv_row_slots(h->pool, sp, seqs[s].row), sizeof(int32_t) * L);
+                rows_begin[s] = off;
+                off += L;
+            }
+            rows_begin[n_seqs] = off;
+            lethe_step_rows sr = {.begin = rows_begin, .slots = rows};
+            how = m->ops->select_layer(m, l, &st, q, &sr, &lsb, &lss);
+            if (how == LETHE_SEL_FULL) lsb = rows_begin, lss = rows;
+            h->n_select_layer[how]++;
+        }
+        bool want = m->ops->needs_scores && m->ops->needs_scores(m, l);
         for (int s = 0; s < n_seqs; s++) {
             int32_t L = lethe_kv_row_len(h->pool, sp, seqs[s].row);
             const int32_t *rs = lethe_kv_row_slots(h->pool, sp, seqs[s].row);
             for (int t = 0; t < seqs[s].n_new; t++) store[seqs[s].q_row + t] = rs[L - seqs[s].n_new + t];
             sel_begin[s] = n_sel;
-            int32_t n = seqs[s].is_prefill
-                            ? m->ops->build_prefill_selection(m, l, &st, s, sel + n_sel, L)
-                            : m->ops->build_decode_selection(m, l, &st, s, q, sel + n_sel, L);
+            int32_t n;
+            if (how != LETHE_SEL_PER_SEQ) {
+                n = lsb[s + 1] - lsb[s];
+                CHECK(n <= L);
+                memcpy(sel + n_sel, lss + lsb[s], sizeof(int32_t) * (size_t)(n > 0 ? n : 0));
+            } else {
+                n = seqs[s].is_prefill ? m->ops->build_prefill_selection(m, l, &st, s, sel + n_sel, L)
+                                       : m->ops->build_decode_selection(m, l, &st, s, q, sel + n_sel, L);
+            }
             CHECK(n >= seqs[s].n_new && n <= L);
             for (int t = 0; t < seqs[s].n_new; t++) /* the new tokens last, in order */
                 CHECK_EQ_INT(sel[n_sel + n - seqs[s].n_new + t], rs[L - seqs[s].n_new + t]);
@@ -441,6 +468,8 @@ static void test_quest(void) {
         CHECK_EQ_INT(h.sel_pos[l][32], 96);
         CHECK_EQ_INT(len_of(&h, l, 0), 101); /* logical: nothing freed */
     }
+    /* the sparse layers' selections were built by the backend ops (select_layer) */
+    CHECK(h.n_select_layer[LETHE_SEL_BUILT] > 0 && h.n_select_layer[LETHE_SEL_PER_SEQ] == 0);
     h_close(&h);
 }
 
@@ -529,6 +558,7 @@ static void test_omnikv(void) {
         for (int e = 0; e < 10; e++) CHECK_EQ_INT(h.sel_pos[l][3 + e], top[e] + 3);
         for (int e = 0; e < 5; e++) CHECK_EQ_INT(h.sel_pos[l][13 + e], 56 + e);
     }
+    CHECK(h.n_select_layer[LETHE_SEL_BUILT] > 0 && h.n_select_layer[LETHE_SEL_PER_SEQ] == 0);
     h_close(&h);
     /* the layer picker: a chain 0 -> 1 -> 2 -> 3 of strong overlaps prefers all */
     float ov[5 * 5] = {0};

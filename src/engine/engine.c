@@ -549,6 +549,8 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->store);
     free(e->sel);
     free(e->sel_begin);
+    free(e->rows);
+    free(e->rows_begin);
     free(e->gs);
     free(e->logits);
     free(e->ds.rows), free(e->ds.tokens), free(e->ds.logprobs), free(e->ds.pen_ids), free(e->ds.pen_counts);

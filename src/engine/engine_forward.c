@@ -4,7 +4,11 @@
  *
  *  - per-layer hooks (every method): runner->forward asks plan_layer at each
  *    layer, so a method may select per layer, read q, get scores and run
- *    after_attn / layer_end. Each layer stages its own index arrays.
+ *    after_attn / layer_end. Each layer stages its own index arrays, except
+ *    for a method with select_layer (Quest, OmniKV): the step's full rows,
+ *    store slots, tokens and positions are staged once (stage_rows) and the
+ *    method answers per layer with "read the full rows" or a selection it
+ *    built on the backend (no per-layer upload, no host sync).
  *  - uniform plan (methods flagged LETHE_SPARSE_UNIFORM, i.e. dense, on a
  *    runner with forward_uniform): plan_layer is asked once (layer 0, q =
  *    NULL) and that plan serves every layer (lethe_model_forward_uniform):
@@ -90,9 +94,48 @@ static void pad_batch(lethe_engine *e, lethe_fwd_batch *b, lethe_layer_plan *pla
     e->stats.padded_seqs += bucket - S;
 }
 
+/* For a method with select_layer: every sequence's whole row (its select-all
+ * selection; rows are shared, so the same in every layer) and the new
+ * tokens' store slots, built once and staged with the step's other index
+ * arrays. A layer the method reads densely then costs no host work and no
+ * upload, and the method builds sparse layers from these rows on the backend. */
+static void stage_rows(lethe_engine *e) {
+    const int32_t S = e->batch.n_seqs;
+    const int32_t sp = lethe_kv_space_of(e->pool, 0);
+    LETHE_ASSERT(!lethe_kv_per_layer(e->pool));
+    int64_t total = 0;
+    for (int32_t s = 0; s < S; s++) total += lethe_kv_row_len(e->pool, sp, e->seqs[s].row);
+    if (total > e->cap_rows_sel) {
+        e->cap_rows_sel = LETHE_MAX(total, 2 * e->cap_rows_sel);
+        e->rows = lethe_xrealloc(e->rows, (size_t)e->cap_rows_sel * sizeof(int32_t));
+    }
+    int32_t off = 0;
+    for (int32_t s = 0; s < S; s++) {
+        const lethe_sparse_seq *sq = &e->seqs[s];
+        const int32_t len = lethe_kv_row_len(e->pool, sp, sq->row);
+        const int32_t *slots = lethe_kv_row_slots(e->pool, sp, sq->row);
+        LETHE_ASSERT(len >= sq->n_new);
+        memcpy(e->rows + off, slots, (size_t)len * sizeof(int32_t));
+        memcpy(e->store + sq->q_row, slots + len - sq->n_new, (size_t)sq->n_new * sizeof(int32_t));
+        e->rows_begin[s] = off;
+        off += len;
+    }
+    e->rows_begin[S] = off;
+    const lethe_fwd_batch *b = &e->batch;
+    const int32_t *arrays[7] = {b->tokens, b->pos, b->seq_begin, b->logit_rows,
+                                e->store,  e->rows_begin, e->rows};
+    size_t counts[7] = {(size_t)b->n_tokens, (size_t)b->n_tokens, (size_t)S + 1, (size_t)b->n_logits,
+                        (size_t)b->n_tokens, (size_t)S + 1, (size_t)off};
+    if (e->runner.be) e->runner.be->ops->stage_step(e->runner.be, arrays, counts, 7);
+    e->rows_staged = true;
+}
+
 void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits) {
     if (!e->uniform) {
+        if (e->method->ops->select_layer) stage_rows(e);
         e->runner.forward(e->runner.ctx, &e->batch, hooks, logits);
+        if (e->rows_staged && e->runner.be) e->runner.be->ops->unstage(e->runner.be);
+        e->rows_staged = false;
         e->stats.eager_steps++;
         return;
     }

@@ -89,6 +89,11 @@ struct lethe_engine {
     int32_t *sel, *sel_begin;         /* selection of the current layer */
     int64_t cap_sel;
     bool layer_scores;                /* the method's needs_scores for the current layer */
+    /* the step's full rows for a method with select_layer (engine_forward.c):
+     * built and staged once per step, the same in every layer */
+    int32_t *rows, *rows_begin;       /* [cap_rows_sel], [cap_seqs + 1] */
+    int64_t cap_rows_sel;
+    bool rows_staged;                 /* this step's forward asks select_layer */
     float *logits;                    /* [cap_logits, n_vocab] */
     int32_t cap_logits;
     /* sampling on the backend (engine_step.c): per logits row params, results,

@@ -44,6 +44,7 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
         e->cap_seqs = LETHE_MAX(n_seqs, 2 * e->cap_seqs);
         e->b_seq_begin = lethe_xrealloc(e->b_seq_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
         e->sel_begin = lethe_xrealloc(e->sel_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
+        e->rows_begin = lethe_xrealloc(e->rows_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
         e->seqs = lethe_xrealloc(e->seqs, (size_t)e->cap_seqs * sizeof(*e->seqs));
         e->seq_req = lethe_xrealloc(e->seq_req, (size_t)e->cap_seqs * sizeof(*e->seq_req));
     }
@@ -51,10 +52,40 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
 
 /* ---- forward hooks ---- */
 
+/* The method's select_layer answer as the layer's plan (rows: the step's
+ * staged full rows, engine_forward.c); false: build per sequence. */
+static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q,
+                                   lethe_layer_plan *out) {
+    lethe_sparse_method *m = e->method;
+    const int32_t n_seqs = e->st.n_seqs;
+    const lethe_step_rows rows = {.begin = e->rows_begin, .slots = e->rows};
+    const int32_t *sb = NULL, *ss = NULL;
+    lethe_sel_result r = m->ops->select_layer(m, layer, &e->st, q, &rows, &sb, &ss);
+    if (r == LETHE_SEL_PER_SEQ) return false;
+    out->store_slots = e->store; /* staged: the new tokens' slots, the same in every layer */
+    out->kvq = lethe_kv_quant_of(e->pool, layer);
+    LETHE_ASSERT(!out->kvq); /* built selections live on the backend: native KV only */
+    if (r == LETHE_SEL_FULL) {
+        out->sel_begin = e->rows_begin;
+        out->sel_slots = e->rows;
+    } else {
+        LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
+        for (int32_t s = 0; s < n_seqs; s++) { /* counts; contents live on the backend */
+            const int32_t n = sb[s + 1] - sb[s], cap = e->rows_begin[s + 1] - e->rows_begin[s];
+            LETHE_ASSERT(n >= e->seqs[s].n_new && n <= cap);
+        }
+        out->sel_begin = sb;
+        out->sel_slots = ss;
+    }
+    e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
+    return true;
+}
+
 static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                        lethe_layer_plan *out) {
     lethe_engine *e = ctx;
     lethe_sparse_method *m = e->method;
+    if (e->rows_staged && plan_from_select_layer(e, layer, q, out)) return;
     const int32_t sp = lethe_kv_space_of(e->pool, layer);
     const int32_t n_seqs = e->st.n_seqs;
     int64_t total = 0;

@@ -7,6 +7,13 @@
  * top decode_keep_tokens positions I. Every following sparse layer, up to the
  * next full layer, reads [0, s) + I + [L - r, L) (the new token included).
  * Prefill is dense, nothing is freed, rows that fit s + keep + r read all.
+ * On a backend the whole decode path stays there (no host sync): the filter
+ * layer's scores go to device scratch (attn_scores, out_on_backend), ops->topk
+ * picks I per sequence into a device buffer, and the first following sparse
+ * layer's select_layer expands sink + I + recent through the engine's staged
+ * full rows (ops->select_expand); the later sparse layers of the run reuse
+ * that selection (rows are shared, so it is the same slot list). Without a
+ * backend nothing is scored and every layer reads the whole row.
  * "auto" full layers: the anchor resolves calibrated per-model profiles; for a
  * model without one lethe uses {0, 1, 2, N/4, N/2} (the shape of the DeltaKV
  * LongBench example 0,1,2,8,18 for 32 layers); lethe_omnikv_pick_layers picks
@@ -23,12 +30,19 @@ typedef struct omni_priv {
     lethe_knob_values kv;
     const lethe_sparse_step *st;
     bool *full;                 /* [n_layers] */
+    /* the step's published picks (device) and the selection built from them */
+    int32_t *pick_begin;        /* host [n_seqs + 1]: sequence s's picks (0 when not valid) */
+    int32_t *score_begin;       /* host [n_scored + 1] topk segments */
+    int32_t *top_begin;         /* host [n_scored + 1] */
+    int32_t *sel_begin;         /* host [n_seqs + 1] */
+    lethe_expand_seq *ex;
+    int32_t cap_seqs;
+    int32_t built;              /* selection in `sel` is current for this step (-1: no) */
+    lethe_dev_buf scores, picks, sel;
 } omni_priv;
 #define PRIV(m) ((omni_priv *)(m)->priv)
 
 typedef struct omni_state {
-    int32_t *sel;               /* published entries (ascending), [cap] */
-    int32_t n_sel, cap;
     bool valid;                 /* published in this step */
 } omni_state;
 
@@ -110,6 +124,16 @@ static void omni_destroy(lethe_sparse_method *m) {
     omni_priv *p = PRIV(m);
     if (!p) return;
     free(p->full);
+    free(p->pick_begin);
+    free(p->score_begin);
+    free(p->top_begin);
+    free(p->sel_begin);
+    free(p->ex);
+    if (m->env.be) {
+        lethe_dev_buf_free(m, &p->scores);
+        lethe_dev_buf_free(m, &p->picks);
+        lethe_dev_buf_free(m, &p->sel);
+    }
     free(p);
     m->priv = NULL;
 }
@@ -126,10 +150,7 @@ static lethe_status omni_request_init(lethe_sparse_method *m, const lethe_sparse
     return LETHE_OK;
 }
 static void omni_request_finished(lethe_sparse_method *m, void *state) {
-    omni_state *os = state;
-    if (!os) return;
-    free(os->sel);
-    free(os);
+    free(state);
 }
 
 static bool is_filter(const lethe_sparse_method *m, int32_t l) {
@@ -138,8 +159,19 @@ static bool is_filter(const lethe_sparse_method *m, int32_t l) {
 }
 
 static void omni_prepare(lethe_sparse_method *m, const lethe_sparse_step *st) {
-    PRIV(m)->st = st;
+    omni_priv *p = PRIV(m);
+    p->st = st;
+    p->built = 0;
     for (int32_t i = 0; i < st->n_seqs; i++) ((omni_state *)st->seqs[i].state)->valid = false;
+    if (st->n_seqs > p->cap_seqs) {
+        p->cap_seqs = LETHE_MAX(st->n_seqs, 2 * p->cap_seqs);
+        const size_t n = (size_t)p->cap_seqs + 1;
+        p->pick_begin = lethe_xrealloc(p->pick_begin, n * sizeof(int32_t));
+        p->score_begin = lethe_xrealloc(p->score_begin, n * sizeof(int32_t));
+        p->top_begin = lethe_xrealloc(p->top_begin, n * sizeof(int32_t));
+        p->sel_begin = lethe_xrealloc(p->sel_begin, n * sizeof(int32_t));
+        p->ex = lethe_xrealloc(p->ex, n * sizeof(*p->ex));
+    }
 }
 
 static bool omni_needs_scores(lethe_sparse_method *m, int32_t layer) {
@@ -155,31 +187,27 @@ static int32_t omni_prefill(lethe_sparse_method *m, int32_t layer, const lethe_s
     return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
 }
 
+/* without select_layer (or a backend) nothing is published: the whole row */
 static int32_t omni_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                            int32_t seq, const void *qact, int32_t *sel, int32_t cap) {
-    const lethe_sparse_seq *q = &st->seqs[seq];
-    omni_state *os = q->state;
-    if (PRIV(m)->full[layer] || !os->valid) return lethe_sparse_select_all(m, layer, q->row, sel, cap);
-    int32_t L = lethe_sparse_row_len(m, layer, q->row), s = m->knobs.sink_keep_tokens;
-    int32_t n = 0;
-    for (int32_t t = 0; t < s && t < L; t++) sel[n++] = t;
-    for (int32_t i = 0; i < os->n_sel; i++) sel[n++] = os->sel[i];
-    for (int32_t t = LETHE_MAX(s, L - m->knobs.recent_keep_tokens); t < L; t++) sel[n++] = t;
-    LETHE_ASSERT(n <= cap);
-    lethe_sparse_entries_to_slots(m, layer, q->row, sel, n);
-    return n;
+    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
 }
 
+/* A filter layer publishes, for every decode sequence whose candidates
+ * [s, L - r) exceed K: per head softmax over the candidates, max over heads,
+ * top K (all on the backend, into p->picks). */
 static void omni_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                             const lethe_attn_args *attn) {
-    if (!attn) return;
+    omni_priv *p = PRIV(m);
+    if (!attn || !m->env.be) return;
     int32_t s = m->knobs.sink_keep_tokens, r = m->knobs.recent_keep_tokens, K = m->knobs.decode_keep_tokens;
     lethe_score_seq *req = lethe_xmalloc((size_t)st->n_seqs * sizeof(*req));
-    int32_t *who = lethe_xmalloc((size_t)st->n_seqs * sizeof(*who)), n = 0;
+    int32_t n = 0, n_scores = 0, n_top = 0;
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
-        if (q->is_prefill) continue;
         omni_state *os = q->state;
+        p->pick_begin[i] = n_top;
+        if (q->is_prefill) continue;
         int32_t L = lethe_sparse_row_len(m, layer, q->row);
         int32_t c0 = s, c1 = L - r;
         os->valid = c1 - c0 > K; /* a row that fits reads every token */
@@ -189,29 +217,68 @@ static void omni_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_s
         req[n] = (lethe_score_seq){.q_row = q->q_row + q->n_new - 1, .n_rows = 1,
                                    .key_begin = attn->sel_begin[i], .n_keys = L, .c0 = c0, .c1 = c1,
                                    .mode = LETHE_SCORES_PROB_MAX | LETHE_SCORES_CAND_DENOM};
-        who[n++] = i;
+        p->score_begin[n] = n_scores;
+        p->top_begin[n] = n_top;
+        n_scores += c1 - c0;
+        n_top += K;
+        n++;
     }
-    float *out = lethe_xmalloc((lethe_attn_scores_out_len(req, n, 1) + 1) * sizeof(float));
-    bool ok = lethe_sparse_scores(m, attn, req, n, 1, out);
-    size_t off = 0;
-    for (int32_t k = 0; k < n; k++) {
-        omni_state *os = st->seqs[who[k]].state;
-        int32_t c0 = req[k].c0, nc = req[k].c1 - c0;
-        if (!ok) { /* nothing to score with (no backend): read everything */
-            os->valid = false;
-            continue;
-        }
-        if (os->cap < K) {
-            os->sel = lethe_xrealloc(os->sel, (size_t)K * sizeof(int32_t));
-            os->cap = K;
-        }
-        os->n_sel = lethe_topk_indices(out + off, nc, K, os->sel);
-        for (int32_t j = 0; j < os->n_sel; j++) os->sel[j] += c0;
-        off += (size_t)nc;
-    }
-    free(out);
-    free(who);
+    p->pick_begin[st->n_seqs] = n_top;
+    p->score_begin[n] = n_scores;
+    p->top_begin[n] = n_top;
+    p->built = 0; /* a new publication: the next sparse layer rebuilds */
+    bool ok = n > 0 &&
+              lethe_dev_buf_reserve(m, &p->scores, (size_t)n_scores * sizeof(float)) == LETHE_OK &&
+              lethe_dev_buf_reserve(m, &p->picks, (size_t)n_top * sizeof(int32_t)) == LETHE_OK &&
+              lethe_sparse_scores_on_backend(m, attn, req, n, 1, p->scores.p);
+    if (ok) m->env.be->ops->topk(m->env.be, p->picks.p, p->scores.p, n, p->score_begin, p->top_begin);
+    else
+        for (int32_t i = 0; i < st->n_seqs; i++) ((omni_state *)st->seqs[i].state)->valid = false;
     free(req);
+}
+
+/* Full layers read the full rows; a sparse layer reads sink + I + recent of
+ * each published sequence (the whole row otherwise), expanded on the backend
+ * once per publication. */
+static lethe_sel_result omni_select_layer(lethe_sparse_method *m, int32_t layer,
+                                          const lethe_sparse_step *st, const void *q,
+                                          const lethe_step_rows *rows, const int32_t **sel_begin,
+                                          const int32_t **sel_slots) {
+    omni_priv *p = PRIV(m);
+    if (!m->env.be) return LETHE_SEL_PER_SEQ;
+    if (p->full[layer]) return LETHE_SEL_FULL;
+    if (p->built) {
+        *sel_begin = p->sel_begin;
+        *sel_slots = p->sel.p;
+        return LETHE_SEL_BUILT;
+    }
+    const int32_t s = m->knobs.sink_keep_tokens, r = m->knobs.recent_keep_tokens;
+    int32_t n_sel = 0, n_valid = 0;
+    for (int32_t i = 0; i < st->n_seqs; i++) {
+        const omni_state *os = st->seqs[i].state;
+        const int32_t L = rows->begin[i + 1] - rows->begin[i];
+        lethe_expand_seq ex = {.row_begin = rows->begin[i], .row_len = L, .out_begin = n_sel};
+        if (os->valid) {
+            ex.head = s;
+            ex.pick_begin = p->pick_begin[i];
+            ex.n_picks = p->pick_begin[i + 1] - p->pick_begin[i];
+            ex.pick_off = s;
+            ex.tail = LETHE_MAX(s, L - r);
+            n_valid++;
+        }
+        p->ex[i] = ex;
+        p->sel_begin[i] = n_sel;
+        n_sel += ex.head + ex.n_picks + (ex.row_len - ex.tail);
+    }
+    p->sel_begin[st->n_seqs] = n_sel;
+    if (n_valid == 0) return LETHE_SEL_FULL;
+    if (lethe_dev_buf_reserve(m, &p->sel, (size_t)n_sel * sizeof(int32_t)) != LETHE_OK)
+        return LETHE_SEL_FULL; /* (reading more than needed is always correct) */
+    m->env.be->ops->select_expand(m->env.be, p->sel.p, rows->slots, p->picks.p, p->ex, st->n_seqs, 1);
+    p->built = 1;
+    *sel_begin = p->sel_begin;
+    *sel_slots = p->sel.p;
+    return LETHE_SEL_BUILT;
 }
 
 static void omni_finish(lethe_sparse_method *m, const lethe_sparse_step *st) { PRIV(m)->st = NULL; }
@@ -231,6 +298,7 @@ const lethe_sparse_ops lethe_sparse_omnikv = {
     .build_prefill_selection = omni_prefill,
     .build_decode_selection = omni_decode,
     .after_attn = omni_after_attn,
+    .select_layer = omni_select_layer,
     .finish_step = omni_finish,
     .kind = LETHE_SPARSE_KIND_SELECTION,
     .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT | LETHE_USES_KEEP,

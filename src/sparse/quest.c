@@ -30,11 +30,16 @@
  * [n_valid[l], n_done): one page a step in steady state, every page on the
  * first decode after prefill.
  *
- * Per layer and step, the first decode call does the work of every decode
- * sequence at once: one page_minmax call (the stale pages of all sequences),
- * one page_scores call (each sequence's query against its completed pages,
- * host float [n_pages] per sequence back); each sequence's call then runs the
- * host top-k over its scores and builds its slot list. */
+ * Selection on the backend (select_layer, once per layer for the whole
+ * step, no host sync): one page_minmax call (the stale pages of every decode
+ * sequence), one page_scores call into device scratch u ([sum n_done] f32:
+ * each sequence's last query row against its completed pages), one topk call
+ * (per sequence the best min(take, n_done) pages, ascending), one
+ * select_expand call (the chosen pages' 16 entries each, then the current
+ * page(s), mapped to slots through the engine's staged full rows). A layer
+ * where no sequence needs scoring reads the full rows (LETHE_SEL_FULL).
+ * build_decode_selection is the form without select_layer / without a
+ * backend: it reads the whole row. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,15 +49,11 @@
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
 
-/* a growable host int32 / float array */
+/* a growable host int32 array */
 typedef struct ivec {
     int32_t *v;
     int32_t cap;
 } ivec;
-typedef struct fvec {
-    float *v;
-    int32_t cap;
-} fvec;
 
 typedef struct quest_priv {
     lethe_knob_values kv;
@@ -63,16 +64,13 @@ typedef struct quest_priv {
     int32_t n_meta;             /* meta pages per layer (0: not allocated yet / none fit) */
     int32_t *free_ids, n_free;  /* free meta page ids */
     bool meta_ready, warned_full;
-    /* one layer's work for the whole step, done at its first decode call */
-    int64_t step;               /* prepare() count */
-    int64_t done_step;
-    int32_t done_layer;
-    ivec off, n_done, take;     /* per step sequence: offset into u (-1 = dense), pages, top-k size */
-    fvec u;                     /* page scores of every scored sequence */
-    /* op arguments (host): page_minmax, page_scores; top-k output */
+    /* op arguments (host): page_minmax, page_scores, topk, select_expand */
     ivec mm_ids, mm_beg, mm_slots;
-    ivec sc_rows, sc_beg, sc_ids;
-    ivec top;
+    ivec sc_rows, sc_beg, sc_ids, top_beg, sel_beg;
+    lethe_expand_seq *ex;
+    int32_t cap_ex;
+    /* device scratch: page scores [sum n_done] f32, chosen pages, selections */
+    lethe_dev_buf u, top, sel;
 } quest_priv;
 #define PRIV(m) ((quest_priv *)(m)->priv)
 
@@ -103,7 +101,6 @@ static lethe_status quest_init(lethe_sparse_method *m) {
     quest_priv *p = lethe_xcalloc(1, sizeof(*p));
     lethe_knobs_defaults(m->ops, &p->kv);
     p->meta = lethe_xcalloc((size_t)m->env.n_layers, sizeof(void *));
-    p->done_step = -1;
     m->priv = p;
     return LETHE_OK;
 }
@@ -115,10 +112,15 @@ static void quest_destroy(lethe_sparse_method *m) {
         if (p->meta[l]) m->env.be->ops->release(m->env.be, p->meta[l]);
     free(p->meta);
     free(p->free_ids);
-    ivec *arrays[] = {&p->off, &p->n_done, &p->take, &p->mm_ids, &p->mm_beg,
-                      &p->mm_slots, &p->sc_rows, &p->sc_beg, &p->sc_ids, &p->top};
+    ivec *arrays[] = {&p->mm_ids, &p->mm_beg, &p->mm_slots, &p->sc_rows,
+                      &p->sc_beg, &p->sc_ids, &p->top_beg, &p->sel_beg};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(arrays); i++) free(arrays[i]->v);
-    free(p->u.v);
+    free(p->ex);
+    if (m->env.be) {
+        lethe_dev_buf_free(m, &p->u);
+        lethe_dev_buf_free(m, &p->top);
+        lethe_dev_buf_free(m, &p->sel);
+    }
     free(p);
     m->priv = NULL;
 }
@@ -224,7 +226,6 @@ static void note_changes(lethe_sparse_method *m, const lethe_sparse_seq *q) {
 }
 
 static void quest_prepare(lethe_sparse_method *m, const lethe_sparse_step *st) {
-    PRIV(m)->step++;
     for (int32_t s = 0; s < st->n_seqs; s++) note_changes(m, &st->seqs[s]);
 }
 
@@ -244,67 +245,101 @@ static int32_t plan_pages(const lethe_sparse_method *m, int32_t layer, const let
     return n_done;
 }
 
-/* refreshes stale bounds and scores the completed pages of every decode
- * sequence of the step in `layer` (two backend ops) */
-static void score_layer(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                        const void *qact) {
+/* Stale bounds of sequence q's pages [n_valid, nd) in `layer`: appended to
+ * the page_minmax arguments (their slots in entry order). */
+static void add_stale_pages(quest_priv *p, quest_state *qs, int32_t layer, int32_t nd,
+                            const int32_t *row_slots, int32_t *n_mm, int32_t *n_mm_slots) {
+    const int32_t P = p->page, v = LETHE_MIN(qs->n_valid[layer], nd);
+    iv(&p->mm_ids, *n_mm + (nd - v));
+    iv(&p->mm_beg, *n_mm + (nd - v) + 1);
+    iv(&p->mm_slots, *n_mm_slots + (int64_t)(nd - v) * P);
+    for (int32_t pg = v; pg < nd; pg++) {
+        p->mm_ids.v[*n_mm] = qs->page_id[pg];
+        p->mm_beg.v[(*n_mm)++] = *n_mm_slots;
+        memcpy(p->mm_slots.v + *n_mm_slots, row_slots + (size_t)pg * P, (size_t)P * sizeof(int32_t));
+        *n_mm_slots += P;
+    }
+    qs->n_valid[layer] = nd;
+}
+
+static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer,
+                                           const lethe_sparse_step *st, const void *qact,
+                                           const lethe_step_rows *rows, const int32_t **sel_begin,
+                                           const int32_t **sel_slots) {
     quest_priv *p = PRIV(m);
     lethe_backend *be = m->env.be;
+    if (!be) return LETHE_SEL_PER_SEQ; /* (no page bounds without a backend: reads all) */
+    if (layer < p->skip || !p->meta[layer]) return LETHE_SEL_FULL;
     lethe_kv_pool *pool = m->env.pool;
     const int32_t P = p->page, n_seqs = st->n_seqs;
-    p->done_step = p->step;
-    p->done_layer = layer;
-    int32_t *off = iv(&p->off, n_seqs), *n_done = iv(&p->n_done, n_seqs), *take = iv(&p->take, n_seqs);
-    int32_t n_mm = 0, n_mm_slots = 0, n_sc = 0, n_sc_ids = 0;
+    if (n_seqs > p->cap_ex) {
+        p->cap_ex = LETHE_MAX(n_seqs, 2 * p->cap_ex);
+        p->ex = lethe_xrealloc(p->ex, (size_t)p->cap_ex * sizeof(*p->ex));
+    }
+    iv(&p->sc_rows, n_seqs);
+    iv(&p->sc_beg, n_seqs + 1);
+    iv(&p->top_beg, n_seqs + 1);
+    iv(&p->sel_beg, n_seqs + 1);
+    int32_t n_mm = 0, n_mm_slots = 0, n_sc = 0, n_sc_ids = 0, n_top = 0, n_sel = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
         const lethe_sparse_seq *q = &st->seqs[s];
         quest_state *qs = q->state;
-        off[s] = -1;
-        if (q->is_prefill) continue;
-        int32_t nd = plan_pages(m, layer, q, &take[s]);
-        if (nd < 0) continue;
-        if (!ensure_ids(p, qs, nd)) {
+        const int32_t L = rows->begin[s + 1] - rows->begin[s];
+        LETHE_ASSERT(L == lethe_sparse_row_len(m, layer, q->row));
+        /* default: the whole row */
+        lethe_expand_seq ex = {.row_begin = rows->begin[s], .row_len = L, .out_begin = n_sel};
+        int32_t take = 0, nd = q->is_prefill ? -1 : plan_pages(m, layer, q, &take);
+        if (nd >= 0 && !ensure_ids(p, qs, nd)) {
             if (!p->warned_full)
                 LOG_WARN("quest: page-bound pages exhausted (%d per layer; rows sharing prefix slots "
                          "hold more pages than the pool): such rows read densely", p->n_meta);
             p->warned_full = true;
-            continue;
+            nd = -1;
         }
-        /* stale pages [n_valid, nd) of this layer: their slots in entry order */
-        const int32_t v = LETHE_MIN(qs->n_valid[layer], nd);
-        const int32_t *row_slots = lethe_kv_row_slots(pool, lethe_kv_space_of(pool, layer), q->row);
-        iv(&p->mm_ids, n_mm + (nd - v));
-        iv(&p->mm_beg, n_mm + (nd - v) + 1);
-        iv(&p->mm_slots, n_mm_slots + (int64_t)(nd - v) * P);
-        for (int32_t pg = v; pg < nd; pg++) {
-            p->mm_ids.v[n_mm] = qs->page_id[pg];
-            p->mm_beg.v[n_mm++] = n_mm_slots;
-            memcpy(p->mm_slots.v + n_mm_slots, row_slots + (size_t)pg * P, (size_t)P * sizeof(int32_t));
-            n_mm_slots += P;
+        if (nd >= 0) {
+            add_stale_pages(p, qs, layer, nd, rows->slots + rows->begin[s], &n_mm, &n_mm_slots);
+            /* scoring: the sequence's last query row against its pages [0, nd) */
+            iv(&p->sc_ids, n_sc_ids + nd);
+            p->sc_rows.v[n_sc] = q->q_row + q->n_new - 1;
+            p->sc_beg.v[n_sc] = n_sc_ids;
+            p->top_beg.v[n_sc] = n_top;
+            memcpy(p->sc_ids.v + n_sc_ids, qs->page_id, (size_t)nd * sizeof(int32_t));
+            const int32_t k = LETHE_MIN(take, nd);
+            ex = (lethe_expand_seq){.row_begin = rows->begin[s], .row_len = L, .head = 0,
+                                    .pick_begin = n_top, .n_picks = k, .pick_off = 0,
+                                    .tail = nd * P, .out_begin = n_sel};
+            n_sc++;
+            n_sc_ids += nd;
+            n_top += k;
         }
-        qs->n_valid[layer] = nd;
-        /* scoring: the sequence's last query row against its pages [0, nd) */
-        iv(&p->sc_rows, n_sc + 1);
-        iv(&p->sc_beg, n_sc + 2);
-        iv(&p->sc_ids, n_sc_ids + nd);
-        p->sc_rows.v[n_sc] = q->q_row + q->n_new - 1;
-        p->sc_beg.v[n_sc++] = n_sc_ids;
-        memcpy(p->sc_ids.v + n_sc_ids, qs->page_id, (size_t)nd * sizeof(int32_t));
-        off[s] = n_sc_ids;
-        n_done[s] = nd;
-        n_sc_ids += nd;
+        p->ex[s] = ex;
+        p->sel_beg.v[s] = n_sel;
+        n_sel += ex.head + ex.n_picks * P + (ex.row_len - ex.tail);
+    }
+    if (n_sc == 0) return LETHE_SEL_FULL;
+    p->sc_beg.v[n_sc] = n_sc_ids;
+    p->top_beg.v[n_sc] = n_top;
+    p->sel_beg.v[n_seqs] = n_sel;
+    if (lethe_dev_buf_reserve(m, &p->u, (size_t)n_sc_ids * sizeof(float)) != LETHE_OK ||
+        lethe_dev_buf_reserve(m, &p->top, (size_t)(n_top + 1) * sizeof(int32_t)) != LETHE_OK ||
+        lethe_dev_buf_reserve(m, &p->sel, (size_t)n_sel * sizeof(int32_t)) != LETHE_OK) {
+        /* no device memory for the scratch: this layer reads densely (bounds stay current) */
+        LOG_WARN("quest: no backend memory for the selection scratch (%s); layer %d reads densely",
+                 lethe_last_error(), layer);
+        return LETHE_SEL_FULL;
     }
     if (n_mm) {
         p->mm_beg.v[n_mm] = n_mm_slots;
         be->ops->page_minmax(be, p->meta[layer], lethe_kv_k(pool, layer), p->mm_ids.v, p->mm_beg.v,
                              p->mm_slots.v, n_mm, m->env.n_kv_heads * m->env.head_dim);
     }
-    if (n_sc) {
-        p->sc_beg.v[n_sc] = n_sc_ids;
-        p->u.v = grow(p->u.v, &p->u.cap, n_sc_ids, sizeof(float));
-        be->ops->page_scores(be, p->u.v, qact, p->meta[layer], n_sc, p->sc_rows.v, p->sc_beg.v,
-                             p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, false);
-    }
+    be->ops->page_scores(be, p->u.p, qact, p->meta[layer], n_sc, p->sc_rows.v, p->sc_beg.v,
+                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, true);
+    be->ops->topk(be, p->top.p, p->u.p, n_sc, p->sc_beg.v, p->top_beg.v);
+    be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n_seqs, P);
+    *sel_begin = p->sel_beg.v;
+    *sel_slots = p->sel.p;
+    return LETHE_SEL_BUILT;
 }
 
 static int32_t quest_prefill(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
@@ -312,29 +347,10 @@ static int32_t quest_prefill(lethe_sparse_method *m, int32_t layer, const lethe_
     return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
 }
 
+/* without select_layer (or a backend) Quest reads the whole row */
 static int32_t quest_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                             int32_t seq, const void *qact, int32_t *sel, int32_t cap) {
-    quest_priv *p = PRIV(m);
-    const lethe_sparse_seq *q = &st->seqs[seq];
-    if (layer < p->skip || !p->meta[layer]) return lethe_sparse_select_all(m, layer, q->row, sel, cap);
-    if (p->done_step != p->step || p->done_layer != layer) score_layer(m, layer, st, qact);
-    if (p->off.v[seq] < 0) return lethe_sparse_select_all(m, layer, q->row, sel, cap);
-    const int32_t P = p->page, nd = p->n_done.v[seq], L = lethe_sparse_row_len(m, layer, q->row);
-    int32_t *top = iv(&p->top, nd);
-    int32_t np = lethe_topk_indices(p->u.v + p->off.v[seq], nd, p->take.v[seq], top);
-    /* the chosen pages' slots, then the current page(s): whole pages of the
-     * row, copied as runs (ascending entries, as entries_to_slots wants) */
-    lethe_kv_pool *pool = m->env.pool;
-    const int32_t *slots = lethe_kv_row_slots(pool, lethe_kv_space_of(pool, layer), q->row);
-    int32_t n = 0;
-    for (int32_t i = 0; i < np; i++) {
-        LETHE_ASSERT(top[i] < nd && (i == 0 || top[i] > top[i - 1]));
-        memcpy(sel + n, slots + (size_t)top[i] * P, (size_t)P * sizeof(int32_t));
-        n += P;
-    }
-    LETHE_ASSERT(n + (L - nd * P) <= cap);
-    memcpy(sel + n, slots + (size_t)nd * P, (size_t)(L - nd * P) * sizeof(int32_t));
-    return n + (L - nd * P);
+    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
 }
 
 const lethe_sparse_ops lethe_sparse_quest = {
@@ -350,6 +366,7 @@ const lethe_sparse_ops lethe_sparse_quest = {
     .prepare = quest_prepare,
     .build_prefill_selection = quest_prefill,
     .build_decode_selection = quest_decode,
+    .select_layer = quest_select_layer,
     .kind = LETHE_SPARSE_KIND_SELECTION,
     .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT | LETHE_USES_KEEP,
     .knob_table = knobs,

@@ -131,6 +131,9 @@ lethe_status lethe_sparse_create(const char *name, const char *config, const let
     const lethe_sparse_ops *ops = lethe_sparse_find(name);
     if (!ops) return LETHE_ERR_NOT_FOUND;
     LETHE_ASSERT(ops->build_prefill_selection && ops->build_decode_selection);
+    /* select_layer hands the engine one selection per sequence of shared rows */
+    LETHE_ASSERT(!ops->select_layer ||
+                 !(ops->flags & (LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_UNIFORM)));
     lethe_sparse_method *m = lethe_xcalloc(1, sizeof(*m));
     m->ops = ops;
     m->env = *env;

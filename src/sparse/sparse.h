@@ -12,6 +12,10 @@
  *   prepare(step)                                   once, before the forward
  *   for each layer l:                               inside the model forward
  *       needs_scores(l)                             will after_attn score queries?
+ *       select_layer(l, q, rows)                    if the method has it: every
+ *                                                   sequence's selection at once,
+ *                                                   on the backend; or else / if it
+ *                                                   answers PER_SEQ:
  *       for each sequence s of the step:
  *           build_prefill_selection(l, s)           if s.is_prefill
  *           build_decode_selection(l, s, q)         otherwise (may read q)
@@ -102,6 +106,18 @@ typedef struct lethe_sparse_env {
 } lethe_sparse_env;
 
 typedef struct lethe_sparse_ops lethe_sparse_ops;
+
+/* select_layer (below): the step's full rows, and what the method returns */
+typedef struct lethe_step_rows {
+    const int32_t *begin;      /* host [n_seqs + 1] */
+    const int32_t *slots;      /* host [begin[n_seqs]], staged: sequence s's row is
+                                * slots[begin[s] .. begin[s+1]) (the new tokens last) */
+} lethe_step_rows;
+typedef enum lethe_sel_result {
+    LETHE_SEL_PER_SEQ = 0,
+    LETHE_SEL_FULL,
+    LETHE_SEL_BUILT,
+} lethe_sel_result;
 
 /* What a method does to the KV (for `lethe methods` and capacity reasoning). */
 typedef enum lethe_sparse_kind {
@@ -204,6 +220,22 @@ struct lethe_sparse_ops {
      * (the backend's attn_scores op: on the device, nothing rows x keys). */
     void (*after_attn)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                        const lethe_attn_args *attn);
+    /* optional (methods with shared rows only): the selections of EVERY
+     * sequence of the step for `layer` at once, built on the backend, so a
+     * decode step needs no host sync and no per-layer upload of slot lists.
+     * When present the engine calls it instead of the per-sequence builders
+     * (and before the layer's K/V store, like them). rows: the engine's
+     * full-row selections of the step (each sequence's whole row, ascending;
+     * host arrays already staged on the backend, the same in every layer).
+     * Returns LETHE_SEL_FULL (attention reads `rows`), LETHE_SEL_BUILT
+     * (*sel_begin: host [n_seqs + 1]; *sel_slots: backend int32 memory, e.g.
+     * written by ops->select_expand; both owned by the method and valid until
+     * its next call) or LETHE_SEL_PER_SEQ (call build_*_selection per
+     * sequence). The selection convention is the same (ascending, new tokens
+     * last). */
+    lethe_sel_result (*select_layer)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                                     const void *q, const lethe_step_rows *rows,
+                                     const int32_t **sel_begin, const int32_t **sel_slots);
     void (*layer_end)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st);
     void (*finish_step)(lethe_sparse_method *m, const lethe_sparse_step *st); /* optional */
 
@@ -295,6 +327,20 @@ bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m);
  * no q (the fake runner), where methods skip scoring. */
 bool lethe_sparse_scores(const lethe_sparse_method *m, const lethe_attn_args *attn,
                          const lethe_score_seq *req, int32_t n, int32_t n_groups, float *out);
+/* The same into backend f32 memory (no host copy, no sync; for ops->topk). */
+bool lethe_sparse_scores_on_backend(const lethe_sparse_method *m, const lethe_attn_args *attn,
+                                    const lethe_score_seq *req, int32_t n, int32_t n_groups,
+                                    float *out);
+
+/* A growable backend buffer a method owns (device scratch for select_layer).
+ * Contents are NOT kept when it grows (scratch). Growth releases and
+ * allocates (a device sync on CUDA; rare: 25% headroom). */
+typedef struct lethe_dev_buf {
+    void *p;
+    size_t cap;                /* bytes */
+} lethe_dev_buf;
+lethe_status lethe_dev_buf_reserve(const lethe_sparse_method *m, lethe_dev_buf *b, size_t bytes);
+void lethe_dev_buf_free(const lethe_sparse_method *m, lethe_dev_buf *b);
 
 /* Converts ascending row-entry indices sel[0..n) of `row` in `layer` into slot
  * ids in place (selections are slot lists). */

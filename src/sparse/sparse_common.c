@@ -118,8 +118,9 @@ float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool va
     return value ? lethe_kv_v(m->env.pool, layer) : lethe_kv_k(m->env.pool, layer);
 }
 
-bool lethe_sparse_scores(const lethe_sparse_method *m, const lethe_attn_args *attn,
-                         const lethe_score_seq *req, int32_t n, int32_t n_groups, float *out) {
+static bool scores_to(const lethe_sparse_method *m, const lethe_attn_args *attn,
+                      const lethe_score_seq *req, int32_t n, int32_t n_groups, float *out,
+                      bool on_backend) {
     lethe_backend *be = m->env.be;
     if (!attn || !attn->q || !be || n == 0) return false;
     /* attn_scores reads K in the backend's kv type (no quantized-format path yet) */
@@ -129,10 +130,41 @@ bool lethe_sparse_scores(const lethe_sparse_method *m, const lethe_attn_args *at
         .n_seqs = n, .seqs = req, .key_slots = attn->sel_slots,
         .n_key_slots = attn->sel_begin[attn->n_seqs], .n_heads = attn->n_heads,
         .n_kv_heads = attn->n_kv_heads, .head_dim = attn->head_dim, .n_groups = n_groups,
-        .scale = attn->scale,
+        .scale = attn->scale, .out_on_backend = on_backend,
     };
     be->ops->attn_scores(be, &a);
     return true;
+}
+
+bool lethe_sparse_scores(const lethe_sparse_method *m, const lethe_attn_args *attn,
+                         const lethe_score_seq *req, int32_t n, int32_t n_groups, float *out) {
+    return scores_to(m, attn, req, n, n_groups, out, false);
+}
+
+bool lethe_sparse_scores_on_backend(const lethe_sparse_method *m, const lethe_attn_args *attn,
+                                    const lethe_score_seq *req, int32_t n, int32_t n_groups,
+                                    float *out) {
+    return scores_to(m, attn, req, n, n_groups, out, true);
+}
+
+lethe_status lethe_dev_buf_reserve(const lethe_sparse_method *m, lethe_dev_buf *b, size_t bytes) {
+    lethe_backend *be = m->env.be;
+    LETHE_ASSERT(be);
+    if (bytes <= b->cap && b->p) return LETHE_OK;
+    size_t cap = bytes + bytes / 4 + 256;
+    void *p = NULL;
+    lethe_status st = be->ops->alloc(be, cap, &p);
+    if (st != LETHE_OK) return st;
+    if (b->p) be->ops->release(be, b->p);
+    b->p = p;
+    b->cap = cap;
+    return LETHE_OK;
+}
+
+void lethe_dev_buf_free(const lethe_sparse_method *m, lethe_dev_buf *b) {
+    if (b->p) m->env.be->ops->release(m->env.be, b->p);
+    b->p = NULL;
+    b->cap = 0;
 }
 
 void lethe_sparse_entries_to_slots(const lethe_sparse_method *m, int32_t layer, int32_t row,
