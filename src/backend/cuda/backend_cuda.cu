@@ -9,6 +9,12 @@
  * cudaMemGetInfo's free bytes, which the engine multiplies by
  * --gpu-memory-utilization after weights and workspaces are allocated.
  *
+ * Index arrays: an op's int32 index argument is a host array (copied
+ * through the eager staging ring, or found among the pre-staged step arrays)
+ * or int32 device memory that an op wrote (topk, select_expand), which
+ * lethe_cuda_stage_idx recognizes (cudaPointerGetAttributes) and hands to the
+ * kernel as it is: a selection built on the device never visits the host.
+ *
  * Graphs: graph_begin/graph_end capture every op of one forward step
  * (cuBLAS included: it gets a fixed workspace so it never allocates), the
  * replay needs no allocation and no host sync until the logits copy at the
@@ -61,12 +67,32 @@ void *lethe_cuda_ring_alloc(cuda_ctx *c, size_t n_bytes, void **host_view) {
     return c->ring_d + off;
 }
 
+/* true when p is memory a kernel reads in place: device memory (ops->alloc,
+ * e.g. a topk / select_expand output) or managed memory. A plain host
+ * pointer (malloc, stack) is cudaMemoryTypeUnregistered with cudaSuccess; an
+ * error return (older runtimes did that for unregistered host memory) also
+ * means host, and is cleared so the next CU_LAUNCH_CHECK does not see it.
+ * Pinned host memory (cudaMemoryTypeHost) is staged like any host array. */
+static bool is_device_ptr(const void *p) {
+    cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
+}
+
 const int32_t *lethe_cuda_stage_idx(cuda_ctx *c, const int32_t *host, size_t n) {
-    /* a pre-staged array, or a sub-range of one (e.g. logit_rows + r0) */
+    /* a pre-staged array, or a sub-range of one (e.g. logit_rows + r0): the
+     * fast path, no runtime call (every captured step's host arrays) */
     for (int i = 0; i < c->n_staged; i++) {
         const cuda_staged *s = &c->staged[i];
         if (host >= s->host && host + n <= s->host + s->n) return s->dev + (host - s->host);
     }
+    /* backend memory an op wrote (a device-side selection): read in place.
+     * A query of the driver's address table, no stream work, so it is also
+     * what lets such arrays feed ops inside a graph capture. */
+    if (n && is_device_ptr(host)) return host;
     LETHE_ASSERT(!c->capturing && "graph capture: host index array was not pre-staged");
     void *h;
     void *d = lethe_cuda_ring_alloc(c, n * sizeof(int32_t), &h);
@@ -477,6 +503,9 @@ static const lethe_backend_ops cuda_ops = {
     /* .attn_kernel */ cuda_attn_kernel,
     /* .profile_range */ cuda_profile_range,
     /* .sample */ lethe_cuda_sample,
+    /* device-side selection (select.cu) */
+    /* .topk */ lethe_cuda_topk,
+    /* .select_expand */ lethe_cuda_select_expand,
 };
 
 #define INIT_CHECK(call, what)                                                              \

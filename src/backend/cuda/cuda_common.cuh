@@ -5,8 +5,9 @@
  * stream owned by the backend, so ops are ordered without host syncs; only
  * the host-transfer ops (act_to_host, logits_to_host, sync) wait.
  *
- * Host index arrays (tokens, positions, slots, selections) reach kernels in
- * one of two ways:
+ * Index arrays (tokens, positions, slots, selections) that are already int32
+ * device memory (written by an op such as topk / select_expand) are read in
+ * place; host index arrays reach kernels in one of two ways:
  *   - staged per op through a pinned host ring + device ring (eager path):
  *     memcpy into pinned memory, one cudaMemcpyAsync; a full ring syncs the
  *     stream once and starts over, so nothing is allocated per op;
@@ -27,7 +28,8 @@
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
  *   pages.cu         Quest page bounds: page_minmax, page_scores
- *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p) */
+ *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
+ *   select.cu        device-side selection: segmented exact top-k, select_expand */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
 #define LETHE_BACKEND_CUDA_COMMON_CUH
 
@@ -131,9 +133,12 @@ typedef struct cuda_ctx {
 
 static inline cuda_ctx *cuda_ctx_of(lethe_backend *be) { return (cuda_ctx *)be->ctx; }
 
-/* Device copy of a host index array: the pre-staged copy when (host, n)
- * matches one, otherwise staged now through the ring (not allowed during
- * graph capture: captured kernels must read stable pre-staged buffers). */
+/* Device view of an index array of n int32: the pre-staged copy when (host,
+ * n) lies within one (checked first: no runtime call); the pointer itself
+ * when it is device (or managed) memory, e.g. a topk / select_expand output
+ * (cudaPointerGetAttributes); otherwise a host array, staged now through the
+ * ring (not allowed during graph capture: captured kernels must read stable
+ * pre-staged buffers). */
 const int32_t *lethe_cuda_stage_idx(cuda_ctx *c, const int32_t *host, size_t n);
 /* Device scratch of at least n_bytes from the eager ring (valid until the
  * ring wraps, i.e. for the ops enqueued right after). */
@@ -179,6 +184,12 @@ void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q, const 
                             const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
                             int32_t head_dim, bool out_on_backend);
 void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a); /* sample.cu */
+/* device-side selection (select.cu) */
+void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *scores, int32_t n_segs,
+                     const int32_t *seg_begin, const int32_t *out_begin);
+void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const int32_t *rows,
+                              const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
+                              int32_t unit);
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
 void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);
