@@ -13,8 +13,13 @@
  * >= 16K (split-K; every attention case runs once per kernel generation,
  * ops->attn_kernel: v1, v2), attn_scores (every mode, up to 40K
  * candidates), the Quest page ops (page_minmax: exact; page_scores: fp32
- * reassociation only), and the sample op (exact token equality, see
- * test_sample). Needs a CUDA device (make test-gpu). */
+ * reassociation only), the sample op (exact token equality, see
+ * test_sample), and the device-side selection ops topk / select_expand
+ * (exact int equality, -7-poisoned outputs: many segments up to 300K with
+ * ties / NaN / +-inf / +-0; chains page_scores or attn_scores with
+ * out_on_backend -> topk -> select_expand; rows as host and as device
+ * arrays; a chain captured in a CUDA graph and replayed; see test_select).
+ * Needs a CUDA device (make test-gpu). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -676,6 +681,327 @@ static void test_sample(void) {
     sample_case(64, 128256, 5); /* fresh logits, other parameter rotation */
 }
 
+/* ---- device-side selection: topk, select_expand --------------------------- */
+
+/* Both ops have integer outputs defined exactly (backend.h), so CUDA must
+ * equal the CPU twin entry for entry. Integer GPU buffers are filled with -7
+ * first (an unwritten entry fails) and carry a -7 guard entry past the end.
+ * Raw bytes move with cudaMemcpy (declared here: the C tests are not
+ * compiled with CUDA's include path); it runs on the legacy stream, so the
+ * backend stream is synced before and the device after each copy. */
+extern int cudaMemcpy(void *dst, const void *src, size_t n, int kind);
+extern int cudaDeviceSynchronize(void);
+enum { MEMCPY_H2D = 1, MEMCPY_D2H = 2 };
+
+static void *gpu_buf(size_t bytes) {
+    void *p = NULL;
+    CHECK(g_gpu->ops->alloc(g_gpu, bytes ? bytes : 16, &p) == LETHE_OK);
+    return p;
+}
+
+static void gpu_put(void *dst, const void *src, size_t n) {
+    g_gpu->ops->sync(g_gpu);
+    if (n) CHECK(cudaMemcpy(dst, src, n, MEMCPY_H2D) == 0);
+    CHECK(cudaDeviceSynchronize() == 0);
+}
+
+static void gpu_get(void *dst, const void *src, size_t n) {
+    g_gpu->ops->sync(g_gpu);
+    if (n) CHECK(cudaMemcpy(dst, src, n, MEMCPY_D2H) == 0);
+}
+
+/* n + 1 int32 of -7 into the GPU buffer p (n entries + the guard) */
+static void poison_ints(int32_t *p, size_t n) {
+    int32_t *h = lethe_xmalloc((n + 1) * sizeof(int32_t));
+    for (size_t i = 0; i <= n; i++) h[i] = -7;
+    gpu_put(p, h, (n + 1) * sizeof(int32_t));
+    free(h);
+}
+
+/* GPU ints [0, n) == want exactly, and the guard entry n still -7 */
+static void check_ints(const int32_t *gpu, const int32_t *want, size_t n, const char *what) {
+    int32_t *h = lethe_xmalloc((n + 1) * sizeof(int32_t));
+    gpu_get(h, gpu, (n + 1) * sizeof(int32_t));
+    for (size_t i = 0; i < n; i++)
+        CHECK_MSG(h[i] == want[i], "%s [%zu]: cuda %d, cpu %d%s", what, i, h[i], want[i],
+                  h[i] == -7 ? " (unwritten)" : "");
+    CHECK_MSG(h[n] == -7, "%s: wrote past its output (%d)", what, h[n]);
+    free(h);
+}
+
+static void upload_f32(float *gpu, const float *host, size_t n) { gpu_put(gpu, host, n * sizeof(float)); }
+
+/* kind 0: bf16-rounded uniform (many exact ties at these lengths); 1: NaN,
+ * +-inf, +-0 and three numbers, mixed */
+static float select_score(int kind) {
+    if (kind == 0) return bf16_round(frand());
+    static const float sp[8] = {NAN, -INFINITY, INFINITY, 0.0f, -0.0f, -1.0f, 0.5f, 1.0f};
+    return sp[lethe_splitmix64(&g_rng) % 8];
+}
+
+/* Many segments in one call: lengths 0 .. 300000, k in {0, 1, len/7,
+ * len-1, len}, segments and outputs starting at an offset (entries before
+ * out_begin[0] must stay -7 too); run twice (the same result). */
+static void topk_many(int kind) {
+    static const int32_t lens[] = {0, 1, 17, 1000, 2048, 40000, 300000};
+    enum { MAX_SEGS = 40 };
+    int32_t seg_begin[MAX_SEGS + 1], out_begin[MAX_SEGS + 1], n_segs = 0;
+    seg_begin[0] = 3, out_begin[0] = 2;
+    for (size_t li = 0; li < LETHE_ARRAY_LEN(lens); li++) {
+        const int32_t n = lens[li], ks[5] = {0, 1, n / 7, n - 1, n};
+        for (int j = 0; j < 5; j++) {
+            if (ks[j] < 0 || ks[j] > n) continue;
+            seg_begin[n_segs + 1] = seg_begin[n_segs] + n;
+            out_begin[n_segs + 1] = out_begin[n_segs] + ks[j];
+            n_segs++;
+        }
+    }
+    const size_t n_sc = (size_t)seg_begin[n_segs], n_out = (size_t)out_begin[n_segs];
+    float *x = lethe_xmalloc(n_sc * sizeof(float));
+    for (size_t i = 0; i < n_sc; i++) x[i] = select_score(kind);
+    int32_t *want = lethe_xmalloc(n_out * sizeof(int32_t));
+    for (int32_t i = 0; i < out_begin[0]; i++) want[i] = -7;
+    g_cpu->ops->topk(g_cpu, want, x, n_segs, seg_begin, out_begin);
+    float *xg = gpu_buf(n_sc * sizeof(float));
+    int32_t *og = gpu_buf((n_out + 1) * sizeof(int32_t));
+    upload_f32(xg, x, n_sc);
+    for (int rep = 0; rep < 2; rep++) {
+        poison_ints(og, n_out);
+        g_gpu->ops->topk(g_gpu, og, xg, n_segs, seg_begin, out_begin);
+        check_ints(og, want, n_out, kind ? "topk NaN/inf/+-0" : "topk bf16 ties");
+    }
+    fprintf(stderr, "    topk %-16s %d segments, %zu scores, %zu picks: exact\n",
+            kind ? "NaN/inf/+-0" : "bf16 ties", n_segs, n_sc, n_out);
+    g_gpu->ops->release(g_gpu, xg), g_gpu->ops->release(g_gpu, og);
+    free(x), free(want);
+}
+
+/* The chained use: per sequence s, segment s of the scores ranks the units
+ * of its row between head and tail (tail = head + seg_len * unit), topk
+ * picks k[s] of them, select_expand assembles head + picked units + [tail,
+ * row_len) as slot ids from rows (back to back). CUDA picks and selections
+ * vs the CPU twin's; rows once as a host array, once as GPU memory (the
+ * device-pointer path of stage_idx). scores_c: host (CPU backend memory),
+ * scores_g: GPU f32. captured: afterwards the same ops in a CUDA graph
+ * (pre-staged host arrays, device picks read in place during capture),
+ * replayed on fresh scores. */
+static void run_chain(const char *name, int32_t S, int32_t unit, float *scores_c, float *scores_g,
+                      const int32_t *seg_begin, const int32_t *k, const int32_t *rows,
+                      const int32_t *row_len, const int32_t *head, bool captured) {
+    enum { MAXS = 8 };
+    LETHE_ASSERT(S <= MAXS && seg_begin[0] == 0);
+    int32_t out_begin[MAXS + 1] = {0}, n_rows = 0, n_sel = 0;
+    lethe_expand_seq seqs[MAXS];
+    for (int32_t s = 0; s < S; s++) {
+        const int32_t n_units = seg_begin[s + 1] - seg_begin[s], tail = head[s] + n_units * unit;
+        LETHE_ASSERT(tail <= row_len[s] && k[s] <= n_units);
+        out_begin[s + 1] = out_begin[s] + k[s];
+        seqs[s] = (lethe_expand_seq){.row_begin = n_rows, .row_len = row_len[s], .head = head[s],
+                                     .pick_begin = out_begin[s], .n_picks = k[s],
+                                     .pick_off = head[s], .tail = tail, .out_begin = n_sel};
+        n_rows += row_len[s];
+        n_sel += head[s] + k[s] * unit + row_len[s] - tail;
+    }
+    const size_t n_pick = (size_t)out_begin[S];
+    int32_t *pc = lethe_xmalloc((n_pick + 1) * sizeof(int32_t)), *sc = lethe_xmalloc((size_t)(n_sel + 1) * sizeof(int32_t));
+    int32_t *pg = gpu_buf((n_pick + 1) * sizeof(int32_t)), *sg = gpu_buf((size_t)(n_sel + 1) * sizeof(int32_t));
+    int32_t *rows_g = gpu_buf((size_t)n_rows * sizeof(int32_t));
+    gpu_put(rows_g, rows, (size_t)n_rows * sizeof(int32_t));
+    char what[128];
+    g_cpu->ops->topk(g_cpu, pc, scores_c, S, seg_begin, out_begin);
+    g_cpu->ops->select_expand(g_cpu, sc, rows, pc, seqs, S, unit);
+    poison_ints(pg, n_pick);
+    g_gpu->ops->topk(g_gpu, pg, scores_g, S, seg_begin, out_begin);
+    snprintf(what, sizeof what, "%s: topk picks", name);
+    check_ints(pg, pc, n_pick, what);
+    for (int dev_rows = 0; dev_rows < 2; dev_rows++) {
+        poison_ints(sg, (size_t)n_sel);
+        g_gpu->ops->select_expand(g_gpu, sg, dev_rows ? rows_g : rows, pg, seqs, S, unit);
+        snprintf(what, sizeof what, "%s: select_expand (rows %s)", name, dev_rows ? "on the GPU" : "host");
+        check_ints(sg, sc, (size_t)n_sel, what);
+    }
+    fprintf(stderr, "    select %-34s %d seqs, %zu picks, %d slots: exact (rows host + GPU)\n", name, S,
+            n_pick, n_sel);
+    if (captured) {
+        const int32_t *arrays[4] = {seg_begin, out_begin, (const int32_t *)seqs, rows};
+        size_t counts[4] = {(size_t)S + 1, (size_t)S + 1, (size_t)S * 8, (size_t)n_rows};
+        for (int rep = 0; rep < 2; rep++) {
+            if (rep) { /* fresh scores into the same buffer, then replay */
+                for (int32_t i = 0; i < seg_begin[S]; i++) scores_c[i] = select_score(0);
+                upload_f32(scores_g, scores_c, (size_t)seg_begin[S]);
+                g_cpu->ops->topk(g_cpu, pc, scores_c, S, seg_begin, out_begin);
+                g_cpu->ops->select_expand(g_cpu, sc, rows, pc, seqs, S, unit);
+            }
+            poison_ints(pg, n_pick); /* before capture: the legacy-stream copies may not be captured */
+            poison_ints(sg, (size_t)n_sel);
+            g_gpu->ops->stage_step(g_gpu, arrays, counts, 4);
+            if (rep == 0) {
+                CHECK_MSG(g_gpu->ops->graph_begin(g_gpu), "%s: graph capture unavailable", name);
+                g_gpu->ops->topk(g_gpu, pg, scores_g, S, seg_begin, out_begin);
+                g_gpu->ops->select_expand(g_gpu, sg, rows, pg, seqs, S, unit);
+                lethe_status st = g_gpu->ops->graph_end(g_gpu, 9001);
+                CHECK_MSG(st == LETHE_OK, "%s: graph capture of topk + select_expand: %s", name,
+                          lethe_last_error());
+            } else {
+                CHECK(g_gpu->ops->graph_launch(g_gpu, 9001, NULL));
+            }
+            snprintf(what, sizeof what, "%s: captured topk (%s)", name, rep ? "replay" : "first run");
+            check_ints(pg, pc, n_pick, what);
+            snprintf(what, sizeof what, "%s: captured select_expand (%s)", name, rep ? "replay" : "first run");
+            check_ints(sg, sc, (size_t)n_sel, what);
+            g_gpu->ops->unstage(g_gpu);
+        }
+        g_gpu->ops->graph_reset(g_gpu);
+        fprintf(stderr, "    select %-34s captured in a CUDA graph + replayed on new scores: exact\n", name);
+    }
+    g_gpu->ops->release(g_gpu, pg), g_gpu->ops->release(g_gpu, sg), g_gpu->ops->release(g_gpu, rows_g);
+    free(pc), free(sc);
+}
+
+/* random slot ids for rows of n entries (any ints: select_expand copies them) */
+static int32_t *rand_rows(int32_t n) {
+    int32_t *r = lethe_xmalloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    for (int32_t i = 0; i < n; i++) r[i] = (int32_t)(lethe_splitmix64(&g_rng) % 1000000);
+    return r;
+}
+
+/* Quest-like (unit 16, head 0, tail = the partial page of new tokens) and
+ * OmniKV-like (unit 1, head = pick_off = sink 4, a recent tail) layouts over
+ * random bf16 scores; the Quest one also captured in a graph. */
+static void chain_random(int32_t unit, int32_t S, const int32_t *n_units, const int32_t *k,
+                         const int32_t *head, const int32_t *extra, const char *name, bool captured) {
+    int32_t seg_begin[9] = {0}, row_len[8], n_rows = 0;
+    for (int32_t s = 0; s < S; s++) {
+        seg_begin[s + 1] = seg_begin[s] + n_units[s];
+        row_len[s] = head[s] + n_units[s] * unit + extra[s];
+        n_rows += row_len[s];
+    }
+    float *x = lethe_xmalloc((size_t)seg_begin[S] * sizeof(float));
+    for (int32_t i = 0; i < seg_begin[S]; i++) x[i] = select_score(0);
+    float *xg = gpu_buf((size_t)seg_begin[S] * sizeof(float));
+    upload_f32(xg, x, (size_t)seg_begin[S]);
+    int32_t *rows = rand_rows(n_rows);
+    run_chain(name, S, unit, x, xg, seg_begin, k, rows, row_len, head, captured);
+    g_gpu->ops->release(g_gpu, xg);
+    free(x), free(rows);
+}
+
+/* Scores produced on the GPU (out_on_backend: no host copy) feed topk. Keys
+ * and queries are small integers, so every score is an exact fp32 integer
+ * whatever the summation order: the CUDA scores equal the CPU ones bit for
+ * bit (checked), and so must the whole chain. */
+static float rand_int_val(int lim) { return (float)((int)(lethe_splitmix64(&g_rng) % (2 * lim + 1)) - lim); }
+
+static void chain_page_scores(void) {
+    enum { H = 32, KV = 8, D = 128, KVD = KV * D, P = 16, S = 2 };
+    const int32_t n_pages[S] = {50, 700}, partial[S] = {5, 16}, k[S] = {12, 200};
+    int32_t row_len[S], head[S] = {0, 0}, n_rows = 0, page_begin[S + 1] = {0};
+    for (int s = 0; s < S; s++) {
+        row_len[s] = (n_pages[s] - 1) * P + partial[s];
+        page_begin[s + 1] = page_begin[s] + n_pages[s] - 1; /* completed pages are scored */
+        n_rows += row_len[s];
+    }
+    /* rows: a permutation of the cache slots; keys / query: integers */
+    int32_t *rows = lethe_xmalloc((size_t)n_rows * sizeof(int32_t));
+    for (int32_t i = 0; i < n_rows; i++) rows[i] = i;
+    for (int32_t i = n_rows - 1; i > 0; i--) {
+        int32_t j = (int32_t)(lethe_splitmix64(&g_rng) % (uint64_t)(i + 1)), t = rows[i];
+        rows[i] = rows[j], rows[j] = t;
+    }
+    float *keys = lethe_xmalloc((size_t)n_rows * KVD * sizeof(float)), *q = lethe_xmalloc((size_t)S * H * D * sizeof(float));
+    for (size_t i = 0; i < (size_t)n_rows * KVD; i++) keys[i] = rand_int_val(3);
+    for (size_t i = 0; i < (size_t)S * H * D; i++) q[i] = rand_int_val(2);
+    pair pk = pair_act(keys, (size_t)n_rows * KVD), pq = pair_act(q, (size_t)S * H * D);
+    /* meta page i = completed page i of all sequences, slots from the rows */
+    const int32_t n_meta = page_begin[S];
+    int32_t *ids = lethe_xmalloc((size_t)n_meta * sizeof(int32_t)), *sbeg = lethe_xmalloc((size_t)(n_meta + 1) * sizeof(int32_t));
+    int32_t *slots = lethe_xmalloc((size_t)n_meta * P * sizeof(int32_t)), q_rows[S] = {0, 1}, r0 = 0;
+    for (int s = 0; s < S; s++) {
+        for (int32_t p = 0; p < n_pages[s] - 1; p++) {
+            const int32_t i = page_begin[s] + p;
+            ids[i] = i, sbeg[i] = i * P;
+            for (int j = 0; j < P; j++) slots[i * P + j] = rows[r0 + p * P + j];
+        }
+        r0 += row_len[s];
+    }
+    sbeg[n_meta] = n_meta * P;
+    pair pm = pair_act(NULL, (size_t)n_meta * 2 * KVD);
+    g_cpu->ops->page_minmax(g_cpu, pm.c, pk.c, ids, sbeg, slots, n_meta, KVD);
+    g_gpu->ops->page_minmax(g_gpu, pm.g, pk.g, ids, sbeg, slots, n_meta, KVD);
+    float *uc = lethe_xmalloc((size_t)n_meta * sizeof(float)), *ug = gpu_buf((size_t)n_meta * sizeof(float));
+    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, q_rows, page_begin, ids, H, KV, D, true);
+    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, q_rows, page_begin, ids, H, KV, D, true);
+    float *uh = lethe_xmalloc((size_t)n_meta * sizeof(float));
+    gpu_get(uh, ug, (size_t)n_meta * sizeof(float));
+    for (int32_t i = 0; i < n_meta; i++)
+        CHECK_MSG(uh[i] == uc[i], "page_scores (out_on_backend) page %d: cuda %g, cpu %g (integer inputs: must be exact)",
+                  i, (double)uh[i], (double)uc[i]);
+    run_chain("page_scores -> topk -> expand", S, P, uc, ug, page_begin, k, rows, row_len, head, false);
+    pair_free(&pk), pair_free(&pq), pair_free(&pm);
+    g_gpu->ops->release(g_gpu, ug);
+    free(rows), free(keys), free(q), free(ids), free(sbeg), free(slots), free(uc), free(uh);
+}
+
+static void chain_attn_scores(void) {
+    enum { H = 8, KV = 2, D = 64, S = 2, NS = 6000 };
+    const int32_t n_keys[S] = {5000, 300}, sink[S] = {4, 4}, recent[S] = {16, 8}, k[S] = {512, 50};
+    int32_t seg_begin[S + 1] = {0}, n_list = 0;
+    lethe_score_seq req[S];
+    for (int s = 0; s < S; s++) {
+        req[s] = (lethe_score_seq){.q_row = s, .n_rows = 1, .key_begin = n_list, .n_keys = n_keys[s],
+                                   .c0 = sink[s], .c1 = n_keys[s] - recent[s], .mode = LETHE_SCORES_LOGIT_MAX};
+        seg_begin[s + 1] = seg_begin[s] + req[s].c1 - req[s].c0;
+        n_list += n_keys[s];
+    }
+    int32_t *slots = lethe_xmalloc((size_t)n_list * sizeof(int32_t));
+    for (int32_t i = 0; i < n_list; i++) slots[i] = (int32_t)(lethe_splitmix64(&g_rng) % NS);
+    float *keys = lethe_xmalloc((size_t)NS * KV * D * sizeof(float)), *q = lethe_xmalloc((size_t)S * H * D * sizeof(float));
+    for (size_t i = 0; i < (size_t)NS * KV * D; i++) keys[i] = rand_int_val(3);
+    for (size_t i = 0; i < (size_t)S * H * D; i++) q[i] = rand_int_val(2);
+    pair pk = pair_act(keys, (size_t)NS * KV * D), pq = pair_act(q, (size_t)S * H * D);
+    const size_t n_out = lethe_attn_scores_out_len(req, S, 1);
+    CHECK(n_out == (size_t)seg_begin[S]);
+    float *oc = lethe_xmalloc(n_out * sizeof(float)), *og = gpu_buf(n_out * sizeof(float));
+    /* scale 1: raw scores are exact integer dot products on both backends */
+    lethe_attn_scores_args a = {.out = oc, .out_on_backend = true, .q = pq.c, .k_cache = pk.c, .n_tokens = S,
+                                .n_seqs = S, .seqs = req, .key_slots = slots, .n_key_slots = n_list,
+                                .n_heads = H, .n_kv_heads = KV, .head_dim = D, .n_groups = 1, .scale = 1.0f};
+    g_cpu->ops->attn_scores(g_cpu, &a);
+    a.out = og, a.q = pq.g, a.k_cache = pk.g;
+    g_gpu->ops->attn_scores(g_gpu, &a);
+    float *oh = lethe_xmalloc(n_out * sizeof(float));
+    gpu_get(oh, og, n_out * sizeof(float));
+    for (size_t i = 0; i < n_out; i++)
+        CHECK_MSG(oh[i] == oc[i], "attn_scores (out_on_backend) [%zu]: cuda %g, cpu %g (integer inputs: must be exact)",
+                  i, (double)oh[i], (double)oc[i]);
+    /* OmniKV's layout: the row is the key list, head = pick_off = sink, tail = the recent part */
+    run_chain("attn_scores -> topk -> expand", S, 1, oc, og, seg_begin, k, slots, n_keys, sink, false);
+    pair_free(&pk), pair_free(&pq);
+    g_gpu->ops->release(g_gpu, og);
+    free(slots), free(keys), free(q), free(oc), free(oh);
+}
+
+static void test_select(void) {
+    topk_many(0);
+    topk_many(1);
+    {   /* Quest-like: pages of 16, a sequence with k = 0, one with k = all */
+        const int32_t n_units[4] = {4, 39, 299, 8}, k[4] = {0, 7, 150, 8}, head[4] = {0, 0, 0, 0},
+                      extra[4] = {3, 16, 1, 5};
+        chain_random(16, 4, n_units, k, head, extra, "quest-like (unit 16)", false);
+    }
+    {   /* OmniKV-like: sink 4, 40K and 3K rows, recent 64 / 10 */
+        const int32_t n_units[2] = {40000 - 4 - 64, 3000 - 4 - 10}, k[2] = {2048, 100}, head[2] = {4, 4},
+                      extra[2] = {64, 10};
+        chain_random(1, 2, n_units, k, head, extra, "omnikv-like (unit 1)", false);
+    }
+    chain_page_scores();
+    chain_attn_scores();
+    {   /* captured in a graph (last: the capture path is the newest) */
+        const int32_t n_units[2] = {63, 250}, k[2] = {20, 100}, head[2] = {0, 0}, extra[2] = {7, 16};
+        chain_random(16, 2, n_units, k, head, extra, "quest-like graph", true);
+    }
+}
+
 static void test_free_memory(void) {
     size_t f0 = g_gpu->ops->free_memory(g_gpu);
     CHECK(f0 > ((size_t)1 << 30));
@@ -703,6 +1029,7 @@ int main(void) {
     TEST_RUN(test_attn_scores);
     TEST_RUN(test_page_ops);
     TEST_RUN(test_sample);
+    TEST_RUN(test_select);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_cuda_ops: all passed\n");
