@@ -72,10 +72,17 @@ void *lethe_cuda_ring_alloc(cuda_ctx *c, size_t n_bytes, void **host_view) {
  * pointer (malloc, stack) is cudaMemoryTypeUnregistered with cudaSuccess; an
  * error return (older runtimes did that for unregistered host memory) also
  * means host, and is cleared so the next CU_LAUNCH_CHECK does not see it.
- * Pinned host memory (cudaMemoryTypeHost) is staged like any host array. */
-static bool is_device_ptr(const void *p) {
+ * Pinned host memory (cudaMemoryTypeHost) is staged like any host array.
+ * A pure address query, so legal while a graph is captured; the capturing
+ * thread still switches to relaxed capture mode around it, so that a driver
+ * classing it as "potentially unsafe" cannot invalidate the capture. */
+static bool is_device_ptr(const cuda_ctx *c, const void *p) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (c->capturing) CU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     cudaPointerAttributes at;
-    if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
+    const cudaError_t e = cudaPointerGetAttributes(&at, p);
+    if (c->capturing) CU_CHECK(cudaThreadExchangeStreamCaptureMode(&mode)); /* restores */
+    if (e != cudaSuccess) {
         (void)cudaGetLastError();
         return false;
     }
@@ -92,7 +99,7 @@ const int32_t *lethe_cuda_stage_idx(cuda_ctx *c, const int32_t *host, size_t n) 
     /* backend memory an op wrote (a device-side selection): read in place.
      * A query of the driver's address table, no stream work, so it is also
      * what lets such arrays feed ops inside a graph capture. */
-    if (n && is_device_ptr(host)) return host;
+    if (n && is_device_ptr(c, host)) return host;
     LETHE_ASSERT(!c->capturing && "graph capture: host index array was not pre-staged");
     void *h;
     void *d = lethe_cuda_ring_alloc(c, n * sizeof(int32_t), &h);
