@@ -474,6 +474,11 @@ static void test_attn_scores(void) {
         /* head_dim 256 and 96, MHA */
         {"d256 gqa16", 16, 1, 256, 2, {5, 1}, {700, 2000}, {0, 100}, {10, 100}, 0},
         {"d96 mha", 4, 4, 96, 1, {17}, {513}, {3}, {5}, 0},
+        /* every sequence one row: the single-row kernels (scores.cu sc1_*), incl. a
+         * KV group above 48 KiB of shared memory, MHA head_dim 16, an empty range */
+        {"decode d256 gqa16", 16, 1, 256, 2, {1, 1}, {3000, 70}, {0, 5}, {100, 5}, 0},
+        {"decode d16 mha empty", 4, 4, 16, 3, {1, 1, 1}, {50, 9, 200}, {4, 5, 0}, {8, 4, 0}, 0},
+        {"decode d64 gqa3", 9, 3, 64, 2, {1, 1}, {1000, 65}, {0, 3}, {0, 2}, 0},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_score_case(&cases[i]);
     run_score_case(&cases[1]); /* fresh inputs: a race shows up as a moving error */

@@ -188,6 +188,200 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
     out[sd.out_off + (int64_t)g * nc + j] = kind == LETHE_SCORES_PROB_MEAN ? acc / (float)per : acc;
 }
 
+/* ---- single scored row per sequence (decode: OmniKV's filter layers,
+ * H2O's decode eviction) ---------------------------------------------------
+ * The general kernels above give each (query head, 128 candidates) its own
+ * block and re-read K once per query head; with one row per sequence the
+ * stats pass is then one block per (sequence, head) walking the whole
+ * context, which at 8 x 32K keys costs milliseconds per layer. Here:
+ *  L. logits: block = (sequence, SC1_KEYS keys of the raw range, KV head):
+ *     the keys' K rows are loaded once into shared memory (coalesced), each
+ *     thread owns one key and computes its raw score for every query head of
+ *     the KV group (the same fmaf chain over d as row_dots, so the same raw
+ *     values as the general path). Raw range [lo, hi) = the denominator keys
+ *     (candidates with CAND_DENOM, else the whole row: its last key is the
+ *     row itself, so every key is visible) or just the candidates
+ *     (LOGIT_MAX). Output raw [n_heads, hi - lo] per sequence.
+ *  S. stats (probability modes): block = (sequence, head): max, then the sum
+ *     of expf(raw - max), over the raw range.
+ *  V. values: a thread per (group, candidate) folds the group's heads in
+ *     head order, as sc_values + sc_reduce do for one row.
+ * K is read once per KV head instead of once per query head and pass. */
+#define SC1_KEYS 64
+
+__device__ __forceinline__ void sc1_range(const sc_desc &sd, int32_t *lo, int32_t *hi) {
+    const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
+    const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sd.mode & LETHE_SCORES_CAND_DENOM);
+    *lo = whole ? 0 : sd.c0;
+    *hi = whole ? sd.n_keys : sd.c1;
+}
+
+/* grid: x = work item (seq, e0: offset into the raw range), y = KV head */
+__global__ void sc1_logits_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                                  const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                                  const int32_t *__restrict__ slots, int H, int n_kv, int D,
+                                  float scale, float *__restrict__ raw) {
+    extern __shared__ float smem[];
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int32_t e0 = work[2 * blockIdx.x + 1];
+    const int kvh = blockIdx.y, g = H / n_kv, P = D / 2, KP = P + 1; /* +1 pair: no bank conflicts */
+    int32_t lo, hi;
+    sc1_range(sd, &lo, &hi);
+    const int32_t n_raw = hi - lo, nk = min(SC1_KEYS, n_raw - e0);
+    float *Qs = smem;                                       /* [g][D] */
+    __nv_bfloat162 *Ks = (__nv_bfloat162 *)(smem + g * D);  /* [SC1_KEYS][KP] */
+    for (int idx = threadIdx.x; idx < g * D; idx += blockDim.x)
+        Qs[idx] = __bfloat162float(q[((size_t)sd.q_row * H + kvh * g) * D + idx]);
+    for (int idx = threadIdx.x; idx < nk * P; idx += blockDim.x) {
+        const int key = idx / P, pr = idx - key * P;
+        const int32_t slot = slots[sd.key_begin + lo + e0 + key];
+        Ks[key * KP + pr] = ((const __nv_bfloat162 *)(kc + ((size_t)slot * n_kv + kvh) * D))[pr];
+    }
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t >= nk) return;
+    for (int h = 0; h < g; h++) {
+        const float *qh = Qs + h * D;
+        float acc = 0.0f;
+        for (int pr = 0; pr < P; pr++) {
+            const float2 kf = __bfloat1622float2(Ks[t * KP + pr]);
+            acc = fmaf(qh[2 * pr], kf.x, acc);
+            acc = fmaf(qh[2 * pr + 1], kf.y, acc);
+        }
+        raw[sd.hv_off + (int64_t)(kvh * g + h) * n_raw + e0 + t] = acc * scale;
+    }
+}
+
+/* grid: x = sequence, y = query head; SC_THREADS threads */
+__global__ void sc1_stats_kernel(const sc_desc *__restrict__ descs, const float *__restrict__ raw,
+                                 float2 *__restrict__ stats) {
+    __shared__ float red[SC_THREADS / 32];
+    const sc_desc sd = descs[blockIdx.x];
+    const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if ((sd.mode & LETHE_SCORES_KIND_MASK) == LETHE_SCORES_LOGIT_MAX || sd.c1 == sd.c0) return;
+    int32_t lo, hi;
+    sc1_range(sd, &lo, &hi);
+    const int32_t n = hi - lo;
+    const float *x = raw + sd.hv_off + (int64_t)h * n;
+    float m = -INFINITY;
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < SC_THREADS / 32; w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float l = 0.0f;
+    if (m != -INFINITY)
+        for (int32_t i = threadIdx.x; i < n; i += blockDim.x) l += expf(x[i] - m);
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) red[warp] = l;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float tot = 0.0f;
+        for (int w = 0; w < SC_THREADS / 32; w++) tot += red[w];
+        stats[sd.st_off + h] = make_float2(m, tot);
+    }
+}
+
+/* grid: x = work item (seq, j0), y = group */
+__global__ void sc1_values_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                                  const float *__restrict__ raw, const float2 *__restrict__ stats,
+                                  float *__restrict__ out, int H, int n_groups) {
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int32_t j = work[2 * blockIdx.x + 1] + threadIdx.x, nc = sd.c1 - sd.c0;
+    if (j >= nc) return;
+    int32_t lo, hi;
+    sc1_range(sd, &lo, &hi);
+    const int32_t n = hi - lo, col = sd.c0 + j - lo;
+    const int g = blockIdx.y, per = H / n_groups;
+    const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
+    const bool is_max = kind == LETHE_SCORES_LOGIT_MAX || kind == LETHE_SCORES_PROB_MAX;
+    float acc = is_max ? -INFINITY : 0.0f;
+    for (int h = g * per; h < (g + 1) * per; h++) {
+        const float s = raw[sd.hv_off + (int64_t)h * n + col];
+        float v = s;
+        if (kind != LETHE_SCORES_LOGIT_MAX) {
+            const float2 st = stats[sd.st_off + h];
+            v = st.x != -INFINITY ? expf(s - st.x) / st.y : 0.0f;
+        }
+        acc = is_max ? (v > acc ? v : acc) : acc + v;
+    }
+    out[sd.out_off + (int64_t)g * nc + j] = kind == LETHE_SCORES_PROB_MEAN ? acc / (float)per : acc;
+}
+
+/* attn_scores when every sequence scores one row (see above) */
+static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a) {
+    const int H = a->n_heads, D = a->head_dim, n_kv = a->n_kv_heads, g = H / n_kv;
+    int64_t n_raw = 0, n_out = 0;
+    int32_t n_l_items = 0, n_v_items = 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        if (sq->c1 == sq->c0) continue;
+        const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
+        const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sq->mode & LETHE_SCORES_CAND_DENOM);
+        const int32_t nr = whole ? sq->n_keys : sq->c1 - sq->c0;
+        n_l_items += (nr + SC1_KEYS - 1) / SC1_KEYS;
+        n_v_items += (sq->c1 - sq->c0 + SC_THREADS - 1) / SC_THREADS;
+    }
+    if (n_v_items == 0) return;
+    const int32_t *d_slots = lethe_cuda_stage_idx(c, a->key_slots, (size_t)a->n_key_slots);
+    const size_t desc_bytes = ((size_t)a->n_seqs * sizeof(sc_desc) + 255) & ~(size_t)255;
+    const size_t work_bytes = (size_t)(n_l_items + n_v_items) * 2 * sizeof(int32_t);
+    void *hview;
+    char *dbase = (char *)lethe_cuda_ring_alloc(c, desc_bytes + work_bytes, &hview);
+    sc_desc *hd = (sc_desc *)hview;
+    int32_t *hw_l = (int32_t *)((char *)hview + desc_bytes), *hw_v = hw_l + 2 * n_l_items;
+    int32_t kl = 0, kv = 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        const int32_t nc = sq->c1 - sq->c0;
+        sc_desc d = {sq->q_row, sq->n_rows, sq->key_begin, sq->n_keys, sq->c0, sq->c1, sq->mode, 0,
+                     n_raw, (int64_t)s * H, n_out};
+        hd[s] = d;
+        if (nc == 0) continue;
+        const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
+        const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sq->mode & LETHE_SCORES_CAND_DENOM);
+        const int32_t nr = whole ? sq->n_keys : nc;
+        n_raw += (int64_t)H * nr;
+        n_out += (int64_t)a->n_groups * nc;
+        for (int32_t e0 = 0; e0 < nr; e0 += SC1_KEYS) hw_l[2 * kl] = s, hw_l[2 * kl + 1] = e0, kl++;
+        for (int32_t j0 = 0; j0 < nc; j0 += SC_THREADS) hw_v[2 * kv] = s, hw_v[2 * kv + 1] = j0, kv++;
+    }
+    LETHE_ASSERT(kl == n_l_items && kv == n_v_items);
+    LETHE_ASSERT((size_t)n_out == lethe_attn_scores_out_len(a->seqs, a->n_seqs, a->n_groups));
+    CU_CHECK(cudaMemcpyAsync(dbase, hview, desc_bytes + work_bytes, cudaMemcpyHostToDevice, c->stream));
+    const sc_desc *d_desc = (const sc_desc *)dbase;
+    const int32_t *d_l = (const int32_t *)(dbase + desc_bytes), *d_v = d_l + 2 * n_l_items;
+
+    /* scratch: raw [n_raw] | out [n_out] | stats [n_seqs * H] float2 (8-byte aligned) */
+    const size_t n_f = (size_t)(n_raw + n_out + 1) & ~(size_t)1;
+    size_t cap = c->scores_cap;
+    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, (n_f + 2 * (size_t)a->n_seqs * H) * sizeof(float));
+    c->scores_cap = cap;
+    float *raw = c->scores_d, *out = a->out_on_backend ? a->out : c->scores_d + n_raw;
+    float2 *stats = (float2 *)(c->scores_d + n_f);
+
+    const size_t smem = (size_t)g * D * sizeof(float) + (size_t)SC1_KEYS * (D / 2 + 1) * 4;
+    LETHE_ASSERT(smem <= c->smem_optin && "attn_scores: a KV group's queries do not fit in shared memory");
+    if (smem > 48 * 1024)
+        CU_CHECK(cudaFuncSetAttribute(sc1_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem));
+    const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
+    sc1_logits_kernel<<<dim3((unsigned)n_l_items, (unsigned)n_kv), SC1_KEYS, smem, c->stream>>>(
+        d_desc, d_l, q, kc, d_slots, H, n_kv, D, a->scale, raw);
+    CU_LAUNCH_CHECK();
+    sc1_stats_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), SC_THREADS, 0, c->stream>>>(d_desc, raw, stats);
+    CU_LAUNCH_CHECK();
+    sc1_values_kernel<<<dim3((unsigned)n_v_items, (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
+        d_desc, d_v, raw, stats, out, H, a->n_groups);
+    CU_LAUNCH_CHECK();
+    if (a->out_on_backend) return;
+    CU_CHECK(cudaMemcpyAsync(a->out, out, (size_t)n_out * sizeof(float), cudaMemcpyDeviceToHost,
+                             c->stream));
+    CU_CHECK(cudaStreamSynchronize(c->stream));
+}
+
 extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: attn_scores stages its descriptors");
@@ -195,6 +389,19 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
     LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0);
     LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= 256);
     const int H = a->n_heads, D = a->head_dim;
+    bool single = a->n_seqs > 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
+        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
+        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
+        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
+        single &= sq->n_rows == 1;
+    }
+    if (single) {
+        attn_scores_single_rows(c, a);
+        return;
+    }
     /* host pass: descriptors, scratch offsets, work lists */
     int64_t n_hv = 0, n_st = 0, n_out = 0;
     int32_t n_stat_items = 0, n_val_items = 0;
