@@ -186,6 +186,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         goto fail;
     }
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
+    const char *st_env = getenv("LETHE_STEP_TIMES");
+    e->step_times = st_env && *st_env && strcmp(st_env, "0") != 0;
     /* device logits rows: every logits row of a step, padded decode steps included */
     if (e->runner.workspace &&
         (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,
@@ -516,6 +518,13 @@ const char *lethe_engine_model_name(const lethe_engine *e) { return e->model_nam
 void lethe_engine_destroy(lethe_engine *e) {
     if (!e) return;
     lethe_engine_stop(e);
+    if (e->step_times && e->tm_steps > 0) {
+        const double k = 1e3 / (double)e->tm_steps;
+        LOG_INFO("step times (LETHE_STEP_TIMES, %lld decode steps, host ms per step): forward+sample "
+                 "%.3f = forward call %.3f (plan_layer %.3f) + sample/wait %.3f",
+                 (long long)e->tm_steps, e->tm_step * k, e->tm_fwd * k,
+                 e->tm_plan * k, e->tm_sample * k);
+    }
     if (e->sched) {
         /* requests still queued or live end with ABORT so callers are released */
         if (e->table) eng_apply_inbox(e);

@@ -94,6 +94,13 @@ struct lethe_engine {
     int32_t *rows, *rows_begin;       /* [cap_rows_sel], [cap_seqs + 1] */
     int64_t cap_rows_sel;
     bool rows_staged;                 /* this step's forward asks select_layer */
+    /* LETHE_STEP_TIMES=1 (diagnostic): host seconds of pure decode steps,
+     * logged when the engine is destroyed: whole step, the forward call (the
+     * host issuing work; the device runs behind it), plan_layer inside it,
+     * and the sampling call (which waits for the device) */
+    bool step_times;
+    int64_t tm_steps;
+    double tm_step, tm_fwd, tm_plan, tm_sample;
     float *logits;                    /* [cap_logits, n_vocab] */
     int32_t cap_logits;
     /* sampling on the backend (engine_step.c): per logits row params, results,

@@ -81,9 +81,17 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     return true;
 }
 
+static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_layer_plan *out);
+
 static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                        lethe_layer_plan *out) {
     lethe_engine *e = ctx;
+    const double t0 = e->step_times ? lethe_time_s() : 0;
+    plan_layer_(e, layer, q, out);
+    if (e->step_times) e->tm_plan += lethe_time_s() - t0;
+}
+
+static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_layer_plan *out) {
     lethe_sparse_method *m = e->method;
     if (e->rows_staged && plan_from_select_layer(e, layer, q, out)) return;
     const int32_t sp = lethe_kv_space_of(e->pool, layer);
@@ -353,9 +361,21 @@ int eng_step(lethe_engine *e) {
         if (m->ops->prepare) m->ops->prepare(m, &e->st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
         const bool on_device = step_samples_on_device(e, &out);
+        const bool timed = e->step_times && out.n_prefill_tokens == 0;
+        const double t0 = timed ? lethe_time_s() : 0, plan0 = e->tm_plan;
         eng_forward(e, &hooks, on_device ? NULL : e->logits); /* engine_forward.c: per-layer hooks or one uniform plan */
+        const double t1 = timed ? lethe_time_s() : 0;
         if (on_device) sample_on_device(e, &out); /* right after the forward or its graph replay */
         if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
+        if (timed) {
+            const double t2 = lethe_time_s();
+            e->tm_steps++;
+            e->tm_fwd += t1 - t0;
+            e->tm_sample += t2 - t1;
+            e->tm_step += t2 - t0;
+        } else {
+            e->tm_plan = plan0; /* only decode steps are reported */
+        }
         lethe_sched_commit(e->sched, &out);
         e->stats.n_steps++;
         e->stats.prefill_tokens_computed += out.n_prefill_tokens;
