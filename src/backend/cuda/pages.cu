@@ -12,11 +12,10 @@
  * page_scores: the decode-time cost of Quest, a pass over 2 / P of the keys
  * (bf16 bounds: 1/8 of K at P = 16). Grid (page tiles, sequences); the block
  * stages its sequence's query row [n_heads, head_dim] in shared memory as
- * fp32, each warp takes pages of the tile: per KV head the lanes hold channel
- * pairs of min / max in registers (head_dim <= 256), then for every query head
- * of the group a per-lane partial sum and a warp all-reduce. fp32 throughout;
- * the sum order differs from the CPU's left-to-right one (float
- * reassociation only). The op ends with a host sync when its output is host;
+ * fp32; a thread per (page, KV head) sums the group's query heads over the
+ * channels in the CPU twin's order with the same float expressions, so the
+ * scores are the CPU twin's (max is order-free). The op ends with a host sync
+ * when its output is host;
  * with out_on_backend it is asynchronous. */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -93,65 +92,59 @@ extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void
 
 /* ---- page_scores ------------------------------------------------------- */
 
-#define PS_WARPS 8
-#define PS_PAGES_PER_BLOCK 32 /* a tile: 4 pages per warp */
-#define PS_MAX_PAIRS 4        /* channel pairs per lane: head_dim <= 2 * 32 * 4 */
+#define PS_THREADS 256
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
-__global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
-                                   const bf16 *__restrict__ meta,
-                                   const int32_t *__restrict__ q_rows,
-                                   const int32_t *__restrict__ page_begin,
-                                   const int32_t *__restrict__ page_ids, int32_t n_heads,
-                                   int32_t n_kv_heads, int32_t head_dim) {
+/* grid: x = tile of PS_THREADS / n_kv_heads pages of sequence y. Thread t
+ * takes page t / n_kv_heads of the tile and KV head kh = t % n_kv_heads: for
+ * each query head h of that KV group, u_h = sum_c max(q_c mx_c, q_c mn_c)
+ * over c in order (the CPU twin's expression and order: the same floats),
+ * keeping the max over its heads; one thread per page then takes the max
+ * over the KV heads. One (page, KV head) per thread gives the launch
+ * n_pages x n_kv_heads threads (128K at 8 x 2048 pages x 8 KV heads) and no
+ * shuffles; a thread's min / max rows (2 x head_dim) stream from L1 once per
+ * query head of its group. */
+__global__ void __launch_bounds__(PS_THREADS)
+page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
+                   const bf16 *__restrict__ meta, const int32_t *__restrict__ q_rows,
+                   const int32_t *__restrict__ page_begin, const int32_t *__restrict__ page_ids,
+                   int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
     extern __shared__ float q_s[]; /* [n_heads * head_dim] */
-    const int32_t s = blockIdx.y;
-    const int32_t p0 = page_begin[s] + blockIdx.x * PS_PAGES_PER_BLOCK;
-    const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
+    __shared__ float part[PS_THREADS];
+    const int32_t s = blockIdx.y, ppb = PS_THREADS / n_kv_heads;
+    const int32_t p0 = page_begin[s] + blockIdx.x * ppb;
+    const int32_t p1 = min(p0 + ppb, page_begin[s + 1]);
     if (p0 >= p1) return; /* uniform over the block */
     const int32_t qd = n_heads * head_dim, kd = n_kv_heads * head_dim, g = n_heads / n_kv_heads;
     const bf16 *q = Q + (size_t)q_rows[s] * qd;
     for (int32_t i = threadIdx.x; i < qd; i += blockDim.x) q_s[i] = __bfloat162float(q[i]);
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int32_t n_pairs = head_dim / 2;
-    for (int32_t i = p0 + warp; i < p1; i += PS_WARPS) {
-        const bf16 *pm = meta + (size_t)page_ids[i] * 2 * kd;
-        float best = -INFINITY;
-        for (int32_t kh = 0; kh < n_kv_heads; kh++) {
-            float2 mn[PS_MAX_PAIRS], mx[PS_MAX_PAIRS];
-#pragma unroll
-            for (int r = 0; r < PS_MAX_PAIRS; r++) {
-                const int32_t cp = lane + 32 * r;
-                if (cp < n_pairs) {
-                    mn[r] = __bfloat1622float2(((const __nv_bfloat162 *)(pm + kh * head_dim))[cp]);
-                    mx[r] = __bfloat1622float2(((const __nv_bfloat162 *)(pm + kd + kh * head_dim))[cp]);
-                } else {
-                    mn[r] = mx[r] = make_float2(0.0f, 0.0f);
-                }
+    const int t = threadIdx.x, pl = t / n_kv_heads, kh = t - pl * n_kv_heads;
+    float best = -INFINITY;
+    if (pl < ppb && p0 + pl < p1) {
+        const bf16 *pm = meta + (size_t)page_ids[p0 + pl] * 2 * kd + (size_t)kh * head_dim;
+        const __nv_bfloat162 *mn = (const __nv_bfloat162 *)pm, *mx = (const __nv_bfloat162 *)(pm + kd);
+        for (int32_t h = kh * g; h < (kh + 1) * g; h++) {
+            const float *qh = q_s + h * head_dim;
+            float u = 0.0f;
+            for (int32_t cp = 0; cp < head_dim / 2; cp++) {
+                const float2 lo = __bfloat1622float2(mn[cp]), hi = __bfloat1622float2(mx[cp]);
+                const float a0 = qh[2 * cp] * hi.x, b0 = qh[2 * cp] * lo.x;
+                u += a0 > b0 ? a0 : b0;
+                const float a1 = qh[2 * cp + 1] * hi.y, b1 = qh[2 * cp + 1] * lo.y;
+                u += a1 > b1 ? a1 : b1;
             }
-            for (int32_t h = kh * g; h < (kh + 1) * g; h++) {
-                const float2 *qh = (const float2 *)(q_s + h * head_dim);
-                float u = 0.0f;
-#pragma unroll
-                for (int r = 0; r < PS_MAX_PAIRS; r++) {
-                    const int32_t cp = lane + 32 * r;
-                    if (cp < n_pairs) {
-                        const float2 qv = qh[cp];
-                        u += fmaxf(qv.x * mn[r].x, qv.x * mx[r].x);
-                        u += fmaxf(qv.y * mn[r].y, qv.y * mx[r].y);
-                    }
-                }
-                u = warp_sum(u);
-                if (u > best) best = u;
-            }
+            if (u > best) best = u;
         }
-        if (lane == 0) out[i] = best;
+    }
+    part[t] = best;
+    __syncthreads();
+    if (t < ppb && p0 + t < p1) {
+        float b = -INFINITY;
+        for (int32_t k = 0; k < n_kv_heads; k++) {
+            const float v = part[t * n_kv_heads + k];
+            if (v > b) b = v;
+        }
+        out[p0 + t] = b;
     }
 }
 
@@ -163,7 +156,7 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
     LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
-    LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
+    LETHE_ASSERT(head_dim % 2 == 0 && n_kv_heads <= PS_THREADS);
     if (n_seqs == 0) return;
     LETHE_ASSERT(page_begin[0] == 0 && n_seqs <= 65535);
     const int32_t total = page_begin[n_seqs];
@@ -174,7 +167,8 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
         max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
     }
     const size_t smem = (size_t)n_heads * head_dim * sizeof(float);
-    LETHE_ASSERT(smem <= c->smem_optin && "page_scores: the query row does not fit in shared memory");
+    LETHE_ASSERT(smem + PS_THREADS * sizeof(float) <= c->smem_optin &&
+                 "page_scores: the query row does not fit in shared memory");
     if (smem > 48 * 1024) /* above the default: opt in (a cheap host call) */
         CU_CHECK(cudaFuncSetAttribute(page_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)smem));
@@ -185,8 +179,9 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     float *d_out = out_on_backend
                        ? out
                        : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
-    dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
-    page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
+    const int32_t ppb = PS_THREADS / n_kv_heads;
+    dim3 grid((unsigned)((max_pages + ppb - 1) / ppb), (unsigned)n_seqs);
+    page_scores_kernel<<<grid, PS_THREADS, smem, c->stream>>>(
         d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
         head_dim);
     CU_LAUNCH_CHECK();

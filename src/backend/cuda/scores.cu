@@ -195,10 +195,9 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
  * stats pass is then one block per (sequence, head) walking the whole
  * context, which at 8 x 32K keys costs milliseconds per layer. Here:
  *  L. logits: block = (sequence, SC1_KEYS keys of the raw range, KV head):
- *     the keys' K rows are loaded once into shared memory (coalesced), each
- *     thread owns one key and computes its raw score for every query head of
- *     the KV group (the same fmaf chain over d as row_dots, so the same raw
- *     values as the general path). Raw range [lo, hi) = the denominator keys
+ *     each thread owns one key and computes its raw score for every query
+ *     head of the KV group (the same fmaf chain over d as row_dots, so the
+ *     same raw values as the general path), its K row read once from DRAM. Raw range [lo, hi) = the denominator keys
  *     (candidates with CAND_DENOM, else the whole row: its last key is the
  *     row itself, so every key is visible) or just the candidates
  *     (LOGIT_MAX). Output raw [n_heads, hi - lo] per sequence.
@@ -207,7 +206,8 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
  *  V. values: a thread per (group, candidate) folds the group's heads in
  *     head order, as sc_values + sc_reduce do for one row.
  * K is read once per KV head instead of once per query head and pass. */
-#define SC1_KEYS 64
+#define SC1_KEYS 128
+#define SC1_STAT_THREADS 512
 
 __device__ __forceinline__ void sc1_range(const sc_desc &sd, int32_t *lo, int32_t *hi) {
     const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
@@ -216,46 +216,61 @@ __device__ __forceinline__ void sc1_range(const sc_desc &sd, int32_t *lo, int32_
     *hi = whole ? sd.n_keys : sd.c1;
 }
 
-/* grid: x = work item (seq, e0: offset into the raw range), y = KV head */
-__global__ void sc1_logits_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
-                                  const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
-                                  const int32_t *__restrict__ slots, int H, int n_kv, int D,
-                                  float scale, float *__restrict__ raw) {
-    extern __shared__ float smem[];
+/* grid: x = work item (seq, e0: offset into the raw range), y = KV head;
+ * SC1_KEYS threads, one key each. The key's K row (head_dim bf16, 16-byte
+ * aligned: head_dim % 8 == 0) is read 8 channels at a time; for each query
+ * head of the group the thread runs the fmaf chain over d (row_dots' order),
+ * so the row is fetched from DRAM once and re-read from L1 per head; the
+ * group's queries come from shared memory as float4 broadcasts. */
+__global__ void __launch_bounds__(SC1_KEYS)
+sc1_logits_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                  const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                  const int32_t *__restrict__ slots, int H, int n_kv, int D, float scale,
+                  float *__restrict__ raw) {
+    extern __shared__ float4 Qs4[]; /* [g][D / 4] */
     const sc_desc sd = descs[work[2 * blockIdx.x]];
     const int32_t e0 = work[2 * blockIdx.x + 1];
-    const int kvh = blockIdx.y, g = H / n_kv, P = D / 2, KP = P + 1; /* +1 pair: no bank conflicts */
+    const int kvh = blockIdx.y, g = H / n_kv;
     int32_t lo, hi;
     sc1_range(sd, &lo, &hi);
     const int32_t n_raw = hi - lo, nk = min(SC1_KEYS, n_raw - e0);
-    float *Qs = smem;                                       /* [g][D] */
-    __nv_bfloat162 *Ks = (__nv_bfloat162 *)(smem + g * D);  /* [SC1_KEYS][KP] */
+    float *Qs = (float *)Qs4;
     for (int idx = threadIdx.x; idx < g * D; idx += blockDim.x)
         Qs[idx] = __bfloat162float(q[((size_t)sd.q_row * H + kvh * g) * D + idx]);
-    for (int idx = threadIdx.x; idx < nk * P; idx += blockDim.x) {
-        const int key = idx / P, pr = idx - key * P;
-        const int32_t slot = slots[sd.key_begin + lo + e0 + key];
-        Ks[key * KP + pr] = ((const __nv_bfloat162 *)(kc + ((size_t)slot * n_kv + kvh) * D))[pr];
-    }
     __syncthreads();
     const int t = threadIdx.x;
     if (t >= nk) return;
+    const int32_t slot = slots[sd.key_begin + lo + e0 + t];
+    const uint4 *k8 = (const uint4 *)(kc + ((size_t)slot * n_kv + kvh) * D);
     for (int h = 0; h < g; h++) {
-        const float *qh = Qs + h * D;
+        const float4 *qh = Qs4 + h * (D / 4);
         float acc = 0.0f;
-        for (int pr = 0; pr < P; pr++) {
-            const float2 kf = __bfloat1622float2(Ks[t * KP + pr]);
-            acc = fmaf(qh[2 * pr], kf.x, acc);
-            acc = fmaf(qh[2 * pr + 1], kf.y, acc);
+        for (int c8 = 0; c8 < D / 8; c8++) {
+            const uint4 kv = k8[c8];
+            const __nv_bfloat162 *k2 = (const __nv_bfloat162 *)&kv;
+            const float4 qa = qh[2 * c8], qb = qh[2 * c8 + 1];
+            float2 kf = __bfloat1622float2(k2[0]);
+            acc = fmaf(qa.x, kf.x, acc);
+            acc = fmaf(qa.y, kf.y, acc);
+            kf = __bfloat1622float2(k2[1]);
+            acc = fmaf(qa.z, kf.x, acc);
+            acc = fmaf(qa.w, kf.y, acc);
+            kf = __bfloat1622float2(k2[2]);
+            acc = fmaf(qb.x, kf.x, acc);
+            acc = fmaf(qb.y, kf.y, acc);
+            kf = __bfloat1622float2(k2[3]);
+            acc = fmaf(qb.z, kf.x, acc);
+            acc = fmaf(qb.w, kf.y, acc);
         }
         raw[sd.hv_off + (int64_t)(kvh * g + h) * n_raw + e0 + t] = acc * scale;
     }
 }
 
-/* grid: x = sequence, y = query head; SC_THREADS threads */
-__global__ void sc1_stats_kernel(const sc_desc *__restrict__ descs, const float *__restrict__ raw,
-                                 float2 *__restrict__ stats) {
-    __shared__ float red[SC_THREADS / 32];
+/* grid: x = sequence, y = query head; SC1_STAT_THREADS threads */
+__global__ void __launch_bounds__(SC1_STAT_THREADS)
+sc1_stats_kernel(const sc_desc *__restrict__ descs, const float *__restrict__ raw,
+                 float2 *__restrict__ stats) {
+    __shared__ float red[SC1_STAT_THREADS / 32];
     const sc_desc sd = descs[blockIdx.x];
     const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if ((sd.mode & LETHE_SCORES_KIND_MASK) == LETHE_SCORES_LOGIT_MAX || sd.c1 == sd.c0) return;
@@ -269,7 +284,7 @@ __global__ void sc1_stats_kernel(const sc_desc *__restrict__ descs, const float 
     if (lane == 0) red[warp] = m;
     __syncthreads();
     m = red[0];
-    for (int w = 1; w < SC_THREADS / 32; w++) m = fmaxf(m, red[w]);
+    for (int w = 1; w < SC1_STAT_THREADS / 32; w++) m = fmaxf(m, red[w]);
     __syncthreads();
     float l = 0.0f;
     if (m != -INFINITY)
@@ -279,7 +294,7 @@ __global__ void sc1_stats_kernel(const sc_desc *__restrict__ descs, const float 
     __syncthreads();
     if (threadIdx.x == 0) {
         float tot = 0.0f;
-        for (int w = 0; w < SC_THREADS / 32; w++) tot += red[w];
+        for (int w = 0; w < SC1_STAT_THREADS / 32; w++) tot += red[w];
         stats[sd.st_off + h] = make_float2(m, tot);
     }
 }
@@ -362,7 +377,7 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
     float *raw = c->scores_d, *out = a->out_on_backend ? a->out : c->scores_d + n_raw;
     float2 *stats = (float2 *)(c->scores_d + n_f);
 
-    const size_t smem = (size_t)g * D * sizeof(float) + (size_t)SC1_KEYS * (D / 2 + 1) * 4;
+    const size_t smem = (size_t)g * D * sizeof(float);
     LETHE_ASSERT(smem <= c->smem_optin && "attn_scores: a KV group's queries do not fit in shared memory");
     if (smem > 48 * 1024)
         CU_CHECK(cudaFuncSetAttribute(sc1_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -371,7 +386,8 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
     sc1_logits_kernel<<<dim3((unsigned)n_l_items, (unsigned)n_kv), SC1_KEYS, smem, c->stream>>>(
         d_desc, d_l, q, kc, d_slots, H, n_kv, D, a->scale, raw);
     CU_LAUNCH_CHECK();
-    sc1_stats_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), SC_THREADS, 0, c->stream>>>(d_desc, raw, stats);
+    sc1_stats_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), SC1_STAT_THREADS, 0, c->stream>>>(
+        d_desc, raw, stats);
     CU_LAUNCH_CHECK();
     sc1_values_kernel<<<dim3((unsigned)n_v_items, (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
         d_desc, d_v, raw, stats, out, H, a->n_groups);
@@ -398,6 +414,7 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
         LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
         single &= sq->n_rows == 1;
     }
+    single &= D % 8 == 0; /* sc1_logits reads K rows 8 channels (16 bytes) at a time */
     if (single) {
         attn_scores_single_rows(c, a);
         return;
