@@ -11,8 +11,8 @@
  *
  * page_scores: the decode-time cost of Quest, a pass over 2 / P of the keys
  * (bf16 bounds: 1/8 of K at P = 16). Grid (page tiles, sequences); the block
- * stages its sequence's query row [n_heads, head_dim] in shared memory as
- * fp32; a thread per (page, KV head) sums the group's query heads over the
+ * stages its sequence's query row [n_heads, head_dim] and a tile of pages'
+ * bounds in shared memory; a thread per (page, query head) sums over the
  * channels in the CPU twin's order with the same float expressions, so the
  * scores are the CPU twin's (max is order-free). The op ends with a host sync
  * when its output is host;
@@ -94,57 +94,68 @@ extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void
 
 #define PS_THREADS 256
 
-/* grid: x = tile of PS_THREADS / n_kv_heads pages of sequence y. Thread t
- * takes page t / n_kv_heads of the tile and KV head kh = t % n_kv_heads: for
- * each query head h of that KV group, u_h = sum_c max(q_c mx_c, q_c mn_c)
- * over c in order (the CPU twin's expression and order: the same floats),
- * keeping the max over its heads; one thread per page then takes the max
- * over the KV heads. One (page, KV head) per thread gives the launch
- * n_pages x n_kv_heads threads (128K at 8 x 2048 pages x 8 KV heads) and no
- * shuffles; a thread's min / max rows (2 x head_dim) stream from L1 once per
- * query head of its group. */
+/* Shared memory of a page_scores block: q [n_heads][head_dim + 1] f32, the
+ * tile's bounds [pp][2][n_kv][head_dim / 2 + 1] bf16 pairs, partial scores
+ * [pp][n_heads] f32 (the +1 pads keep rows on distinct banks). */
+static size_t ps_smem(int32_t pp, int32_t n_heads, int32_t n_kv, int32_t head_dim) {
+    return ((size_t)n_heads * (head_dim + 1) + (size_t)pp * 2 * n_kv * (head_dim / 2 + 1) +
+            (size_t)pp * n_heads) * 4;
+}
+
+/* grid: x = tile of pp pages of sequence y. The block stages its query row
+ * and the tile's min / max rows in shared memory (coalesced loads, each
+ * bound read from DRAM once), then a thread per (page, query head) sums
+ * max(q_c mx_c, q_c mn_c) over the channels in the CPU twin's order with the
+ * same float expressions (the scores are the CPU twin's; the max over heads
+ * is order-free). Threads of one page's KV group read the same bound words
+ * (shared-memory broadcast). */
 __global__ void __launch_bounds__(PS_THREADS)
 page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
                    const bf16 *__restrict__ meta, const int32_t *__restrict__ q_rows,
                    const int32_t *__restrict__ page_begin, const int32_t *__restrict__ page_ids,
-                   int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
-    extern __shared__ float q_s[]; /* [n_heads * head_dim] */
-    __shared__ float part[PS_THREADS];
-    const int32_t s = blockIdx.y, ppb = PS_THREADS / n_kv_heads;
-    const int32_t p0 = page_begin[s] + blockIdx.x * ppb;
-    const int32_t p1 = min(p0 + ppb, page_begin[s + 1]);
-    if (p0 >= p1) return; /* uniform over the block */
-    const int32_t qd = n_heads * head_dim, kd = n_kv_heads * head_dim, g = n_heads / n_kv_heads;
-    const bf16 *q = Q + (size_t)q_rows[s] * qd;
-    for (int32_t i = threadIdx.x; i < qd; i += blockDim.x) q_s[i] = __bfloat162float(q[i]);
+                   int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t pp) {
+    extern __shared__ float ps_s[];
+    const int32_t s = blockIdx.y;
+    const int32_t p0 = page_begin[s] + blockIdx.x * pp;
+    const int32_t np = min(pp, page_begin[s + 1] - p0);
+    if (np <= 0) return; /* uniform over the block */
+    const int32_t H = n_heads, D = head_dim, P2 = D / 2, kd = n_kv_heads * D, g = H / n_kv_heads;
+    float *q_s = ps_s;                                                 /* [H][D + 1] */
+    __nv_bfloat162 *m_s = (__nv_bfloat162 *)(ps_s + (size_t)H * (D + 1)); /* [pp][2 n_kv][P2 + 1] */
+    float *part = (float *)(m_s + (size_t)pp * 2 * n_kv_heads * (P2 + 1)); /* [pp][H] */
+    const bf16 *q = Q + (size_t)q_rows[s] * H * D;
+    for (int32_t i = threadIdx.x; i < H * D; i += blockDim.x)
+        q_s[(i / D) * (D + 1) + i % D] = __bfloat162float(q[i]);
+    const int32_t words = 2 * n_kv_heads * P2; /* bf16 pairs of one page's bounds */
+    for (int32_t i = threadIdx.x; i < np * words; i += blockDim.x) {
+        const int32_t p = i / words, w = i - p * words, r = w / P2, c = w - r * P2;
+        const __nv_bfloat162 *pm = (const __nv_bfloat162 *)(meta + (size_t)page_ids[p0 + p] * 2 * kd);
+        m_s[((size_t)p * 2 * n_kv_heads + r) * (P2 + 1) + c] = pm[w];
+    }
     __syncthreads();
-    const int t = threadIdx.x, pl = t / n_kv_heads, kh = t - pl * n_kv_heads;
-    float best = -INFINITY;
-    if (pl < ppb && p0 + pl < p1) {
-        const bf16 *pm = meta + (size_t)page_ids[p0 + pl] * 2 * kd + (size_t)kh * head_dim;
-        const __nv_bfloat162 *mn = (const __nv_bfloat162 *)pm, *mx = (const __nv_bfloat162 *)(pm + kd);
-        for (int32_t h = kh * g; h < (kh + 1) * g; h++) {
-            const float *qh = q_s + h * head_dim;
-            float u = 0.0f;
-            for (int32_t cp = 0; cp < head_dim / 2; cp++) {
-                const float2 lo = __bfloat1622float2(mn[cp]), hi = __bfloat1622float2(mx[cp]);
-                const float a0 = qh[2 * cp] * hi.x, b0 = qh[2 * cp] * lo.x;
-                u += a0 > b0 ? a0 : b0;
-                const float a1 = qh[2 * cp + 1] * hi.y, b1 = qh[2 * cp + 1] * lo.y;
-                u += a1 > b1 ? a1 : b1;
-            }
+    for (int32_t i = threadIdx.x; i < np * H; i += blockDim.x) {
+        const int32_t p = i / H, h = i - p * H, kh = h / g;
+        const __nv_bfloat162 *mn = m_s + ((size_t)p * 2 * n_kv_heads + kh) * (P2 + 1);
+        const __nv_bfloat162 *mx = mn + (size_t)n_kv_heads * (P2 + 1);
+        const float *qh = q_s + (size_t)h * (D + 1);
+        float u = 0.0f;
+        for (int32_t cp = 0; cp < P2; cp++) {
+            const float2 lo = __bfloat1622float2(mn[cp]), hi = __bfloat1622float2(mx[cp]);
+            const float a0 = qh[2 * cp] * hi.x, b0 = qh[2 * cp] * lo.x;
+            u += a0 > b0 ? a0 : b0;
+            const float a1 = qh[2 * cp + 1] * hi.y, b1 = qh[2 * cp + 1] * lo.y;
+            u += a1 > b1 ? a1 : b1;
+        }
+        part[i] = u;
+    }
+    __syncthreads();
+    for (int32_t p = threadIdx.x; p < np; p += blockDim.x) {
+        float best = -INFINITY;
+        for (int32_t h = 0; h < H; h++) {
+            const float u = part[p * H + h];
             if (u > best) best = u;
         }
-    }
-    part[t] = best;
-    __syncthreads();
-    if (t < ppb && p0 + t < p1) {
-        float b = -INFINITY;
-        for (int32_t k = 0; k < n_kv_heads; k++) {
-            const float v = part[t * n_kv_heads + k];
-            if (v > b) b = v;
-        }
-        out[p0 + t] = b;
+        out[p0 + p] = best;
     }
 }
 
@@ -156,7 +167,7 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
     LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
-    LETHE_ASSERT(head_dim % 2 == 0 && n_kv_heads <= PS_THREADS);
+    LETHE_ASSERT(head_dim % 2 == 0);
     if (n_seqs == 0) return;
     LETHE_ASSERT(page_begin[0] == 0 && n_seqs <= 65535);
     const int32_t total = page_begin[n_seqs];
@@ -166,9 +177,11 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
         LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);
         max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
     }
-    const size_t smem = (size_t)n_heads * head_dim * sizeof(float);
-    LETHE_ASSERT(smem + PS_THREADS * sizeof(float) <= c->smem_optin &&
-                 "page_scores: the query row does not fit in shared memory");
+    /* pages per block: a thread per (page, head), fewer if shared memory is short */
+    int32_t pp = max(1, PS_THREADS / n_heads);
+    while (pp > 1 && ps_smem(pp, n_heads, n_kv_heads, head_dim) > c->smem_optin) pp /= 2;
+    const size_t smem = ps_smem(pp, n_heads, n_kv_heads, head_dim);
+    LETHE_ASSERT(smem <= c->smem_optin && "page_scores: the query row does not fit in shared memory");
     if (smem > 48 * 1024) /* above the default: opt in (a cheap host call) */
         CU_CHECK(cudaFuncSetAttribute(page_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)smem));
@@ -179,11 +192,10 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     float *d_out = out_on_backend
                        ? out
                        : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
-    const int32_t ppb = PS_THREADS / n_kv_heads;
-    dim3 grid((unsigned)((max_pages + ppb - 1) / ppb), (unsigned)n_seqs);
+    dim3 grid((unsigned)((max_pages + pp - 1) / pp), (unsigned)n_seqs);
     page_scores_kernel<<<grid, PS_THREADS, smem, c->stream>>>(
         d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
-        head_dim);
+        head_dim, pp);
     CU_LAUNCH_CHECK();
     if (out_on_backend) return; /* stays on the device (feeds topk): no sync */
     CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost,
