@@ -11,11 +11,12 @@
  *
  * page_scores: the decode-time cost of Quest, a pass over 2 / P of the keys
  * (bf16 bounds: 1/8 of K at P = 16). Grid (page tiles, sequences); the block
- * stages its sequence's query row [n_heads, head_dim] and a tile of pages'
- * bounds in shared memory; a thread per (page, query head) sums over the
- * channels in the CPU twin's order with the same float expressions, so the
- * scores are the CPU twin's (max is order-free). The op ends with a host sync
- * when its output is host;
+ * stages its sequence's query row [n_heads, head_dim] in shared memory as
+ * fp32, each warp takes pages of the tile: per KV head the lanes hold channel
+ * pairs of min / max in registers (head_dim <= 256), then for every query head
+ * of the group a per-lane partial sum and a warp all-reduce. fp32 throughout;
+ * the sum order differs from the CPU's left-to-right one (float
+ * reassociation only). The op ends with a host sync when its output is host;
  * with out_on_backend it is asynchronous. */
 #include "backend/cuda/cuda_common.cuh"
 
@@ -92,70 +93,65 @@ extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void
 
 /* ---- page_scores ------------------------------------------------------- */
 
-#define PS_THREADS 256
+#define PS_WARPS 8
+#define PS_PAGES_PER_BLOCK 32 /* a tile: 4 pages per warp */
+#define PS_MAX_PAIRS 4        /* channel pairs per lane: head_dim <= 2 * 32 * 4 */
 
-/* Shared memory of a page_scores block: q [n_heads][head_dim + 1] f32, the
- * tile's bounds [pp][2][n_kv][head_dim / 2 + 1] bf16 pairs, partial scores
- * [pp][n_heads] f32 (the +1 pads keep rows on distinct banks). */
-static size_t ps_smem(int32_t pp, int32_t n_heads, int32_t n_kv, int32_t head_dim) {
-    return ((size_t)n_heads * (head_dim + 1) + (size_t)pp * 2 * n_kv * (head_dim / 2 + 1) +
-            (size_t)pp * n_heads) * 4;
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
 }
 
-/* grid: x = tile of pp pages of sequence y. The block stages its query row
- * and the tile's min / max rows in shared memory (coalesced loads, each
- * bound read from DRAM once), then a thread per (page, query head) sums
- * max(q_c mx_c, q_c mn_c) over the channels in the CPU twin's order with the
- * same float expressions (the scores are the CPU twin's; the max over heads
- * is order-free). Threads of one page's KV group read the same bound words
- * (shared-memory broadcast). */
-__global__ void __launch_bounds__(PS_THREADS)
-page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
-                   const bf16 *__restrict__ meta, const int32_t *__restrict__ q_rows,
-                   const int32_t *__restrict__ page_begin, const int32_t *__restrict__ page_ids,
-                   int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t pp) {
-    extern __shared__ float ps_s[];
+__global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
+                                   const bf16 *__restrict__ meta,
+                                   const int32_t *__restrict__ q_rows,
+                                   const int32_t *__restrict__ page_begin,
+                                   const int32_t *__restrict__ page_ids, int32_t n_heads,
+                                   int32_t n_kv_heads, int32_t head_dim) {
+    extern __shared__ float q_s[]; /* [n_heads * head_dim] */
     const int32_t s = blockIdx.y;
-    const int32_t p0 = page_begin[s] + blockIdx.x * pp;
-    const int32_t np = min(pp, page_begin[s + 1] - p0);
-    if (np <= 0) return; /* uniform over the block */
-    const int32_t H = n_heads, D = head_dim, P2 = D / 2, kd = n_kv_heads * D, g = H / n_kv_heads;
-    float *q_s = ps_s;                                                 /* [H][D + 1] */
-    __nv_bfloat162 *m_s = (__nv_bfloat162 *)(ps_s + (size_t)H * (D + 1)); /* [pp][2 n_kv][P2 + 1] */
-    float *part = (float *)(m_s + (size_t)pp * 2 * n_kv_heads * (P2 + 1)); /* [pp][H] */
-    const bf16 *q = Q + (size_t)q_rows[s] * H * D;
-    for (int32_t i = threadIdx.x; i < H * D; i += blockDim.x)
-        q_s[(i / D) * (D + 1) + i % D] = __bfloat162float(q[i]);
-    const int32_t words = 2 * n_kv_heads * P2; /* bf16 pairs of one page's bounds */
-    for (int32_t i = threadIdx.x; i < np * words; i += blockDim.x) {
-        const int32_t p = i / words, w = i - p * words, r = w / P2, c = w - r * P2;
-        const __nv_bfloat162 *pm = (const __nv_bfloat162 *)(meta + (size_t)page_ids[p0 + p] * 2 * kd);
-        m_s[((size_t)p * 2 * n_kv_heads + r) * (P2 + 1) + c] = pm[w];
-    }
+    const int32_t p0 = page_begin[s] + blockIdx.x * PS_PAGES_PER_BLOCK;
+    const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
+    if (p0 >= p1) return; /* uniform over the block */
+    const int32_t qd = n_heads * head_dim, kd = n_kv_heads * head_dim, g = n_heads / n_kv_heads;
+    const bf16 *q = Q + (size_t)q_rows[s] * qd;
+    for (int32_t i = threadIdx.x; i < qd; i += blockDim.x) q_s[i] = __bfloat162float(q[i]);
     __syncthreads();
-    for (int32_t i = threadIdx.x; i < np * H; i += blockDim.x) {
-        const int32_t p = i / H, h = i - p * H, kh = h / g;
-        const __nv_bfloat162 *mn = m_s + ((size_t)p * 2 * n_kv_heads + kh) * (P2 + 1);
-        const __nv_bfloat162 *mx = mn + (size_t)n_kv_heads * (P2 + 1);
-        const float *qh = q_s + (size_t)h * (D + 1);
-        float u = 0.0f;
-        for (int32_t cp = 0; cp < P2; cp++) {
-            const float2 lo = __bfloat1622float2(mn[cp]), hi = __bfloat1622float2(mx[cp]);
-            const float a0 = qh[2 * cp] * hi.x, b0 = qh[2 * cp] * lo.x;
-            u += a0 > b0 ? a0 : b0;
-            const float a1 = qh[2 * cp + 1] * hi.y, b1 = qh[2 * cp + 1] * lo.y;
-            u += a1 > b1 ? a1 : b1;
-        }
-        part[i] = u;
-    }
-    __syncthreads();
-    for (int32_t p = threadIdx.x; p < np; p += blockDim.x) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t n_pairs = head_dim / 2;
+    for (int32_t i = p0 + warp; i < p1; i += PS_WARPS) {
+        const bf16 *pm = meta + (size_t)page_ids[i] * 2 * kd;
         float best = -INFINITY;
-        for (int32_t h = 0; h < H; h++) {
-            const float u = part[p * H + h];
-            if (u > best) best = u;
+        for (int32_t kh = 0; kh < n_kv_heads; kh++) {
+            float2 mn[PS_MAX_PAIRS], mx[PS_MAX_PAIRS];
+#pragma unroll
+            for (int r = 0; r < PS_MAX_PAIRS; r++) {
+                const int32_t cp = lane + 32 * r;
+                if (cp < n_pairs) {
+                    mn[r] = __bfloat1622float2(((const __nv_bfloat162 *)(pm + kh * head_dim))[cp]);
+                    mx[r] = __bfloat1622float2(((const __nv_bfloat162 *)(pm + kd + kh * head_dim))[cp]);
+                } else {
+                    mn[r] = mx[r] = make_float2(0.0f, 0.0f);
+                }
+            }
+            for (int32_t h = kh * g; h < (kh + 1) * g; h++) {
+                const float2 *qh = (const float2 *)(q_s + h * head_dim);
+                float u = 0.0f;
+#pragma unroll
+                for (int r = 0; r < PS_MAX_PAIRS; r++) {
+                    const int32_t cp = lane + 32 * r;
+                    if (cp < n_pairs) {
+                        const float2 qv = qh[cp];
+                        u += fmaxf(qv.x * mn[r].x, qv.x * mx[r].x);
+                        u += fmaxf(qv.y * mn[r].y, qv.y * mx[r].y);
+                    }
+                }
+                u = warp_sum(u);
+                if (u > best) best = u;
+            }
         }
-        out[p0 + p] = best;
+        if (lane == 0) out[i] = best;
     }
 }
 
@@ -167,7 +163,7 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
     LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
-    LETHE_ASSERT(head_dim % 2 == 0);
+    LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
     if (n_seqs == 0) return;
     LETHE_ASSERT(page_begin[0] == 0 && n_seqs <= 65535);
     const int32_t total = page_begin[n_seqs];
@@ -177,10 +173,7 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
         LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);
         max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
     }
-    /* pages per block: a thread per (page, head), fewer if shared memory is short */
-    int32_t pp = max(1, PS_THREADS / n_heads);
-    while (pp > 1 && ps_smem(pp, n_heads, n_kv_heads, head_dim) > c->smem_optin) pp /= 2;
-    const size_t smem = ps_smem(pp, n_heads, n_kv_heads, head_dim);
+    const size_t smem = (size_t)n_heads * head_dim * sizeof(float);
     LETHE_ASSERT(smem <= c->smem_optin && "page_scores: the query row does not fit in shared memory");
     if (smem > 48 * 1024) /* above the default: opt in (a cheap host call) */
         CU_CHECK(cudaFuncSetAttribute(page_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -192,10 +185,10 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     float *d_out = out_on_backend
                        ? out
                        : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
-    dim3 grid((unsigned)((max_pages + pp - 1) / pp), (unsigned)n_seqs);
-    page_scores_kernel<<<grid, PS_THREADS, smem, c->stream>>>(
+    dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
+    page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
         d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
-        head_dim, pp);
+        head_dim);
     CU_LAUNCH_CHECK();
     if (out_on_backend) return; /* stays on the device (feeds topk): no sync */
     CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost,
