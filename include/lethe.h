@@ -199,6 +199,8 @@ typedef struct lethe_engine_stats {
     int64_t graph_captures;   /* decode steps that captured a graph (and ran it) */
     int64_t eager_steps;      /* steps whose ops were launched one by one */
     int64_t padded_seqs;      /* dummy sequences added to pad decode batches to buckets */
+    int64_t device_selections; /* layers whose selections a method built on the backend
+                                * (select_layer: Quest, OmniKV), summed over steps */
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */

@@ -523,12 +523,13 @@ static int run_batch(lethe_engine *e, const char *in_path, const char *out_path,
     for (int i = 0; i < n; i++) n_err += items[i].error != NULL;
     fprintf(stderr, "\n[%d requests (%d rejected) in %.2f s | prompt: %lld tokens (%lld from the prefix cache), "
                     "%.1f tok/s | generation: %lld tokens, %.1f tok/s | %lld steps, %lld preemptions | "
-                    "%lld graph replays, %lld graph captures, %lld eager steps, %lld padding seqs]\n",
+                    "%lld graph replays, %lld graph captures, %lld eager steps, %lld padding seqs, "
+                    "%lld device-built layer selections]\n",
             n, n_err, dt, (long long)prompt_total, (long long)st.prefix_hit_tokens,
             dt > 0 ? (double)st.prefill_tokens_computed / dt : 0.0, (long long)st.generation_tokens_total,
             dt > 0 ? (double)st.generation_tokens_total / dt : 0.0, (long long)st.n_steps,
             (long long)st.n_preemptions, (long long)st.graph_replays, (long long)st.graph_captures,
-            (long long)st.eager_steps, (long long)st.padded_seqs);
+            (long long)st.eager_steps, (long long)st.padded_seqs, (long long)st.device_selections);
     if (dump) fclose(dump);
     if (out != stdout) fclose(out);
     else fflush(stdout);

@@ -70,12 +70,24 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
         out->sel_slots = e->rows;
     } else {
         LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
-        for (int32_t s = 0; s < n_seqs; s++) { /* counts; contents live on the backend */
+        /* counts always; the contents live on the backend, readable here when
+         * backend memory is host memory (the CPU backend: every test) */
+        const bool host_view = e->p.check_invariants && e->runner.be &&
+                               !strcmp(e->runner.be->ops->name, "cpu");
+        const int32_t sp = lethe_kv_space_of(e->pool, layer);
+        for (int32_t s = 0; s < n_seqs; s++) {
+            const lethe_sparse_seq *sq = &e->seqs[s];
             const int32_t n = sb[s + 1] - sb[s], cap = e->rows_begin[s + 1] - e->rows_begin[s];
-            LETHE_ASSERT(n >= e->seqs[s].n_new && n <= cap);
+            LETHE_ASSERT(n >= sq->n_new && n <= cap);
+            if (!host_view) continue;
+            const int32_t *sel = ss + sb[s];
+            for (int32_t j = 0; j < sq->n_new; j++) /* the new tokens last, in order */
+                LETHE_ASSERT(sel[n - sq->n_new + j] == e->store[sq->q_row + j]);
+            for (int32_t j = 0; j < n; j++) LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, sel[j]) > 0);
         }
         out->sel_begin = sb;
         out->sel_slots = ss;
+        e->stats.device_selections++;
     }
     e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
     return true;
