@@ -210,8 +210,13 @@ typedef struct lethe_expand_seq {
     int32_t head;
     int32_t pick_begin, n_picks, pick_off;
     int32_t tail;
-    int32_t out_begin;           /* its count is head + n_picks * unit + (row_len - tail) */
+    int32_t out_begin;           /* its count: lethe_expand_count */
 } lethe_expand_seq;
+
+/* slot ids select_expand writes for one sequence */
+static inline int32_t lethe_expand_count(const lethe_expand_seq *q, int32_t unit) {
+    return q->head + q->n_picks * unit + (q->row_len - q->tail);
+}
 
 typedef struct lethe_backend_ops {
     const char *name;            /* "cpu", "cuda" */

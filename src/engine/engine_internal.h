@@ -99,6 +99,7 @@ struct lethe_engine {
      * host issuing work; the device runs behind it), plan_layer inside it,
      * and the sampling call (which waits for the device) */
     bool step_times;
+    bool tm_on;                       /* the current step is timed */
     int64_t tm_steps;
     double tm_step, tm_fwd, tm_plan, tm_sample;
     float *logits;                    /* [cap_logits, n_vocab] */

@@ -98,9 +98,9 @@ static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_lay
 static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                        lethe_layer_plan *out) {
     lethe_engine *e = ctx;
-    const double t0 = e->step_times ? lethe_time_s() : 0;
+    const double t0 = e->tm_on ? lethe_time_s() : 0;
     plan_layer_(e, layer, q, out);
-    if (e->step_times) e->tm_plan += lethe_time_s() - t0;
+    if (e->tm_on) e->tm_plan += lethe_time_s() - t0;
 }
 
 static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_layer_plan *out) {
@@ -373,8 +373,9 @@ int eng_step(lethe_engine *e) {
         if (m->ops->prepare) m->ops->prepare(m, &e->st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
         const bool on_device = step_samples_on_device(e, &out);
-        const bool timed = e->step_times && out.n_prefill_tokens == 0;
-        const double t0 = timed ? lethe_time_s() : 0, plan0 = e->tm_plan;
+        const bool timed = e->step_times && out.n_prefill_tokens == 0; /* decode steps only */
+        e->tm_on = timed;
+        const double t0 = timed ? lethe_time_s() : 0;
         eng_forward(e, &hooks, on_device ? NULL : e->logits); /* engine_forward.c: per-layer hooks or one uniform plan */
         const double t1 = timed ? lethe_time_s() : 0;
         if (on_device) sample_on_device(e, &out); /* right after the forward or its graph replay */
@@ -385,8 +386,6 @@ int eng_step(lethe_engine *e) {
             e->tm_fwd += t1 - t0;
             e->tm_sample += t2 - t1;
             e->tm_step += t2 - t0;
-        } else {
-            e->tm_plan = plan0; /* only decode steps are reported */
         }
         lethe_sched_commit(e->sched, &out);
         e->stats.n_steps++;

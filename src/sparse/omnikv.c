@@ -268,7 +268,7 @@ static lethe_sel_result omni_select_layer(lethe_sparse_method *m, int32_t layer,
         }
         p->ex[i] = ex;
         p->sel_begin[i] = n_sel;
-        n_sel += ex.head + ex.n_picks + (ex.row_len - ex.tail);
+        n_sel += lethe_expand_count(&ex, 1);
     }
     p->sel_begin[st->n_seqs] = n_sel;
     if (n_valid == 0) return LETHE_SEL_FULL;

@@ -314,7 +314,7 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
         }
         p->ex[s] = ex;
         p->sel_beg.v[s] = n_sel;
-        n_sel += ex.head + ex.n_picks * P + (ex.row_len - ex.tail);
+        n_sel += lethe_expand_count(&ex, P);
     }
     if (n_sc == 0) return LETHE_SEL_FULL;
     p->sc_beg.v[n_sc] = n_sc_ids;

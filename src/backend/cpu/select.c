@@ -40,5 +40,6 @@ void lethe_cpu_select_expand(lethe_backend *be, int32_t *out, const int32_t *row
             prev_end = e0 + unit;
         }
         for (int32_t e = q->tail; e < q->row_len; e++) o[n++] = row[e];
+        LETHE_ASSERT(n == lethe_expand_count(q, unit));
     }
 }
