@@ -3,7 +3,7 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,peer,plot,profile,sparse,replay
+# table last. PHASES: any of build,test,bench,peer,plot,profile,sparse,stepprof,replay
 # (default: build,test,bench,peer,plot,profile; sparse and replay only when
 # named).
 #
@@ -12,6 +12,11 @@
 #           8 x 32K. ~3-4 min of GPU time. SPARSE_ARGS adds/overrides flags
 #           (e.g. "--matched-input 16384" to halve the matched part).
 #           -> $OUT/sparse.json (copy to docs/results/, run gen_docs.py)
+#   stepprof  ncu over one real decode step (LETHE_PROFILE_STEP=${PROF_STEP:-20})
+#           of each engine of `lethe bench sparse --parts matched` (dense,
+#           then ${PROF_METHODS:-quest,omnikv}) at batch 8 x 32K: per step the
+#           kernel count, summed kernel time and the top kernels
+#           (scripts/ncu_steps.py) -> $OUT/stepprof.txt. ~2 min.
 #   replay  `lethe bench replay` (issue #7) against `lethe serve --device cuda`
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
 #           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
@@ -110,6 +115,21 @@ if has sparse; then
     add_gpu "$OUT/sparse.json"
     log "sparse: ($(( $(date +%s) - t0 ))s)"
 fi
+if has stepprof; then
+    t0=$(date +%s)
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    pm=${PROF_METHODS:-quest,omnikv}
+    LETHE_PROFILE_STEP=${PROF_STEP:-20} timeout 400 "$NCU" --clock-control none --profile-from-start off \
+        --force-overwrite --metrics gpu__time_duration.sum -o "$OUT/ncu-steps" \
+        ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy \
+        --device cuda --parts matched --budget 2048 --matched-methods "$pm" --matched-batch 8 \
+        --matched-input 32768 --matched-output 32 --no-progress ${SPARSE_ARGS:-} >"$OUT/ncu-steps.log" 2>&1
+    echo "stepprof ncu rc=$?" >"$OUT/stepprof.txt"
+    "$NCU" --import "$OUT/ncu-steps.ncu-rep" --csv --page raw --print-units base >"$OUT/ncu-steps.csv" 2>>"$OUT/ncu-steps.log"
+    python3 scripts/ncu_steps.py "dense,$pm" "$OUT/ncu-steps.csv" ${PROF_TOP:-16} >>"$OUT/stepprof.txt" 2>&1
+    rm -f "$OUT/ncu-steps.ncu-rep"
+    log "stepprof: ($(( $(date +%s) - t0 ))s) -> stepprof.txt"
+fi
 if has replay; then
     t0=$(date +%s)
     tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
@@ -176,3 +196,4 @@ grep -A5 "^matched batch" "$OUT/sparse.log" 2>/dev/null
 grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null
 grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }
+[ -s "$OUT/stepprof.txt" ] && { echo; cat "$OUT/stepprof.txt"; }

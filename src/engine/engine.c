@@ -188,6 +188,11 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
     const char *st_env = getenv("LETHE_STEP_TIMES");
     e->step_times = st_env && *st_env && strcmp(st_env, "0") != 0;
+    /* LETHE_PROFILE_STEP=N: the device profiler's range around the N-th pure
+     * decode step (1-based), for `ncu --profile-from-start off` */
+    const char *ps_env = getenv("LETHE_PROFILE_STEP");
+    e->profile_step = ps_env && *ps_env ? strtoll(ps_env, NULL, 10) : 0;
+    if (e->profile_step < 0 || (e->profile_step > 0 && !e->runner.be)) e->profile_step = 0;
     /* device logits rows: every logits row of a step, padded decode steps included */
     if (e->runner.workspace &&
         (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,

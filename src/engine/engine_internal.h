@@ -99,6 +99,8 @@ struct lethe_engine {
      * host issuing work; the device runs behind it), plan_layer inside it,
      * and the sampling call (which waits for the device) */
     bool step_times;
+    int64_t profile_step;             /* LETHE_PROFILE_STEP (0: off) */
+    int64_t n_decode_steps;           /* pure decode steps run so far */
     bool tm_on;                       /* the current step is timed */
     int64_t tm_steps;
     double tm_step, tm_fwd, tm_plan, tm_sample;

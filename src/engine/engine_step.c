@@ -373,13 +373,20 @@ int eng_step(lethe_engine *e) {
         if (m->ops->prepare) m->ops->prepare(m, &e->st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
         const bool on_device = step_samples_on_device(e, &out);
-        const bool timed = e->step_times && out.n_prefill_tokens == 0; /* decode steps only */
+        const bool pure_decode = out.n_prefill_tokens == 0;
+        const bool timed = e->step_times && pure_decode; /* decode steps only */
+        if (pure_decode) e->n_decode_steps++;
+        lethe_backend *be = e->runner.be;
+        const bool profiled = pure_decode && e->n_decode_steps == e->profile_step &&
+                              be && be->ops->profile_range;
+        if (profiled) be->ops->profile_range(be, true);
         e->tm_on = timed;
         const double t0 = timed ? lethe_time_s() : 0;
         eng_forward(e, &hooks, on_device ? NULL : e->logits); /* engine_forward.c: per-layer hooks or one uniform plan */
         const double t1 = timed ? lethe_time_s() : 0;
         if (on_device) sample_on_device(e, &out); /* right after the forward or its graph replay */
         if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
+        if (profiled) be->ops->profile_range(be, false);
         if (timed) {
             const double t2 = lethe_time_s();
             e->tm_steps++;
