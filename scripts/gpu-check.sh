@@ -3,7 +3,7 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,peer,plot,profile,sparse,stepprof,replay
+# table last. PHASES: any of build,test,bench,peer,plot,profile,sparse,stepprof,mmcmp,replay
 # (default: build,test,bench,peer,plot,profile; sparse and replay only when
 # named).
 #
@@ -17,6 +17,10 @@
 #           then ${PROF_METHODS:-quest,omnikv}) at batch 8 x 32K: per step the
 #           kernel count, summed kernel time and the top kernels
 #           (scripts/ncu_steps.py) -> $OUT/stepprof.txt. ~2 min.
+#   mmcmp   side by side in one call: `lethe bench engine` decode at batch 8 and
+#           16 (dummy Llama-3.1-8B, 4K context, CUDA graphs) with LETHE_MATMUL=cublas
+#           and with lethe's own small-batch kernels (auto), alternating, 3
+#           repeats -> $OUT/mmcmp.txt. ~2 min.
 #   replay  `lethe bench replay` (issue #7) against `lethe serve --device cuda`
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
 #           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
@@ -130,6 +134,25 @@ if has stepprof; then
     rm -f "$OUT/ncu-steps.ncu-rep"
     log "stepprof: ($(( $(date +%s) - t0 ))s) -> stepprof.txt"
 fi
+if has mmcmp; then
+    t0=$(date +%s)
+    : >"$OUT/mmcmp.txt"
+    for rep in 1 2 3; do
+        for mm in cublas auto; do
+            LETHE_MATMUL=$mm ./build/lethe bench engine -m configs/llama-3.1-8b-instruct/config.json \
+                --load-format dummy --points ${MM_POINTS:-8:4096:64,16:4096:64} \
+                --json "$OUT/mm-$mm-$rep.json" >"$OUT/mm-$mm-$rep.log" 2>&1
+            python3 - "$OUT/mm-$mm-$rep.json" "$mm" "$rep" >>"$OUT/mmcmp.txt" <<'EOF2'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for p in r.get("points", r.get("results", [])):
+    print(sys.argv[2], "rep", sys.argv[3], {k: p[k] for k in p if k in ("batch", "input", "decode_step_ms", "decode_tok_s", "decode_frac_copy_bw")})
+EOF2
+        done
+    done
+    rm -f "$OUT"/mm-*.log
+    log "mmcmp: ($(( $(date +%s) - t0 ))s) -> mmcmp.txt"
+fi
 if has replay; then
     t0=$(date +%s)
     tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
@@ -197,3 +220,4 @@ grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null
 grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }
 [ -s "$OUT/stepprof.txt" ] && { echo; cat "$OUT/stepprof.txt"; }
+[ -s "$OUT/mmcmp.txt" ] && { echo; cat "$OUT/mmcmp.txt"; }

@@ -109,7 +109,13 @@ static void test_matmul(void) {
     static const int sizes[][3] = {{1, 1, 8},     {1, 4096, 4096}, {7, 300, 520}, {64, 1000, 768},
                                    {130, 257, 129}, {3, 576, 576},  {33, 17, 13},  {256, 512, 1024},
                                    {2, 1000, 768}, {4, 300, 520},  {1, 14336, 4096}, {2, 77, 4104},
-                                   {4, 9, 16},     {3, 5, 12}};
+                                   {4, 9, 16},     {3, 5, 12},
+                                   /* skinny tensor-core path (4 < n <= 16): both tile
+                                    * widths, rows past out, k tails past 32, n = 9..16 */
+                                   {5, 4096, 4096}, {8, 6144, 4096}, {8, 1024, 4096},
+                                   {16, 300, 520}, {9, 77, 4104},   {8, 33, 40},
+                                   {12, 8448, 64},  {6, 17, 8},     {7, 14336, 128},
+                                   {16, 4096, 14336}};
     for (size_t t = 0; t < LETHE_ARRAY_LEN(sizes); t++) {
         int n = sizes[t][0], out = sizes[t][1], in = sizes[t][2];
         float *x = rand_bf16((size_t)n * in, 1), *w = rand_bf16((size_t)out * in, 0.5f);
@@ -212,6 +218,20 @@ static void test_rows(void) {
         g_cpu->ops->embed(g_cpu, px.c, pt.c, tok, n, dim);
         g_gpu->ops->embed(g_gpu, px.g, pt.g, tok, n, dim);
         compare(&px, (size_t)n * dim, 1e-6, "embed"); /* exact: bf16 table copied */
+        /* staged-copy reuse (lethe_cuda_stage_idx): the same contents from
+         * another host array reuse the device copy; changed contents at the
+         * same pointer and size must be staged afresh */
+        int32_t *tok2 = lethe_xmalloc((size_t)n * sizeof(int32_t));
+        memcpy(tok2, tok, (size_t)n * sizeof(int32_t));
+        poison(&px);
+        g_gpu->ops->embed(g_gpu, px.g, pt.g, tok2, n, dim);
+        compare(&px, (size_t)n * dim, 1e-6, "embed (same contents, other array)");
+        for (int i = 0; i < n; i++) tok2[i] = (tok2[i] + 1 + i) % vocab;
+        poison(&px);
+        g_cpu->ops->embed(g_cpu, px.c, pt.c, tok2, n, dim);
+        g_gpu->ops->embed(g_gpu, px.g, pt.g, tok2, n, dim);
+        compare(&px, (size_t)n * dim, 1e-6, "embed (changed contents, same array)");
+        free(tok2);
         /* gather to a new buffer, then in place (ascending idx >= i, as for logit rows) */
         int32_t *idx = lethe_xmalloc((size_t)n * sizeof(int32_t));
         for (int i = 0; i < n; i++) idx[i] = (int32_t)(lethe_splitmix64(&g_rng) % (uint64_t)n);

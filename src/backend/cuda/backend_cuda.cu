@@ -55,11 +55,13 @@ void *lethe_cuda_ring_alloc(cuda_ctx *c, size_t n_bytes, void **host_view) {
         CU_CHECK(cudaMallocHost((void **)&c->ring_h, c->ring_cap));
         CU_CHECK(cudaMalloc((void **)&c->ring_d, c->ring_cap));
         c->ring_off = 0;
+        c->ring_gen++;
     }
     if (c->ring_off + need > c->ring_cap) {
         /* wrap: earlier copies out of the pinned ring must have completed */
         CU_CHECK(cudaStreamSynchronize(c->stream));
         c->ring_off = 0;
+        c->ring_gen++;
     }
     size_t off = c->ring_off;
     c->ring_off += need;
@@ -101,11 +103,21 @@ const int32_t *lethe_cuda_stage_idx(cuda_ctx *c, const int32_t *host, size_t n) 
      * what lets such arrays feed ops inside a graph capture. */
     if (n && is_device_ptr(c, host)) return host;
     LETHE_ASSERT(!c->capturing && "graph capture: host index array was not pre-staged");
+    /* the same contents staged before and still in the ring: reuse that copy
+     * (a sparse method's per-layer arguments repeat in every layer of a
+     * step; each copy saved is one H2D transfer on the stream) */
+    for (int i = 0; n && i < LETHE_CUDA_RECENT; i++) {
+        const cuda_recent *r = &c->recent[i];
+        if (r->n == n && r->gen == c->ring_gen && !memcmp(r->h, host, n * sizeof(int32_t)))
+            return r->dev;
+    }
     void *h;
     void *d = lethe_cuda_ring_alloc(c, n * sizeof(int32_t), &h);
     if (n) {
         memcpy(h, host, n * sizeof(int32_t));
         CU_CHECK(cudaMemcpyAsync(d, h, n * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream));
+        c->recent[c->recent_next] = (cuda_recent){(const int32_t *)h, (const int32_t *)d, n, c->ring_gen};
+        c->recent_next = (c->recent_next + 1) % LETHE_CUDA_RECENT;
     }
     return (const int32_t *)d;
 }
@@ -445,6 +457,18 @@ static lethe_status attn_kernel_from_env(int *out) {
     return LETHE_OK;
 }
 
+/* LETHE_MATMUL=auto|cublas: auto (default) sends decode-sized products to
+ * matmul.cu's own kernels (GEMV n <= 4, skinny tensor-core n <= 16);
+ * cublas sends every product to cuBLAS (side-by-side benchmarks) */
+static lethe_status matmul_from_env(bool *cublas_only) {
+    const char *e = getenv("LETHE_MATMUL");
+    *cublas_only = false;
+    if (!e || !*e || !strcmp(e, "auto")) return LETHE_OK;
+    if (!strcmp(e, "cublas")) *cublas_only = true;
+    else return lethe_errorf(LETHE_ERR_INVALID, "LETHE_MATMUL='%s': expected auto or cublas", e);
+    return LETHE_OK;
+}
+
 /* ---- lifetime ---------------------------------------------------------- */
 
 static void cuda_destroy(lethe_backend *be) {
@@ -550,6 +574,7 @@ extern "C" lethe_status lethe_backend_cuda_create(const lethe_backend_params *p,
     be->n_threads = p->n_threads;
     be->ctx = c;
     lethe_status env_st = attn_kernel_from_env(&c->attn_kernel);
+    if (env_st == LETHE_OK) env_st = matmul_from_env(&c->matmul_cublas_only);
     if (env_st != LETHE_OK) {
         cuda_destroy(be);
         return env_st;
@@ -583,8 +608,9 @@ extern "C" lethe_status lethe_backend_cuda_create(const lethe_backend_params *p,
     c->ring_cap = RING_BYTES;
     INIT_CHECK(cudaMallocHost((void **)&c->ring_h, c->ring_cap), "pinned staging ring");
     INIT_CHECK(cudaMalloc((void **)&c->ring_d, c->ring_cap), "device staging ring");
-    LOG_INFO("cuda backend: %s, %d SMs, %.1f GiB, compute %d.%d, attention kernels v%d", prop.name,
-             c->n_sms, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor, c->attn_kernel);
+    LOG_INFO("cuda backend: %s, %d SMs, %.1f GiB, compute %d.%d, attention kernels v%d, matmul %s",
+             prop.name, c->n_sms, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
+             c->attn_kernel, c->matmul_cublas_only ? "cublas" : "auto");
     *out = be;
     return LETHE_OK;
 }

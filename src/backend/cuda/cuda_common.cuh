@@ -71,6 +71,17 @@ typedef struct cuda_staged {
     size_t cap;            /* elements */
 } cuda_staged;
 
+/* an index array staged through the ring earlier (lethe_cuda_stage_idx
+ * reuses its device copy when the same contents come again: the per-layer
+ * arrays of a sparse method are the same in every layer of a step) */
+#define LETHE_CUDA_RECENT 16
+typedef struct cuda_recent {
+    const int32_t *h;      /* the ring's pinned copy (holds the contents) */
+    const int32_t *dev;    /* the ring's device copy */
+    size_t n;              /* elements (0: empty entry) */
+    uint64_t gen;          /* ring generation it lives in */
+} cuda_recent;
+
 typedef struct cuda_graph_rec {
     int32_t key;
     cudaGraphExec_t exec;
@@ -81,6 +92,7 @@ typedef struct cuda_ctx {
     int device;
     int n_sms;
     size_t smem_optin;           /* max dynamic shared memory per block */
+    bool matmul_cublas_only;     /* LETHE_MATMUL=cublas (matmul.cu) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void *cublas_ws;
@@ -89,6 +101,9 @@ typedef struct cuda_ctx {
     /* eager staging ring: pinned host + device, same offsets */
     char *ring_h, *ring_d;
     size_t ring_cap, ring_off;
+    uint64_t ring_gen;           /* bumped when the ring wraps or grows (old copies die) */
+    cuda_recent recent[LETHE_CUDA_RECENT];
+    int recent_next;             /* round-robin replacement */
 
     /* pre-staged step arrays */
     cuda_staged staged[LETHE_CUDA_MAX_STAGED];
