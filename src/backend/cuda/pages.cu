@@ -10,14 +10,30 @@
  * to the CPU twin on the same (bf16-representable) keys.
  *
  * page_scores: the decode-time cost of Quest, a pass over 2 / P of the keys
- * (bf16 bounds: 1/8 of K at P = 16). Grid (page tiles, sequences); the block
- * stages its sequence's query row [n_heads, head_dim] in shared memory as
- * fp32, each warp takes pages of the tile: per KV head the lanes hold channel
- * pairs of min / max in registers (head_dim <= 256), then for every query head
- * of the group a per-lane partial sum and a warp all-reduce. fp32 throughout;
- * the sum order differs from the CPU's left-to-right one (float
- * reassociation only). The op ends with a host sync when its output is host;
- * with out_on_backend it is asynchronous. */
+ * (bf16 bounds: 1/8 of K at P = 16), so it must run at DRAM bandwidth. Grid
+ * (page tiles of PS_PAGES_PER_BLOCK, sequences); the block stages its
+ * sequence's query row [n_heads, head_dim] in shared memory and each warp
+ * takes pages of the tile, one at a time. Two kernels:
+ *  - page_scores_vec_kernel<R> (head_dim a power of two in [8, 256], kv_dim
+ *    <= 32 * 8 * PS_VEC_MAX_R, 16-byte aligned q and meta): a meta row is
+ *    n_chunks = kv_dim / 8 chunks of 8 channels (16 bytes), chunk c of KV head
+ *    c / cph (cph = head_dim / 8 chunks per head, a divisor of 32). Lane l
+ *    owns chunks l + 32 r, r < R: the warp issues all 2 R uint4 loads of a
+ *    page (min and max rows) at once, and those of its next page before the
+ *    math of the current one, so 4 - 8 KiB per warp are in flight. Per query
+ *    head j of the group: a lane's partial sum over its 8 channels, then xor
+ *    shuffles over the cph lanes of the head (offsets cph/2 .. 1 stay in the
+ *    group), max over (r, j); the max across heads takes the offsets cph .. 16.
+ *    The query row stays bf16 in shared memory (16-byte reads by consecutive
+ *    lanes: conflict-free for cph >= 8), converted on use (exact).
+ *  - page_scores_kernel (any other shape, head_dim <= 256): per KV head the
+ *    lanes hold channel pairs of min / max in registers, then for every query
+ *    head of the group a per-lane partial sum and a warp all-reduce; query
+ *    row in shared memory as fp32.
+ * fp32 throughout; the sum order differs from the CPU's left-to-right one
+ * (float reassociation only: exact on integer inputs). The op ends with a
+ * host sync when its output is host; with out_on_backend it is
+ * asynchronous. */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <string.h>
@@ -96,6 +112,7 @@ extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void
 #define PS_WARPS 8
 #define PS_PAGES_PER_BLOCK 32 /* a tile: 4 pages per warp */
 #define PS_MAX_PAIRS 4        /* channel pairs per lane: head_dim <= 2 * 32 * 4 */
+#define PS_VEC_MAX_R 4        /* vector kernel: chunks per lane, kv_dim <= 8 * 32 * 4 */
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -155,6 +172,113 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
     }
 }
 
+/* bf16 halves of a packed pair -> fp32 (exact) */
+__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+/* sum over 8 channels (in order) of max(q mn, q mx); q, mn, mx packed bf16 x 8 */
+__device__ __forceinline__ float chunk_bound(uint4 q, uint4 mn, uint4 mx) {
+    const uint32_t qw[4] = {q.x, q.y, q.z, q.w}, nw[4] = {mn.x, mn.y, mn.z, mn.w},
+                   xw[4] = {mx.x, mx.y, mx.z, mx.w};
+    float u = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float a = bf_lo(qw[k]);
+        u += fmaxf(a * bf_lo(nw[k]), a * bf_lo(xw[k]));
+        a = bf_hi(qw[k]);
+        u += fmaxf(a * bf_hi(nw[k]), a * bf_hi(xw[k]));
+    }
+    return u;
+}
+
+/* the lane's 2 R chunks of one meta page [2, n_chunks] (uint4 units); chunks
+ * past n_chunks are not read */
+template <int R>
+__device__ __forceinline__ void load_page(uint4 *mn, uint4 *mx, const uint4 *__restrict__ pm,
+                                          int32_t n_chunks, int lane) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int32_t ch = lane + 32 * r;
+        if (ch < n_chunks) {
+            mn[r] = __ldcs(pm + ch);
+            mx[r] = __ldcs(pm + n_chunks + ch);
+        } else {
+            mn[r] = mx[r] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+/* grid (page tiles, sequences), PS_WARPS warps; dynamic smem: the query row
+ * [n_heads * head_dim] bf16. R = ceil(n_chunks / 32) <= PS_VEC_MAX_R. */
+template <int R>
+__global__ void __launch_bounds__(PS_WARPS * 32)
+page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
+                       const bf16 *__restrict__ meta, const int32_t *__restrict__ q_rows,
+                       const int32_t *__restrict__ page_begin, const int32_t *__restrict__ page_ids,
+                       int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
+    extern __shared__ uint4 q8[]; /* [n_heads * head_dim / 8] */
+    const int32_t s = blockIdx.y;
+    const int32_t p0 = page_begin[s] + blockIdx.x * PS_PAGES_PER_BLOCK;
+    const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
+    if (p0 >= p1) return; /* uniform over the block */
+    const int32_t qd8 = n_heads * head_dim / 8, n_chunks = n_kv_heads * head_dim / 8;
+    const int32_t cph = head_dim / 8, g = n_heads / n_kv_heads;
+    const uint4 *q = (const uint4 *)(Q + (size_t)q_rows[s] * n_heads * head_dim);
+    for (int32_t i = threadIdx.x; i < qd8; i += blockDim.x) q8[i] = q[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint4 *meta8 = (const uint4 *)meta; /* a page: 2 * n_chunks uint4 */
+    int32_t i = p0 + warp;
+    if (i >= p1) return;
+    /* per r: the lane's chunk, its KV head's first query head, its offset in the head */
+    int32_t qoff[R];
+    bool valid[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int32_t ch = lane + 32 * r;
+        valid[r] = ch < n_chunks; /* uniform over the cph lanes of a head */
+        qoff[r] = (ch / cph) * g * cph + ch % cph;
+    }
+    uint4 mn[R], mx[R];
+    load_page<R>(mn, mx, meta8 + (size_t)page_ids[i] * 2 * n_chunks, n_chunks, lane);
+    for (; i < p1; i += PS_WARPS) {
+        uint4 nmn[R], nmx[R]; /* the warp's next page, in flight during this one's math */
+        const int32_t ni = i + PS_WARPS;
+        if (ni < p1) {
+            load_page<R>(nmn, nmx, meta8 + (size_t)page_ids[ni] * 2 * n_chunks, n_chunks, lane);
+        } else {
+#pragma unroll
+            for (int r = 0; r < R; r++) nmn[r] = nmx[r] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        float best = -INFINITY;
+        for (int32_t j = 0; j < g; j++) {
+            float u[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                u[r] = 0.0f; /* out of range: 0 in the sums, never in the max */
+                if (valid[r]) u[r] = chunk_bound(q8[qoff[r] + j * cph], mn[r], mx[r]);
+            }
+            for (int o = cph >> 1; o > 0; o >>= 1) {
+#pragma unroll
+                for (int r = 0; r < R; r++) u[r] += __shfl_xor_sync(0xffffffffu, u[r], o);
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (valid[r]) best = fmaxf(best, u[r]);
+        }
+        for (int o = cph; o < 32; o <<= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, o));
+        if (lane == 0) out[i] = best;
+#pragma unroll
+        for (int r = 0; r < R; r++) mn[r] = nmn[r], mx[r] = nmx[r];
+    }
+}
+
+/* shared memory above the 48 KiB default needs a (cheap) per-kernel opt-in */
+static void ps_smem_optin(const void *kernel, size_t smem) {
+    if (smem > 48 * 1024)
+        CU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}
+
 extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q,
                                        const void *meta, int32_t n_seqs, const int32_t *q_rows,
                                        const int32_t *page_begin, const int32_t *page_ids,
@@ -173,11 +297,12 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
         LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);
         max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
     }
-    const size_t smem = (size_t)n_heads * head_dim * sizeof(float);
+    /* the vector kernel: chunks of 8 channels, cph = head_dim / 8 a divisor of 32 */
+    const int32_t n_chunks = n_kv_heads * head_dim / 8, R = (n_chunks + 31) / 32;
+    const bool vec = head_dim >= 8 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0 &&
+                     R <= PS_VEC_MAX_R && (uintptr_t)q % 16 == 0 && (uintptr_t)meta % 16 == 0;
+    const size_t smem = (size_t)n_heads * head_dim * (vec ? sizeof(bf16) : sizeof(float));
     LETHE_ASSERT(smem <= c->smem_optin && "page_scores: the query row does not fit in shared memory");
-    if (smem > 48 * 1024) /* above the default: opt in (a cheap host call) */
-        CU_CHECK(cudaFuncSetAttribute(page_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)smem));
     const int32_t *d_rows = lethe_cuda_stage_idx(c, q_rows, (size_t)n_seqs);
     const int32_t *d_beg = lethe_cuda_stage_idx(c, page_begin, (size_t)n_seqs + 1);
     const int32_t *d_ids = lethe_cuda_stage_idx(c, page_ids, (size_t)total);
@@ -186,9 +311,24 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
                        ? out
                        : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
     dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
-    page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
-        d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
-        head_dim);
+#define PS_VEC_LAUNCH(RR)                                                                           \
+    do {                                                                                           \
+        ps_smem_optin((const void *)page_scores_vec_kernel<RR>, smem);                             \
+        page_scores_vec_kernel<RR><<<grid, PS_WARPS * 32, smem, c->stream>>>(                      \
+            d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads, \
+            head_dim);                                                                             \
+    } while (0)
+    if (vec && R == 1) PS_VEC_LAUNCH(1);
+    else if (vec && R == 2) PS_VEC_LAUNCH(2);
+    else if (vec && R == 3) PS_VEC_LAUNCH(3);
+    else if (vec) PS_VEC_LAUNCH(4);
+    else {
+        ps_smem_optin((const void *)page_scores_kernel, smem);
+        page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
+            d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
+            head_dim);
+    }
+#undef PS_VEC_LAUNCH
     CU_LAUNCH_CHECK();
     if (out_on_backend) return; /* stays on the device (feeds topk): no sync */
     CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost,

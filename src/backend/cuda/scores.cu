@@ -197,16 +197,19 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
  *  L. logits: block = (sequence, SC1_KEYS keys of the raw range, KV head):
  *     each thread owns one key and computes its raw score for every query
  *     head of the KV group (the same fmaf chain over d as row_dots, so the
- *     same raw values as the general path), its K row read once from DRAM. Raw range [lo, hi) = the denominator keys
- *     (candidates with CAND_DENOM, else the whole row: its last key is the
- *     row itself, so every key is visible) or just the candidates
- *     (LOGIT_MAX). Output raw [n_heads, hi - lo] per sequence.
+ *     same raw values as the general path), its K row read once from DRAM
+ *     (head_dim 64 / 128 with g <= 8: all of the row's 16-byte loads in
+ *     flight at once, sc1_logits_d_kernel; other shapes: sc1_logits_kernel).
+ *     Raw range [lo, hi) = the denominator keys (candidates with
+ *     CAND_DENOM, else the whole row: its last key is the row itself, so
+ *     every key is visible) or just the candidates (LOGIT_MAX). Output raw
+ *     [n_heads, hi - lo] per sequence.
  *  S. stats (probability modes): block = (sequence, head): max, then the sum
  *     of expf(raw - max), over the raw range.
  *  V. values: a thread per (group, candidate) folds the group's heads in
  *     head order, as sc_values + sc_reduce do for one row.
  * K is read once per KV head instead of once per query head and pass. */
-#define SC1_KEYS 128
+#define SC1_KEYS 256         /* keys (threads) per logits block */
 #define SC1_STAT_THREADS 512
 
 __device__ __forceinline__ void sc1_range(const sc_desc &sd, int32_t *lo, int32_t *hi) {
@@ -264,6 +267,72 @@ sc1_logits_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__
         }
         raw[sd.hv_off + (int64_t)(kvh * g + h) * n_raw + e0 + t] = acc * scale;
     }
+}
+
+/* sc1_logits_kernel for a compile-time head_dim D (64, 128) and KV group
+ * size g <= G (4, 8): the key's row is D / 8 independent 16-byte streaming
+ * loads issued back to back into registers (D / 2 registers at D = 128), so
+ * a warp has 32 x D x 2 bytes in flight instead of 512; then one pass over
+ * the row: each 8-channel chunk converted once, then the G heads' fmaf chains
+ * advance in d order (row_dots' order per head: the same values as
+ * sc1_logits_kernel). Shared memory: the group's queries [G][D] fp32, rows g..G-1
+ * zero (their chains are computed and dropped: no guards in the loop). One
+ * pass over all heads (not a loop over head blocks) keeps the registers at
+ * the raw row: a loop lets the compiler hoist the conversions, D floats. */
+template <int D, int G>
+__global__ void __launch_bounds__(SC1_KEYS, 2)
+sc1_logits_d_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                    const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                    const int32_t *__restrict__ slots, int H, int n_kv, float scale,
+                    float *__restrict__ raw) {
+    extern __shared__ float4 Qs4[]; /* [G][D / 4] */
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int32_t e0 = work[2 * blockIdx.x + 1];
+    const int kvh = blockIdx.y, g = H / n_kv;
+    int32_t lo, hi;
+    sc1_range(sd, &lo, &hi);
+    const int32_t n_raw = hi - lo, nk = min(SC1_KEYS, n_raw - e0);
+    float *Qs = (float *)Qs4;
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x)
+        Qs[idx] = idx < g * D ? __bfloat162float(q[((size_t)sd.q_row * H + kvh * g) * D + idx]) : 0.0f;
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t >= nk) return;
+    const int32_t slot = slots[sd.key_begin + lo + e0 + t];
+    const uint4 *k8 = (const uint4 *)(kc + ((size_t)slot * n_kv + kvh) * D);
+    uint4 kr[D / 8];
+#pragma unroll
+    for (int c8 = 0; c8 < D / 8; c8++) kr[c8] = __ldcs(k8 + c8);
+    float acc[G];
+#pragma unroll
+    for (int h = 0; h < G; h++) acc[h] = 0.0f;
+#pragma unroll
+    for (int c8 = 0; c8 < D / 8; c8++) {
+        /* channels 8 c8 .. 8 c8 + 7 (bf16 -> fp32 is exact), once for all heads */
+        const uint32_t kw[4] = {kr[c8].x, kr[c8].y, kr[c8].z, kr[c8].w};
+        float kf[8];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            kf[2 * p] = __uint_as_float(kw[p] << 16), kf[2 * p + 1] = __uint_as_float(kw[p] & 0xffff0000u);
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            const float4 qa = Qs4[h * (D / 4) + 2 * c8], qb = Qs4[h * (D / 4) + 2 * c8 + 1];
+            float x = acc[h];
+            x = fmaf(qa.x, kf[0], x);
+            x = fmaf(qa.y, kf[1], x);
+            x = fmaf(qa.z, kf[2], x);
+            x = fmaf(qa.w, kf[3], x);
+            x = fmaf(qb.x, kf[4], x);
+            x = fmaf(qb.y, kf[5], x);
+            x = fmaf(qb.z, kf[6], x);
+            x = fmaf(qb.w, kf[7], x);
+            acc[h] = x;
+        }
+    }
+    float *o = raw + sd.hv_off + (int64_t)kvh * g * n_raw + e0 + t;
+#pragma unroll
+    for (int h = 0; h < G; h++)
+        if (h < g) o[(int64_t)h * n_raw] = acc[h] * scale;
 }
 
 /* grid: x = sequence, y = query head; SC1_STAT_THREADS threads */
@@ -325,6 +394,21 @@ __global__ void sc1_values_kernel(const sc_desc *__restrict__ descs, const int32
     out[sd.out_off + (int64_t)g * nc + j] = kind == LETHE_SCORES_PROB_MEAN ? acc / (float)per : acc;
 }
 
+/* raw range [lo, hi) of a one-row sequence: the whole row with a whole-row
+ * denominator, else the candidates (host side of sc1_range) */
+static void sc1_range_host(const lethe_score_seq *sq, int32_t *lo, int32_t *hi) {
+    const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
+    const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sq->mode & LETHE_SCORES_CAND_DENOM);
+    *lo = whole ? 0 : sq->c0;
+    *hi = whole ? sq->n_keys : sq->c1;
+}
+
+/* dynamic shared memory above the 48 KiB default needs a (cheap) per-kernel opt-in */
+static void sc_smem_optin(const void *kernel, size_t smem) {
+    if (smem > 48 * 1024)
+        CU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}
+
 /* attn_scores when every sequence scores one row (see above) */
 static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a) {
     const int H = a->n_heads, D = a->head_dim, n_kv = a->n_kv_heads, g = H / n_kv;
@@ -333,9 +417,9 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const lethe_score_seq *sq = &a->seqs[s];
         if (sq->c1 == sq->c0) continue;
-        const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
-        const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sq->mode & LETHE_SCORES_CAND_DENOM);
-        const int32_t nr = whole ? sq->n_keys : sq->c1 - sq->c0;
+        int32_t lo, hi;
+        sc1_range_host(sq, &lo, &hi);
+        const int32_t nr = hi - lo;
         n_l_items += (nr + SC1_KEYS - 1) / SC1_KEYS;
         n_v_items += (sq->c1 - sq->c0 + SC_THREADS - 1) / SC_THREADS;
     }
@@ -355,9 +439,9 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
                      n_raw, (int64_t)s * H, n_out};
         hd[s] = d;
         if (nc == 0) continue;
-        const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
-        const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sq->mode & LETHE_SCORES_CAND_DENOM);
-        const int32_t nr = whole ? sq->n_keys : nc;
+        int32_t lo, hi;
+        sc1_range_host(sq, &lo, &hi);
+        const int32_t nr = hi - lo;
         n_raw += (int64_t)H * nr;
         n_out += (int64_t)a->n_groups * nc;
         for (int32_t e0 = 0; e0 < nr; e0 += SC1_KEYS) hw_l[2 * kl] = s, hw_l[2 * kl + 1] = e0, kl++;
@@ -377,14 +461,29 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
     float *raw = c->scores_d, *out = a->out_on_backend ? a->out : c->scores_d + n_raw;
     float2 *stats = (float2 *)(c->scores_d + n_f);
 
-    const size_t smem = (size_t)g * D * sizeof(float);
-    LETHE_ASSERT(smem <= c->smem_optin && "attn_scores: a KV group's queries do not fit in shared memory");
-    if (smem > 48 * 1024)
-        CU_CHECK(cudaFuncSetAttribute(sc1_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)smem));
+    /* logits: head_dim 64 / 128 with KV groups up to 8 take the unrolled kernel
+     * (queries padded to G = 4 or 8 heads), other shapes the generic one */
     const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
-    sc1_logits_kernel<<<dim3((unsigned)n_l_items, (unsigned)n_kv), SC1_KEYS, smem, c->stream>>>(
-        d_desc, d_l, q, kc, d_slots, H, n_kv, D, a->scale, raw);
+    const dim3 l_grid((unsigned)n_l_items, (unsigned)n_kv);
+    const int G = (D == 64 || D == 128) && g <= 8 ? (g <= 4 ? 4 : 8) : 0;
+    const size_t smem = (size_t)(G ? G : g) * D * sizeof(float);
+    LETHE_ASSERT(smem <= c->smem_optin && "attn_scores: a KV group's queries do not fit in shared memory");
+#define SC1_D_LAUNCH(DD, GG)                                                                        \
+    do {                                                                                           \
+        sc_smem_optin((const void *)sc1_logits_d_kernel<DD, GG>, smem);                            \
+        sc1_logits_d_kernel<DD, GG><<<l_grid, SC1_KEYS, smem, c->stream>>>(                        \
+            d_desc, d_l, q, kc, d_slots, H, n_kv, a->scale, raw);                                  \
+    } while (0)
+    if (D == 128 && G == 4) SC1_D_LAUNCH(128, 4);
+    else if (D == 128 && G == 8) SC1_D_LAUNCH(128, 8);
+    else if (D == 64 && G == 4) SC1_D_LAUNCH(64, 4);
+    else if (D == 64 && G == 8) SC1_D_LAUNCH(64, 8);
+    else {
+        sc_smem_optin((const void *)sc1_logits_kernel, smem);
+        sc1_logits_kernel<<<l_grid, SC1_KEYS, smem, c->stream>>>(d_desc, d_l, q, kc, d_slots, H, n_kv,
+                                                                  D, a->scale, raw);
+    }
+#undef SC1_D_LAUNCH
     CU_LAUNCH_CHECK();
     sc1_stats_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), SC1_STAT_THREADS, 0, c->stream>>>(
         d_desc, raw, stats);
@@ -412,6 +511,7 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
         LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
         LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
         LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
+        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
         single &= sq->n_rows == 1;
     }
     single &= D % 8 == 0; /* sc1_logits reads K rows 8 channels (16 bytes) at a time */
@@ -422,13 +522,8 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
     /* host pass: descriptors, scratch offsets, work lists */
     int64_t n_hv = 0, n_st = 0, n_out = 0;
     int32_t n_stat_items = 0, n_val_items = 0;
-    for (int32_t s = 0; s < a->n_seqs; s++) {
+    for (int32_t s = 0; s < a->n_seqs; s++) { /* (the arguments were checked above) */
         const lethe_score_seq *sq = &a->seqs[s];
-        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
-        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
-        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
-        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
-        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
         const int32_t nc = sq->c1 - sq->c0;
         if (nc == 0) continue;
         if ((sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX)
