@@ -12,8 +12,8 @@
  * sparse (subset) selections, the pre-staged (stage_step) path, contexts
  * >= 16K (split-K; every attention case runs once per kernel generation,
  * ops->attn_kernel: v1, v2), attn_scores (every mode, up to 40K
- * candidates), the Quest page ops (page_minmax: exact; page_scores: fp32
- * reassociation only), the sample op (exact token equality, see
+ * candidates; single-row shapes on both logits kernels), the Quest page ops
+ * (page_minmax: exact; page_scores: fp32 reassociation only, both kernels), the sample op (exact token equality, see
  * test_sample), and the device-side selection ops topk / select_expand
  * (exact int equality, -7-poisoned outputs: many segments up to 300K with
  * ties / NaN / +-inf / +-0; chains page_scores or attn_scores with
@@ -499,6 +499,14 @@ static void test_attn_scores(void) {
         {"decode d256 gqa16", 16, 1, 256, 2, {1, 1}, {3000, 70}, {0, 5}, {100, 5}, 0},
         {"decode d16 mha empty", 4, 4, 16, 3, {1, 1, 1}, {50, 9, 200}, {4, 5, 0}, {8, 4, 0}, 0},
         {"decode d64 gqa3", 9, 3, 64, 2, {1, 1}, {1000, 65}, {0, 3}, {0, 2}, 0},
+        /* sc1_logits_d_kernel<D, G> (head_dim 64 / 128, g <= 8: queries padded to G = 4 / 8)
+         * with key counts around the 256-key block, then shapes left to sc1_logits_kernel */
+        {"decode d128 g8 keys 257", 64, 8, 128, 3, {1, 1, 1}, {1000, 257, 256}, {0, 3, 0}, {0, 1, 0}, 0},
+        {"decode d128 mha", 8, 8, 128, 2, {1, 1}, {511, 45}, {2, 0}, {3, 0}, 0},
+        {"decode d64 g4 ragged", 16, 4, 64, 4, {1, 1, 1, 1}, {513, 255, 1, 2000}, {0, 7, 0, 100}, {1, 2, 0, 30}, 0},
+        {"decode d64 g5", 20, 4, 64, 2, {1, 1}, {700, 31}, {1, 0}, {0, 3}, 0},
+        {"decode d128 g16 generic", 32, 2, 128, 2, {1, 1}, {700, 300}, {0, 1}, {0, 1}, 0},
+        {"decode d96 generic", 12, 4, 96, 2, {1, 1}, {600, 33}, {2, 0}, {5, 0}, 0},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_score_case(&cases[i]);
     run_score_case(&cases[1]); /* fresh inputs: a race shows up as a moving error */
@@ -611,6 +619,17 @@ static void test_page_ops(void) {
         {"scalar kv_dim 20", 2, 1, 20, 1, {9}},
         {"hd256 big query", 64, 4, 256, 2, {70, 3}},   /* 64 KiB query row: smem opt-in */
         {"group 16", 16, 1, 96, 4, {1, 2, 65, 0}},
+        /* page_scores_vec_kernel<R> (head_dim a power of two, kv_dim <= 1024): the 8B
+         * shape over tile edges (32 pages a block, 4 a warp: prefetch of the next page) */
+        {"llama8b edges", 32, 8, 128, 4, {0, 1, 31, 33}},
+        {"llama8b 2048 pages", 32, 8, 128, 3, {2048, 2047, 5}},
+        {"hd64 kv5 (40 chunks)", 10, 5, 64, 3, {33, 2, 100}},
+        {"hd64 kv10 (R 3)", 30, 10, 64, 2, {70, 9}},
+        {"hd32 kv12 (cph 4)", 24, 12, 32, 2, {40, 7}},
+        {"hd8 (cph 1)", 6, 3, 8, 2, {37, 4}},
+        /* page_scores_kernel: head_dim not a power of two, kv_dim above 1024 */
+        {"hd80 fallback", 8, 2, 80, 2, {40, 3}},
+        {"kv_dim 2048 fallback", 16, 16, 128, 1, {20}},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_page_case(&cases[i]);
     run_page_case(&cases[0]); /* fresh inputs: a race shows up as a moving error */
