@@ -488,6 +488,8 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->qattn_ws) cudaFree(c->qattn_ws);
         if (c->sample_ws) cudaFree(c->sample_ws);
         if (c->scores_d) cudaFree(c->scores_d);
+        if (c->skinny_ws) cudaFree(c->skinny_ws);
+        if (c->skinny_count) cudaFree(c->skinny_count);
         if (c->cublas_ws) cudaFree(c->cublas_ws);
         if (c->cublas) cublasDestroy(c->cublas);
         if (c->stream) cudaStreamDestroy(c->stream);
