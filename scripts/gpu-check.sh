@@ -19,7 +19,7 @@
 #           (scripts/ncu_steps.py) -> $OUT/stepprof.txt. ~2 min.
 #   mmcmp   side by side in one call: `lethe bench engine` decode at batch 8 and
 #           16 (dummy Llama-3.1-8B, 4K context, CUDA graphs) with LETHE_MATMUL=cublas
-#           and with lethe's own small-batch kernels (auto), alternating, 3
+#           and with lethe's own small-batch kernels (auto: GEMV at n <= 4), alternating, 3
 #           repeats -> $OUT/mmcmp.txt. ~2 min.
 #   replay  `lethe bench replay` (issue #7) against `lethe serve --device cuda`
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from

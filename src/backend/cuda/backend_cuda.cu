@@ -457,9 +457,9 @@ static lethe_status attn_kernel_from_env(int *out) {
     return LETHE_OK;
 }
 
-/* LETHE_MATMUL=auto|cublas: auto (default) sends decode-sized products to
- * matmul.cu's own kernels (GEMV n <= 4, skinny tensor-core n <= 16);
- * cublas sends every product to cuBLAS (side-by-side benchmarks) */
+/* LETHE_MATMUL=auto|cublas: auto (default) sends decode-sized products
+ * (n <= 4) to matmul.cu's GEMV kernel; cublas sends every product to cuBLAS
+ * (side-by-side benchmarks) */
 static lethe_status matmul_from_env(bool *cublas_only) {
     const char *e = getenv("LETHE_MATMUL");
     *cublas_only = false;
@@ -488,8 +488,6 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->qattn_ws) cudaFree(c->qattn_ws);
         if (c->sample_ws) cudaFree(c->sample_ws);
         if (c->scores_d) cudaFree(c->scores_d);
-        if (c->skinny_ws) cudaFree(c->skinny_ws);
-        if (c->skinny_count) cudaFree(c->skinny_count);
         if (c->cublas_ws) cudaFree(c->cublas_ws);
         if (c->cublas) cublasDestroy(c->cublas);
         if (c->stream) cudaStreamDestroy(c->stream);

@@ -93,8 +93,6 @@ typedef struct cuda_ctx {
     int n_sms;
     size_t smem_optin;           /* max dynamic shared memory per block */
     bool matmul_cublas_only;     /* LETHE_MATMUL=cublas (matmul.cu) */
-    float *skinny_ws;            /* matmul.cu split-K partial tiles (fixed size, first use) */
-    int32_t *skinny_count;       /* matmul.cu per-tile arrival counts (zero between calls) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void *cublas_ws;
