@@ -17,8 +17,8 @@
 #           then ${PROF_METHODS:-quest,omnikv}) at batch 8 x 32K: per step the
 #           kernel count, summed kernel time and the top kernels
 #           (scripts/ncu_steps.py) -> $OUT/stepprof.txt. ~2 min.
-#   mmcmp   side by side in one call: `lethe bench engine` decode at batch 8 and
-#           16 (dummy Llama-3.1-8B, 4K context, CUDA graphs) with LETHE_MATMUL=cublas
+#   mmcmp   side by side in one call: `lethe bench engine` decode at batch 1 and
+#           4 (dummy Llama-3.1-8B, 4K context, CUDA graphs) with LETHE_MATMUL=cublas
 #           and with lethe's own small-batch kernels (auto: GEMV at n <= 4), alternating, 3
 #           repeats -> $OUT/mmcmp.txt. ~2 min.
 #   replay  `lethe bench replay` (issue #7) against `lethe serve --device cuda`
@@ -140,7 +140,7 @@ if has mmcmp; then
     for rep in 1 2 3; do
         for mm in cublas auto; do
             LETHE_MATMUL=$mm ./build/lethe bench engine -m configs/llama-3.1-8b-instruct/config.json \
-                --load-format dummy --points ${MM_POINTS:-8:4096:64,16:4096:64} \
+                --load-format dummy --points ${MM_POINTS:-1:4096:64,4:4096:64} \
                 --json "$OUT/mm-$mm-$rep.json" >"$OUT/mm-$mm-$rep.log" 2>&1
             python3 - "$OUT/mm-$mm-$rep.json" "$mm" "$rep" >>"$OUT/mmcmp.txt" <<'EOF2'
 import json, sys

@@ -176,7 +176,10 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-/* sum over 8 channels (in order) of max(q mn, q mx); q, mn, mx packed bf16 x 8 */
+/* sum over 8 channels (in order) of max(q mn, q mx); q, mn, mx packed bf16 x 8.
+ * max(q mn, q mx) is q times the bound the sign of q picks (mn <= mx: the
+ * same rounded product), one multiply-add instead of two products and a max;
+ * it differs from fmaxf only for an infinite bound times q = 0. */
 __device__ __forceinline__ float chunk_bound(uint4 q, uint4 mn, uint4 mx) {
     const uint32_t qw[4] = {q.x, q.y, q.z, q.w}, nw[4] = {mn.x, mn.y, mn.z, mn.w},
                    xw[4] = {mx.x, mx.y, mx.z, mx.w};
@@ -184,9 +187,9 @@ __device__ __forceinline__ float chunk_bound(uint4 q, uint4 mn, uint4 mx) {
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         float a = bf_lo(qw[k]);
-        u += fmaxf(a * bf_lo(nw[k]), a * bf_lo(xw[k]));
+        u = fmaf(a, a >= 0.0f ? bf_lo(xw[k]) : bf_lo(nw[k]), u);
         a = bf_hi(qw[k]);
-        u += fmaxf(a * bf_hi(nw[k]), a * bf_hi(xw[k]));
+        u = fmaf(a, a >= 0.0f ? bf_hi(xw[k]) : bf_hi(nw[k]), u);
     }
     return u;
 }
@@ -209,8 +212,11 @@ __device__ __forceinline__ void load_page(uint4 *mn, uint4 *mx, const uint4 *__r
 }
 
 /* grid (page tiles, sequences), PS_WARPS warps; dynamic smem: the query row
- * [n_heads * head_dim] bf16. R = ceil(n_chunks / 32) <= PS_VEC_MAX_R. */
-template <int R>
+ * [n_heads * head_dim] bf16. R = ceil(n_chunks / 32) <= PS_VEC_MAX_R.
+ * CPH_T / G_T: chunks per head and group size fixed at compile time (0:
+ * read from the arguments); fixed, the head and shuffle loops unroll and the
+ * group's independent shuffle chains overlap (the common Llama shapes). */
+template <int R, int CPH_T, int G_T>
 __global__ void __launch_bounds__(PS_WARPS * 32)
 page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
                        const bf16 *__restrict__ meta, const int32_t *__restrict__ q_rows,
@@ -222,7 +228,7 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
     const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
     if (p0 >= p1) return; /* uniform over the block */
     const int32_t qd8 = n_heads * head_dim / 8, n_chunks = n_kv_heads * head_dim / 8;
-    const int32_t cph = head_dim / 8, g = n_heads / n_kv_heads;
+    const int32_t cph = CPH_T ? CPH_T : head_dim / 8, g = G_T ? G_T : n_heads / n_kv_heads;
     const uint4 *q = (const uint4 *)(Q + (size_t)q_rows[s] * n_heads * head_dim);
     for (int32_t i = threadIdx.x; i < qd8; i += blockDim.x) q8[i] = q[i];
     __syncthreads();
@@ -251,6 +257,7 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
             for (int r = 0; r < R; r++) nmn[r] = nmx[r] = make_uint4(0u, 0u, 0u, 0u);
         }
         float best = -INFINITY;
+#pragma unroll
         for (int32_t j = 0; j < g; j++) {
             float u[R];
 #pragma unroll
@@ -258,6 +265,7 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
                 u[r] = 0.0f; /* out of range: 0 in the sums, never in the max */
                 if (valid[r]) u[r] = chunk_bound(q8[qoff[r] + j * cph], mn[r], mx[r]);
             }
+#pragma unroll
             for (int o = cph >> 1; o > 0; o >>= 1) {
 #pragma unroll
                 for (int r = 0; r < R; r++) u[r] += __shfl_xor_sync(0xffffffffu, u[r], o);
@@ -266,6 +274,7 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
             for (int r = 0; r < R; r++)
                 if (valid[r]) best = fmaxf(best, u[r]);
         }
+#pragma unroll
         for (int o = cph; o < 32; o <<= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, o));
         if (lane == 0) out[i] = best;
 #pragma unroll
@@ -311,17 +320,20 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
                        ? out
                        : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
     dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
-#define PS_VEC_LAUNCH(RR)                                                                           \
+#define PS_VEC_LAUNCH(RR, CC, GG)                                                                   \
     do {                                                                                           \
-        ps_smem_optin((const void *)page_scores_vec_kernel<RR>, smem);                             \
-        page_scores_vec_kernel<RR><<<grid, PS_WARPS * 32, smem, c->stream>>>(                      \
+        ps_smem_optin((const void *)page_scores_vec_kernel<RR, CC, GG>, smem);                     \
+        page_scores_vec_kernel<RR, CC, GG><<<grid, PS_WARPS * 32, smem, c->stream>>>(              \
             d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads, \
             head_dim);                                                                             \
     } while (0)
-    if (vec && R == 1) PS_VEC_LAUNCH(1);
-    else if (vec && R == 2) PS_VEC_LAUNCH(2);
-    else if (vec && R == 3) PS_VEC_LAUNCH(3);
-    else if (vec) PS_VEC_LAUNCH(4);
+    const int32_t cph = head_dim / 8, g = n_heads / n_kv_heads;
+    if (vec && R == 4 && cph == 16 && g == 4) PS_VEC_LAUNCH(4, 16, 4);      /* Llama-3 8B */
+    else if (vec && R == 4 && cph == 16 && g == 8) PS_VEC_LAUNCH(4, 16, 8); /* Llama-3 70B */
+    else if (vec && R == 1) PS_VEC_LAUNCH(1, 0, 0);
+    else if (vec && R == 2) PS_VEC_LAUNCH(2, 0, 0);
+    else if (vec && R == 3) PS_VEC_LAUNCH(3, 0, 0);
+    else if (vec) PS_VEC_LAUNCH(4, 0, 0);
     else {
         ps_smem_optin((const void *)page_scores_kernel, smem);
         page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(

@@ -301,8 +301,10 @@ sc1_logits_d_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict
     const int32_t slot = slots[sd.key_begin + lo + e0 + t];
     const uint4 *k8 = (const uint4 *)(kc + ((size_t)slot * n_kv + kvh) * D);
     uint4 kr[D / 8];
+    /* __ldg (L1-allocating): a lane reads its own row, so each 32-byte
+     * sector serves two consecutive 16-byte loads; the second hits L1 */
 #pragma unroll
-    for (int c8 = 0; c8 < D / 8; c8++) kr[c8] = __ldcs(k8 + c8);
+    for (int c8 = 0; c8 < D / 8; c8++) kr[c8] = __ldg(k8 + c8);
     float acc[G];
 #pragma unroll
     for (int h = 0; h < G; h++) acc[h] = 0.0f;
