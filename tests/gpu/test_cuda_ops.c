@@ -622,6 +622,7 @@ static void test_page_ops(void) {
          * shape over tile edges (32 pages a block, 4 a warp: prefetch of the next page) */
         {"llama8b edges", 32, 8, 128, 4, {0, 1, 31, 33}},
         {"llama8b 2048 pages", 32, 8, 128, 3, {2048, 2047, 5}},
+        {"llama70b (group 8)", 64, 8, 128, 3, {65, 1, 300}},  /* <4, 16, 8> */
         {"hd64 kv5 (40 chunks)", 10, 5, 64, 3, {33, 2, 100}},
         {"hd64 kv10 (R 3)", 30, 10, 64, 2, {70, 9}},
         {"hd32 kv12 (cph 4)", 24, 12, 32, 2, {40, 7}},
