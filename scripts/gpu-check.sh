@@ -70,6 +70,9 @@ if [ -d .deb ]; then
     export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$L"
 fi
 
+# Nsight Compute: on PATH or in the usual install folders (empty when absent)
+find_ncu() { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
+
 if has build; then
     make -j16 CUDA=1 all >"$OUT/build.log" 2>&1; rc=$?
     log "build: rc=$rc ($(( $(date +%s) - t_start ))s)"
@@ -121,7 +124,7 @@ if has sparse; then
 fi
 if has stepprof; then
     t0=$(date +%s)
-    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    NCU=$(find_ncu)
     pm=${PROF_METHODS:-quest,omnikv}
     LETHE_PROFILE_STEP=${PROF_STEP:-20} timeout 400 "$NCU" --clock-control none --profile-from-start off \
         --force-overwrite --metrics gpu__time_duration.sum -o "$OUT/ncu-steps" \
@@ -173,7 +176,7 @@ if has plot; then
 fi
 if has profile; then
     t0=$(date +%s)
-    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    NCU=$(find_ncu)
     : >"$OUT/profile.txt"
     if [ -z "$NCU" ]; then
         echo "ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute): no profile" >>"$OUT/profile.txt"

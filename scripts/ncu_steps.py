@@ -14,12 +14,12 @@ import csv
 import re
 import sys
 
-M_TIME = "gpu__time_duration.sum"
+from ncu_summary import M_TIME, num, short_name
 
 
 def short(name):
-    n = re.sub(r"^void\s+", "", name or "?").split("(")[0]
-    return re.sub(r"<.*", "", n).strip() or "?"
+    """kernel name without arguments and template arguments"""
+    return re.sub(r"<.*", "", short_name(name)).strip() or "?"
 
 
 def main():
@@ -40,7 +40,7 @@ def main():
     rows.sort(key=lambda r: int(r["ID"]))
     steps, cur = [], []
     for r in rows:
-        t = float(str(r[M_TIME]).replace(",", "") or 0) / 1e3  # ns -> us
+        t = (num(r[M_TIME]) or 0.0) / 1e3  # ns -> us
         cur.append((short(r.get("Kernel Name")), t))
         if "sample_kernel" in cur[-1][0]:
             steps.append(cur)
