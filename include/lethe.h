@@ -27,6 +27,24 @@ extern "C" {
 
 typedef struct lethe_engine lethe_engine;
 
+/* What every int-returning function below returns: 0 (LETHE_OK) or the kind
+ * of refusal; lethe_engine_last_error() has the message. */
+typedef enum lethe_status {
+    LETHE_OK = 0,
+    LETHE_ERR_INVALID,      /* bad argument, flag or user input */
+    LETHE_ERR_IO,           /* open/read/mmap/socket failed */
+    LETHE_ERR_FORMAT,       /* malformed GGUF, safetensors, tokenizer or JSON */
+    LETHE_ERR_UNSUPPORTED,  /* well-formed but not handled: dtype, arch, method */
+    LETHE_ERR_NOMEM,        /* host or device allocation failed */
+    LETHE_ERR_BACKEND,      /* device / library call failed outside the hot path */
+    LETHE_ERR_CAPACITY,     /* does not fit (KV, queue): a scheduling outcome at boundaries */
+    LETHE_ERR_NOT_FOUND,    /* unknown id / name */
+    LETHE_ERR_BUSY,         /* resource in use */
+} lethe_status;
+
+/* "ok", "invalid argument", ... (static strings) */
+const char *lethe_status_str(lethe_status s);
+
 #define LETHE_MAX_STOP 8
 #define LETHE_MAX_TOP_LOGPROBS 20
 
@@ -120,11 +138,11 @@ typedef struct lethe_engine_params {
     const char *sparse_config;  /* "knob=value,knob=value" (sink_keep_tokens, ...), may be NULL */
     bool check_invariants;      /* run the KV ownership checker after every step */
     bool progress;              /* progress bar while loading */
-    /* added by the engine: never put prefill and decode tokens in one step
+    /* never put prefill and decode tokens in one step
      * (the anchor's rule; default false = mixed steps as vLLM, see
      * docs/architecture.md for the CPU measurement) */
     bool split_prefill_decode;
-    /* added by the chain cache: "auto" (NULL) | "radix" | "chain". auto picks
+    /* "auto" (NULL) | "radix" | "chain". auto picks
      * the radix prefix cache for methods whose per-token KV does not depend
      * on history (dense, logical selection) and the Chain Cache for the
      * others (eviction); radix with an eviction method is an error. */
@@ -147,8 +165,8 @@ typedef struct lethe_engine_params {
 
 void lethe_engine_default_params(lethe_engine_params *p);
 
-/* Returns 0 and *out on success; otherwise a non-zero status (lethe_status
- * values from src/core/status.h) and lethe_engine_last_error() says why. */
+/* Returns LETHE_OK and *out on success; otherwise a lethe_status and
+ * lethe_engine_last_error() says why. */
 int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out);
 void lethe_engine_destroy(lethe_engine *e); /* NULL-safe; stops the thread if running */
 const char *lethe_engine_last_error(void);
@@ -206,7 +224,7 @@ typedef struct lethe_engine_stats {
 /* Thread-safe snapshot (updated at the end of every step). */
 void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out);
 
-/* ---- Chain Cache (added by the chain-cache issue; src/engine/engine_chain.c) ----
+/* ---- Chain Cache (src/engine/engine_chain.c) ----
  * In chain mode a conversation keeps its (possibly compacted) KV and method
  * state between turns; a turn only prefills the tokens after the processed
  * boundary. Turns are submitted with the *_chain functions below; a turn

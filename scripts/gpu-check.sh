@@ -7,7 +7,7 @@
 # (default: build,test,bench,peer,plot,profile; sparse and replay only when
 # named).
 #
-#   sparse  `lethe bench sparse` (issue #5): SnapKV 2K largest batch + decode
+#   sparse  `lethe bench sparse`: SnapKV 2K largest batch + decode
 #           tok/s vs dense at 32K and 128K, Quest / OmniKV vs dense at batch
 #           8 x 32K. ~3-4 min of GPU time. SPARSE_ARGS adds/overrides flags
 #           (e.g. "--matched-input 16384" to halve the matched part).
@@ -21,7 +21,7 @@
 #           4 (dummy Llama-3.1-8B, 4K context, CUDA graphs) with LETHE_MATMUL=cublas
 #           and with lethe's own small-batch kernels (auto: GEMV at n <= 4), alternating, 3
 #           repeats -> $OUT/mmcmp.txt. ~2 min.
-#   replay  `lethe bench replay` (issue #7) against `lethe serve --device cuda`
+#   replay  `lethe bench replay` against `lethe serve --device cuda`
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
 #           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
 #           dense-radix, snapkv-nocache, snapkv-chain on one generated trace

@@ -12,6 +12,7 @@
  *  - models/SmolLM2-135M-Instruct.Q4_1.gguf (the default model): a short
  *    chat case, alone vs batched with a shared system prompt. */
 #include <string.h>
+#include <sys/stat.h>
 
 #include "core/util.h"
 #include "engine/engine_internal.h"
@@ -315,7 +316,23 @@ static void test_smollm2_chat(void) {
     lethe_engine_destroy(e);
 }
 
+/* A tokenizer larger than the model's vocabulary is refused, and the message
+ * names both sizes (the model's was once read after the model was freed). */
+static void test_tokenizer_vocab_mismatch(void) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = TINY; /* vocab_size 256 */
+    struct stat sb;
+    p.tokenizer = stat("../shared/data/tokenizers/llama3", &sb) == 0 ? "../shared/data/tokenizers/llama3"
+                                                                      : "/work/shared/data/tokenizers/llama3";
+    lethe_engine *e = NULL;
+    int st = lethe_engine_create(&p, &e);
+    CHECK(st != 0 && !e);
+    CHECK_STR_CONTAINS(lethe_engine_last_error(), "but the model's vocabulary is 256");
+}
+
 int main(void) {
+    TEST_RUN(test_tokenizer_vocab_mismatch);
     TEST_RUN(test_alone_vs_batch);
     TEST_RUN(test_prefix_cache_on_off);
     TEST_RUN(test_preemption_same_output);

@@ -1,5 +1,5 @@
 /* bench_sparse.c - `lethe bench sparse`: what a sparse method buys in decode
- * throughput (issue #5's performance rows), in two parts.
+ * throughput, in two parts.
  *
  * capacity (an eviction method, default SnapKV, at each --capacity-inputs L):
  *   (i)  a real engine run (lethe_engine C API): n = max(1, --engine-tokens / L)
@@ -582,7 +582,7 @@ int lethe_bench_sparse(int argc, char **argv) {
     int n_pos = 0;
     int pr = lethe_opts_parse(
         rows, n, argc, argv, "lethe bench sparse [options]",
-        "Decode throughput of sparse methods vs dense (issue #5). capacity: an eviction method's largest\n"
+        "Decode throughput of sparse methods vs dense. capacity: an eviction method's largest\n"
         "batch from the engine's KV planning (resident slots measured by a real engine run at each input\n"
         "length), decode tokens/s at that batch over synthetic resident KV, vs dense at its largest batch.\n"
         "matched: real engine runs of dense and --matched-methods at the same batch and prompts.",

@@ -37,7 +37,7 @@
 typedef struct lethe_backend lethe_backend;
 typedef struct lethe_sample_args lethe_sample_args; /* backend/sample.h */
 
-/* ---- quantized KV storage (issue #5: KV quantization methods) ----
+/* ---- quantized KV storage ----
  * A KV layer is stored in one of these formats (the pool's, chosen by the
  * sparse method; src/kv/kv_pool.h). NATIVE: k_cache / v_cache hold the
  * backend's kv type (ops->kv_size bytes per element: f32 CPU, bf16 CUDA).
@@ -257,8 +257,8 @@ typedef struct lethe_backend_ops {
     void (*gather_rows)(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
                         int32_t n, int32_t dim);
 
-    /* ---- step staging and CUDA graphs (added for the CUDA backend; the CPU
-     * backend has no-op twins, so callers need no backend checks) ---- */
+    /* ---- step staging and CUDA graphs (the CPU backend has no-op twins,
+     * so callers need no backend checks) ---- */
     /* Pre-stages a step's host index arrays: until the next stage_step or
      * unstage, an op handed exactly arrays[i] (same pointer, counts[i]
      * elements) reads the backend's copy instead of staging it again. The
@@ -292,13 +292,12 @@ typedef struct lethe_backend_ops {
     void (*kv_store_quant)(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
                            void *v_cache, const void *k, const void *v, const int32_t *slots,
                            int32_t n, int32_t n_kv_heads, int32_t head_dim);
-    /* ---- attention scores for sparse methods (added by the score-pipeline
-     * work; see lethe_attn_scores_args): reduced per-key scores of a few
+    /* ---- attention scores for sparse methods (see lethe_attn_scores_args): reduced per-key scores of a few
      * query rows, written to a HOST array; synchronous (returns when `out`
      * is filled). Not allowed during graph capture. ---- */
     void (*attn_scores)(lethe_backend *be, const lethe_attn_scores_args *a);
 
-    /* ---- Quest page bounds (added by the quest issue; CPU twin
+    /* ---- Quest page bounds (CPU twin
      * backend/cpu/pages.c, CUDA backend/cuda/pages.cu) ----
      * A page-bounds buffer (allocated by the caller with alloc) holds meta
      * pages [n_meta, 2, kv_dim] in the KV element type (kv_size bytes): the

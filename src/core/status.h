@@ -10,20 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-typedef enum lethe_status {
-    LETHE_OK = 0,
-    LETHE_ERR_INVALID,      /* bad argument, flag or user input */
-    LETHE_ERR_IO,           /* open/read/mmap/socket failed */
-    LETHE_ERR_FORMAT,       /* malformed GGUF, safetensors, tokenizer or JSON */
-    LETHE_ERR_UNSUPPORTED,  /* well-formed but not handled: dtype, arch, method */
-    LETHE_ERR_NOMEM,        /* host or device allocation failed */
-    LETHE_ERR_BACKEND,      /* device / library call failed outside the hot path */
-    LETHE_ERR_CAPACITY,     /* does not fit (KV, queue): a scheduling outcome at boundaries */
-    LETHE_ERR_NOT_FOUND,    /* unknown id / name */
-    LETHE_ERR_BUSY,         /* resource in use */
-} lethe_status;
-
-const char *lethe_status_str(lethe_status s);
+/* lethe_status (LETHE_OK, LETHE_ERR_*) and lethe_status_str are public:
+ * include/lethe.h defines them, so a user of the C API can handle refusals. */
+#include "lethe.h"
 
 /* Thread-local "last error" message. lethe_errorf() formats it and returns
  * `s` so that a detection site reads: return lethe_errorf(LETHE_ERR_FORMAT, "...") */

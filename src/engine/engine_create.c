@@ -44,12 +44,12 @@ int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out) {
         }
     }
     if (tok && lethe_tokenizer_n_vocab(tok) > model.cfg.n_vocab) {
-        int32_t tv = lethe_tokenizer_n_vocab(tok);
+        const int32_t tv = lethe_tokenizer_n_vocab(tok), mv = model.cfg.n_vocab; /* before the free */
         lethe_tokenizer_free(tok);
         lethe_model_free(&model);
         lethe_backend_destroy(be);
         return lethe_errorf(LETHE_ERR_FORMAT, "%s: the tokenizer has %d tokens but the model's vocabulary is %d",
-                            p->model, tv, model.cfg.n_vocab);
+                            p->model, tv, mv);
     }
     lethe_runner runner;
     lethe_runner_model(&model, be, &runner);

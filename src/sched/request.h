@@ -53,7 +53,7 @@ typedef struct lethe_req {
     struct lethe_req *prev, *next; /* waiting list links */
     uint64_t arrival;       /* FCFS order */
 
-    /* Chain Cache resume (added by the chain cache): at its first admission
+    /* Chain Cache resume: at its first admission
      * the request takes over resume_row (KV of tokens [0, resume_computed),
      * possibly compacted) and resume_state (the method's state) instead of a
      * fresh row and request_init; only tokens after the boundary are

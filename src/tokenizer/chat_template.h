@@ -17,7 +17,6 @@ typedef struct lethe_tokenizer lethe_tokenizer;
 typedef enum lethe_chat_format {
     LETHE_CHAT_CHATML = 0,   /* <|im_start|>role\ncontent<|im_end|>\n */
     LETHE_CHAT_LLAMA3,       /* <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> */
-    /* added by the tokenizer helper: */
     LETHE_CHAT_SMOLLM2,      /* ChatML; a conversation not starting with a system message gets
                                 SmolLM2's default one ("You are a helpful AI assistant named SmolLM,
                                 trained by Hugging Face") */

@@ -49,7 +49,7 @@ lethe_status lethe_tokenize(const lethe_tokenizer *t, const char *text, size_t l
 /* Raw bytes of a token (byte-level decoded); *n_bytes set; NULL for out-of-range ids. */
 const char *lethe_token_bytes(const lethe_tokenizer *t, int32_t id, size_t *n_bytes);
 
-/* Longest lethe_token_bytes of any token (added by the tokenizer helper):
+/* Longest lethe_token_bytes of any token:
  * lethe_detok_push never truncates when cap >= 3 * (this + 4) + 1. */
 size_t lethe_tokenizer_max_token_bytes(const lethe_tokenizer *t);
 

@@ -1,5 +1,5 @@
 """`lethe methods`: the listing comes from the registry, so it names every
-method of the issue with its kind, aliases and the knob defaults of
+registered method with its kind, aliases and the knob defaults of
 methods.md / the anchor, and rejects unknown names with exit code 2."""
 import json
 import os

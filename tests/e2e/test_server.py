@@ -1,4 +1,4 @@
-"""End-to-end tests of `lethe serve` (issue: OpenAI-compatible server).
+"""End-to-end tests of `lethe serve` (the OpenAI-compatible server).
 
 Starts the server on 127.0.0.1 with the default model on CPU and drives it
 with the official `openai` client, `requests`, raw sockets and curl:

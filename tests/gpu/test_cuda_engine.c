@@ -9,7 +9,7 @@
  *   eager        --enforce-eager: no graphs, no padding
  *   eager+pad    enforce_eager + pad_decode_batches: the graph run's exact
  *                shapes launched eagerly
- * Checks: graphs vs eager: identical greedy tokens (what the issue asks);
+ * Checks: graphs vs eager: identical greedy tokens;
  * graphs vs eager+pad: bit-identical logits of every token (same kernels,
  * same shapes: a replay must compute exactly what the eager launch does);
  * the graph engine replayed graphs (stats.graph_replays > 0, padded_seqs >
