@@ -299,6 +299,14 @@ static void test_load_paths(void) {
     CHECK_EQ_INT(n, 4);
     for (int i = 0; i < 4; i++) CHECK_EQ_INT(ids[i], want[i]);
     free(ids);
+    /* bytes with no piece and no unk token are refused, never dropped (HF drops them): a text
+     * made only of them is not "empty", and one inside a word is named */
+    CHECK_EQ_INT(lethe_tokenize(t, "zz", 2, false, true, &ids, &n), LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "byte 0x7a has no token");
+    CHECK(ids == NULL && n == 0);
+    CHECK_EQ_INT(lethe_tokenize(t, "abza", 4, false, true, &ids, &n), LETHE_ERR_INVALID);
+    CHECK_EQ_INT(lethe_tokenize(t, "\xff", 1, false, true, &ids, &n), LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "byte 0xff");
     lethe_tokenizer_free(t);
     CHECK_EQ_INT(lethe_tokenizer_load("/nonexistent/model.gguf", &t), LETHE_ERR_IO);
     unlink(p);

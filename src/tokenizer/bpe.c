@@ -101,8 +101,8 @@ static int32_t merged_id(const lethe_tokenizer *t, int32_t a, int32_t b) {
     }
 }
 
-void tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *out, tok_bpe_scratch *s) {
-    if (n == 0) return;
+int tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *out, tok_bpe_scratch *s) {
+    if (n == 0) return -1;
     if (t->ignore_merges || n == 1) {
         if (s->piece_cap < 2 * n) {
             s->piece_cap = 2 * n + 64;
@@ -113,7 +113,7 @@ void tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *ou
         int32_t id = tok_strmap_get(t, &t->bpe_map, s->piece, pl);
         if (id >= 0) {
             tok_ids_push(out, id);
-            return;
+            return -1;
         }
     }
     if (s->cap < n) {
@@ -122,18 +122,19 @@ void tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *ou
         s->prev = lethe_xrealloc(s->prev, s->cap * sizeof(int32_t));
         s->next = lethe_xrealloc(s->next, s->cap * sizeof(int32_t));
     }
-    /* initial symbols; a byte without a piece becomes unk (or is dropped, as HF does without unk) */
+    /* initial symbols; a byte without a piece becomes unk. HF drops it when there is
+     * no unk token; we refuse the text instead, so no input vanishes silently. */
     int32_t m = 0;
     for (size_t i = 0; i < n; i++) {
         int32_t id = t->byte_id[(uint8_t)w[i]];
         if (id < 0) id = t->unk_id;
-        if (id < 0) continue;
+        if (id < 0) return (uint8_t)w[i];
         s->id[m] = id;
         s->prev[m] = m - 1;
         s->next[m] = m + 1;
         m++;
     }
-    if (m == 0) return;
+    if (m == 0) return -1;
     s->next[m - 1] = -1;
     s->heap_n = 0;
     if (t->merges.keys)
@@ -152,4 +153,5 @@ void tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *ou
         push_pair(t, s, i);
     }
     for (int32_t i = 0; i >= 0; i = s->next[i]) tok_ids_push(out, s->id[i]);
+    return -1;
 }

@@ -144,9 +144,11 @@ lethe_status tok_pretokenize(const lethe_tokenizer *t, const char *s, size_t n, 
 typedef struct tok_bpe_scratch tok_bpe_scratch;
 tok_bpe_scratch *tok_bpe_scratch_new(void);
 void tok_bpe_scratch_free(tok_bpe_scratch *s);
-/* BPE-encodes one pre-tokenized word (raw bytes), appending ids */
-void tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *out,
-                  tok_bpe_scratch *s);
+/* BPE-encodes one pre-tokenized word (raw bytes), appending ids. Returns -1,
+ * or the first byte value (0-255) that has no piece and no unk token to stand
+ * for it: the caller refuses the text instead of dropping the byte. */
+int tok_bpe_word(const lethe_tokenizer *t, const char *w, size_t n, tok_ids *out,
+                 tok_bpe_scratch *s);
 
 /* NFC normalization (normalize.c). *out is malloc'd; returns NOMEM / FORMAT. */
 lethe_status tok_nfc(const char *s, size_t n, char **out, size_t *out_n);

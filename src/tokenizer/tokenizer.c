@@ -56,10 +56,16 @@ typedef struct enc_ctx {
     word_cache *wc;
 } enc_ctx;
 
-static void encode_word(enc_ctx *c, const char *w, size_t n) {
+static lethe_status no_token(int byte) {
+    return lethe_errorf(LETHE_ERR_INVALID,
+                        "byte 0x%02x has no token in the vocabulary and the tokenizer has no unknown token",
+                        byte);
+}
+
+static lethe_status encode_word(enc_ctx *c, const char *w, size_t n) {
     if (n > WC_MAX_WORD || !c->wc) {
-        tok_bpe_word(c->t, w, n, c->out, c->bpe);
-        return;
+        int bad = tok_bpe_word(c->t, w, n, c->out, c->bpe);
+        return bad >= 0 ? no_token(bad) : LETHE_OK;
     }
     word_cache *wc = c->wc;
     uint64_t h = lethe_hash64(w, n, 7);
@@ -68,12 +74,13 @@ static void encode_word(enc_ctx *c, const char *w, size_t n) {
         if (wc->wlen[slot] == 0) break;
         if (wc->hash[slot] == h && wc->wlen[slot] == n && memcmp(wc->word[slot], w, n) == 0) {
             for (uint32_t i = 0; i < wc->ids_n[slot]; i++) tok_ids_push(c->out, wc->store.v[wc->ids_off[slot] + i]);
-            return;
+            return LETHE_OK;
         }
     }
     size_t before = c->out->n;
-    tok_bpe_word(c->t, w, n, c->out, c->bpe);
-    if (c->out->oom || wc->used >= WC_SLOTS / 2 || wc->wlen[slot] != 0) return;
+    int bad = tok_bpe_word(c->t, w, n, c->out, c->bpe);
+    if (bad >= 0) return no_token(bad);
+    if (c->out->oom || wc->used >= WC_SLOTS / 2 || wc->wlen[slot] != 0) return LETHE_OK;
     wc->hash[slot] = h;
     wc->wlen[slot] = (uint32_t)n;
     memcpy(wc->word[slot], w, n);
@@ -82,6 +89,7 @@ static void encode_word(enc_ctx *c, const char *w, size_t n) {
     for (size_t i = before; i < c->out->n; i++) tok_ids_push(&wc->store, c->out->v[i]);
     if (wc->store.oom) wc->used = WC_SLOTS; /* stop caching */
     else wc->used++;
+    return LETHE_OK;
 }
 
 /* normalize, prefix-space, pre-tokenize and BPE one segment without added tokens */
@@ -109,7 +117,7 @@ static lethe_status encode_segment(enc_ctx *c, const char *s, size_t n) {
     }
     c->spans.n = 0;
     lethe_status st = tok_pretokenize(t, s, nn, &c->spans, &c->scratch, c->md);
-    for (size_t i = 0; st == LETHE_OK && i < c->spans.n; i++) encode_word(c, s + c->spans.v[i].off, c->spans.v[i].len);
+    for (size_t i = 0; st == LETHE_OK && i < c->spans.n; i++) st = encode_word(c, s + c->spans.v[i].off, c->spans.v[i].len);
     free(norm);
     free(pref);
     return st;
