@@ -34,7 +34,7 @@ const char *srv_finish_str(lethe_finish_reason r) {
 }
 
 /* Length of the valid UTF-8 sequence at s[0..n), or 0 if invalid. */
-static size_t utf8_seq(const unsigned char *s, size_t n) {
+size_t srv_utf8_seq(const unsigned char *s, size_t n) {
     unsigned c = s[0];
     size_t len;
     unsigned min;
@@ -58,7 +58,7 @@ char *srv_utf8_sanitize(const char *s, size_t n) {
     srv_buf_reserve(&b, n);
     size_t i = 0;
     while (i < n) {
-        size_t k = utf8_seq((const unsigned char *)s + i, n - i);
+        size_t k = srv_utf8_seq((const unsigned char *)s + i, n - i);
         if (k == 0 || (k == 1 && s[i] == '\0')) {
             if (k == 0) srv_buf_puts(&b, "\xef\xbf\xbd");
             i++;

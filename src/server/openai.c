@@ -33,7 +33,7 @@ int srv_errorf(srv_error *err, int status, const char *param, const char *fmt, .
 
 static const char *error_type(int status) {
     switch (status) {
-    case 400: case 413: return "BadRequestError";
+    case 400: case 413: case 414: case 431: return "BadRequestError";
     case 401: return "AuthenticationError";
     case 404: return "NotFoundError";
     case 405: return "MethodNotAllowedError";
@@ -45,7 +45,10 @@ static const char *error_type(int status) {
 char *srv_error_json(const srv_error *err) {
     cJSON *root = cJSON_CreateObject();
     cJSON *e = cJSON_AddObjectToObject(root, "error");
-    cJSON_AddStringToObject(e, "message", err->message);
+    /* valid UTF-8 whatever client text the message quotes (a path, a cut-off field) */
+    char *msg = srv_utf8_sanitize(err->message, strlen(err->message));
+    cJSON_AddStringToObject(e, "message", msg);
+    free(msg);
     cJSON_AddStringToObject(e, "type", error_type(err->status));
     if (err->param[0]) cJSON_AddStringToObject(e, "param", err->param);
     else cJSON_AddNullToObject(e, "param");
@@ -170,9 +173,10 @@ static int message_text(const cJSON *content, int idx, srv_buf *out, srv_error *
         cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
         if (!cJSON_IsObject(part) || !cJSON_IsString(type))
             return srv_errorf(err, 400, param, "'%s' parts must be objects with a 'type'", param);
+        char clip[80];
         if (strcmp(type->valuestring, "text") != 0)
             return srv_errorf(err, 400, param, "content part type '%s' is not supported (text only)",
-                              type->valuestring);
+                              srv_clip(type->valuestring, clip, sizeof(clip)));
         if (!cJSON_IsString(text))
             return srv_errorf(err, 400, param, "text parts of '%s' need a string 'text'", param);
         srv_buf_puts(out, text->valuestring);
@@ -185,6 +189,9 @@ static int parse_messages(const srv_api *api, const cJSON *root, srv_gen *g, srv
     if (!msgs) return srv_errorf(err, 400, "messages", "'messages' is required");
     if (!cJSON_IsArray(msgs) || cJSON_GetArraySize(msgs) == 0)
         return srv_errorf(err, 400, "messages", "'messages' must be a non-empty array");
+    if (cJSON_GetArraySize(msgs) > SRV_MAX_MESSAGES)
+        return srv_errorf(err, 400, "messages", "'messages' has %d entries; at most %d are accepted",
+                          cJSON_GetArraySize(msgs), SRV_MAX_MESSAGES);
     size_t n = (size_t)cJSON_GetArraySize(msgs);
     const char **roles = lethe_xcalloc(n, sizeof(char *));
     srv_buf *texts = lethe_xcalloc(n, sizeof(srv_buf));
@@ -203,8 +210,9 @@ static int parse_messages(const srv_api *api, const cJSON *root, srv_gen *g, srv
         const char *r = role->valuestring;
         if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool") &&
             strcmp(r, "developer")) {
-            rc = srv_errorf(err, 400, param,
-                            "unknown role '%s' (system, developer, user, assistant, tool)", r);
+            char clip[80];
+            rc = srv_errorf(err, 400, param, "unknown role '%s' (system, developer, user, assistant, tool)",
+                            srv_clip(r, clip, sizeof(clip)));
             break;
         }
         roles[i] = strcmp(r, "developer") ? r : "system";
@@ -237,6 +245,8 @@ static int parse_stop(const cJSON *root, srv_gen *g, srv_error *err) {
     int n = 0;
     if (cJSON_IsString(s)) {
         if (!s->valuestring[0]) return srv_errorf(err, 400, "stop", "'stop' must not be empty");
+        if (strlen(s->valuestring) > SRV_MAX_STOP_BYTES)
+            return srv_errorf(err, 400, "stop", "'stop' strings are at most %d bytes", SRV_MAX_STOP_BYTES);
         g->stops[n++] = lethe_xstrdup(s->valuestring);
     } else if (cJSON_IsArray(s)) {
         if (cJSON_GetArraySize(s) > LETHE_MAX_STOP - 1)
@@ -246,6 +256,8 @@ static int parse_stop(const cJSON *root, srv_gen *g, srv_error *err) {
         cJSON_ArrayForEach(it, s) {
             if (!cJSON_IsString(it) || !it->valuestring[0])
                 return srv_errorf(err, 400, "stop", "'stop' entries must be non-empty strings");
+            if (strlen(it->valuestring) > SRV_MAX_STOP_BYTES)
+                return srv_errorf(err, 400, "stop", "'stop' strings are at most %d bytes", SRV_MAX_STOP_BYTES);
             g->stops[n++] = lethe_xstrdup(it->valuestring);
         }
     } else {
@@ -393,8 +405,8 @@ int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_
     g->logprobs = -1;
     lethe_sampling_default_params(&g->sp);
     make_id(g);
-    cJSON *root = cJSON_ParseWithLength(body, len);
-    if (!root) return srv_errorf(err, 400, NULL, "request body is not valid JSON");
+    cJSON *root = NULL;
+    if (srv_json_parse(body, len, &root, err)) return -1;
     int rc = -1;
     if (!cJSON_IsObject(root)) {
         srv_errorf(err, 400, NULL, "request body must be a JSON object");
@@ -407,7 +419,9 @@ int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_
     }
     if (model && strcmp(model->valuestring, api->served_name) &&
         strcmp(model->valuestring, api->model_path)) {
-        srv_errorf(err, 404, "model", "The model `%s` does not exist.", model->valuestring);
+        char clip[80];
+        srv_errorf(err, 404, "model", "The model `%s` does not exist.",
+                   srv_clip(model->valuestring, clip, sizeof(clip)));
         goto out;
     }
     if (get_bool(root, "stream", &g->stream, err) < 0) goto out;
@@ -468,8 +482,8 @@ void srv_gen_free(srv_gen *g) {
 /* vLLM's /tokenize: {"prompt": str, "add_special_tokens": bool} or {"messages": [...],
  * "add_generation_prompt": bool} -> {"count", "max_model_len", "tokens"}. */
 char *srv_tokenize_json(const srv_api *api, const char *body, size_t len, srv_error *err) {
-    cJSON *root = cJSON_ParseWithLength(body, len);
-    if (!root) return srv_errorf(err, 400, NULL, "request body is not valid JSON"), NULL;
+    cJSON *root = NULL;
+    if (srv_json_parse(body, len, &root, err)) return NULL;
     char *out = NULL;
     srv_gen g;
     memset(&g, 0, sizeof(g));
@@ -509,8 +523,8 @@ done:
 
 /* vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}. */
 char *srv_detokenize_json(const srv_api *api, const char *body, size_t len, srv_error *err) {
-    cJSON *root = cJSON_ParseWithLength(body, len);
-    if (!root) return srv_errorf(err, 400, NULL, "request body is not valid JSON"), NULL;
+    cJSON *root = NULL;
+    if (srv_json_parse(body, len, &root, err)) return NULL;
     char *out = NULL;
     int32_t *ids = NULL, n = 0;
     cJSON *toks = cJSON_IsObject(root) ? field(root, "tokens") : NULL;

@@ -97,7 +97,22 @@ void srv_sse_usage(const srv_api *api, const srv_gen *g, int32_t prompt, int32_t
 void srv_sse_error(const srv_error *err, srv_buf *out);
 void srv_sse_done(srv_buf *out);
 
+/* Limits on a request (each refusal is a 400 naming the field; the body size
+ * is --max-request-bytes, 413). */
+#define SRV_MAX_MESSAGES 4096      /* chat messages per request */
+#define SRV_MAX_STOP_BYTES 1024    /* bytes in one stop string */
+
+/* Strict body parsing (json_in.c): valid UTF-8, no NUL byte and no \u0000
+ * escape in any string, one JSON value and nothing after it but whitespace.
+ * 0 and *out (caller deletes), or -1 and a 400 in *err. */
+int srv_json_parse(const char *body, size_t len, cJSON **out, srv_error *err);
+/* Client text quoted in an error message: s, or its first cap - 4 bytes (cut at
+ * a UTF-8 boundary) and "...". Returns buf. */
+const char *srv_clip(const char *s, char *buf, size_t cap);
+
 const char *srv_finish_str(lethe_finish_reason r);
+/* Length of the valid UTF-8 sequence at s[0..n), 0 if invalid (format.c). */
+size_t srv_utf8_seq(const unsigned char *s, size_t n);
 /* Copy of s[0..n) with invalid UTF-8 replaced by U+FFFD and NUL bytes dropped; malloc'd. */
 char *srv_utf8_sanitize(const char *s, size_t n);
 
