@@ -322,7 +322,7 @@ static void run_engine(bool host, bool batched, bool pad, eout *outs, int64_t *d
     }
     while (lethe_engine_has_work(e)) CHECK(lethe_engine_step(e) == 0);
     *dev_steps = e->ds.n_steps;
-    CHECK(!pad || e->stats.padded_seqs > 0);
+    CHECK(!pad || e->stats.cur.padded_seqs > 0);
     lethe_engine_destroy(e);
     unsetenv("LETHE_SAMPLE_ON_HOST");
 }

@@ -147,10 +147,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->runner = *runner;
     memset(runner, 0, sizeof(*runner));
     e->tok = tok;
-    pthread_mutex_init(&e->stats_mu, NULL);
-    lethe_queue_init(&e->q, ENG_QUEUE_CAP);
-    atomic_init(&e->next_id, 1);
-    atomic_init(&e->stop_flag, false);
+    pthread_mutex_init(&e->stats.mu, NULL);
+    lethe_queue_init(&e->thr.inbox, ENG_QUEUE_CAP);
+    atomic_init(&e->reqs.next_id, 1);
+    atomic_init(&e->thr.stop, false);
     lethe_status st = LETHE_OK;
     const lethe_model_config *c = &e->runner.cfg;
     const lethe_sparse_ops *ops = NULL;
@@ -187,20 +187,20 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     }
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
     const char *st_env = getenv("LETHE_STEP_TIMES");
-    e->step_times = st_env && *st_env && strcmp(st_env, "0") != 0;
+    e->diag.step_times = st_env && *st_env && strcmp(st_env, "0") != 0;
     /* LETHE_PROFILE_STEP=N: the device profiler's range around the N-th pure
      * decode step (1-based), for `ncu --profile-from-start off` */
     const char *ps_env = getenv("LETHE_PROFILE_STEP");
-    e->profile_step = ps_env && *ps_env ? strtoll(ps_env, NULL, 10) : 0;
-    if (e->profile_step < 0 || (e->profile_step > 0 && !e->runner.be)) e->profile_step = 0;
+    e->diag.profile_step = ps_env && *ps_env ? strtoll(ps_env, NULL, 10) : 0;
+    if (e->diag.profile_step < 0 || (e->diag.profile_step > 0 && !e->runner.be)) e->diag.profile_step = 0;
     /* device logits rows: every logits row of a step, padded decode steps included */
     if (e->runner.workspace &&
         (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,
                                   LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens),
-                                            e->max_bucket))) != LETHE_OK)
+                                            e->fwd.max_bucket))) != LETHE_OK)
         goto fail;
     if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
-    const bool scratch = e->max_bucket > 0;
+    const bool scratch = e->fwd.max_bucket > 0;
     lethe_kv_pool_params pp = {
         .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
         .n_slots = n_slots + scratch, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
@@ -212,37 +212,39 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->method->env.pool = e->pool;
     if ((st = e->runner.bind(e->runner.ctx, e->pool, e->p.max_num_batched_tokens)) != LETHE_OK) goto fail;
     if ((st = eng_cache_mode_init(e)) != LETHE_OK) goto fail; /* chain cache or ... */
-    if (e->p.enable_prefix_caching && !e->chains) e->radix = lethe_radix_create(e->pool, fingerprint(e)); /* radix */
+    if (e->p.enable_prefix_caching && !e->prefix.chains) /* radix */
+        e->prefix.radix = lethe_radix_create(e->pool, fingerprint(e));
     lethe_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
                              .max_num_batched_tokens = e->p.max_num_batched_tokens,
                              .split_prefill_decode = e->p.split_prefill_decode};
-    e->sched = lethe_sched_create(&sp, e->pool, e->radix, e->method);
+    e->sched = lethe_sched_create(&sp, e->pool, e->prefix.radix, e->method);
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
     /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
-    e->cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->max_bucket);
+    e->step.cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->fwd.max_bucket);
     { /* sampling on the backend unless LETHE_SAMPLE_ON_HOST=1 (debugging, comparisons) */
         const char *h = getenv("LETHE_SAMPLE_ON_HOST");
         e->ds.enabled = e->runner.sample && !(h && h[0] == '1');
     }
-    e->logits = malloc((size_t)e->cap_logits * (size_t)e->n_vocab * sizeof(float));
-    if (!e->logits) {
-        st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->cap_logits, e->n_vocab);
+    e->step.logits = malloc((size_t)e->step.cap_logits * (size_t)e->n_vocab * sizeof(float));
+    if (!e->step.logits) {
+        st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->step.cap_logits,
+                          e->n_vocab);
         goto fail;
     }
     eng_forward_bind(e);
     if (e->tok) {
-        e->detok_cap = 3 * (lethe_tokenizer_max_token_bytes(e->tok) + 4) + 1;
-        e->detok_buf = lethe_xmalloc(e->detok_cap);
+        e->step.detok_cap = 3 * (lethe_tokenizer_max_token_bytes(e->tok) + 4) + 1;
+        e->step.detok_buf = lethe_xmalloc(e->step.detok_cap);
     }
-    e->n_buckets = 1024;
-    e->table = lethe_xcalloc(e->n_buckets, sizeof(*e->table));
-    e->stats.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool); /* without the scratch slot */
+    e->reqs.n_buckets = 1024;
+    e->reqs.buckets = lethe_xcalloc(e->reqs.n_buckets, sizeof(*e->reqs.buckets));
+    e->stats.cur.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool); /* without the scratch slot */
     eng_publish_stats(e);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
              lethe_kv_format_name(pp.format), e->max_model_len,
-             ops->name, e->radix ? ", prefix cache on" : "",
-             e->use_graphs ? ", CUDA-graph decode" : e->max_bucket ? ", padded decode" : "");
+             ops->name, e->prefix.radix ? ", prefix cache on" : "",
+             e->fwd.use_graphs ? ", CUDA-graph decode" : e->fwd.max_bucket ? ", padded decode" : "");
     *out = e;
     return LETHE_OK;
 fail:
@@ -253,21 +255,21 @@ fail:
 /* ---- id table ---- */
 
 static uint64_t bucket(const lethe_engine *e, uint64_t id) {
-    return (id * 0x9e3779b97f4a7c15ull >> 17) & (e->n_buckets - 1);
+    return (id * 0x9e3779b97f4a7c15ull >> 17) & (e->reqs.n_buckets - 1);
 }
 
 eng_req *eng_find(lethe_engine *e, uint64_t id) {
-    for (eng_req *q = e->table[bucket(e, id)]; q; q = q->hnext)
+    for (eng_req *q = e->reqs.buckets[bucket(e, id)]; q; q = q->hnext)
         if (q->r.id == id) return q;
     return NULL;
 }
 
 static void table_remove(lethe_engine *e, eng_req *q) {
-    eng_req **p = &e->table[bucket(e, q->r.id)];
+    eng_req **p = &e->reqs.buckets[bucket(e, q->r.id)];
     while (*p && *p != q) p = &(*p)->hnext;
     LETHE_ASSERT(*p == q);
     *p = q->hnext;
-    e->n_live--;
+    e->reqs.n_live--;
 }
 
 /* ---- requests ---- */
@@ -316,7 +318,7 @@ lethe_status eng_validate(const lethe_engine *e, const lethe_request_params *p) 
 
 eng_req *eng_req_new(lethe_engine *e, const lethe_request_params *p) {
     eng_req *q = lethe_xcalloc(1, sizeof(*q));
-    q->r.id = atomic_fetch_add(&e->next_id, 1);
+    q->r.id = atomic_fetch_add(&e->reqs.next_id, 1);
     q->r.row = -1;
     q->r.cap_tokens = p->n_prompt + 16;
     q->r.tokens = lethe_xmalloc((size_t)q->r.cap_tokens * sizeof(int32_t));
@@ -358,26 +360,26 @@ void eng_req_free(eng_req *q) {
 }
 
 void eng_admit(lethe_engine *e, eng_req *q) {
-    if ((uint64_t)e->n_live + 1 > e->n_buckets) { /* grow the id table */
-        uint64_t nb = e->n_buckets * 2;
-        eng_req **old = e->table;
-        uint64_t ob = e->n_buckets;
-        e->table = lethe_xcalloc(nb, sizeof(*e->table));
-        e->n_buckets = nb;
+    if ((uint64_t)e->reqs.n_live + 1 > e->reqs.n_buckets) { /* grow the id table */
+        uint64_t nb = e->reqs.n_buckets * 2;
+        eng_req **old = e->reqs.buckets;
+        uint64_t ob = e->reqs.n_buckets;
+        e->reqs.buckets = lethe_xcalloc(nb, sizeof(*e->reqs.buckets));
+        e->reqs.n_buckets = nb;
         for (uint64_t i = 0; i < ob; i++)
             for (eng_req *x = old[i], *next; x; x = next) {
                 next = x->hnext;
                 uint64_t b = bucket(e, x->r.id);
-                x->hnext = e->table[b];
-                e->table[b] = x;
+                x->hnext = e->reqs.buckets[b];
+                e->reqs.buckets[b] = x;
             }
         free(old);
     }
     uint64_t b = bucket(e, q->r.id);
-    q->hnext = e->table[b];
-    e->table[b] = q;
-    e->n_live++;
-    e->stats.prompt_tokens_total += q->r.n_prompt;
+    q->hnext = e->reqs.buckets[b];
+    e->reqs.buckets[b] = q;
+    e->reqs.n_live++;
+    e->stats.cur.prompt_tokens_total += q->r.n_prompt;
     lethe_sched_add(e->sched, &q->r);
     if (q->has_chain) eng_chain_on_admit(e, q);
 }
@@ -404,7 +406,7 @@ void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char
 void eng_retire(lethe_engine *e, eng_req *q) {
     if (q->r.state != LETHE_REQ_FINISHED) lethe_sched_remove(e->sched, &q->r);
     table_remove(e, q);
-    e->stats.n_requests_finished++;
+    e->stats.cur.n_requests_finished++;
 }
 
 /* ---- synchronous API ---- */
@@ -419,7 +421,7 @@ int lethe_engine_add_request(lethe_engine *e, const lethe_request_params *p, uin
 }
 
 int lethe_engine_abort(lethe_engine *e, uint64_t id) {
-    if (e->thread_running) { /* the engine thread owns the requests: go through its inbox */
+    if (e->thr.running) { /* the engine thread owns the requests: go through its inbox */
         lethe_engine_cancel(e, id);
         return LETHE_OK;
     }
@@ -431,11 +433,11 @@ int lethe_engine_abort(lethe_engine *e, uint64_t id) {
 }
 
 bool lethe_engine_has_work(const lethe_engine *e) {
-    return lethe_sched_has_work(e->sched) || lethe_queue_pending((lethe_queue *)&e->q) > 0;
+    return lethe_sched_has_work(e->sched) || lethe_queue_pending((lethe_queue *)&e->thr.inbox) > 0;
 }
 
 int lethe_engine_step(lethe_engine *e) {
-    if (e->thread_running)
+    if (e->thr.running)
         return lethe_errorf(LETHE_ERR_BUSY, "lethe_engine_step: the engine thread is running (threaded mode)");
     return eng_step(e);
 }
@@ -446,7 +448,7 @@ void eng_apply_inbox(lethe_engine *e) {
     void **items;
     uint64_t *ids;
     int32_t n_items, n_ids;
-    lethe_queue_drain(&e->q, &items, &n_items, &ids, &n_ids);
+    lethe_queue_drain(&e->thr.inbox, &items, &n_items, &ids, &n_ids);
     for (int32_t i = 0; i < n_items; i++) eng_admit(e, items[i]);
     for (int32_t i = 0; i < n_ids; i++) {
         eng_req *q = eng_find(e, ids[i]);
@@ -459,36 +461,36 @@ void eng_apply_inbox(lethe_engine *e) {
 /* ---- stats, checks ---- */
 
 void eng_publish_stats(lethe_engine *e) {
-    lethe_engine_stats *s = &e->stats;
+    lethe_engine_stats *s = &e->stats.cur;
     s->n_running = lethe_sched_n_running(e->sched);
     s->n_waiting = lethe_sched_n_waiting(e->sched);
     int32_t n_sp = lethe_kv_n_spaces(e->pool);
-    int64_t reclaim = e->radix ? lethe_radix_reclaimable(e->radix) * n_sp : 0;
+    int64_t reclaim = e->prefix.radix ? lethe_radix_reclaimable(e->prefix.radix) * n_sp : 0;
     s->kv_slots_used = s->kv_slots_total - lethe_kv_total_free(e->pool) - reclaim;
     s->kv_usage = s->kv_slots_total ? (double)s->kv_slots_used / (double)s->kv_slots_total : 0.0;
     const lethe_sched_stats *ss = lethe_sched_get_stats(e->sched);
     s->prefix_queries_tokens = ss->prefix_queries_tokens;
     s->prefix_hit_tokens = ss->prefix_hit_tokens;
     s->n_preemptions = ss->n_preemptions;
-    pthread_mutex_lock(&e->stats_mu);
-    e->stats_snap = *s;
-    pthread_mutex_unlock(&e->stats_mu);
+    pthread_mutex_lock(&e->stats.mu);
+    e->stats.snap = *s;
+    pthread_mutex_unlock(&e->stats.mu);
 }
 
 void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out) {
-    pthread_mutex_lock(&e->stats_mu);
-    *out = e->stats_snap;
-    pthread_mutex_unlock(&e->stats_mu);
-    out->n_waiting += lethe_queue_pending(&e->q);
+    pthread_mutex_lock(&e->stats.mu);
+    *out = e->stats.snap;
+    pthread_mutex_unlock(&e->stats.mu);
+    out->n_waiting += lethe_queue_pending(&e->thr.inbox);
 }
 
 lethe_status eng_check(lethe_engine *e) {
     lethe_kv_holder h;
     lethe_status st;
-    if (e->radix) {
-        h = lethe_radix_holder(e->radix);
+    if (e->prefix.radix) {
+        h = lethe_radix_holder(e->prefix.radix);
         st = lethe_kv_check(e->pool, &h, 1);
-        if (st == LETHE_OK) st = lethe_radix_check(e->radix);
+        if (st == LETHE_OK) st = lethe_radix_check(e->prefix.radix);
     } else {
         st = lethe_kv_check(e->pool, NULL, 0);
     }
@@ -523,54 +525,54 @@ const char *lethe_engine_model_name(const lethe_engine *e) { return e->model_nam
 void lethe_engine_destroy(lethe_engine *e) {
     if (!e) return;
     lethe_engine_stop(e);
-    if (e->step_times && e->tm_steps > 0) {
-        const double k = 1e3 / (double)e->tm_steps;
+    if (e->diag.step_times && e->diag.n_timed > 0) {
+        const double k = 1e3 / (double)e->diag.n_timed;
         LOG_INFO("step times (LETHE_STEP_TIMES, %lld decode steps, host ms per step): forward+sample "
                  "%.3f = forward call %.3f (plan_layer %.3f) + sample/wait %.3f",
-                 (long long)e->tm_steps, e->tm_step * k, e->tm_fwd * k,
-                 e->tm_plan * k, e->tm_sample * k);
+                 (long long)e->diag.n_timed, e->diag.t_step * k, e->diag.t_fwd * k,
+                 e->diag.t_plan * k, e->diag.t_sample * k);
     }
     if (e->sched) {
         /* requests still queued or live end with ABORT so callers are released */
-        if (e->table) eng_apply_inbox(e);
-        for (uint64_t b = 0; e->table && b < e->n_buckets; b++)
-            while (e->table[b]) eng_finish(e, e->table[b], LETHE_FINISH_ABORT, NULL);
+        if (e->reqs.buckets) eng_apply_inbox(e);
+        for (uint64_t b = 0; e->reqs.buckets && b < e->reqs.n_buckets; b++)
+            while (e->reqs.buckets[b]) eng_finish(e, e->reqs.buckets[b], LETHE_FINISH_ABORT, NULL);
         eng_chain_destroy(e); /* resident chains' KV, before the pool and the method go */
     } else {
         void **items;
         uint64_t *ids;
         int32_t n_items, n_ids;
-        lethe_queue_drain(&e->q, &items, &n_items, &ids, &n_ids);
+        lethe_queue_drain(&e->thr.inbox, &items, &n_items, &ids, &n_ids);
         for (int32_t i = 0; i < n_items; i++) eng_req_free(items[i]);
         free(items);
         free(ids);
     }
     lethe_sched_destroy(e->sched);
-    lethe_radix_destroy(e->radix);
+    lethe_radix_destroy(e->prefix.radix);
     lethe_sparse_destroy(e->method);
     if (e->runner.destroy) e->runner.destroy(e->runner.ctx);
     lethe_kv_pool_destroy(e->pool);
     if (e->runner.be) lethe_backend_destroy(e->runner.be);
     lethe_tokenizer_free(e->tok);
     lethe_sampler_ws_free(&e->sws);
-    free(e->table);
-    free(e->b_tokens);
-    free(e->b_pos);
-    free(e->b_seq_begin);
-    free(e->b_logit_rows);
-    free(e->seqs);
-    free(e->seq_req);
-    free(e->store);
-    free(e->sel);
-    free(e->sel_begin);
-    free(e->rows);
-    free(e->rows_begin);
-    free(e->gs);
-    free(e->logits);
+    free(e->reqs.buckets);
+    free(e->step.tokens);
+    free(e->step.pos);
+    free(e->step.seq_begin);
+    free(e->step.logit_rows);
+    free(e->step.seqs);
+    free(e->step.seq_req);
+    free(e->plan.store);
+    free(e->plan.sel);
+    free(e->plan.sel_begin);
+    free(e->plan.rows);
+    free(e->plan.rows_begin);
+    free(e->fwd.gs);
+    free(e->step.logits);
     free(e->ds.rows), free(e->ds.tokens), free(e->ds.logprobs), free(e->ds.pen_ids), free(e->ds.pen_counts);
-    free(e->detok_buf);
-    lethe_queue_destroy(&e->q);
-    pthread_mutex_destroy(&e->stats_mu);
+    free(e->step.detok_buf);
+    lethe_queue_destroy(&e->thr.inbox);
+    pthread_mutex_destroy(&e->stats.mu);
     free(e->model_path);
     free(e->model_name);
     free(e->sparse_method);

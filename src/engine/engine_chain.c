@@ -65,7 +65,7 @@ lethe_status eng_cache_mode_init(lethe_engine *e) {
                             "--prefix-cache-mode chain or auto", ops->name);
     if (!strcmp(mode, "radix") || (!strcmp(mode, "auto") && radix_ok)) return LETHE_OK; /* radix */
     lethe_chain_table_params cp = {.n_spaces = lethe_kv_n_spaces(e->pool), .slots_per_space = lethe_kv_n_slots(e->pool)};
-    e->chains = lethe_chain_create(&cp);
+    e->prefix.chains = lethe_chain_create(&cp);
     const lethe_model_config *c = &e->runner.cfg;
     char desc[1400];
     snprintf(desc, sizeof(desc),
@@ -76,16 +76,16 @@ lethe_status eng_cache_mode_init(lethe_engine *e) {
              e->max_model_len, ops->name, e->sparse_config ? e->sparse_config : "",
              e->method->knobs.sink_keep_tokens, e->method->knobs.recent_keep_tokens,
              e->method->knobs.decode_keep_tokens);
-    lethe_chain_fingerprint(desc, e->chain_fp);
+    lethe_chain_fingerprint(desc, e->prefix.chain_fp);
     LOG_INFO("prefix cache: chain mode (method %s, %d slot space(s) of %d slots)", ops->name, cp.n_spaces,
              cp.slots_per_space);
     return LETHE_OK;
 }
 
-bool lethe_engine_chain_mode(const lethe_engine *e) { return e->chains != NULL; }
+bool lethe_engine_chain_mode(const lethe_engine *e) { return e->prefix.chains != NULL; }
 
 const char *lethe_engine_prefix_cache_mode(const lethe_engine *e) {
-    return e->chains ? "chain" : e->radix ? "radix" : "off";
+    return e->prefix.chains ? "chain" : e->prefix.radix ? "radix" : "off";
 }
 
 static int refuse(lethe_chain_result *res, int http, const char *code, lethe_status st, const char *msg) {
@@ -101,7 +101,7 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
     res->http_status = 200;
     res->code = "ok";
     res->status = "created";
-    if (!e->chains) {
+    if (!e->prefix.chains) {
         char msg[192];
         snprintf(msg, sizeof(msg), "chains need the Chain Cache, but this engine runs prefix-cache mode '%s' "
                  "(method %s); use --prefix-cache-mode chain", lethe_engine_prefix_cache_mode(e),
@@ -111,12 +111,12 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
     lethe_status st = eng_validate(e, p); /* sampling, token ids (the full length is checked below) */
     if (st != LETHE_OK) return refuse(res, 400, "invalid_request", st, lethe_last_error());
     int64_t gen = p->n_forced > 0 ? p->n_forced : p->sampling.max_tokens > 0 ? p->sampling.max_tokens : e->max_model_len;
-    lethe_chain_begin_args a = {.chain_id = c->chain_id, .fingerprint = e->chain_fp, .tokens = p->prompt,
+    lethe_chain_begin_args a = {.chain_id = c->chain_id, .fingerprint = e->prefix.chain_fp, .tokens = p->prompt,
                                 .n_tokens = p->n_prompt, .append = c->append,
                                 .gen_peak = (int32_t)LETHE_MIN(gen, e->max_model_len), .max_len = e->max_model_len,
                                 .n_messages = c->n_messages, .append_start = c->append_start};
     lethe_chain_turn t;
-    lethe_chain_begin(e->chains, &a, &t);
+    lethe_chain_begin(e->prefix.chains, &a, &t);
     if (t.code != LETHE_CHAIN_OK) {
         lethe_status s = t.code == LETHE_CHAIN_CAPACITY ? LETHE_ERR_CAPACITY
                          : t.code == LETHE_CHAIN_NOT_FOUND || t.code == LETHE_CHAIN_GONE ? LETHE_ERR_NOT_FOUND
@@ -133,7 +133,7 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
     full.n_prompt = t.n_tokens;
     st = eng_validate(e, &full);
     if (st != LETHE_OK) {
-        lethe_chain_abandon(e->chains, t.id, NULL);
+        lethe_chain_abandon(e->prefix.chains, t.id, NULL);
         free(t.tokens);
         return refuse(res, 400, "invalid_request", st, lethe_last_error());
     }
@@ -144,9 +144,9 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
     q->chain_reused = t.reused;
     uint64_t id = q->r.id;
     if (threaded) {
-        st = lethe_queue_push(&e->q, q);
+        st = lethe_queue_push(&e->thr.inbox, q);
         if (st != LETHE_OK) {
-            lethe_chain_abandon(e->chains, q->chain_id, NULL);
+            lethe_chain_abandon(e->prefix.chains, q->chain_id, NULL);
             eng_req_free(q);
             return refuse(res, 503, "queue_full", st, lethe_last_error());
         }
@@ -164,14 +164,14 @@ int lethe_engine_submit_chain(lethe_engine *e, const lethe_request_params *p, co
 
 int lethe_engine_add_request_chain(lethe_engine *e, const lethe_request_params *p, const lethe_chain_params *c,
                                    lethe_chain_result *res, uint64_t *id_out) {
-    if (e->thread_running)
+    if (e->thr.running)
         return refuse(res, 500, "engine_busy", LETHE_ERR_BUSY,
                       "lethe_engine_add_request_chain: the engine thread is running (use submit_chain)");
     return chain_submit(e, p, c, res, id_out, false);
 }
 
 void eng_chain_on_admit(lethe_engine *e, eng_req *q) {
-    chain_kv *k = lethe_chain_take_payload(e->chains, q->chain_id);
+    chain_kv *k = lethe_chain_take_payload(e->prefix.chains, q->chain_id);
     if (!k) return;
     q->r.has_resume = true;
     q->r.resume_row = k->row;
@@ -198,7 +198,7 @@ void eng_chain_on_end(lethe_engine *e, eng_req *q, bool ok) {
         r->has_resume = false;
     }
     if (!ok) { /* on the engine thread: the KV goes now (abort frees KV at once) */
-        lethe_chain_abandon(e->chains, q->chain_id, NULL);
+        lethe_chain_abandon(e->prefix.chains, q->chain_id, NULL);
         kv_free(e, k);
         eng_chain_drain(e);
         return;
@@ -208,48 +208,48 @@ void eng_chain_on_end(lethe_engine *e, eng_req *q, bool ok) {
     if (k)
         for (int32_t sp = 0; sp < n_sp; sp++) resident[sp] = lethe_kv_row_len(e->pool, sp, k->row);
     LETHE_ASSERT(r->n_computed <= r->n_tokens);
-    lethe_chain_finish(e->chains, q->chain_id, r->tokens, r->n_tokens, k ? r->n_computed : 0, resident, k);
+    lethe_chain_finish(e->prefix.chains, q->chain_id, r->tokens, r->n_tokens, k ? r->n_computed : 0, resident, k);
     free(resident);
 }
 
 void eng_chain_drain(lethe_engine *e) {
-    if (!e->chains) return;
+    if (!e->prefix.chains) return;
     void *buf[64];
     int32_t n;
     do {
-        n = lethe_chain_take_released(e->chains, buf, 64);
+        n = lethe_chain_take_released(e->prefix.chains, buf, 64);
         for (int32_t i = 0; i < n; i++) kv_free(e, buf[i]);
     } while (n == 64);
 }
 
 void eng_chain_destroy(lethe_engine *e) {
-    if (!e || !e->chains) return;
+    if (!e || !e->prefix.chains) return;
     void *buf[64];
     int32_t n;
     do {
-        n = lethe_chain_drain_all(e->chains, buf, 64);
+        n = lethe_chain_drain_all(e->prefix.chains, buf, 64);
         for (int32_t i = 0; i < n; i++) kv_free(e, buf[i]);
     } while (n == 64);
-    lethe_chain_destroy(e->chains);
-    e->chains = NULL;
+    lethe_chain_destroy(e->prefix.chains);
+    e->prefix.chains = NULL;
 }
 
 int32_t eng_chain_rows_held(lethe_engine *e) {
-    if (!e->chains) return 0;
-    int32_t n = lethe_chain_count_payloads(e->chains);
-    for (uint64_t b = 0; b < e->n_buckets; b++)
-        for (eng_req *q = e->table[b]; q; q = q->hnext) n += q->r.has_resume;
+    if (!e->prefix.chains) return 0;
+    int32_t n = lethe_chain_count_payloads(e->prefix.chains);
+    for (uint64_t b = 0; b < e->reqs.n_buckets; b++)
+        for (eng_req *q = e->reqs.buckets[b]; q; q = q->hnext) n += q->r.has_resume;
     return n;
 }
 
 int32_t lethe_engine_chain_history(lethe_engine *e, const char *chain_id, int32_t *out, int32_t cap) {
-    return e->chains && chain_id ? lethe_chain_history(e->chains, chain_id, out, cap) : -1;
+    return e->prefix.chains && chain_id ? lethe_chain_history(e->prefix.chains, chain_id, out, cap) : -1;
 }
 
 int32_t lethe_engine_chain_positions(lethe_engine *e, const char *chain_id, int32_t layer, int32_t *out,
                                      int32_t cap) {
-    if (!e->chains || e->thread_running || layer < 0 || layer >= lethe_kv_n_layers(e->pool)) return -1;
-    const chain_kv *k = lethe_chain_peek_payload(e->chains, chain_id);
+    if (!e->prefix.chains || e->thr.running || layer < 0 || layer >= lethe_kv_n_layers(e->pool)) return -1;
+    const chain_kv *k = lethe_chain_peek_payload(e->prefix.chains, chain_id);
     if (!k) return -1;
     int32_t sp = lethe_kv_space_of(e->pool, layer);
     int32_t n = lethe_kv_row_len(e->pool, sp, k->row);
@@ -260,9 +260,9 @@ int32_t lethe_engine_chain_positions(lethe_engine *e, const char *chain_id, int3
 
 void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out) {
     memset(out, 0, sizeof(*out));
-    if (!e->chains) return;
+    if (!e->prefix.chains) return;
     lethe_chain_stats s;
-    lethe_chain_get_stats(e->chains, &s);
+    lethe_chain_get_stats(e->prefix.chains, &s);
     *out = (lethe_engine_chain_stats){
         .n_chains = s.n_chains, .n_active = s.n_active, .n_idle = s.n_idle, .n_tombstones = s.n_tombstones,
         .n_created = s.n_created, .n_resumed = s.n_resumed, .n_recreated = s.n_recreated,

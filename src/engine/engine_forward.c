@@ -23,15 +23,15 @@
  * Padding: sequences B .. bucket-1 are dummies: token 0 at position 0, K/V
  * stored into the pool's reserved scratch slot (lethe_kv_scratch_slot, owned
  * by no request) and a selection of only that slot; their logits rows land
- * after the real ones in e->logits and are never read. Every op computes a
+ * after the real ones in e->step.logits and are never read. Every op computes a
  * row (or a sequence's attention) independently of the others, so real
  * requests get the same logits as unpadded (bit-identical on the CPU backend,
  * tested by test_engine_real with pad_decode_batches; on CUDA cuBLAS may pick
  * another kernel for another row count, so padded vs unpadded logits agree
  * within bf16 rounding and greedy tokens match, tests/gpu/test_cuda_engine.c).
- * Methods never see the dummies: e->batch and e->st keep the real B.
+ * Methods never see the dummies: e->step.batch and e->step.st keep the real B.
  *
- * logits: e->logits (host rows), or NULL to leave every row, padding
+ * logits: e->step.logits (host rows), or NULL to leave every row, padding
  * included, in the model's device logits for the sample op (engine_step.c).
  *
  * Graphs exist on backends other than "cpu" (the CPU backend's graph ops
@@ -49,49 +49,49 @@ void eng_forward_init(lethe_engine *e) {
     if (ops->flags & LETHE_SPARSE_UNIFORM) /* the flag's contract (sparse.h) */
         LETHE_ASSERT(!(ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) && !ops->needs_scores &&
                      !ops->after_attn && !ops->layer_end);
-    e->uniform = (ops->flags & LETHE_SPARSE_UNIFORM) && e->runner.forward_uniform;
+    e->fwd.uniform = (ops->flags & LETHE_SPARSE_UNIFORM) && e->runner.forward_uniform;
     const bool has_graphs = e->runner.be && strcmp(e->runner.be->ops->name, "cpu") != 0;
-    e->use_graphs = e->uniform && has_graphs && !e->p.enforce_eager;
-    const bool pad = e->uniform && (e->use_graphs || e->p.pad_decode_batches);
-    e->max_bucket = pad ? lethe_graph_max_bucket(e->p.max_num_seqs, e->p.max_num_batched_tokens) : 0;
-    e->scratch_slot = -1;
-    e->gs = lethe_xcalloc(1, sizeof(*e->gs));
+    e->fwd.use_graphs = e->fwd.uniform && has_graphs && !e->p.enforce_eager;
+    const bool pad = e->fwd.uniform && (e->fwd.use_graphs || e->p.pad_decode_batches);
+    e->fwd.max_bucket = pad ? lethe_graph_max_bucket(e->p.max_num_seqs, e->p.max_num_batched_tokens) : 0;
+    e->fwd.scratch_slot = -1;
+    e->fwd.gs = lethe_xcalloc(1, sizeof(*e->fwd.gs));
 }
 
 void eng_forward_bind(lethe_engine *e) {
-    if (e->max_bucket <= 0) return;
-    e->scratch_slot = lethe_kv_scratch_slot(e->pool);
-    LETHE_ASSERT(e->scratch_slot >= 0);
+    if (e->fwd.max_bucket <= 0) return;
+    e->fwd.scratch_slot = lethe_kv_scratch_slot(e->pool);
+    LETHE_ASSERT(e->fwd.scratch_slot >= 0);
     /* padding writes rows up to max_bucket: size the step arrays now so a
      * padded step never reallocates arrays the batch already points at */
-    eng_ensure_caps(e, e->max_bucket, e->max_bucket);
-    LETHE_ASSERT(e->cap_logits >= e->max_bucket);
+    eng_ensure_caps(e, e->fwd.max_bucket, e->fwd.max_bucket);
+    LETHE_ASSERT(e->step.cap_logits >= e->fwd.max_bucket);
 }
 
 /* Appends dummy sequences S .. bucket-1 to the step's arrays (b and plan
  * point into them). */
 static void pad_batch(lethe_engine *e, lethe_fwd_batch *b, lethe_layer_plan *plan, int32_t bucket) {
-    const int32_t S = b->n_seqs, scratch = e->scratch_slot;
-    LETHE_ASSERT(bucket <= e->cap_rows && bucket <= e->cap_seqs && scratch >= 0);
-    LETHE_ASSERT(b->tokens == e->b_tokens && plan->store_slots == e->store &&
-                 plan->sel_begin == e->sel_begin && plan->sel_slots == e->sel);
-    int32_t n_sel = e->sel_begin[S];
-    if (n_sel + (bucket - S) > e->cap_sel) {
-        e->cap_sel = LETHE_MAX(n_sel + (bucket - S), 2 * e->cap_sel);
-        e->sel = lethe_xrealloc(e->sel, (size_t)e->cap_sel * sizeof(int32_t));
-        plan->sel_slots = e->sel;
+    const int32_t S = b->n_seqs, scratch = e->fwd.scratch_slot;
+    LETHE_ASSERT(bucket <= e->step.cap_rows && bucket <= e->step.cap_seqs && scratch >= 0);
+    LETHE_ASSERT(b->tokens == e->step.tokens && plan->store_slots == e->plan.store &&
+                 plan->sel_begin == e->plan.sel_begin && plan->sel_slots == e->plan.sel);
+    int32_t n_sel = e->plan.sel_begin[S];
+    if (n_sel + (bucket - S) > e->plan.cap_sel) {
+        e->plan.cap_sel = LETHE_MAX(n_sel + (bucket - S), 2 * e->plan.cap_sel);
+        e->plan.sel = lethe_xrealloc(e->plan.sel, (size_t)e->plan.cap_sel * sizeof(int32_t));
+        plan->sel_slots = e->plan.sel;
     }
     for (int32_t i = S; i < bucket; i++) {
-        e->b_tokens[i] = 0;
-        e->b_pos[i] = 0;
-        e->b_seq_begin[i + 1] = i + 1;
-        e->b_logit_rows[i] = i;
-        e->store[i] = scratch;
-        e->sel[n_sel++] = scratch;
-        e->sel_begin[i + 1] = n_sel;
+        e->step.tokens[i] = 0;
+        e->step.pos[i] = 0;
+        e->step.seq_begin[i + 1] = i + 1;
+        e->step.logit_rows[i] = i;
+        e->plan.store[i] = scratch;
+        e->plan.sel[n_sel++] = scratch;
+        e->plan.sel_begin[i + 1] = n_sel;
     }
     b->n_tokens = b->n_seqs = b->n_logits = bucket;
-    e->stats.padded_seqs += bucket - S;
+    e->stats.cur.padded_seqs += bucket - S;
 }
 
 /* For a method with select_layer: every sequence's whole row (its select-all
@@ -100,57 +100,57 @@ static void pad_batch(lethe_engine *e, lethe_fwd_batch *b, lethe_layer_plan *pla
  * arrays. A layer the method reads densely then costs no host work and no
  * upload, and the method builds sparse layers from these rows on the backend. */
 static void stage_rows(lethe_engine *e) {
-    const int32_t S = e->batch.n_seqs;
+    const int32_t S = e->step.batch.n_seqs;
     const int32_t sp = lethe_kv_space_of(e->pool, 0);
     LETHE_ASSERT(!lethe_kv_per_layer(e->pool));
     int64_t total = 0;
-    for (int32_t s = 0; s < S; s++) total += lethe_kv_row_len(e->pool, sp, e->seqs[s].row);
-    if (total > e->cap_rows_sel) {
-        e->cap_rows_sel = LETHE_MAX(total, 2 * e->cap_rows_sel);
-        e->rows = lethe_xrealloc(e->rows, (size_t)e->cap_rows_sel * sizeof(int32_t));
+    for (int32_t s = 0; s < S; s++) total += lethe_kv_row_len(e->pool, sp, e->step.seqs[s].row);
+    if (total > e->plan.cap_rows) {
+        e->plan.cap_rows = LETHE_MAX(total, 2 * e->plan.cap_rows);
+        e->plan.rows = lethe_xrealloc(e->plan.rows, (size_t)e->plan.cap_rows * sizeof(int32_t));
     }
     int32_t off = 0;
     for (int32_t s = 0; s < S; s++) {
-        const lethe_sparse_seq *sq = &e->seqs[s];
+        const lethe_sparse_seq *sq = &e->step.seqs[s];
         const int32_t len = lethe_kv_row_len(e->pool, sp, sq->row);
         const int32_t *slots = lethe_kv_row_slots(e->pool, sp, sq->row);
         LETHE_ASSERT(len >= sq->n_new);
-        memcpy(e->rows + off, slots, (size_t)len * sizeof(int32_t));
-        memcpy(e->store + sq->q_row, slots + len - sq->n_new, (size_t)sq->n_new * sizeof(int32_t));
-        e->rows_begin[s] = off;
+        memcpy(e->plan.rows + off, slots, (size_t)len * sizeof(int32_t));
+        memcpy(e->plan.store + sq->q_row, slots + len - sq->n_new, (size_t)sq->n_new * sizeof(int32_t));
+        e->plan.rows_begin[s] = off;
         off += len;
     }
-    e->rows_begin[S] = off;
-    const lethe_fwd_batch *b = &e->batch;
+    e->plan.rows_begin[S] = off;
+    const lethe_fwd_batch *b = &e->step.batch;
     const int32_t *arrays[7] = {b->tokens, b->pos, b->seq_begin, b->logit_rows,
-                                e->store,  e->rows_begin, e->rows};
+                                e->plan.store,  e->plan.rows_begin, e->plan.rows};
     size_t counts[7] = {(size_t)b->n_tokens, (size_t)b->n_tokens, (size_t)S + 1, (size_t)b->n_logits,
                         (size_t)b->n_tokens, (size_t)S + 1, (size_t)off};
     if (e->runner.be) e->runner.be->ops->stage_step(e->runner.be, arrays, counts, 7);
-    e->rows_staged = true;
+    e->plan.rows_staged = true;
 }
 
 void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits) {
-    if (!e->uniform) {
+    if (!e->fwd.uniform) {
         if (e->method->ops->select_layer) stage_rows(e);
-        e->runner.forward(e->runner.ctx, &e->batch, hooks, logits);
-        if (e->rows_staged && e->runner.be) e->runner.be->ops->unstage(e->runner.be);
-        e->rows_staged = false;
-        e->stats.eager_steps++;
+        e->runner.forward(e->runner.ctx, &e->step.batch, hooks, logits);
+        if (e->plan.rows_staged && e->runner.be) e->runner.be->ops->unstage(e->runner.be);
+        e->plan.rows_staged = false;
+        e->stats.cur.eager_steps++;
         return;
     }
-    lethe_fwd_batch b = e->batch; /* padded below; methods keep seeing e->batch */
+    lethe_fwd_batch b = e->step.batch; /* padded below; methods keep seeing e->step.batch */
     lethe_layer_plan plan;
     hooks->plan_layer(hooks->ctx, 0, &b, NULL, &plan); /* the same in every layer */
     LETHE_ASSERT(!plan.kvq); /* per-layer KV storage (quantized formats) is not uniform */
     const int32_t S = b.n_seqs;
     const bool decode = b.n_tokens == S && b.n_logits == S;
-    const int32_t bucket = decode && e->max_bucket > 0 ? lethe_graph_bucket(S, e->max_bucket) : 0;
+    const int32_t bucket = decode && e->fwd.max_bucket > 0 ? lethe_graph_bucket(S, e->fwd.max_bucket) : 0;
     if (bucket > S) pad_batch(e, &b, &plan, bucket);
-    lethe_graph_state *gs = e->gs;
+    lethe_graph_state *gs = e->fwd.gs;
     const int64_t graphs_before = gs->n_replays + gs->n_captures;
-    e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->use_graphs && bucket > 0, gs, logits);
-    if (gs->n_replays + gs->n_captures == graphs_before) e->stats.eager_steps++;
-    e->stats.graph_replays = gs->n_replays;
-    e->stats.graph_captures = gs->n_captures;
+    e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->fwd.use_graphs && bucket > 0, gs, logits);
+    if (gs->n_replays + gs->n_captures == graphs_before) e->stats.cur.eager_steps++;
+    e->stats.cur.graph_replays = gs->n_replays;
+    e->stats.cur.graph_captures = gs->n_captures;
 }

@@ -13,9 +13,9 @@
  *   engine_thread.c  threaded mode: start/stop/submit/cancel
  *
  * Ownership: in threaded mode the engine thread owns everything below except
- * `q` (the inbox, its own mutex), `stats_mu`/`stats_snap` and the immutable
- * fields set at create (limits, vocab, tokenizer), which validation reads
- * from any thread. */
+ * `thr.inbox` (its own mutex), `stats.mu`/`stats.snap`, `reqs.next_id`
+ * (atomic) and the immutable fields set at create (limits, vocab,
+ * tokenizer), which validation reads from any thread. */
 #ifndef LETHE_ENGINE_INTERNAL_H
 #define LETHE_ENGINE_INTERNAL_H
 
@@ -57,90 +57,126 @@ typedef struct eng_req {
     int32_t chain_reused;
 } eng_req;
 
-struct lethe_engine {
-    lethe_engine_params p;            /* strings below are owned copies */
-    char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
-    int32_t max_model_len, n_vocab;
-    int32_t kivi_res_blocks;     /* KIVI residual blocks (engine.c size_pool), else 0 */
-    lethe_runner runner;
-    lethe_tokenizer *tok;             /* NULL: token ids only (dummy models, fake runner) */
-    size_t detok_cap;                 /* text buffer for one token */
-    char *detok_buf;
-
-    lethe_kv_pool *pool;
-    lethe_radix *radix;               /* NULL: prefix caching off or not valid for the method */
-    lethe_sparse_method *method;
-    lethe_sched *sched;
-    lethe_sampler_ws sws;
-
-    /* live requests by id */
-    eng_req **table;
+/* Live requests by id (engine.c): chained hash table, power-of-two buckets. */
+typedef struct eng_reqs {
+    eng_req **buckets;
     uint64_t n_buckets;
     int32_t n_live;
-    atomic_uint_fast64_t next_id;
+    atomic_uint_fast64_t next_id;     /* any thread (submit) */
+} eng_reqs;
 
-    /* step scratch (host) */
-    int64_t step_index;
-    int32_t cap_rows, cap_seqs;
-    int32_t *b_tokens, *b_pos, *b_seq_begin, *b_logit_rows;
-    lethe_sparse_seq *seqs;
+/* One step's batch (host): the scheduler's items as forward rows and the
+ * method's view of them, plus the host logits rows and the text scratch. */
+typedef struct eng_step_state {
+    int64_t index;                    /* steps run so far (lethe_sparse_step.index) */
+    int32_t cap_rows, cap_seqs;       /* capacity of the arrays below (eng_ensure_caps) */
+    int32_t *tokens, *pos, *logit_rows; /* [cap_rows] */
+    int32_t *seq_begin;               /* [cap_seqs + 1] */
+    lethe_sparse_seq *seqs;           /* [cap_seqs] */
     eng_req **seq_req;                /* [cap_seqs] */
+    lethe_fwd_batch batch;            /* points into the arrays above */
+    lethe_sparse_step st;             /* the method's view: seqs, batch */
+    float *logits;                    /* [cap_logits, n_vocab] */
+    int32_t cap_logits;
+    size_t detok_cap;                 /* text buffer for one token */
+    char *detok_buf;
+} eng_step_state;
+
+/* What attention reads and where new K/V go (plan_layer, engine_step.c). */
+typedef struct eng_plan {
     int32_t *store;                   /* [cap_rows] store slots of the current layer */
-    int32_t *sel, *sel_begin;         /* selection of the current layer */
+    int32_t *sel, *sel_begin;         /* selection of the current layer: [cap_sel], [cap_seqs + 1] */
     int64_t cap_sel;
     bool layer_scores;                /* the method's needs_scores for the current layer */
     /* the step's full rows for a method with select_layer (engine_forward.c):
      * built and staged once per step, the same in every layer */
-    int32_t *rows, *rows_begin;       /* [cap_rows_sel], [cap_seqs + 1] */
-    int64_t cap_rows_sel;
+    int32_t *rows, *rows_begin;       /* [cap_rows], [cap_seqs + 1] */
+    int64_t cap_rows;
     bool rows_staged;                 /* this step's forward asks select_layer */
-    /* LETHE_STEP_TIMES=1 (diagnostic): host seconds of pure decode steps,
-     * logged when the engine is destroyed: whole step, the forward call (the
-     * host issuing work; the device runs behind it), plan_layer inside it,
-     * and the sampling call (which waits for the device) */
-    bool step_times;
-    int64_t profile_step;             /* LETHE_PROFILE_STEP (0: off) */
-    int64_t n_decode_steps;           /* pure decode steps run so far */
-    bool tm_on;                       /* the current step is timed */
-    int64_t tm_steps;
-    double tm_step, tm_fwd, tm_plan, tm_sample;
-    float *logits;                    /* [cap_logits, n_vocab] */
-    int32_t cap_logits;
-    /* sampling on the backend (engine_step.c): per logits row params, results,
-     * penalty entries; used when no row of a step needs host logits */
-    struct {
-        bool enabled;
-        lethe_sample_row *rows;       /* [cap_logits] */
-        int32_t *tokens;              /* [cap_logits] */
-        float *logprobs;              /* [cap_logits] */
-        int32_t *pen_ids, *pen_counts;
-        int64_t cap_pen;
-        int64_t n_steps;              /* steps sampled on the backend (tests) */
-    } ds;
-    lethe_sparse_step st;
-    lethe_fwd_batch batch;
+} eng_plan;
 
-    /* counters (engine thread) and the snapshot other threads read */
-    lethe_engine_stats stats;
-    pthread_mutex_t stats_mu;
-    lethe_engine_stats stats_snap;
-
-    /* threaded mode */
-    lethe_queue q;
-    pthread_t thread;
-    bool thread_running;
-    atomic_bool stop_flag;
-
-    /* forward path (engine_forward.c) */
+/* How the forward runs (engine_forward.c), chosen at create. */
+typedef struct eng_fwd {
     bool uniform;                     /* one plan per step (LETHE_SPARSE_UNIFORM + runner support) */
     bool use_graphs;                  /* uniform, a backend with graphs, not enforce_eager */
     int32_t max_bucket;               /* decode batches <= this are padded to a bucket; 0 = never */
     int32_t scratch_slot;             /* KV slot of padding sequences (pool-reserved), -1 = none */
     lethe_graph_state *gs;
+} eng_fwd;
 
-    /* chain cache (engine_chain.c); NULL outside chain mode */
-    struct lethe_chain_table *chains;
+/* Sampling on the backend (engine_step.c): per logits row params, results,
+ * penalty entries; used when no row of a step needs host logits. */
+typedef struct eng_dsample {
+    bool enabled;
+    lethe_sample_row *rows;           /* [cap_logits] */
+    int32_t *tokens;                  /* [cap_logits] */
+    float *logprobs;                  /* [cap_logits] */
+    int32_t *pen_ids, *pen_counts;    /* [cap_pen] */
+    int64_t cap_pen;
+    int64_t n_steps;                  /* steps sampled on the backend (tests) */
+} eng_dsample;
+
+/* Diagnostics. LETHE_STEP_TIMES=1: host seconds of pure decode steps,
+ * logged when the engine is destroyed: whole step, the forward call (the
+ * host issuing work; the device runs behind it), plan_layer inside it, and
+ * the sampling call (which waits for the device). LETHE_PROFILE_STEP=N: the
+ * device profiler's range around the N-th pure decode step. */
+typedef struct eng_diag {
+    bool step_times;
+    int64_t profile_step;             /* 0: off */
+    int64_t n_decode_steps;           /* pure decode steps run so far */
+    bool timed;                       /* the current step is timed */
+    int64_t n_timed;
+    double t_step, t_fwd, t_plan, t_sample;
+} eng_diag;
+
+/* Counters (engine thread) and the snapshot other threads read. */
+typedef struct eng_stats {
+    lethe_engine_stats cur;
+    pthread_mutex_t mu;
+    lethe_engine_stats snap;          /* under mu */
+} eng_stats;
+
+/* Threaded mode (engine_thread.c). The inbox is used in both modes: queued
+ * submissions and cancels (a cancel from a callback). */
+typedef struct eng_thread {
+    lethe_queue inbox;                /* its own mutex */
+    pthread_t thread;
+    bool running;
+    atomic_bool stop;
+} eng_thread;
+
+/* Prefix caching: at most one of the two is on (engine_chain.c chooses). */
+typedef struct eng_prefix {
+    lethe_radix *radix;               /* NULL: off or not valid for the method */
+    struct lethe_chain_table *chains; /* Chain Cache (engine_chain.c); NULL outside chain mode */
     uint8_t chain_fp[32];
+} eng_prefix;
+
+struct lethe_engine {
+    /* set at create, immutable */
+    lethe_engine_params p;            /* strings below are owned copies */
+    char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
+    int32_t max_model_len, n_vocab;
+    int32_t kivi_res_blocks;          /* KIVI residual blocks (engine.c size_pool), else 0 */
+
+    /* the parts */
+    lethe_runner runner;
+    lethe_tokenizer *tok;             /* NULL: token ids only (dummy models, fake runner) */
+    lethe_kv_pool *pool;
+    lethe_sparse_method *method;
+    lethe_sched *sched;
+    lethe_sampler_ws sws;
+    eng_prefix prefix;
+
+    eng_reqs reqs;
+    eng_step_state step;
+    eng_plan plan;
+    eng_fwd fwd;
+    eng_dsample ds;
+    eng_diag diag;
+    eng_stats stats;
+    eng_thread thr;
 };
 
 /* Builds an engine around a runner and an optional tokenizer, both taken

@@ -33,20 +33,20 @@
 #include "engine/engine_internal.h"
 
 void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
-    if (n_rows > e->cap_rows) {
-        e->cap_rows = LETHE_MAX(n_rows, 2 * e->cap_rows);
-        e->b_tokens = lethe_xrealloc(e->b_tokens, (size_t)e->cap_rows * sizeof(int32_t));
-        e->b_pos = lethe_xrealloc(e->b_pos, (size_t)e->cap_rows * sizeof(int32_t));
-        e->b_logit_rows = lethe_xrealloc(e->b_logit_rows, (size_t)e->cap_rows * sizeof(int32_t));
-        e->store = lethe_xrealloc(e->store, (size_t)e->cap_rows * sizeof(int32_t));
+    if (n_rows > e->step.cap_rows) {
+        e->step.cap_rows = LETHE_MAX(n_rows, 2 * e->step.cap_rows);
+        e->step.tokens = lethe_xrealloc(e->step.tokens, (size_t)e->step.cap_rows * sizeof(int32_t));
+        e->step.pos = lethe_xrealloc(e->step.pos, (size_t)e->step.cap_rows * sizeof(int32_t));
+        e->step.logit_rows = lethe_xrealloc(e->step.logit_rows, (size_t)e->step.cap_rows * sizeof(int32_t));
+        e->plan.store = lethe_xrealloc(e->plan.store, (size_t)e->step.cap_rows * sizeof(int32_t));
     }
-    if (n_seqs > e->cap_seqs) {
-        e->cap_seqs = LETHE_MAX(n_seqs, 2 * e->cap_seqs);
-        e->b_seq_begin = lethe_xrealloc(e->b_seq_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
-        e->sel_begin = lethe_xrealloc(e->sel_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
-        e->rows_begin = lethe_xrealloc(e->rows_begin, (size_t)(e->cap_seqs + 1) * sizeof(int32_t));
-        e->seqs = lethe_xrealloc(e->seqs, (size_t)e->cap_seqs * sizeof(*e->seqs));
-        e->seq_req = lethe_xrealloc(e->seq_req, (size_t)e->cap_seqs * sizeof(*e->seq_req));
+    if (n_seqs > e->step.cap_seqs) {
+        e->step.cap_seqs = LETHE_MAX(n_seqs, 2 * e->step.cap_seqs);
+        e->step.seq_begin = lethe_xrealloc(e->step.seq_begin, (size_t)(e->step.cap_seqs + 1) * sizeof(int32_t));
+        e->plan.sel_begin = lethe_xrealloc(e->plan.sel_begin, (size_t)(e->step.cap_seqs + 1) * sizeof(int32_t));
+        e->plan.rows_begin = lethe_xrealloc(e->plan.rows_begin, (size_t)(e->step.cap_seqs + 1) * sizeof(int32_t));
+        e->step.seqs = lethe_xrealloc(e->step.seqs, (size_t)e->step.cap_seqs * sizeof(*e->step.seqs));
+        e->step.seq_req = lethe_xrealloc(e->step.seq_req, (size_t)e->step.cap_seqs * sizeof(*e->step.seq_req));
     }
 }
 
@@ -57,17 +57,17 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
 static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q,
                                    lethe_layer_plan *out) {
     lethe_sparse_method *m = e->method;
-    const int32_t n_seqs = e->st.n_seqs;
-    const lethe_step_rows rows = {.begin = e->rows_begin, .slots = e->rows};
+    const int32_t n_seqs = e->step.st.n_seqs;
+    const lethe_step_rows rows = {.begin = e->plan.rows_begin, .slots = e->plan.rows};
     const int32_t *sb = NULL, *ss = NULL;
-    lethe_sel_result r = m->ops->select_layer(m, layer, &e->st, q, &rows, &sb, &ss);
+    lethe_sel_result r = m->ops->select_layer(m, layer, &e->step.st, q, &rows, &sb, &ss);
     if (r == LETHE_SEL_PER_SEQ) return false;
-    out->store_slots = e->store; /* staged: the new tokens' slots, the same in every layer */
+    out->store_slots = e->plan.store; /* staged: the new tokens' slots, the same in every layer */
     out->kvq = lethe_kv_quant_of(e->pool, layer);
     LETHE_ASSERT(!out->kvq); /* built selections live on the backend: native KV only */
     if (r == LETHE_SEL_FULL) {
-        out->sel_begin = e->rows_begin;
-        out->sel_slots = e->rows;
+        out->sel_begin = e->plan.rows_begin;
+        out->sel_slots = e->plan.rows;
     } else {
         LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
         /* counts always; the contents live on the backend, readable here when
@@ -76,20 +76,20 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
                                !strcmp(e->runner.be->ops->name, "cpu");
         const int32_t sp = lethe_kv_space_of(e->pool, layer);
         for (int32_t s = 0; s < n_seqs; s++) {
-            const lethe_sparse_seq *sq = &e->seqs[s];
-            const int32_t n = sb[s + 1] - sb[s], cap = e->rows_begin[s + 1] - e->rows_begin[s];
+            const lethe_sparse_seq *sq = &e->step.seqs[s];
+            const int32_t n = sb[s + 1] - sb[s], cap = e->plan.rows_begin[s + 1] - e->plan.rows_begin[s];
             LETHE_ASSERT(n >= sq->n_new && n <= cap);
             if (!host_view) continue;
             const int32_t *sel = ss + sb[s];
             for (int32_t j = 0; j < sq->n_new; j++) /* the new tokens last, in order */
-                LETHE_ASSERT(sel[n - sq->n_new + j] == e->store[sq->q_row + j]);
+                LETHE_ASSERT(sel[n - sq->n_new + j] == e->plan.store[sq->q_row + j]);
             for (int32_t j = 0; j < n; j++) LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, sel[j]) > 0);
         }
         out->sel_begin = sb;
         out->sel_slots = ss;
-        e->stats.device_selections++;
+        e->stats.cur.device_selections++;
     }
-    e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
+    e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
     return true;
 }
 
@@ -98,62 +98,62 @@ static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_lay
 static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
                        lethe_layer_plan *out) {
     lethe_engine *e = ctx;
-    const double t0 = e->tm_on ? lethe_time_s() : 0;
+    const double t0 = e->diag.timed ? lethe_time_s() : 0;
     plan_layer_(e, layer, q, out);
-    if (e->tm_on) e->tm_plan += lethe_time_s() - t0;
+    if (e->diag.timed) e->diag.t_plan += lethe_time_s() - t0;
 }
 
 static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_layer_plan *out) {
     lethe_sparse_method *m = e->method;
-    if (e->rows_staged && plan_from_select_layer(e, layer, q, out)) return;
+    if (e->plan.rows_staged && plan_from_select_layer(e, layer, q, out)) return;
     const int32_t sp = lethe_kv_space_of(e->pool, layer);
-    const int32_t n_seqs = e->st.n_seqs;
+    const int32_t n_seqs = e->step.st.n_seqs;
     int64_t total = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
-        const lethe_sparse_seq *sq = &e->seqs[s];
+        const lethe_sparse_seq *sq = &e->step.seqs[s];
         int32_t len = lethe_kv_row_len(e->pool, sp, sq->row);
         const int32_t *slots = lethe_kv_row_slots(e->pool, sp, sq->row);
         LETHE_ASSERT(len >= sq->n_new);
         /* the new tokens are the row's last entries (appended by the scheduler) */
-        memcpy(e->store + sq->q_row, slots + len - sq->n_new, (size_t)sq->n_new * sizeof(int32_t));
+        memcpy(e->plan.store + sq->q_row, slots + len - sq->n_new, (size_t)sq->n_new * sizeof(int32_t));
         total += len;
     }
-    if (total > e->cap_sel) {
-        e->cap_sel = LETHE_MAX(total, 2 * e->cap_sel);
-        e->sel = lethe_xrealloc(e->sel, (size_t)e->cap_sel * sizeof(int32_t));
+    if (total > e->plan.cap_sel) {
+        e->plan.cap_sel = LETHE_MAX(total, 2 * e->plan.cap_sel);
+        e->plan.sel = lethe_xrealloc(e->plan.sel, (size_t)e->plan.cap_sel * sizeof(int32_t));
     }
     int32_t off = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
-        const lethe_sparse_seq *sq = &e->seqs[s];
+        const lethe_sparse_seq *sq = &e->step.seqs[s];
         int32_t cap = lethe_kv_row_len(e->pool, sp, sq->row);
         int32_t n = sq->is_prefill
-                        ? m->ops->build_prefill_selection(m, layer, &e->st, s, e->sel + off, cap)
-                        : m->ops->build_decode_selection(m, layer, &e->st, s, q, e->sel + off, cap);
+                        ? m->ops->build_prefill_selection(m, layer, &e->step.st, s, e->plan.sel + off, cap)
+                        : m->ops->build_decode_selection(m, layer, &e->step.st, s, q, e->plan.sel + off, cap);
         LETHE_ASSERT(n >= sq->n_new && n <= cap);
         if (e->p.check_invariants) {
             for (int32_t j = 0; j < sq->n_new; j++)
-                LETHE_ASSERT(e->sel[off + n - sq->n_new + j] == e->store[sq->q_row + j]);
-            for (int32_t j = 0; j < n; j++) LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, e->sel[off + j]) > 0);
+                LETHE_ASSERT(e->plan.sel[off + n - sq->n_new + j] == e->plan.store[sq->q_row + j]);
+            for (int32_t j = 0; j < n; j++) LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, e->plan.sel[off + j]) > 0);
         }
-        e->sel_begin[s] = off;
+        e->plan.sel_begin[s] = off;
         off += n;
     }
-    e->sel_begin[n_seqs] = off;
-    out->store_slots = e->store;
-    out->sel_begin = e->sel_begin;
-    out->sel_slots = e->sel;
+    e->plan.sel_begin[n_seqs] = off;
+    out->store_slots = e->plan.store;
+    out->sel_begin = e->plan.sel_begin;
+    out->sel_slots = e->plan.sel;
     out->kvq = lethe_kv_quant_of(e->pool, layer);
     /* asked here, while the step's selections are built: after_attn then gets
      * the attention's arguments to score with (backend attn_scores) */
-    e->layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
+    e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
 }
 
 static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b, const lethe_attn_args *a) {
     lethe_engine *e = ctx;
     lethe_sparse_method *m = e->method;
     (void)b;
-    if (m->ops->after_attn) m->ops->after_attn(m, layer, &e->st, e->layer_scores ? a : NULL);
-    if (m->ops->layer_end) m->ops->layer_end(m, layer, &e->st);
+    if (m->ops->after_attn) m->ops->after_attn(m, layer, &e->step.st, e->plan.layer_scores ? a : NULL);
+    if (m->ops->layer_end) m->ops->layer_end(m, layer, &e->step.st);
 }
 
 /* ---- tokens -> events ---- */
@@ -200,7 +200,7 @@ static bool step_samples_on_device(const lethe_engine *e, const lethe_sched_out 
     if (!e->ds.enabled) return false;
     for (int32_t i = 0; i < out->n_items; i++) {
         if (!out->items[i].wants_logits) continue;
-        const eng_req *q = e->seq_req[i];
+        const eng_req *q = e->step.seq_req[i];
         const bool forced = q->r.n_tokens - q->r.n_prompt < q->n_forced;
         if (q->want_logits || q->sp.logprobs > 0 || (forced && q->sp.logprobs >= 0)) return false;
     }
@@ -210,16 +210,16 @@ static bool step_samples_on_device(const lethe_engine *e, const lethe_sched_out 
 /* ops->sample over the step's logits rows (in order); results in e->ds. */
 static void sample_on_device(lethe_engine *e, const lethe_sched_out *out) {
     if (!e->ds.rows) {
-        e->ds.rows = lethe_xmalloc((size_t)e->cap_logits * sizeof(*e->ds.rows));
-        e->ds.tokens = lethe_xmalloc((size_t)e->cap_logits * sizeof(int32_t));
-        e->ds.logprobs = lethe_xmalloc((size_t)e->cap_logits * sizeof(float));
+        e->ds.rows = lethe_xmalloc((size_t)e->step.cap_logits * sizeof(*e->ds.rows));
+        e->ds.tokens = lethe_xmalloc((size_t)e->step.cap_logits * sizeof(int32_t));
+        e->ds.logprobs = lethe_xmalloc((size_t)e->step.cap_logits * sizeof(float));
     }
     int32_t k = 0;
     int64_t n_pen = 0;
     bool want_lp = false;
     for (int32_t i = 0; i < out->n_items; i++) {
         if (!out->items[i].wants_logits) continue;
-        eng_req *q = e->seq_req[i];
+        eng_req *q = e->step.seq_req[i];
         const lethe_req *r = &q->r;
         const int32_t n_gen = r->n_tokens - r->n_prompt;
         lethe_sample_row row = lethe_sampler_row(&q->sp, &q->rng);
@@ -243,7 +243,7 @@ static void sample_on_device(lethe_engine *e, const lethe_sched_out *out) {
         }
         e->ds.rows[k++] = row;
     }
-    LETHE_ASSERT(k == e->batch.n_logits && n_pen <= INT32_MAX);
+    LETHE_ASSERT(k == e->step.batch.n_logits && n_pen <= INT32_MAX);
     lethe_sample_args a = {.n = k, .n_vocab = e->n_vocab, .rows = e->ds.rows,
                            .pen_ids = e->ds.pen_ids, .pen_counts = e->ds.pen_counts,
                            .n_pen = (int32_t)n_pen, .tokens = e->ds.tokens,
@@ -274,7 +274,7 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, int3
     }
     const int32_t tok = res.token;
     lethe_req_push_token(r, tok);
-    e->stats.generation_tokens_total++;
+    e->stats.cur.generation_tokens_total++;
     if (!q->has_ttft) {
         q->ttft = lethe_time_s() - q->t_submit;
         q->has_ttft = true;
@@ -289,15 +289,15 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, int3
     tb_add(text, "", 0);
     bool stop_str = false;
     if (e->tok && !stop_tok) {
-        size_t n = lethe_detok_push(&q->detok, tok, e->detok_buf, e->detok_cap);
-        stop_str = add_text(q, text, e->detok_buf, n);
+        size_t n = lethe_detok_push(&q->detok, tok, e->step.detok_buf, e->step.detok_cap);
+        stop_str = add_text(q, text, e->step.detok_buf, n);
     }
     if (stop_tok || stop_str) why = LETHE_FINISH_STOP;
     else if (r->n_tokens >= q->max_total) why = LETHE_FINISH_LENGTH;
     if (why != LETHE_FINISH_NONE && !stop_str && e->tok) {
         /* release what was held back: incomplete UTF-8, possible stop-string starts */
-        size_t n = lethe_detok_flush(&q->detok, e->detok_buf, e->detok_cap);
-        if (n && add_text(q, text, e->detok_buf, n)) stop_str = true, why = LETHE_FINISH_STOP;
+        size_t n = lethe_detok_flush(&q->detok, e->step.detok_buf, e->step.detok_cap);
+        if (n && add_text(q, text, e->step.detok_buf, n)) stop_str = true, why = LETHE_FINISH_STOP;
         if (!stop_str && q->stop_list[0]) {
             const char *rel;
             size_t n_rel;
@@ -352,57 +352,58 @@ int eng_step(lethe_engine *e) {
         for (int32_t i = 0; i < out.n_items; i++) {
             const lethe_sched_item *it = &out.items[i];
             lethe_req *r = it->req;
-            e->b_seq_begin[i] = row;
-            lethe_sched_seq_view(r, it->n, row, &e->seqs[i]);
-            e->seq_req[i] = (eng_req *)r;
+            e->step.seq_begin[i] = row;
+            lethe_sched_seq_view(r, it->n, row, &e->step.seqs[i]);
+            e->step.seq_req[i] = (eng_req *)r;
             for (int32_t j = 0; j < it->n; j++) {
-                e->b_tokens[row] = r->tokens[it->start + j];
-                e->b_pos[row] = it->start + j;
+                e->step.tokens[row] = r->tokens[it->start + j];
+                e->step.pos[row] = it->start + j;
                 row++;
             }
-            if (it->wants_logits) e->b_logit_rows[n_logits++] = row - 1;
+            if (it->wants_logits) e->step.logit_rows[n_logits++] = row - 1;
         }
-        e->b_seq_begin[out.n_items] = row;
-        LETHE_ASSERT(row == out.n_tokens && n_logits <= e->cap_logits);
-        e->batch = (lethe_fwd_batch){.n_tokens = row, .tokens = e->b_tokens, .pos = e->b_pos,
-                                     .n_seqs = out.n_items, .seq_begin = e->b_seq_begin,
-                                     .n_logits = n_logits, .logit_rows = e->b_logit_rows};
-        e->st = (lethe_sparse_step){.index = e->step_index, .n_seqs = out.n_items, .seqs = e->seqs,
-                                    .batch = &e->batch};
+        e->step.seq_begin[out.n_items] = row;
+        LETHE_ASSERT(row == out.n_tokens && n_logits <= e->step.cap_logits);
+        e->step.batch = (lethe_fwd_batch){.n_tokens = row, .tokens = e->step.tokens, .pos = e->step.pos,
+                                     .n_seqs = out.n_items, .seq_begin = e->step.seq_begin,
+                                     .n_logits = n_logits, .logit_rows = e->step.logit_rows};
+        e->step.st = (lethe_sparse_step){.index = e->step.index, .n_seqs = out.n_items, .seqs = e->step.seqs,
+                                    .batch = &e->step.batch};
         lethe_sparse_method *m = e->method;
-        if (m->ops->prepare) m->ops->prepare(m, &e->st);
+        if (m->ops->prepare) m->ops->prepare(m, &e->step.st);
         lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
         const bool on_device = step_samples_on_device(e, &out);
         const bool pure_decode = out.n_prefill_tokens == 0;
-        const bool timed = e->step_times && pure_decode; /* decode steps only */
-        if (pure_decode) e->n_decode_steps++;
+        const bool timed = e->diag.step_times && pure_decode; /* decode steps only */
+        if (pure_decode) e->diag.n_decode_steps++;
         lethe_backend *be = e->runner.be;
-        const bool profiled = pure_decode && e->n_decode_steps == e->profile_step &&
+        const bool profiled = pure_decode && e->diag.n_decode_steps == e->diag.profile_step &&
                               be && be->ops->profile_range;
         if (profiled) be->ops->profile_range(be, true);
-        e->tm_on = timed;
+        e->diag.timed = timed;
         const double t0 = timed ? lethe_time_s() : 0;
-        eng_forward(e, &hooks, on_device ? NULL : e->logits); /* engine_forward.c: per-layer hooks or one uniform plan */
+        /* engine_forward.c: per-layer hooks or one uniform plan */
+        eng_forward(e, &hooks, on_device ? NULL : e->step.logits);
         const double t1 = timed ? lethe_time_s() : 0;
         if (on_device) sample_on_device(e, &out); /* right after the forward or its graph replay */
-        if (m->ops->finish_step) m->ops->finish_step(m, &e->st);
+        if (m->ops->finish_step) m->ops->finish_step(m, &e->step.st);
         if (profiled) be->ops->profile_range(be, false);
         if (timed) {
             const double t2 = lethe_time_s();
-            e->tm_steps++;
-            e->tm_fwd += t1 - t0;
-            e->tm_sample += t2 - t1;
-            e->tm_step += t2 - t0;
+            e->diag.n_timed++;
+            e->diag.t_fwd += t1 - t0;
+            e->diag.t_sample += t2 - t1;
+            e->diag.t_step += t2 - t0;
         }
         lethe_sched_commit(e->sched, &out);
-        e->stats.n_steps++;
-        e->stats.prefill_tokens_computed += out.n_prefill_tokens;
-        e->step_index++;
+        e->stats.cur.n_steps++;
+        e->stats.cur.prefill_tokens_computed += out.n_prefill_tokens;
+        e->step.index++;
         textbuf text = {0};
         int32_t k = 0;
         for (int32_t i = 0; i < out.n_items; i++) {
             if (!out.items[i].wants_logits) continue;
-            process_token(e, e->seq_req[i], on_device ? NULL : e->logits + (size_t)k * (size_t)e->n_vocab,
+            process_token(e, e->step.seq_req[i], on_device ? NULL : e->step.logits + (size_t)k * (size_t)e->n_vocab,
                           k, &text);
             k++;
         }

@@ -13,8 +13,8 @@
 
 static void *engine_main(void *arg) {
     lethe_engine *e = arg;
-    while (!atomic_load(&e->stop_flag)) {
-        if (!lethe_sched_has_work(e->sched) && !lethe_queue_wait(&e->q)) break;
+    while (!atomic_load(&e->thr.stop)) {
+        if (!lethe_sched_has_work(e->sched) && !lethe_queue_wait(&e->thr.inbox)) break;
         if (eng_step(e) != LETHE_OK) {
             LOG_ERROR("engine thread: %s", lethe_last_error());
             abort();
@@ -24,24 +24,24 @@ static void *engine_main(void *arg) {
 }
 
 int lethe_engine_start(lethe_engine *e) {
-    if (e->thread_running) return lethe_errorf(LETHE_ERR_BUSY, "lethe_engine_start: already running");
-    atomic_store(&e->stop_flag, false);
-    lethe_queue_set_stop(&e->q, false);
-    e->thread_running = true;
-    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
-        e->thread_running = false;
+    if (e->thr.running) return lethe_errorf(LETHE_ERR_BUSY, "lethe_engine_start: already running");
+    atomic_store(&e->thr.stop, false);
+    lethe_queue_set_stop(&e->thr.inbox, false);
+    e->thr.running = true;
+    if (pthread_create(&e->thr.thread, NULL, engine_main, e) != 0) {
+        e->thr.running = false;
         return lethe_errorf(LETHE_ERR_BACKEND, "lethe_engine_start: pthread_create failed");
     }
     return LETHE_OK;
 }
 
 void lethe_engine_stop(lethe_engine *e) {
-    if (!e || !e->thread_running) return;
-    atomic_store(&e->stop_flag, true);
-    lethe_queue_set_stop(&e->q, true);
-    pthread_join(e->thread, NULL);
-    e->thread_running = false;
-    lethe_queue_set_stop(&e->q, false);
+    if (!e || !e->thr.running) return;
+    atomic_store(&e->thr.stop, true);
+    lethe_queue_set_stop(&e->thr.inbox, true);
+    pthread_join(e->thr.thread, NULL);
+    e->thr.running = false;
+    lethe_queue_set_stop(&e->thr.inbox, false);
 }
 
 int lethe_engine_submit(lethe_engine *e, const lethe_request_params *p, uint64_t *id_out) {
@@ -49,7 +49,7 @@ int lethe_engine_submit(lethe_engine *e, const lethe_request_params *p, uint64_t
     if (st != LETHE_OK) return st;
     eng_req *q = eng_req_new(e, p);
     uint64_t id = q->r.id;
-    st = lethe_queue_push(&e->q, q);
+    st = lethe_queue_push(&e->thr.inbox, q);
     if (st != LETHE_OK) {
         eng_req_free(q);
         return st;
@@ -58,4 +58,4 @@ int lethe_engine_submit(lethe_engine *e, const lethe_request_params *p, uint64_t
     return LETHE_OK;
 }
 
-void lethe_engine_cancel(lethe_engine *e, uint64_t id) { lethe_queue_cancel(&e->q, id); }
+void lethe_engine_cancel(lethe_engine *e, uint64_t id) { lethe_queue_cancel(&e->thr.inbox, id); }
