@@ -1,7 +1,7 @@
 /* test_kv_quant.c - quantized KV storage (FP8 E4M3) on the CPU backend:
  *
  *  - kv_store_quant writes exactly the reference quantizer's codes and scales
- *    (src/sparse/quant.c) into the slots it is given, and nothing else;
+ *    (src/backend/kv_codec.c) into the slots it is given, and nothing else;
  *  - attention over the FP8 codes (backend/cpu/attention_quant.c) equals the
  *    dense CPU attention over the dequantized KV (max abs error <= 1e-5 x the
  *    output scale) on a ragged batch: prefill, extend over a prefix, decode,
@@ -18,10 +18,10 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/kv_codec.h"
 #include "core/util.h"
 #include "kv/kv_pool.h"
 #include "lethe.h"
-#include "sparse/quant.h"
 #include "test.h"
 
 static lethe_backend *g_be;

@@ -19,7 +19,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
-#include "sparse/select_util.h"
+#include "backend/topk.h"
 #include "test.h"
 
 static lethe_backend *g_be;

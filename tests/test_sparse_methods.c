@@ -22,9 +22,10 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/kv_codec.h"
+#include "backend/topk.h"
 #include "core/util.h"
 #include "kv/kv_pool.h"
-#include "sparse/quant.h"
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
 #include "test.h"

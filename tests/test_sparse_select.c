@@ -1,5 +1,5 @@
 /* test_sparse_select.c - property tests of the shared selection machinery
- * (src/sparse/select_util.c) against brute-force float64 oracles:
+ * (src/sparse/select_util.c, backend/topk.c) against brute-force float64 oracles:
  * top-k order and tie-breaking, keep sets (StreamingLLM ranges, SnapKV window
  * and top scores, pins), window scores in both modes and their accumulation
  * across chunks, H2O column sums, pooling, Quest page bounds, budget schedules. */
@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/topk.h"
 #include "core/util.h"
 #include "sparse/select_util.h"
 #include "test.h"

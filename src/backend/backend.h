@@ -42,7 +42,7 @@ typedef struct lethe_sample_args lethe_sample_args; /* backend/sample.h */
  * sparse method; src/kv/kv_pool.h). NATIVE: k_cache / v_cache hold the
  * backend's kv type (ops->kv_size bytes per element: f32 CPU, bf16 CUDA).
  *   FP8_E4M3  k_cache / v_cache: uint8 E4M3 codes [n_slots, n_kv_heads, head_dim]
- *             (src/sparse/quant.h), plus k_scale / v_scale: f32
+ *             (src/backend/kv_codec.h), plus k_scale / v_scale: f32
  *             [n_slots, n_kv_heads] (amax / 448 of that token's head vector;
  *             x^ = e4m3(code) * scale). Backend memory, like the caches.
  *   KIVI      packed 2/4/8-bit codes + group params + full-precision residual (below). */
@@ -53,7 +53,7 @@ typedef enum lethe_kv_format {
     LETHE_KV_FORMAT_INT_ = 0x7fffffff, /* keeps the enum int-sized (KIVI packs fields) */
 } lethe_kv_format;
 
-/* KIVI (methods.md §15, src/sparse/quant.h), C = n_kv_heads * head_dim, b bits,
+/* KIVI (methods.md §15, src/backend/kv_codec.h), C = n_kv_heads * head_dim, b bits,
  * G tokens per K group = channels per V group. A KIVI format value is
  * LETHE_KV_KIVI_FORMAT(b, G); lethe_kv_format_kind() strips b and G.
  *   k_cache / v_cache  uint8 packed b-bit codes [n_slots][C b / 8] (element
@@ -349,7 +349,7 @@ typedef struct lethe_backend_ops {
      * (backend f32); its k_s = out_begin[s+1] - out_begin[s] best entries
      * (0 <= k_s <= the segment's length) are written as indices relative to
      * the segment start, ASCENDING, to out[out_begin[s] ..] (backend int32).
-     * "Best" is lethe_rank_before (sparse/select_util.h): higher score first,
+     * "Best" is lethe_rank_before (backend/topk.h): higher score first,
      * ties to the smaller index, NaN last; -0.0 ties with +0.0. So the result
      * equals lethe_topk_indices on every backend. Host arrays seg_begin,
      * out_begin [n_segs + 1]. */

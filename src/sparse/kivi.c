@@ -23,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/kv_codec.h"
 #include "core/util.h"
-#include "sparse/quant.h"
 #include "sparse/sparse.h"
 
 typedef struct kivi_priv {

@@ -5,7 +5,8 @@
  * functions over plain host arrays with explicit shapes, so that each has a
  * CUDA twin with the same signature shape (see the list in docs/sparse-methods.md):
  *
- *   top-k            deterministic: higher score first, ties -> smaller index
+ *   top-k            backend/topk.h (lethe_topk_indices, lethe_rank_before):
+ *                    higher score first, ties -> smaller index, NaN last
  *   head reduction   [H, n] -> [n] (max / mean / sum) and GQA [H, n] -> [Hk, n]
  *   keep sets        sink [0,s) + top-k of the middle + recent [L-r, L), sorted
  *   window scores    raw q.k logits of observation-window queries -> per-key
@@ -17,13 +18,15 @@
  *
  * Indices are int32 positions within one request's row for one layer; scores
  * are float32. NaN scores rank below every number. Nothing here allocates
- * except lethe_topk_indices' heap scratch (size k). */
+ * except the keep-set and page choices' top-k scratch (lethe_topk_indices). */
 #ifndef LETHE_SPARSE_SELECT_UTIL_H
 #define LETHE_SPARSE_SELECT_UTIL_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "backend/topk.h" /* lethe_rank_before, lethe_topk_indices */
 
 typedef enum lethe_reduce {
     LETHE_REDUCE_MAX = 0,
@@ -35,19 +38,6 @@ typedef enum lethe_score_mode {
     LETHE_SCORE_LOGITS = 0,     /* max raw logit over window rows and heads */
     LETHE_SCORE_PROBABILITY,    /* per head mean over rows of softmax probability, then heads */
 } lethe_score_mode;
-
-/* true when score a at index ia ranks before score b at index ib (a > b, ties
- * by smaller index, NaN last). The one ordering every selection uses. */
-static inline bool lethe_rank_before(float a, int32_t ia, float b, int32_t ib) {
-    bool na = a != a, nb = b != b;
-    if (na != nb) return nb;
-    if (!na && a != b) return a > b;
-    return ia < ib;
-}
-
-/* Top-k of scores[0..n): writes min(k, n) indices to out in ASCENDING index
- * order and returns how many. Deterministic (lethe_rank_before). O(n log k). */
-int32_t lethe_topk_indices(const float *scores, int32_t n, int32_t k, int32_t *out);
 
 /* Head reduction: in [n_heads, n] (row stride `stride` >= n) -> out [n]. */
 void lethe_reduce_heads(const float *in, int32_t n_heads, int32_t n, size_t stride,

@@ -30,9 +30,9 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/kv_codec.h"
 #include "core/util.h"
 #include "lethe.h"
-#include "sparse/quant.h"
 #include "test.h"
 
 /* CUDA runtime: cudaError_t cudaMemcpy(void *, const void *, size_t, enum cudaMemcpyKind) */

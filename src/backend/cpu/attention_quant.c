@@ -5,15 +5,15 @@
  * the pool:
  *   FP8_E4M3  K/V caches: uint8 codes [n_slots, n_kv_heads, head_dim];
  *             kvq->k_scale / v_scale: f32 [n_slots, n_kv_heads];
- *             x^ = e4m3(code) * scale (src/sparse/quant.h).
+ *             x^ = e4m3(code) * scale (src/backend/kv_codec.h).
  *   KIVI      packed b-bit codes per slot + V group params per slot + K group
  *             table + f32 residual, addressed through the host slot index
  *             kvq->kivi->slot_aux (backend.h); kv_store_quant packs the
- *             groups the method's plan completes (quant.c reference quantizers)
+ *             groups the method's plan completes (kv_codec.c reference quantizers)
  *             and writes the other new tokens to the residual.
  *
  * kv_store_quant: per token and KV head, lethe_fp8_quant_vec (the reference
- * quantizer of src/sparse/quant.c, so CPU codes ARE the reference codes).
+ * quantizer of src/backend/kv_codec.c, so CPU codes ARE the reference codes).
  *
  * attention (same semantics as attention.c, lethe_attn_args): work item =
  * (sequence, KV head, tile of up to QA_QT consecutive queries); the tile's
@@ -29,8 +29,8 @@
 #include <string.h>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/kv_codec.h"
 #include "core/util.h"
-#include "sparse/quant.h"
 
 #define QA_BLOCK 32
 #define QA_QT 8            /* queries per tile */
@@ -39,7 +39,7 @@
 #define QA_VEC_MAX (QA_QT * QA_GROUP_MAX)
 
 /* KIVI store: pack the plan's completed groups (reference quantizers of
- * quant.c, so CPU codes ARE the reference codes), then write the new tokens
+ * kv_codec.c, so CPU codes ARE the reference codes), then write the new tokens
  * that stay in the residual (f32 on the CPU backend). */
 static void kivi_store(const lethe_kv_quant *kvq, uint8_t *kc, uint8_t *vc, const float *k,
                        const float *v, const int32_t *slots, int32_t n, int32_t C) {

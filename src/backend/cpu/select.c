@@ -7,7 +7,7 @@
  * last). */
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
-#include "sparse/select_util.h"
+#include "backend/topk.h"
 
 void lethe_cpu_topk(lethe_backend *be, int32_t *out, const float *scores, int32_t n_segs,
                     const int32_t *seg_begin, const int32_t *out_begin) {

@@ -4,7 +4,7 @@
  * lethe_kv_format:
  *   FP8_E4M3  K/V caches: uint8 E4M3 codes [n_slots, n_kv_heads, D];
  *             kvq->k_scale / v_scale: f32 [n_slots, n_kv_heads];
- *             x^ = e4m3(code) * scale (src/sparse/quant.h).
+ *             x^ = e4m3(code) * scale (src/backend/kv_codec.h).
  *   KIVI      packed b-bit codes per slot [n_slots][C b / 8], V group params
  *             per slot, K group table, bf16 residual (backend.h); slots are
  *             addressed through the HOST slot index kvq->kivi->slot_aux,
@@ -54,7 +54,7 @@
 #define QA_SPLIT_MAX 64
 #define QA_LOG2E 1.4426950408889634f
 
-/* ---- E4M3 conversions (same steps as src/sparse/quant.c) ---------------- */
+/* ---- E4M3 conversions (same steps as src/backend/kv_codec.c) ---------------- */
 
 __device__ __forceinline__ uint32_t e4m3_from_float_dev(float x) {
     if (isnan(x)) return 0x7Fu;

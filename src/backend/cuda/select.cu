@@ -10,7 +10,7 @@
  * arrays (segment bounds, expand requests) go through the staging ring, or
  * are read in place when they are backend memory (lethe_cuda_stage_idx).
  *
- * topk must equal lethe_topk_indices (CPU) exactly, ties included, so it is
+ * topk must equal lethe_topk_indices (backend/topk.c) exactly, ties included, so it is
  * an exact selection, not an approximate one. Each float maps to a uint32
  * key whose unsigned order is lethe_rank_before's score order: NaN -> 0
  * (below every number), -0.0 -> +0.0 (they tie), otherwise the sign-flip

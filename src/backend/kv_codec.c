@@ -1,9 +1,9 @@
-/* quant.c - KIVI asymmetric integer groups and FP8 E4M3 (see quant.h for the formats).
+/* kv_codec.c - KIVI asymmetric integer groups and FP8 E4M3 (see kv_codec.h for the formats).
  *
  * CPU references of the KV quantizers. Rounding is round-half-to-even
  * (nearbyintf in the default rounding mode) everywhere, so a CUDA twin using
  * __float2int_rn / cvt.rn reproduces the codes bit for bit. */
-#include "sparse/quant.h"
+#include "backend/kv_codec.h"
 
 #include <math.h>
 #include <string.h>

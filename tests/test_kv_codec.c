@@ -1,12 +1,12 @@
-/* test_sparse_quant.c - KIVI and FP8 E4M3 quantizers (src/sparse/quant.c):
+/* test_kv_codec.c - KIVI and FP8 E4M3 quantizers (src/backend/kv_codec.c):
  * error bounds from methods.md §15/§17, exact constant groups, packing, the
  * full E4M3 code table, saturation, zero vectors. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "backend/kv_codec.h"
 #include "core/util.h"
-#include "sparse/quant.h"
 #include "test.h"
 
 static uint64_t rng = 777;

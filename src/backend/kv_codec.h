@@ -1,4 +1,4 @@
-/* quant.h - KV quantizers of the quantization methods (KIVI, FP8 E4M3), on host arrays.
+/* kv_codec.h - KV quantizers of the quantization methods (KIVI, FP8 E4M3), on host arrays.
  *
  * KIVI (methods.md §15): asymmetric integer quantization with b bits
  * (2, 4 or 8). For a group with min mu and max M: scale s = (M - mu) / (2^b - 1),
@@ -20,8 +20,8 @@
  *
  * CUDA twins: backend/cuda/attention_quant.cu repeats these steps bit for bit
  * (KIVI pack kernels, fp8_store_kernel; docs/sparse-methods.md). */
-#ifndef LETHE_SPARSE_QUANT_H
-#define LETHE_SPARSE_QUANT_H
+#ifndef LETHE_BACKEND_KV_CODEC_H
+#define LETHE_BACKEND_KV_CODEC_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -60,4 +60,4 @@ float lethe_fp8_e4m3_to_float(uint8_t b);
 void lethe_fp8_quant_vec(const float *x, int32_t n, uint8_t *codes, float *scale);
 void lethe_fp8_dequant_vec(const uint8_t *codes, int32_t n, float scale, float *out);
 
-#endif /* LETHE_SPARSE_QUANT_H */
+#endif /* LETHE_BACKEND_KV_CODEC_H */
