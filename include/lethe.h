@@ -181,6 +181,31 @@ int lethe_engine_apply_chat(lethe_engine *e, const char *const *roles,
                             const char *const *contents, size_t n, bool add_generation_prompt,
                             char **out); /* *out malloc'd */
 char *lethe_engine_detokenize(lethe_engine *e, const int32_t *ids, int32_t n); /* malloc'd */
+/* Chat with tools and reasoning (OpenAI shapes, JSON text in). messages_json:
+ * the "messages" array (roles system / developer / user / assistant / tool;
+ * content a string, null or text parts; assistant "tool_calls" with
+ * "arguments" as a JSON string or object; "reasoning_content"). The model's
+ * template renders tools, calls and results; a template without a tool
+ * format refuses them (LETHE_ERR_UNSUPPORTED). */
+typedef struct lethe_chat_options {
+    bool add_generation_prompt;
+    const char *tools_json;     /* the "tools" array, or NULL */
+    /* chat_template_kwargs object, or NULL: enable_thinking (bool),
+     * date_string (Llama-3.x), tools_in_user_message (Llama-3.x, bool);
+     * other keys are refused (LETHE_ERR_INVALID) */
+    const char *kwargs_json;
+    /* Qwen3: keep the <think> block of every assistant turn that has
+     * reasoning (the template drops it before the last user message) */
+    bool preserve_thinking;
+} lethe_chat_options;
+int lethe_engine_apply_chat_json(lethe_engine *e, const char *messages_json, const lethe_chat_options *o,
+                                 char **out); /* *out malloc'd */
+/* "qwen3", "qwen2.5", "llama3.1", "smollm2", ... (NULL without a tokenizer) */
+const char *lethe_engine_chat_format(const lethe_engine *e);
+/* How the model writes tool calls: "hermes" (<tool_call> JSON: Qwen2.5/3),
+ * "llama3_json" (Llama-3.1/3.2), or NULL when its template has no tools. */
+const char *lethe_engine_tool_format(const lethe_engine *e);
+
 /* true when the model's tokenizer prepends BOS to a plain prompt (Llama-3: yes;
  * SmolLM2 / Qwen: no), i.e. the add_bos a completion prompt should use. */
 bool lethe_engine_adds_bos(const lethe_engine *e);

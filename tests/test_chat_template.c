@@ -62,7 +62,7 @@ static void test_golden(void) {
             content[nb] = '\0';
             owned[n_owned++] = r;
             owned[n_owned++] = content;
-            msgs[i] = (lethe_chat_msg){r, content};
+            msgs[i] = (lethe_chat_msg){.role = r, .content = content};
         }
         size_t nb;
         CHECK(sscanf(gline(&c), "E %zu", &nb) == 1);
@@ -98,11 +98,11 @@ static void test_render_edges(void) {
     CHECK(strcmp(out, "") == 0);
     free(out);
     /* a plain ChatML model has no default system prompt */
-    lethe_chat_msg m = {"user", "hi"};
+    lethe_chat_msg m = {.role = "user", .content = "hi"};
     CHECK(lethe_chat_render(LETHE_CHAT_CHATML, &m, 1, true, true, &out) == LETHE_OK);
     CHECK(strcmp(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n") == 0);
     free(out);
-    lethe_chat_msg bad = {"user", NULL};
+    lethe_chat_msg bad = {.role = "user", .content = NULL};
     CHECK_EQ_INT(lethe_chat_render(LETHE_CHAT_CHATML, &bad, 1, true, true, &out), LETHE_ERR_INVALID);
     CHECK(out == NULL);
     CHECK_EQ_INT(lethe_chat_render((lethe_chat_format)99, &m, 1, true, true, &out), LETHE_ERR_INVALID);

@@ -307,7 +307,7 @@ typedef struct real_tok {
 
 static int32_t measure_real(void *ctx, const char *user, const char *prefix) {
     real_tok *rt = ctx;
-    lethe_chat_msg m = {"user", user};
+    lethe_chat_msg m = {.role = "user", .content = user};
     char *chat = NULL;
     CHECK_EQ_INT(lethe_chat_render(rt->f, &m, 1, true, true, &chat), LETHE_OK);
     size_t a = strlen(chat), b = strlen(prefix);
