@@ -260,6 +260,8 @@ void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out);
  * chain_mode_disabled). */
 typedef struct lethe_chain_params {
     const char *chain_id;       /* NULL or "": create a new chain */
+    const char *owner;          /* tenant that owns the chain (NULL = anonymous); another owner's
+                                 * chain is chain_not_found; at most 71 bytes */
     bool append;                /* prompt = only the tokens appended to the chain's history */
     int32_t append_start;       /* chat: index of the first appended message (append mode) */
     int32_t n_messages;         /* chat: messages of the conversation (0 for token prompts) */

@@ -360,6 +360,57 @@ static void test_append_messages(void) {
     lethe_chain_destroy(t);
 }
 
+/* A chain belongs to the owner that created it: another owner gets NOT_FOUND for
+ * the live chain and for its tombstone (never GONE, BUSY or a recreate), and
+ * its attempts change nothing. */
+static void test_owners(void) {
+    lethe_chain_table_params p = {.n_spaces = 1, .slots_per_space = 100};
+    lethe_chain_table *t = lethe_chain_create(&p);
+    int32_t toks[40];
+    seq(toks, 40, 1);
+    lethe_chain_begin_args a = {.owner = "alice", .fingerprint = FP, .tokens = toks, .n_tokens = 10, .gen_peak = 2};
+    lethe_chain_turn tt;
+    lethe_chain_begin(t, &a, &tt);
+    CHECK_EQ_INT(tt.code, LETHE_CHAIN_OK);
+    char id[LETHE_CHAIN_ID_CAP];
+    strcpy(id, tt.id);
+    /* while ACTIVE, bob does not learn that it is busy */
+    lethe_chain_begin_args b = a;
+    b.owner = "bob";
+    b.chain_id = id;
+    lethe_chain_turn bt;
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_NOT_FOUND);
+    CHECK_STR_CONTAINS(bt.message, "unknown chain_id");
+    finish(t, &tt, 1, 11, NULL);
+    /* IDLE: bob's full prompt (which would recreate it) is refused; the anonymous owner too */
+    b.n_tokens = 20;
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_NOT_FOUND);
+    b.owner = NULL;
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_NOT_FOUND);
+    lethe_chain_stats st;
+    lethe_chain_get_stats(t, &st);
+    CHECK_EQ_INT(st.n_recreated, 0);
+    /* alice resumes */
+    a.chain_id = id;
+    a.n_tokens = 20;
+    lethe_chain_turn at;
+    lethe_chain_begin(t, &a, &at);
+    CHECK_EQ_INT(at.code, LETHE_CHAIN_OK);
+    CHECK_EQ_INT(at.status, LETHE_CHAIN_RESUMED);
+    /* abandoned -> tombstone: GONE for alice, NOT_FOUND for bob */
+    lethe_chain_abandon(t, id, NULL);
+    free(at.tokens);
+    lethe_chain_begin(t, &a, &at);
+    CHECK_EQ_INT(at.code, LETHE_CHAIN_GONE);
+    b.owner = "bob";
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_NOT_FOUND);
+    lethe_chain_destroy(t);
+}
+
 int main(void) {
     lethe_chain_fingerprint("model=a,method=dense", FP);
     lethe_chain_fingerprint("model=a,method=snapkv", FP2);
@@ -370,6 +421,7 @@ int main(void) {
     test_lru_capacity_tombstones();
     test_per_space();
     test_append_messages();
+    test_owners();
     printf("test_chain: ok\n");
     return 0;
 }

@@ -25,6 +25,7 @@
 
 typedef struct chain_rec {
     char id[LETHE_CHAIN_ID_CAP];
+    char owner[LETHE_CHAIN_OWNER_CAP]; /* tenant that created it ("" = anonymous) */
     uint8_t fp[LETHE_CHAIN_FP_BYTES];
     lethe_chain_state state;
     int32_t processed;
@@ -43,7 +44,7 @@ struct lethe_chain_table {
     pthread_mutex_t mu;
     chain_rec **recs;
     int32_t n_recs, cap_recs;
-    char (*tomb)[LETHE_CHAIN_ID_CAP]; /* ring */
+    struct { char id[LETHE_CHAIN_ID_CAP], owner[LETHE_CHAIN_OWNER_CAP]; } *tomb; /* ring */
     int32_t tomb_head, n_tomb;
     void **released;
     int32_t n_released, cap_released;
@@ -179,19 +180,26 @@ static chain_rec *find(lethe_chain_table *t, const char *id) {
     return NULL;
 }
 
-static bool is_tomb(const lethe_chain_table *t, const char *id) {
-    for (int32_t i = 0; i < t->n_tomb; i++)
-        if (strcmp(t->tomb[(t->tomb_head + i) % t->p.max_tombstones], id) == 0) return true;
+static const char *owner_of(const char *owner) { return owner ? owner : ""; }
+
+/* owner NULL: any owner (inspection) */
+static bool is_tomb(const lethe_chain_table *t, const char *id, const char *owner) {
+    for (int32_t i = 0; i < t->n_tomb; i++) {
+        int32_t k = (t->tomb_head + i) % t->p.max_tombstones;
+        if (strcmp(t->tomb[k].id, id) == 0) return !owner || strcmp(t->tomb[k].owner, owner) == 0;
+    }
     return false;
 }
 
-static void add_tomb(lethe_chain_table *t, const char *id) {
+static void add_tomb(lethe_chain_table *t, const chain_rec *r) {
     int32_t cap = t->p.max_tombstones;
     if (t->n_tomb == cap) { /* forget the oldest */
         t->tomb_head = (t->tomb_head + 1) % cap;
         t->n_tomb--;
     }
-    snprintf(t->tomb[(t->tomb_head + t->n_tomb) % cap], LETHE_CHAIN_ID_CAP, "%s", id);
+    int32_t k = (t->tomb_head + t->n_tomb) % cap;
+    snprintf(t->tomb[k].id, LETHE_CHAIN_ID_CAP, "%s", r->id);
+    snprintf(t->tomb[k].owner, LETHE_CHAIN_OWNER_CAP, "%s", r->owner);
     t->n_tomb++;
 }
 
@@ -212,7 +220,7 @@ static void drop(lethe_chain_table *t, chain_rec *r) {
             break;
         }
     }
-    add_tomb(t, r->id);
+    add_tomb(t, r);
     queue_release(t, r->payload);
     rec_free(r);
 }
@@ -313,8 +321,10 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     }
     if (id) {
         r = find(t, id);
+        /* another tenant's chain does not exist for this one (same answer as an unknown id) */
+        if (r && strcmp(r->owner, owner_of(a->owner)) != 0) r = NULL;
         if (!r) {
-            if (is_tomb(t, id))
+            if (is_tomb(t, id, owner_of(a->owner)))
                 reject(t, out, LETHE_CHAIN_GONE, "chain %.60s was reclaimed or invalidated; resend the full "
                        "prompt without chain_id", id);
             else
@@ -401,6 +411,7 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
             goto done;
         }
         memcpy(r->fp, a->fingerprint, LETHE_CHAIN_FP_BYTES);
+        snprintf(r->owner, sizeof(r->owner), "%s", owner_of(a->owner));
         t->st.n_created++;
     } else if (status == LETHE_CHAIN_RECREATED) {
         queue_release(t, r->payload);
@@ -520,7 +531,7 @@ lethe_chain_code lethe_chain_lookup(lethe_chain_table *t, const char *id, lethe_
     lethe_chain_code c = LETHE_CHAIN_OK;
     chain_rec *r = find(t, id);
     if (!r) {
-        c = is_tomb(t, id) ? LETHE_CHAIN_GONE : LETHE_CHAIN_NOT_FOUND;
+        c = is_tomb(t, id, NULL) ? LETHE_CHAIN_GONE : LETHE_CHAIN_NOT_FOUND;
     } else if (out) {
         memset(out, 0, sizeof(*out));
         out->state = r->state;

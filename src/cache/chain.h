@@ -34,6 +34,7 @@
 #define LETHE_CHAIN_ID_CAP 48          /* "chain_" + 32 base64url chars (192 bits) + NUL */
 #define LETHE_CHAIN_FP_BYTES 32        /* SHA-256 */
 #define LETHE_CHAIN_DEFAULT_TOMBSTONES 1024
+#define LETHE_CHAIN_OWNER_CAP 72         /* tenant name + NUL (longer names are refused upstream) */
 
 typedef enum lethe_chain_code {
     LETHE_CHAIN_OK = 0,
@@ -85,6 +86,8 @@ int lethe_chain_new_id(char out[LETHE_CHAIN_ID_CAP]);
 
 typedef struct lethe_chain_begin_args {
     const char *chain_id;      /* NULL or "": create a new chain */
+    const char *owner;         /* tenant (NULL = ""): a chain of another owner is NOT_FOUND (and its
+                                * tombstone too), as if it did not exist */
     const uint8_t *fingerprint; /* [LETHE_CHAIN_FP_BYTES] of the engine serving the turn */
     const int32_t *tokens;     /* full prompt, or (append) the appended tokens only */
     int32_t n_tokens;

@@ -108,10 +108,13 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
                  e->method->ops->name);
         return refuse(res, 400, "chain_mode_disabled", LETHE_ERR_INVALID, msg);
     }
+    if (c->owner && strlen(c->owner) >= LETHE_CHAIN_OWNER_CAP)
+        return refuse(res, 400, "invalid_request", LETHE_ERR_INVALID, "chain owner (tenant) longer than 71 bytes");
     lethe_status st = eng_validate(e, p); /* sampling, token ids (the full length is checked below) */
     if (st != LETHE_OK) return refuse(res, 400, "invalid_request", st, lethe_last_error());
     int64_t gen = p->n_forced > 0 ? p->n_forced : p->sampling.max_tokens > 0 ? p->sampling.max_tokens : e->max_model_len;
-    lethe_chain_begin_args a = {.chain_id = c->chain_id, .fingerprint = e->prefix.chain_fp, .tokens = p->prompt,
+    lethe_chain_begin_args a = {.chain_id = c->chain_id, .owner = c->owner, .fingerprint = e->prefix.chain_fp,
+                                .tokens = p->prompt,
                                 .n_tokens = p->n_prompt, .append = c->append,
                                 .gen_peak = (int32_t)LETHE_MIN(gen, e->max_model_len), .max_len = e->max_model_len,
                                 .n_messages = c->n_messages, .append_start = c->append_start};

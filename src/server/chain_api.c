@@ -139,7 +139,7 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
 }
 
 int srv_chain_submit(lethe_engine *e, const lethe_request_params *p, srv_gen *g, uint64_t *id) {
-    lethe_chain_params cp = {.chain_id = g->chain_id, .append = g->chain_append,
+    lethe_chain_params cp = {.chain_id = g->chain_id, .owner = g->tenant, .append = g->chain_append,
                              .append_start = g->chain_append_start, .n_messages = g->n_messages};
     int rc = lethe_engine_submit_chain(e, p, &cp, &g->chain_res, id);
     snprintf(g->chain_code, sizeof(g->chain_code), "%s", g->chain_res.code ? g->chain_res.code : "");

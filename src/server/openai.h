@@ -63,6 +63,7 @@ typedef struct srv_gen {
     int32_t chain_append_start, n_messages;
     char chain_code[40];
     lethe_chain_result chain_res;
+    const char *tenant;         /* owner of the chains this request creates or resumes (not owned) */
 } srv_gen;
 
 int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,
