@@ -24,7 +24,7 @@ EXTRA_CFLAGS  ?=
 EXTRA_LDFLAGS ?=
 CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) \
                -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP $(EXTRA_CFLAGS)
-LDLIBS  := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lmicrohttpd -lcurl -lcrypto -lm -lpthread -fopenmp
+LDLIBS  := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lcurl -lcrypto -lm -lpthread -fopenmp
 
 ifeq ($(SAN),1)
   BUILD := build-asan

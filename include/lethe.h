@@ -95,6 +95,8 @@ typedef struct lethe_event {
     bool finished;
     lethe_finish_reason finish_reason;
     const char *error;          /* finish_reason == ERROR */
+    bool error_internal;        /* ERROR: the engine failed (a backend error; HTTP 500), not the
+                                 * request as asked (no room in the KV cache, ...; HTTP 400) */
     /* usage, filled on every event */
     int32_t prompt_tokens;
     int32_t completion_tokens;

@@ -37,7 +37,7 @@
 #           or failing ncu is reported and the run goes on.
 #
 # Libraries lethe links that the GPU image may lack (cJSON, PCRE2, ICU,
-# libmicrohttpd, libcurl) are taken from Debian .debs carried in .deb/
+# libcurl) are taken from Debian .debs carried in .deb/
 # (apt-get download ... on the dev machine): headers and missing libraries
 # are unpacked into .deb/root and passed through EXTRA_CFLAGS/EXTRA_LDFLAGS.
 set -u
@@ -59,7 +59,7 @@ if [ -d .deb ]; then
     mkdir -p "$R" "$LK"
     for f in .deb/*.deb; do dpkg -x "$f" "$R"; done
     # a library the system has is linked from the system; else from the .deb
-    for lib in cjson pcre2-8 icuuc microhttpd curl crypto; do
+    for lib in cjson pcre2-8 icuuc curl crypto; do
         sys=$(ldconfig -p | grep -o "/[^ ]*/lib$lib\.so\.[0-9]*$" | head -1)
         # ICU suffixes its symbols with its version: the .deb headers need the .deb library
         [ "$lib" = icuuc ] && sys=

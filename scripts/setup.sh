@@ -2,7 +2,7 @@
 # scripts/setup.sh - installs what lethe needs to build and test, if missing:
 # Debian packages (compiler deps) and the PyPI packages the e2e tests use.
 set -euo pipefail
-pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libmicrohttpd-dev libcurl4-openssl-dev libssl-dev curl python3-pip)
+pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

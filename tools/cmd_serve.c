@@ -3,7 +3,7 @@
  * Flags follow `vllm serve`: the engine flags come from lethe_opts_engine()
  * (--model, --device, --max-model-len, --gpu-memory-utilization,
  * --max-num-seqs, --sparse-method, ...) and the server adds --host, --port,
- * --api-key and --served-model-name. The model may also be given as the one
+ * --api-key, --served-model-name and the connection limits. The model may also be given as the one
  * positional argument (`lethe serve MODEL`). Without a model the default
  * models/SmolLM2-135M-Instruct.Q4_1.gguf is served. The server itself lives
  * in src/server (see server.h). */
@@ -22,8 +22,33 @@ int lethe_cmd_serve(int argc, char **argv) {
                             "address to listen on (0.0.0.0 for all interfaces)", 1, 0};
     rows[n++] = (lethe_opt){"--port", "-p", LETHE_OPT_INT, &cfg.port, "N",
                             "TCP port (0 = any free port, printed at startup)", 0, 65535};
-    rows[n++] = (lethe_opt){"--api-key", NULL, LETHE_OPT_STR, &cfg.api_key, "KEY",
-                            "require 'Authorization: Bearer KEY' on /v1 routes", 1, 0};
+    rows[n++] = (lethe_opt){"--api-key", NULL, LETHE_OPT_STRLIST, cfg.api_keys, "KEY",
+                            "require 'Authorization: Bearer KEY' on /v1 routes (repeatable: one key per "
+                            "tenant)", 1, 0};
+    rows[n++] = (lethe_opt){"--api-key-file", NULL, LETHE_OPT_STR, &cfg.api_key_file, "PATH",
+                            "more API keys, one a line ('#' comments)", 1, 0};
+    rows[n++] = (lethe_opt){"--tenant-header", NULL, LETHE_OPT_STR, &cfg.tenant_header, "NAME",
+                            "without API keys: this request header names the tenant that owns chains "
+                            "(only behind a proxy that authenticates and sets it)", 1, 0};
+    rows[n++] = (lethe_opt){"--metrics-require-key", NULL, LETHE_OPT_BOOL, &cfg.metrics_require_key, NULL,
+                            "/metrics needs an API key too", 0, 0};
+    rows[n++] = (lethe_opt){"--max-connections", NULL, LETHE_OPT_INT, &cfg.max_connections, "N",
+                            "open HTTP connections in all; more get 503", 16, 1 << 20};
+    rows[n++] = (lethe_opt){"--max-connections-per-client", NULL, LETHE_OPT_INT,
+                            &cfg.max_connections_per_client, "N",
+                            "open connections per client address; more get 429 (0 = no limit; behind a "
+                            "proxy every client has its address)", 0, 1 << 20};
+    rows[n++] = (lethe_opt){"--http-workers", NULL, LETHE_OPT_INT, &cfg.http_workers, "N",
+                            "threads that parse, tokenize and submit requests", 1, 256};
+    rows[n++] = (lethe_opt){"--header-timeout", NULL, LETHE_OPT_FLOAT, &cfg.header_timeout_s, "S",
+                            "seconds to send the request line and headers (408 after)", 0.1, 3600};
+    rows[n++] = (lethe_opt){"--body-timeout", NULL, LETHE_OPT_FLOAT, &cfg.body_timeout_s, "S",
+                            "seconds to send the body after the headers (408 after)", 0.1, 3600};
+    rows[n++] = (lethe_opt){"--idle-timeout", NULL, LETHE_OPT_FLOAT, &cfg.idle_timeout_s, "S",
+                            "seconds an idle keep-alive connection stays open", 0.1, 3600};
+    rows[n++] = (lethe_opt){"--write-timeout", NULL, LETHE_OPT_FLOAT, &cfg.write_timeout_s, "S",
+                            "seconds a client may read nothing of its response before it is dropped", 0.1,
+                            3600};
     rows[n++] = (lethe_opt){"--served-model-name", NULL, LETHE_OPT_STR, &cfg.served_model_name,
                             "NAME", "model id in the API (default: the model file's name)", 1, 0};
     rows[n++] = (lethe_opt){"--max-queued-requests", NULL, LETHE_OPT_INT,

@@ -1,26 +1,30 @@
-/* http.c - libmicrohttpd glue: listener, routing, auth, request bodies,
- * streaming (SSE), client disconnects, request log, startup and shutdown.
+/* http.c - the server's routes, auth, tenancy, generation responses, request
+ * log, startup and shutdown, on top of the connection layer (conn.c).
  *
- * libmicrohttpd runs one thread per connection, so a handler may block: a
- * non-streaming request waits on its srv_req queue inside the access handler;
- * a streaming one returns a chunked response whose content reader blocks for
- * the next batch of events. Both wait in short slices (POLL_MS) and between
- * slices peek at the socket: a peer that closed (recv returns 0) or reset has
- * its request cancelled with lethe_engine_cancel(), which the engine applies
- * at the start of its next step (KV freed there). A failed write ends the
- * response the same way through the reader's free callback, and the request-
- * completed callback cancels anything still running as a last resort.
+ * handle() runs on a worker thread of the connection layer: it routes,
+ * authenticates, parses the request (openai.c), tokenizes and submits it to
+ * the engine, and returns either a whole response or a generation (gen_ops):
+ * an async object the loop pumps whenever the engine callback (req.c) wakes
+ * the connection. A streaming generation formats SSE chunks as events
+ * arrive; a whole one folds them and answers when the request finishes. A
+ * client that disconnects is seen by the loop, which cancels the request
+ * (lethe_engine_cancel: the engine frees its KV at the start of its next
+ * step).
  *
  * Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
  * POST /v1/chat/completions, POST /tokenize and /detokenize (vLLM's). All
- * but /health and /metrics need "Authorization: Bearer KEY" when --api-key
- * is set. Bodies above max_body_bytes are drained and answered 413;
- * everything except /health and /metrics answers 503 until the model is
- * loaded, and completions answer 503 when more than max_num_seqs +
- * max_queued_requests are in flight. */
+ * but /health (and /metrics unless --metrics-require-key) need
+ * "Authorization: Bearer KEY" when API keys are set. Everything except
+ * /health and /metrics answers 503 until the model is loaded, and
+ * completions answer 503 when more than max_num_seqs + max_queued_requests
+ * are in flight.
+ *
+ * Tenancy: a chain (Chain Cache) belongs to the tenant that created it: the
+ * API key it was created with (its SHA-256, never the key), or with keys off
+ * the --tenant-header value an authenticating proxy in front sets. Another
+ * tenant asking for it gets 404, as if it did not exist. */
 #include <arpa/inet.h>
 #include <errno.h>
-#include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
@@ -30,26 +34,27 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "cache/chain.h"
 #include "core/log.h"
 #include "core/util.h"
 #include "server/buf.h"
+#include "server/chain_api.h"
+#include "server/conn.h"
 #include "server/metrics.h"
 #include "server/openai.h"
-#include "server/chain_api.h"
 #include "server/req.h"
 #include "server/server.h"
-
-#define POLL_MS 50
 
 enum { PHASE_LOADING = 0, PHASE_READY, PHASE_FAILED, PHASE_STOPPING };
 
 typedef struct srv_state {
     const lethe_server_config *cfg;
-    struct MHD_Daemon *daemon;
+    srv_http *http;
     atomic_int phase;
     lethe_engine *engine;
     srv_api api;
@@ -60,136 +65,90 @@ typedef struct srv_state {
     char host[256];
     int port;
     pthread_t main_thread;
+    char **keys;               /* API keys (--api-key, --api-key-file); none: no auth */
+    char (*key_tenant)[24];    /* per key: "key-" + 16 hex of its SHA-256 */
+    int n_keys;
 } srv_state;
 
-typedef struct conn_ctx {
-    srv_state *s;
-    char method[16];
-    char path[160];
-    srv_buf body;
-    bool too_large;
-    bool disconnected;
-    double t_start;
-    int status;
-    srv_req *req;              /* our reference, for the log line and last-resort cancel */
-} conn_ctx;
+/* ---- responses ---- */
 
-typedef struct stream_ctx {
-    srv_state *s;
-    srv_req *req;              /* reference */
-    srv_gen gen;
-    srv_buf out;               /* formatted bytes not yet handed to MHD */
-    size_t text_len;           /* completion text emitted so far (logprobs text_offset) */
-    bool closed;               /* [DONE] is in `out` */
-    int fd;
-    conn_ctx *cx;              /* for marking a disconnect in the log (valid until completed) */
-} stream_ctx;
-
-/* ---- small helpers ---- */
-
-static bool peer_gone(int fd) {
-    if (fd < 0) return false;
-    char ch;
-    ssize_t n = recv(fd, &ch, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return true;
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+static void set_body(srv_response *r, int status, char *body, const char *ctype) {
+    r->status = status;
+    r->body = body;
+    r->content_type = ctype;
 }
 
-static int conn_fd(struct MHD_Connection *c) {
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    return ci ? ci->connect_fd : -1;
+static void set_error(srv_response *r, const srv_error *e) {
+    set_body(r, e->status, srv_error_json(e), "application/json");
 }
 
-static enum MHD_Result queue_body(struct MHD_Connection *c, conn_ctx *cx, int status, char *body,
-                                  const char *content_type) {
-    size_t n = body ? strlen(body) : 0;
-    struct MHD_Response *r =
-        MHD_create_response_from_buffer(n, body ? body : (char *)"", body ? MHD_RESPMEM_MUST_FREE
-                                                                          : MHD_RESPMEM_PERSISTENT);
-    if (!r) {
-        free(body);
-        return MHD_NO;
-    }
-    if (content_type) MHD_add_response_header(r, "Content-Type", content_type);
-    cx->status = status;
-    enum MHD_Result ret = MHD_queue_response(c, (unsigned)status, r);
-    MHD_destroy_response(r);
-    return ret;
-}
-
-static enum MHD_Result queue_json(struct MHD_Connection *c, conn_ctx *cx, int status, char *json) {
-    return queue_body(c, cx, status, json, "application/json");
-}
-
-static enum MHD_Result queue_error(struct MHD_Connection *c, conn_ctx *cx, const srv_error *e) {
-    return queue_json(c, cx, e->status, srv_error_json(e));
-}
-
-__attribute__((format(printf, 5, 6))) static enum MHD_Result
-fail(struct MHD_Connection *c, conn_ctx *cx, int status, const char *param, const char *fmt, ...) {
+__attribute__((format(printf, 4, 5))) static void fail(srv_response *r, int status, const char *param,
+                                                       const char *fmt, ...) {
     srv_error e = {.status = status};
     snprintf(e.param, sizeof(e.param), "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(e.message, sizeof(e.message), fmt, ap);
     va_end(ap);
-    return queue_error(c, cx, &e);
+    set_error(r, &e);
 }
 
-/* Constant-time comparison of the bearer token. */
-static bool auth_ok(const srv_state *s, struct MHD_Connection *c) {
-    if (!s->cfg->api_key) return true;
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+/* The connection layer's own errors (400, 408, 411, 413, 414, 429, 431, 503, 505). */
+static char *layer_error(int status, const char *message) {
+    srv_error e = {.status = status};
+    snprintf(e.message, sizeof(e.message), "%s", message);
+    return srv_error_json(&e);
+}
+
+/* ---- auth and tenancy ---- */
+
+/* Constant-time over every key (which one matched does not show in timing).
+ * Sets *tenant to the matching key's tenant (or "" when keys are off). */
+static bool auth_ok(const srv_state *s, const srv_request *rq, const char **tenant) {
+    *tenant = "";
+    if (s->n_keys == 0) {
+        if (s->cfg->tenant_header) {
+            const char *t = srv_request_header(rq, s->cfg->tenant_header);
+            *tenant = t ? t : "";
+        }
+        return true;
+    }
+    const char *h = srv_request_header(rq, "Authorization");
     if (!h || strncasecmp(h, "Bearer ", 7) != 0) return false;
-    const char *got = h + 7, *want = s->cfg->api_key;
-    size_t gl = strlen(got), wl = strlen(want);
-    unsigned diff = (unsigned)(gl != wl);
-    for (size_t i = 0; i < wl; i++) diff |= (unsigned char)want[i] ^ (unsigned char)(i < gl ? got[i] : 0);
-    return diff == 0;
+    const char *got = h + 7;
+    size_t gl = strlen(got);
+    int match = -1;
+    for (int k = 0; k < s->n_keys; k++) {
+        const char *want = s->keys[k];
+        size_t wl = strlen(want);
+        unsigned diff = (unsigned)(gl != wl);
+        for (size_t i = 0; i < wl; i++) diff |= (unsigned char)want[i] ^ (unsigned char)(i < gl ? got[i] : 0);
+        if (diff == 0) match = k;
+    }
+    if (match < 0) return false;
+    *tenant = s->key_tenant[match];
+    return true;
 }
 
-static enum MHD_Result submit_error(struct MHD_Connection *c, conn_ctx *cx, int rc) {
-    const char *msg = lethe_engine_last_error();
-    if (rc == LETHE_ERR_CAPACITY || rc == LETHE_ERR_BUSY)
-        return fail(c, cx, 503, NULL, "the server is overloaded, retry later (%s)", msg);
-    if (rc == LETHE_ERR_INVALID) return fail(c, cx, 400, NULL, "%s", msg);
-    return fail(c, cx, 500, NULL, "the engine refused the request: %s", msg);
+static void unauthorized(srv_response *r) {
+    fail(r, 401, NULL, "invalid or missing API key (Authorization: Bearer KEY)");
 }
 
-/* Takes a slot in the in-flight budget, creates the srv_req and submits it. */
-static int start_request(srv_state *s, conn_ctx *cx, srv_gen *g, srv_req **out, int *rc_out) {
-    *rc_out = 0;
-    if (atomic_fetch_add(&s->in_flight, 1) >= s->max_in_flight) {
-        atomic_fetch_sub(&s->in_flight, 1);
-        return 503;
-    }
-    srv_req *r = srv_req_new(&s->metrics, cx->t_start, g->logprobs > 0);
-    r->in_flight = &s->in_flight;
-    lethe_request_params p = {0};
-    p.prompt = g->prompt;
-    p.n_prompt = g->n_prompt;
-    p.sampling = g->sp;
-    p.forced = g->forced;
-    p.n_forced = g->n_forced;
-    p.cb = srv_req_on_event;
-    p.user = r;
-    srv_req_ref(r); /* the engine's reference, dropped by the final event */
-    uint64_t id = 0;
-    int rc = g->chain ? srv_chain_submit(s->engine, &p, g, &id) : lethe_engine_submit(s->engine, &p, &id);
-    if (rc != 0) {
-        atomic_fetch_sub(&s->in_flight, 1);
-        srv_req_unref(r); /* the engine's */
-        srv_req_unref(r); /* ours */
-        *rc_out = rc;
-        return -1;
-    }
-    pthread_mutex_lock(&r->mu);
-    r->id = id;
-    r->submitted = true;
-    pthread_mutex_unlock(&r->mu);
-    *out = r;
-    return 0;
-}
+/* ---- generations (async responses) ---- */
+
+typedef struct gen_ctx {
+    srv_state *s;
+    srv_req *r;
+    srv_gen g;
+    srv_acc acc;
+    srv_buf pending;           /* SSE bytes formatted before the first pump (chat role) */
+    size_t text_len;           /* completion text emitted so far (logprobs text_offset) */
+    bool closed;               /* the stream's [DONE] was written / the response was built */
+    bool aborted;
+    int status;
+    double t_start;
+    char method[16], path[64];
+} gen_ctx;
 
 static void cancel_if_running(srv_state *s, srv_req *r) {
     if (!r) return;
@@ -203,268 +162,256 @@ static void cancel_if_running(srv_state *s, srv_req *r) {
     if (submitted && !done && s->engine) lethe_engine_cancel(s->engine, id);
 }
 
-/* ---- streaming ---- */
+/* An error event: the engine's message (a failure mid-request is 500, a
+ * refusal of the request itself 400). */
+static int error_status(const srv_event *e) { return e->error_status ? e->error_status : 500; }
 
-static void stream_finish(stream_ctx *st, const srv_event *ev) {
+static void stream_finish(gen_ctx *x, const srv_event *ev, srv_buf *out) {
     if (ev->finish_reason == LETHE_FINISH_ERROR) {
-        srv_error e = {.status = 400};
+        srv_error e = {.status = error_status(ev)};
         snprintf(e.message, sizeof(e.message), "%s", ev->error ? ev->error : "request failed");
-        srv_sse_error(&e, &st->out);
-    } else if (st->gen.include_usage) {
+        srv_sse_error(&e, out);
+    } else if (x->g.include_usage) {
         int32_t p, cpl, cached;
-        srv_req_usage(st->req, &p, &cpl, &cached, NULL);
-        srv_sse_usage(&st->s->api, &st->gen, p, cpl, cached, &st->out);
+        srv_req_usage(x->r, &p, &cpl, &cached, NULL);
+        srv_sse_usage(&x->s->api, &x->g, p, cpl, cached, out);
     }
-    srv_sse_done(&st->out);
-    st->closed = true;
+    srv_sse_done(out);
+    x->closed = true;
 }
 
-static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
-    stream_ctx *st = cls;
-    (void)pos;
-    for (;;) {
-        /* a closed peer is noticed before each write and every POLL_MS while idle */
-        if (peer_gone(st->fd) || atomic_load(&st->s->phase) == PHASE_STOPPING) {
-            cancel_if_running(st->s, st->req);
-            if (st->cx) st->cx->disconnected = true;
-            return MHD_CONTENT_READER_END_WITH_ERROR;
-        }
-        if (st->out.len > 0) break;
-        if (st->closed) return MHD_CONTENT_READER_END_OF_STREAM;
-        srv_event *evs = srv_req_take(st->req, POLL_MS);
-        for (srv_event *e = evs; e; e = e->next) {
-            if (st->closed) break;
-            if (e->finished && e->finish_reason == LETHE_FINISH_ERROR) {
-                stream_finish(st, e);
-                break;
+static bool gen_pump(void *ctx, srv_buf *out, int *status, const char **ctype) {
+    gen_ctx *x = ctx;
+    if (x->closed) return true;
+    if (x->pending.len) {
+        srv_buf_add(out, x->pending.data, x->pending.len);
+        srv_buf_free(&x->pending);
+    }
+    srv_event *evs = srv_req_take(x->r, 0);
+    bool finished = false;
+    srv_event *last = NULL;
+    for (srv_event *e = evs; e && !finished; e = e->next) {
+        if (x->g.stream) {
+            if (!(e->finished && e->finish_reason == LETHE_FINISH_ERROR)) {
+                srv_sse_event(&x->s->api, &x->g, e, x->text_len, out);
+                x->text_len += strlen(e->text);
             }
-            srv_sse_event(&st->s->api, &st->gen, e, st->text_len, &st->out);
-            st->text_len += strlen(e->text);
-            if (e->finished) stream_finish(st, e);
+        } else {
+            srv_acc_add(&x->s->api, &x->g, &x->acc, e);
         }
-        srv_event_free_list(evs);
+        if (e->finished) {
+            finished = true;
+            last = e;
+        }
     }
-    size_t n = LETHE_MIN(max, st->out.len);
-    memcpy(buf, st->out.data, n);
-    srv_buf_consume(&st->out, n);
-    return (ssize_t)n;
+    if (finished && x->g.stream) {
+        stream_finish(x, last, out);
+        x->status = 200;
+    } else if (finished) {
+        x->closed = true;
+        *ctype = "application/json";
+        if (x->acc.finish == LETHE_FINISH_ERROR) {
+            srv_error e = {.status = error_status(last)};
+            snprintf(e.message, sizeof(e.message), "%s", x->acc.error ? x->acc.error : "request failed");
+            char *body = srv_error_json(&e);
+            srv_buf_puts(out, body);
+            free(body);
+            *status = x->status = e.status;
+        } else {
+            int32_t p, cpl, cached;
+            srv_req_usage(x->r, &p, &cpl, &cached, NULL);
+            char *body = srv_response_json(&x->s->api, &x->g, &x->acc, p, cpl, cached);
+            srv_buf_puts(out, body);
+            free(body);
+            *status = x->status = 200;
+        }
+    }
+    srv_event_free_list(evs);
+    return finished;
 }
 
-static void stream_free(void *cls) {
-    stream_ctx *st = cls;
-    cancel_if_running(st->s, st->req);
-    srv_req_unref(st->req);
-    srv_gen_free(&st->gen);
-    srv_buf_free(&st->out);
-    free(st);
+static void gen_cancel(void *ctx) {
+    gen_ctx *x = ctx;
+    x->aborted = true;
+    cancel_if_running(x->s, x->r);
 }
 
-/* ---- completions ---- */
+static void gen_destroy(void *ctx) {
+    gen_ctx *x = ctx;
+    int32_t p = 0, cpl = 0, cached = 0;
+    srv_req_usage(x->r, &p, &cpl, &cached, NULL);
+    LOG_INFO("%s %s %d prompt_tokens=%d completion_tokens=%d cached_tokens=%d %.3fs%s", x->method, x->path,
+             x->aborted ? 499 : x->status, p, cpl, cached, lethe_time_s() - x->t_start,
+             x->aborted ? " (client disconnected)" : "");
+    srv_req_set_wake(x->r, (srv_wake){0});
+    srv_req_unref(x->r);
+    srv_gen_free(&x->g);
+    srv_acc_free(&x->acc);
+    srv_buf_free(&x->pending);
+    free(x);
+}
 
-static enum MHD_Result handle_generate(struct MHD_Connection *c, conn_ctx *cx, srv_kind kind) {
-    srv_state *s = cx->s;
-    srv_gen g;
+static const srv_async_ops gen_ops = {gen_pump, gen_cancel, gen_destroy};
+
+static void submit_error(srv_response *resp, int rc) {
+    const char *msg = lethe_engine_last_error();
+    if (rc == LETHE_ERR_CAPACITY || rc == LETHE_ERR_BUSY)
+        fail(resp, 503, NULL, "the server is overloaded, retry later (%s)", msg);
+    else if (rc == LETHE_ERR_INVALID) fail(resp, 400, NULL, "%s", msg);
+    else fail(resp, 500, NULL, "the engine refused the request: %s", msg);
+}
+
+static void handle_generate(srv_state *s, const srv_request *rq, const char *tenant, srv_kind kind,
+                            srv_response *resp) {
+    double t0 = lethe_time_s();
+    gen_ctx *x = lethe_xcalloc(1, sizeof(*x));
+    x->s = s;
+    x->t_start = t0;
+    snprintf(x->method, sizeof(x->method), "%s", rq->method);
+    snprintf(x->path, sizeof(x->path), "%s", rq->path);
     srv_error err = {0};
-    if (srv_parse_request(&s->api, kind, cx->body.data ? cx->body.data : "", cx->body.len, &g,
-                          &err) != 0)
-        return queue_error(c, cx, &err);
-    srv_req *r = NULL;
-    int rc = 0;
-    int st = start_request(s, cx, &g, &r, &rc);
-    if (st != 0) {
-        if (g.chain && g.chain_res.http_status >= 400) { /* refused by the chain table */
-            int code = g.chain_res.http_status;
-            char *body = srv_chain_error_json(&g);
-            srv_gen_free(&g);
-            return queue_json(c, cx, code, body);
-        }
-        srv_gen_free(&g);
-        if (st == 503)
-            return fail(c, cx, 503, NULL,
-                        "the server is overloaded: %d requests in flight (max-num-seqs + "
-                        "max-queued-requests); retry later",
-                        s->max_in_flight);
-        return submit_error(c, cx, rc);
+    if (srv_parse_request(&s->api, kind, rq->body, rq->body_len, &x->g, &err) != 0) {
+        free(x);
+        set_error(resp, &err);
+        return;
     }
-    cx->req = r;
-    srv_req_ref(r);
-    int fd = conn_fd(c);
-
-    if (g.stream) {
-        stream_ctx *sc = lethe_xcalloc(1, sizeof(*sc));
-        sc->s = s;
-        sc->req = r; /* takes the reference from start_request */
-        sc->gen = g;
-        sc->fd = fd;
-        sc->cx = cx;
-        if (kind == SRV_CHAT) srv_sse_role(&s->api, &g, &sc->out);
-        struct MHD_Response *resp =
-            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, stream_read, sc, stream_free);
-        if (!resp) {
-            stream_free(sc);
-            return MHD_NO;
-        }
-        MHD_add_response_header(resp, "Content-Type", "text/event-stream; charset=utf-8");
-        MHD_add_response_header(resp, "Cache-Control", "no-cache");
-        cx->status = 200;
-        enum MHD_Result ret = MHD_queue_response(c, 200, resp);
-        MHD_destroy_response(resp);
-        return ret;
+    srv_gen *g = &x->g;
+    g->tenant = tenant;
+    if (atomic_fetch_add(&s->in_flight, 1) >= s->max_in_flight) {
+        atomic_fetch_sub(&s->in_flight, 1);
+        srv_gen_free(g);
+        free(x);
+        fail(resp, 503, NULL,
+             "the server is overloaded: %d requests in flight (max-num-seqs + max-queued-requests); retry later",
+             s->max_in_flight);
+        return;
     }
-
-    srv_acc acc = {0};
-    bool done = false;
-    while (!done) {
-        srv_event *evs = srv_req_take(r, POLL_MS);
-        /* checked after every batch, not only when idle: tokens may flow steadily */
-        if (peer_gone(fd) || atomic_load(&s->phase) == PHASE_STOPPING) {
-            srv_event_free_list(evs);
-            cancel_if_running(s, r);
-            cx->disconnected = true;
-            cx->status = 499; /* nginx's "client closed request", for the log line */
-            srv_acc_free(&acc);
-            srv_gen_free(&g);
-            srv_req_unref(r);
-            return MHD_NO; /* closes the connection */
-        }
-        for (srv_event *e = evs; e; e = e->next) {
-            srv_acc_add(&s->api, &g, &acc, e);
-            if (e->finished) done = true;
-        }
-        srv_event_free_list(evs);
+    srv_req *r = srv_req_new(&s->metrics, t0, g->logprobs > 0);
+    r->in_flight = &s->in_flight;
+    srv_req_set_wake(r, rq->wake);
+    lethe_request_params p = {0};
+    p.prompt = g->prompt;
+    p.n_prompt = g->n_prompt;
+    p.sampling = g->sp;
+    p.forced = g->forced;
+    p.n_forced = g->n_forced;
+    p.cb = srv_req_on_event;
+    p.user = r;
+    srv_req_ref(r); /* the engine's reference, dropped by the final event */
+    uint64_t id = 0;
+    int rc = g->chain ? srv_chain_submit(s->engine, &p, g, &id) : lethe_engine_submit(s->engine, &p, &id);
+    if (rc != 0) {
+        atomic_fetch_sub(&s->in_flight, 1);
+        srv_req_set_wake(r, (srv_wake){0});
+        srv_req_unref(r); /* the engine's */
+        srv_req_unref(r); /* ours */
+        if (g->chain && g->chain_res.http_status >= 400) /* refused by the chain table */
+            set_body(resp, g->chain_res.http_status, srv_chain_error_json(g), "application/json");
+        else submit_error(resp, rc);
+        srv_gen_free(g);
+        free(x);
+        return;
     }
-    enum MHD_Result ret;
-    if (acc.finish == LETHE_FINISH_ERROR) {
-        ret = fail(c, cx, 400, NULL, "%s", acc.error ? acc.error : "request failed");
-    } else {
-        int32_t p, cpl, cached;
-        srv_req_usage(r, &p, &cpl, &cached, NULL);
-        ret = queue_json(c, cx, 200, srv_response_json(&s->api, &g, &acc, p, cpl, cached));
+    pthread_mutex_lock(&r->mu);
+    r->id = id;
+    r->submitted = true;
+    pthread_mutex_unlock(&r->mu);
+    x->r = r;
+    x->status = 200;
+    resp->async_ops = &gen_ops;
+    resp->async_ctx = x;
+    if (g->stream) {
+        resp->streaming = true;
+        resp->status = 200;
+        resp->content_type = "text/event-stream; charset=utf-8";
+        resp->extra_headers = "Cache-Control: no-cache\r\n";
+        if (kind == SRV_CHAT) srv_sse_role(&s->api, g, &x->pending);
     }
-    srv_acc_free(&acc);
-    srv_gen_free(&g);
-    srv_req_unref(r);
-    return ret;
 }
 
-/* ---- routing ---- */
+/* ---- metrics ---- */
 
-static enum MHD_Result dispatch(struct MHD_Connection *c, conn_ctx *cx) {
-    srv_state *s = cx->s;
-    const char *path = cx->path;
-    bool get = !strcmp(cx->method, "GET") || !strcmp(cx->method, "HEAD");
-    bool post = !strcmp(cx->method, "POST");
+static char *render_metrics(srv_state *s, bool ready) {
+    lethe_engine_stats st;
+    if (ready) lethe_engine_get_stats(s->engine, &st);
+    char *text = srv_metrics_render(&s->metrics, ready ? &st : NULL, s->served_name);
+    srv_buf mb = {0};
+    srv_buf_puts(&mb, text);
+    free(text);
+    if (ready) srv_chain_metrics(s->engine, s->served_name, &mb); /* chain cache series */
+    srv_http_stats hs;
+    srv_http_stats_get(s->http, &hs);
+    const struct { const char *name, *type, *help, *label; double v; } rows[] = {
+        {"http_connections", "gauge", "Open HTTP connections.", NULL, (double)hs.open},
+        {"http_connections_total", "counter", "HTTP connections accepted.", NULL, (double)hs.accepted},
+        {"http_connections_refused_total", "counter", "HTTP connections refused at accept.", "client_cap",
+         (double)hs.refused_client_cap},
+        {"http_connections_refused_total", NULL, NULL, "total_cap", (double)hs.refused_total_cap},
+        {"http_timeouts_total", "counter", "Connections closed for a header, body, idle or write timeout.", NULL,
+         (double)hs.timeouts},
+        {"http_bad_requests_total", "counter", "Requests the HTTP layer refused (malformed, too large).", NULL,
+         (double)hs.bad_requests},
+        {"requests_in_flight", "gauge", "Generation requests submitted and not finished.", NULL,
+         (double)atomic_load(&s->in_flight)},
+    };
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        if (rows[i].type)
+            srv_buf_printf(&mb, "# HELP lethe:%s %s\n# TYPE lethe:%s %s\n", rows[i].name, rows[i].help,
+                           rows[i].name, rows[i].type);
+        srv_buf_printf(&mb, "lethe:%s{model_name=\"%s\"%s%s%s} %.17g\n", rows[i].name, s->served_name,
+                       rows[i].label ? ",reason=\"" : "", rows[i].label ? rows[i].label : "",
+                       rows[i].label ? "\"" : "", rows[i].v);
+    }
+    return mb.data;
+}
+
+/* ---- routing (a worker thread) ---- */
+
+static void handle(void *user, const srv_request *rq, srv_response *resp) {
+    srv_state *s = user;
+    const char *path = rq->path;
+    bool get = !strcmp(rq->method, "GET") || !strcmp(rq->method, "HEAD");
+    bool post = !strcmp(rq->method, "POST");
     int phase = atomic_load(&s->phase);
+    const char *tenant = "";
+    char clip[80];
 
     if (!strcmp(path, "/health")) {
-        if (!get) return fail(c, cx, 405, NULL, "use GET %s", path);
+        if (!get) return fail(resp, 405, NULL, "use GET %s", path);
         if (phase != PHASE_READY)
-            return fail(c, cx, 503, NULL, "the model is %s", phase == PHASE_LOADING ? "loading" : "not available");
-        return queue_body(c, cx, 200, NULL, NULL);
+            return fail(resp, 503, NULL, "the model is %s", phase == PHASE_LOADING ? "loading" : "not available");
+        return set_body(resp, 200, NULL, NULL);
     }
     if (!strcmp(path, "/metrics")) {
-        if (!get) return fail(c, cx, 405, NULL, "use GET %s", path);
-        lethe_engine_stats st;
-        bool ready = phase == PHASE_READY;
-        if (ready) lethe_engine_get_stats(s->engine, &st);
-        char *text = srv_metrics_render(&s->metrics, ready ? &st : NULL, s->served_name);
-        if (ready) { /* chain cache series */
-            srv_buf mb = {0};
-            srv_buf_puts(&mb, text);
-            srv_chain_metrics(s->engine, s->served_name, &mb);
-            free(text);
-            text = mb.data;
-        }
-        return queue_body(c, cx, 200, text, "text/plain; version=0.0.4; charset=utf-8");
+        if (s->cfg->metrics_require_key && !auth_ok(s, rq, &tenant)) return unauthorized(resp);
+        if (!get) return fail(resp, 405, NULL, "use GET %s", path);
+        return set_body(resp, 200, render_metrics(s, phase == PHASE_READY),
+                        "text/plain; version=0.0.4; charset=utf-8");
     }
     bool is_tok = !strcmp(path, "/tokenize"), is_detok = !strcmp(path, "/detokenize");
     if (is_tok || is_detok) {
-        if (!auth_ok(s, c)) return fail(c, cx, 401, NULL, "invalid or missing API key (Authorization: Bearer KEY)");
-        if (!post) return fail(c, cx, 405, NULL, "use POST %s", path);
-        if (phase != PHASE_READY) return fail(c, cx, 503, NULL, "the model is not loaded");
+        if (!auth_ok(s, rq, &tenant)) return unauthorized(resp);
+        if (!post) return fail(resp, 405, NULL, "use POST %s", path);
+        if (phase != PHASE_READY) return fail(resp, 503, NULL, "the model is not loaded");
         srv_error err = {0};
-        const char *b = cx->body.data ? cx->body.data : "";
-        char *out = is_tok ? srv_tokenize_json(&s->api, b, cx->body.len, &err)
-                           : srv_detokenize_json(&s->api, b, cx->body.len, &err);
-        return out ? queue_json(c, cx, 200, out) : queue_error(c, cx, &err);
+        char *out = is_tok ? srv_tokenize_json(&s->api, rq->body, rq->body_len, &err)
+                           : srv_detokenize_json(&s->api, rq->body, rq->body_len, &err);
+        if (out) return set_body(resp, 200, out, "application/json");
+        return set_error(resp, &err);
     }
     bool is_models = !strcmp(path, "/v1/models");
     bool is_cmpl = !strcmp(path, "/v1/completions");
     bool is_chat = !strcmp(path, "/v1/chat/completions");
     if (!is_models && !is_cmpl && !is_chat)
-        return fail(c, cx, 404, NULL, "no route %s %s", cx->method, path);
-    if (!auth_ok(s, c)) return fail(c, cx, 401, NULL, "invalid or missing API key (Authorization: Bearer KEY)");
-    if (is_models ? !get : !post)
-        return fail(c, cx, 405, NULL, "use %s %s", is_models ? "GET" : "POST", path);
+        return fail(resp, 404, NULL, "no route %s %s", rq->method, srv_clip(path, clip, sizeof(clip)));
+    if (!auth_ok(s, rq, &tenant)) return unauthorized(resp);
+    if (strlen(tenant) > 64)
+        return fail(resp, 400, NULL, "the %s header is longer than 64 bytes", s->cfg->tenant_header);
+    if (is_models ? !get : !post) return fail(resp, 405, NULL, "use %s %s", is_models ? "GET" : "POST", path);
     if (phase != PHASE_READY)
-        return fail(c, cx, 503, NULL, "the model is %s", phase == PHASE_LOADING ? "still loading" : "not available");
-    if (is_models) return queue_json(c, cx, 200, srv_models_json(&s->api));
-    return handle_generate(c, cx, is_chat ? SRV_CHAT : SRV_COMPLETION);
-}
-
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version, const char *upload,
-                                  size_t *upload_size, void **con_cls) {
-    srv_state *s = cls;
-    (void)version;
-    conn_ctx *cx = *con_cls;
-    if (!cx) {
-        cx = lethe_xcalloc(1, sizeof(*cx));
-        cx->s = s;
-        cx->t_start = lethe_time_s();
-        snprintf(cx->method, sizeof(cx->method), "%s", method);
-        snprintf(cx->path, sizeof(cx->path), "%s", url);
-        *con_cls = cx;
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
-        if (cl && strtoull(cl, NULL, 10) > s->cfg->max_body_bytes) {
-            cx->too_large = true;
-            /* a client waiting for "100 Continue" gets the 413 before sending the body */
-            const char *ex = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Expect");
-            if (ex && !strcasecmp(ex, "100-continue"))
-                return fail(c, cx, 413, NULL, "request body larger than %zu bytes", s->cfg->max_body_bytes);
-        }
-        return MHD_YES;
-    }
-    if (*upload_size > 0) {
-        if (!cx->too_large) {
-            if (cx->body.len + *upload_size > s->cfg->max_body_bytes) {
-                cx->too_large = true; /* keep draining so the client reads our 413 */
-                srv_buf_free(&cx->body);
-            } else {
-                srv_buf_add(&cx->body, upload, *upload_size);
-            }
-        }
-        *upload_size = 0;
-        return MHD_YES;
-    }
-    if (cx->too_large)
-        return fail(c, cx, 413, NULL, "request body larger than %zu bytes", s->cfg->max_body_bytes);
-    return dispatch(c, cx);
-}
-
-static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
-                         enum MHD_RequestTerminationCode toe) {
-    srv_state *s = cls;
-    (void)c;
-    conn_ctx *cx = *con_cls;
-    if (!cx) return;
-    *con_cls = NULL;
-    bool aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK || cx->disconnected;
-    int32_t p = 0, cpl = 0, cached = 0;
-    if (cx->req) {
-        if (aborted) cancel_if_running(s, cx->req);
-        srv_req_usage(cx->req, &p, &cpl, &cached, NULL);
-    }
-    if (cx->req)
-        LOG_INFO("%s %s %d prompt_tokens=%d completion_tokens=%d cached_tokens=%d %.3fs%s", cx->method,
-                 cx->path, cx->status, p, cpl, cached, lethe_time_s() - cx->t_start,
-                 aborted ? " (client disconnected)" : "");
-    else
-        LOG_INFO("%s %s %d %.3fs%s", cx->method, cx->path, cx->status ? cx->status : 0,
-                 lethe_time_s() - cx->t_start, aborted && cx->status == 0 ? " (no response)" : "");
-    srv_req_unref(cx->req);
-    srv_buf_free(&cx->body);
-    free(cx);
+        return fail(resp, 503, NULL, "the model is %s", phase == PHASE_LOADING ? "still loading" : "not available");
+    if (is_models) return set_body(resp, 200, srv_models_json(&s->api), "application/json");
+    handle_generate(s, rq, tenant, is_chat ? SRV_CHAT : SRV_COMPLETION, resp);
 }
 
 /* ---- startup / shutdown ---- */
@@ -502,22 +449,7 @@ static void *loader_main(void *arg) {
     return NULL;
 }
 
-/* libmicrohttpd's own messages. It reports an "application error" when a
- * handler returns MHD_NO or a stream reader ends with an error, which we do
- * on purpose to drop the connection of a client that went away (the request
- * log line already says so): those go to debug. */
-static void mhd_log(void *cls, const char *fmt, va_list ap) {
-    (void)cls;
-    char msg[512];
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    size_t n = strlen(msg);
-    while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = '\0';
-    if (strstr(msg, "Application reported internal error") || strstr(msg, "application error"))
-        LOG_DEBUG("libmicrohttpd: %s", msg);
-    else LOG_WARN("libmicrohttpd: %s", msg);
-}
-
-static struct MHD_Daemon *start_daemon(srv_state *s) {
+static int open_listener(srv_state *s) {
     struct addrinfo hints = {0}, *ai = NULL;
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -527,17 +459,8 @@ static struct MHD_Daemon *start_daemon(srv_state *s) {
     int grc = getaddrinfo(s->cfg->host, port, &hints, &ai);
     if (grc != 0 || !ai) {
         LOG_ERROR("--host %s: %s", s->cfg->host, gai_strerror(grc));
-        return NULL;
+        return -1;
     }
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                     MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    struct MHD_Daemon *d = MHD_start_daemon(
-        flags, (uint16_t)s->cfg->port, NULL, NULL, on_request, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log,
-        NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, s, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)600,
-        MHD_OPTION_CONNECTION_LIMIT, (unsigned)4096, MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024,
-        MHD_OPTION_THREAD_STACK_SIZE, (size_t)(512 * 1024), MHD_OPTION_END);
     char host[INET6_ADDRSTRLEN] = "";
     if (ai->ai_family == AF_INET6) {
         inet_ntop(AF_INET6, &((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr, host, sizeof(host));
@@ -546,14 +469,95 @@ static struct MHD_Daemon *start_daemon(srv_state *s) {
         inet_ntop(AF_INET, &((struct sockaddr_in *)ai->ai_addr)->sin_addr, host, sizeof(host));
         snprintf(s->host, sizeof(s->host), "%s", host);
     }
-    freeaddrinfo(ai);
-    if (!d) {
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (fd < 0 || bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 4096) != 0) {
         LOG_ERROR("cannot listen on %s:%d: %s", s->host, s->cfg->port, strerror(errno));
-        return NULL;
+        if (fd >= 0) close(fd);
+        freeaddrinfo(ai);
+        return -1;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    s->port = di ? di->port : s->cfg->port;
-    return d;
+    freeaddrinfo(ai);
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    s->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
+                                             : ((struct sockaddr_in *)&sa)->sin_port);
+    return fd;
+}
+
+/* Every connection needs a descriptor: raise the soft limit to the hard one
+ * and keep the connection cap below it. */
+static int connection_cap(const lethe_server_config *cfg) {
+    struct rlimit rl;
+    int cap = cfg->max_connections;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+        if (rl.rlim_cur < rl.rlim_max) {
+            rl.rlim_cur = rl.rlim_max;
+            setrlimit(RLIMIT_NOFILE, &rl);
+            getrlimit(RLIMIT_NOFILE, &rl);
+        }
+        long usable = (long)(rl.rlim_cur == RLIM_INFINITY ? 1 << 20 : rl.rlim_cur) - 256;
+        if (usable < 16) usable = 16;
+        if (cap > usable) {
+            LOG_WARN("--max-connections %d exceeds the file descriptor limit; using %ld", cap, usable);
+            cap = (int)usable;
+        }
+    }
+    return cap;
+}
+
+/* --api-key (repeatable) and --api-key-file (one key per line, # comments). */
+static int load_keys(srv_state *s) {
+    const lethe_server_config *cfg = s->cfg;
+    int cap = LETHE_MAX_STOP;
+    s->keys = lethe_xcalloc((size_t)cap, sizeof(char *));
+    for (int i = 0; i < LETHE_MAX_STOP && cfg->api_keys[i]; i++) s->keys[s->n_keys++] = lethe_xstrdup(cfg->api_keys[i]);
+    if (cfg->api_key_file) {
+        FILE *f = fopen(cfg->api_key_file, "r");
+        if (!f) {
+            LOG_ERROR("--api-key-file %s: %s", cfg->api_key_file, strerror(errno));
+            return -1;
+        }
+        char line[1024];
+        while (fgets(line, sizeof(line), f)) {
+            size_t n = strlen(line);
+            while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ')) line[--n] = '\0';
+            char *k = line;
+            while (*k == ' ' || *k == '\t') k++;
+            if (!*k || *k == '#') continue;
+            if (s->n_keys == cap) {
+                cap *= 2;
+                s->keys = lethe_xrealloc(s->keys, (size_t)cap * sizeof(char *));
+            }
+            s->keys[s->n_keys++] = lethe_xstrdup(k);
+        }
+        fclose(f);
+        if (s->n_keys == 0) {
+            LOG_ERROR("--api-key-file %s: no keys in it", cfg->api_key_file);
+            return -1;
+        }
+    }
+    s->key_tenant = lethe_xcalloc((size_t)(s->n_keys ? s->n_keys : 1), sizeof(*s->key_tenant));
+    for (int k = 0; k < s->n_keys; k++) {
+        uint8_t d[LETHE_CHAIN_FP_BYTES];
+        lethe_chain_fingerprint(s->keys[k], d);
+        snprintf(s->key_tenant[k], sizeof(s->key_tenant[k]), "key-%02x%02x%02x%02x%02x%02x%02x%02x", d[0], d[1],
+                 d[2], d[3], d[4], d[5], d[6], d[7]);
+    }
+    if (s->n_keys > 0 && cfg->tenant_header)
+        LOG_WARN("--tenant-header is ignored: with API keys the key is the tenant");
+    return 0;
+}
+
+static void free_keys(srv_state *s) {
+    for (int k = 0; k < s->n_keys; k++) {
+        memset(s->keys[k], 0, strlen(s->keys[k]));
+        free(s->keys[k]);
+    }
+    free(s->keys);
+    free(s->key_tenant);
 }
 
 /* --served-model-name, else the model path's last component (like the engine's model name). */
@@ -578,6 +582,13 @@ void lethe_server_default_config(lethe_server_config *c) {
     c->port = 8000;
     c->max_body_bytes = (size_t)8 << 20;
     c->max_queued_requests = 1024;
+    c->max_connections = 8192;
+    c->max_connections_per_client = 256;
+    c->http_workers = 4;
+    c->header_timeout_s = 10;
+    c->body_timeout_s = 60;
+    c->idle_timeout_s = 30;
+    c->write_timeout_s = 60;
 }
 
 int lethe_server_run(const lethe_server_config *cfg) {
@@ -588,6 +599,10 @@ int lethe_server_run(const lethe_server_config *cfg) {
     s.max_in_flight = cfg->engine.max_num_seqs + cfg->max_queued_requests;
     atomic_init(&s.phase, PHASE_LOADING);
     atomic_init(&s.in_flight, 0);
+    if (load_keys(&s) != 0) {
+        free_keys(&s);
+        return 1;
+    }
     srv_metrics_init(&s.metrics);
     s.served_name = served_name_of(cfg);
 
@@ -599,14 +614,35 @@ int lethe_server_run(const lethe_server_config *cfg) {
     sigaddset(&set, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &set, NULL); /* every thread started below inherits this */
 
-    s.daemon = start_daemon(&s);
-    if (!s.daemon) return 1;
+    int lfd = open_listener(&s);
+    if (lfd < 0) return 1;
+    srv_http_config hc = {
+        .listen_fd = lfd,
+        .n_workers = cfg->http_workers,
+        .max_conns = connection_cap(cfg),
+        .max_conns_per_client = cfg->max_connections_per_client,
+        .max_body_bytes = cfg->max_body_bytes,
+        .max_url_bytes = 8192,
+        .max_header_bytes = 32768,
+        .header_timeout_s = cfg->header_timeout_s,
+        .body_timeout_s = cfg->body_timeout_s,
+        .idle_timeout_s = cfg->idle_timeout_s,
+        .write_timeout_s = cfg->write_timeout_s,
+        .handler = handle,
+        .error_body = layer_error,
+        .user = &s,
+    };
+    s.http = srv_http_start(&hc);
+    if (!s.http) {
+        close(lfd);
+        return 1;
+    }
     LOG_INFO("listening on http://%s:%d (loading %s; /health is 503 until ready)", s.host, s.port,
              cfg->engine.model);
     pthread_t loader;
     if (pthread_create(&loader, NULL, loader_main, &s) != 0) {
         LOG_ERROR("cannot start the loader thread");
-        MHD_stop_daemon(s.daemon);
+        srv_http_stop(s.http);
         return 1;
     }
     bool loader_done = false;
@@ -625,7 +661,6 @@ int lethe_server_run(const lethe_server_config *cfg) {
         LOG_INFO("%s received, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
         if (!loader_done) {
             /* engine creation cannot be interrupted; do not wait for it */
-            MHD_stop_daemon(s.daemon);
             fflush(NULL);
             _exit(130);
         }
@@ -633,12 +668,15 @@ int lethe_server_run(const lethe_server_config *cfg) {
     }
     atomic_store(&s.phase, PHASE_STOPPING);
     pthread_join(loader, NULL);
-    MHD_stop_daemon(s.daemon); /* waits for connection threads; their waits see STOPPING */
+    srv_http_stop(s.http); /* cancels every generation; no handler runs after this */
     if (s.engine) {
         lethe_engine_stop(s.engine);
         lethe_engine_destroy(s.engine);
     }
+    srv_http_free(s.http); /* the engine (and its callbacks) are gone */
+    close(lfd);
     srv_metrics_destroy(&s.metrics);
     free(s.served_name);
+    free_keys(&s);
     return code;
 }

@@ -555,7 +555,7 @@ char *srv_models_json(const srv_api *api) {
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)api->created);
     cJSON_AddStringToObject(m, "owned_by", "lethe");
-    cJSON_AddStringToObject(m, "root", api->model_path);
+    cJSON_AddStringToObject(m, "root", api->served_name); /* never a filesystem path */
     cJSON_AddNumberToObject(m, "max_model_len", api->max_model_len);
     cJSON_AddItemToArray(data, m);
     char *s = cJSON_PrintUnformatted(root);

@@ -71,6 +71,7 @@ void srv_req_on_event(void *user, const lethe_event *ev) {
     e->finished = ev->finished;
     e->finish_reason = ev->finish_reason;
     if (ev->error) e->error = lethe_xstrdup(ev->error);
+    e->error_status = ev->error_internal ? 500 : 400;
 
     pthread_mutex_lock(&r->mu);
     if (r->metrics && ev->n_tokens > 0) {
@@ -95,11 +96,19 @@ void srv_req_on_event(void *user, const lethe_event *ev) {
         r->finish = ev->finish_reason;
     }
     pthread_cond_broadcast(&r->cv);
+    srv_wake w = r->wake;
     pthread_mutex_unlock(&r->mu);
     if (ev->finished) {
         if (r->in_flight) atomic_fetch_sub(r->in_flight, 1);
         srv_req_unref(r); /* the engine's reference */
     }
+    srv_wake_up(w); /* after the unref: the loop may free the request right away */
+}
+
+void srv_req_set_wake(srv_req *r, srv_wake w) {
+    pthread_mutex_lock(&r->mu);
+    r->wake = w;
+    pthread_mutex_unlock(&r->mu);
 }
 
 srv_event *srv_req_take(srv_req *r, int timeout_ms) {

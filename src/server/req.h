@@ -3,9 +3,10 @@
  *
  * The engine callback (srv_req_on_event) runs on the engine thread: it copies
  * the event (the engine's text/top pointers die with the callback), appends
- * it under the request's mutex, records latency metrics and signals the
- * condvar. The connection thread takes whole batches (srv_req_take) so a
- * slow client never blocks the engine. A request is reference counted: one
+ * it under the request's mutex, records latency metrics, signals the
+ * condvar and wakes the request's connection in the HTTP loop (conn.h),
+ * which takes whole batches (srv_req_take) so a slow client never blocks
+ * the engine. A request is reference counted: one
  * reference for the engine (dropped at the final event), one per server-side
  * holder (connection context, stream reader). */
 #ifndef LETHE_SERVER_REQ_H
@@ -17,6 +18,7 @@
 #include <stdint.h>
 
 #include "lethe.h"
+#include "server/conn.h"
 
 typedef struct srv_metrics srv_metrics;
 
@@ -31,6 +33,7 @@ typedef struct srv_event {
     bool finished;
     lethe_finish_reason finish_reason;
     char *error;                /* owned; finish_reason == ERROR */
+    int error_status;           /* HTTP status for an error: 400 refused as asked, 500 failed inside */
 } srv_event;
 
 typedef struct srv_req {
@@ -50,6 +53,7 @@ typedef struct srv_req {
     /* usage as of the latest event (read under mu) */
     int32_t prompt_tokens, completion_tokens, cached_tokens;
     lethe_finish_reason finish;
+    srv_wake wake;              /* the connection to wake after each event (under mu); zero: none */
 } srv_req;
 
 srv_req *srv_req_new(srv_metrics *m, double t_arrival, bool want_top); /* refs = 1 */
@@ -62,6 +66,8 @@ void srv_req_on_event(void *user, const lethe_event *ev);
 /* Detaches every queued event (oldest first). Waits up to timeout_ms for one
  * when the queue is empty; returns NULL on timeout. */
 srv_event *srv_req_take(srv_req *r, int timeout_ms);
+/* Which connection the engine callback wakes; {0} detaches (the response is gone). */
+void srv_req_set_wake(srv_req *r, srv_wake w);
 void srv_event_free_list(srv_event *e);
 
 /* Snapshot of usage and state under the lock. */
