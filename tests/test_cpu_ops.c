@@ -435,6 +435,10 @@ int main(void) {
     lethe_backend *bad = NULL;
     CHECK(lethe_backend_cpu_create(&p, &bad) == LETHE_ERR_INVALID && bad == NULL);
     CHECK(!strcmp(g_be->ops->name, "cpu") && g_be->ops->act_size == 4);
+    /* host memory, no graphs, no profiler (backend.h capabilities) */
+    CHECK(g_be->ops->caps == LETHE_BE_HOST_MEMORY && lethe_backend_has(g_be, LETHE_BE_HOST_MEMORY));
+    CHECK(!lethe_backend_has(g_be, LETHE_BE_GRAPHS));
+    CHECK(!lethe_backend_has(NULL, LETHE_BE_HOST_MEMORY));
     TEST_RUN(test_matmul_sizes);
     TEST_RUN(test_matmul_determinism);
     TEST_RUN(test_rmsnorm);

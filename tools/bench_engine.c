@@ -184,7 +184,7 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
         lethe_fwd_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .n_seqs = B,
                              .seq_begin = seq_begin, .n_logits = B, .logit_rows = logit_rows};
         lethe_layer_plan plan = {.store_slots = store, .sel_begin = sel_begin, .sel_slots = sel};
-        const bool prof = o->profile && step == out - 1 && be->ops->profile_range;
+        const bool prof = o->profile && step == out - 1 && lethe_backend_has(be, LETHE_BE_PROFILER);
         if (prof) be->ops->profile_range(be, true);
         double ts = lethe_time_s();
         lethe_model_forward_uniform(m, &b, kc, vc, &plan, !o->no_graph, gs, logits);
@@ -241,7 +241,7 @@ static double time_attention(lethe_backend *be, const lethe_attn_args *a, int re
     for (int r = 0; r < reps; r++) be->ops->attention(be, a);
     be->ops->sync(be);
     double t = (lethe_time_s() - t0) / reps;
-    if (profile && be->ops->profile_range) {
+    if (profile && lethe_backend_has(be, LETHE_BE_PROFILER)) {
         be->ops->profile_range(be, true);
         be->ops->attention(be, a);
         be->ops->profile_range(be, false);

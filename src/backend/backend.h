@@ -218,8 +218,28 @@ static inline int32_t lethe_expand_count(const lethe_expand_seq *q, int32_t unit
     return q->head + q->n_picks * unit + (q->row_len - q->tail);
 }
 
+/* ---- capabilities (ops->caps) ----
+ * What a backend is, as bits, so that code above the backend asks for a
+ * property instead of testing the backend's name (ops->name is for messages).
+ *   HOST_MEMORY  backend memory is host memory: what alloc returns, the KV
+ *                caches and the outputs of ops (topk, select_expand) can be
+ *                read and written through plain pointers, with no transfer op
+ *                and no sync (the CPU backend; KV is then host memory of
+ *                kv_size bytes per element, f32 on the CPU).
+ *   GRAPHS       graph_begin can capture: decode steps may be recorded once
+ *                and replayed (graph_end / graph_launch). Without it the graph
+ *                ops are no-ops that report "unsupported" (graph_begin false).
+ *   PROFILER     profile_range drives a device profiler's capture range
+ *                (CUDA: cudaProfilerStart/Stop). Without it it is a no-op. */
+enum {
+    LETHE_BE_HOST_MEMORY = 1u << 0,
+    LETHE_BE_GRAPHS = 1u << 1,
+    LETHE_BE_PROFILER = 1u << 2,
+};
+
 typedef struct lethe_backend_ops {
-    const char *name;            /* "cpu", "cuda" */
+    const char *name;            /* "cpu", "cuda": messages and logs only */
+    unsigned caps;               /* LETHE_BE_* bits */
     size_t act_size;             /* bytes per activation element */
     size_t kv_size;              /* bytes per K/V cache element */
     void (*destroy)(lethe_backend *be);
@@ -258,7 +278,8 @@ typedef struct lethe_backend_ops {
                         int32_t n, int32_t dim);
 
     /* ---- step staging and CUDA graphs (the CPU backend has no-op twins,
-     * so callers need no backend checks) ---- */
+     * so callers need no backend checks; caps LETHE_BE_GRAPHS says whether
+     * graph_begin can capture at all) ---- */
     /* Pre-stages a step's host index arrays: until the next stage_step or
      * unstage, an op handed exactly arrays[i] (same pointer, counts[i]
      * elements) reads the backend's copy instead of staging it again. The
@@ -330,7 +351,8 @@ typedef struct lethe_backend_ops {
      * returns the one in use (CPU: always 0). Captured graphs keep the
      * kernels they captured: reset them after switching. profile_range:
      * starts/stops the device profiler's capture range (CUDA:
-     * cudaProfilerStart/Stop, for `ncu --profile-from-start off`). */
+     * cudaProfilerStart/Stop, for `ncu --profile-from-start off`); a no-op
+     * unless caps has LETHE_BE_PROFILER. */
     int (*attn_kernel)(lethe_backend *be, int version);
     void (*profile_range)(lethe_backend *be, bool start);
     /* ---- sampling on the backend (backend/sample.h defines the arguments
@@ -374,6 +396,11 @@ typedef struct lethe_backend_params {
     int n_threads;             /* CPU: 0 = all cores */
     int device_index;          /* CUDA ordinal */
 } lethe_backend_params;
+
+/* true when the backend has every capability bit of `caps` (NULL: none) */
+static inline bool lethe_backend_has(const lethe_backend *be, unsigned caps) {
+    return be && be->ops && (be->ops->caps & caps) == caps;
+}
 
 /* Creates the named backend. "cuda" returns LETHE_ERR_UNSUPPORTED with a clear
  * message when lethe was built without CUDA or no device is present. */

@@ -34,7 +34,7 @@
  * logits: e->step.logits (host rows), or NULL to leave every row, padding
  * included, in the model's device logits for the sample op (engine_step.c).
  *
- * Graphs exist on backends other than "cpu" (the CPU backend's graph ops
+ * Graphs exist on backends with LETHE_BE_GRAPHS (the CPU backend's graph ops
  * are no-op twins); enforce_eager turns them off, pad_decode_batches pads
  * without graphs (tests). */
 #include <stdlib.h>
@@ -50,7 +50,7 @@ void eng_forward_init(lethe_engine *e) {
         LETHE_ASSERT(!(ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) && !ops->needs_scores &&
                      !ops->after_attn && !ops->layer_end);
     e->fwd.uniform = (ops->flags & LETHE_SPARSE_UNIFORM) && e->runner.forward_uniform;
-    const bool has_graphs = e->runner.be && strcmp(e->runner.be->ops->name, "cpu") != 0;
+    const bool has_graphs = lethe_backend_has(e->runner.be, LETHE_BE_GRAPHS);
     e->fwd.use_graphs = e->fwd.uniform && has_graphs && !e->p.enforce_eager;
     const bool pad = e->fwd.uniform && (e->fwd.use_graphs || e->p.pad_decode_batches);
     e->fwd.max_bucket = pad ? lethe_graph_max_bucket(e->p.max_num_seqs, e->p.max_num_batched_tokens) : 0;

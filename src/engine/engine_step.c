@@ -72,8 +72,8 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
         LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
         /* counts always; the contents live on the backend, readable here when
          * backend memory is host memory (the CPU backend: every test) */
-        const bool host_view = e->p.check_invariants && e->runner.be &&
-                               !strcmp(e->runner.be->ops->name, "cpu");
+        const bool host_view = e->p.check_invariants &&
+                               lethe_backend_has(e->runner.be, LETHE_BE_HOST_MEMORY);
         const int32_t sp = lethe_kv_space_of(e->pool, layer);
         for (int32_t s = 0; s < n_seqs; s++) {
             const lethe_sparse_seq *sq = &e->step.seqs[s];

@@ -105,7 +105,7 @@ size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m) {
 
 bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m) {
     const lethe_backend *be = m->env.be;
-    return be && !strcmp(be->ops->name, "cpu") && be->ops->kv_size == sizeof(float);
+    return lethe_backend_has(be, LETHE_BE_HOST_MEMORY) && be->ops->kv_size == sizeof(float);
 }
 
 lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m) {

@@ -1055,6 +1055,9 @@ static void test_free_memory(void) {
     CHECK(f1 + ((size_t)1 << 30) <= f0 + ((size_t)64 << 20));
     g_gpu->ops->release(g_gpu, p);
     CHECK(g_cpu->ops->free_memory(g_cpu) == 0);
+    /* device memory, graphs, profiler (backend.h capabilities) */
+    CHECK(g_gpu->ops->caps == (LETHE_BE_GRAPHS | LETHE_BE_PROFILER));
+    CHECK(!lethe_backend_has(g_gpu, LETHE_BE_HOST_MEMORY));
 }
 
 int main(void) {

@@ -70,11 +70,11 @@ static lethe_status cpu_graph_end(lethe_backend *be, int32_t key) {
 static bool cpu_graph_launch(lethe_backend *be, int32_t key, float *logits_dst) { return false; }
 static void cpu_graph_reset(lethe_backend *be) {}
 
-/* memcpy bandwidth (64 MiB, read + written bytes) and the f32 GEMM rate */
 /* one attention kernel; no device profiler */
 static int cpu_attn_kernel(lethe_backend *be, int version) { return 0; }
 static void cpu_profile_range(lethe_backend *be, bool start) {}
 
+/* memcpy bandwidth (64 MiB, read + written bytes) and the f32 GEMM rate */
 static lethe_status cpu_measure_peaks(lethe_backend *be, double *copy_bps, double *gemm_fps) {
     const size_t n = (size_t)16 << 20; /* floats */
     float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
@@ -101,6 +101,7 @@ static lethe_status cpu_measure_peaks(lethe_backend *be, double *copy_bps, doubl
 
 static const lethe_backend_ops cpu_ops = {
     .name = "cpu",
+    .caps = LETHE_BE_HOST_MEMORY,
     .act_size = sizeof(float),
     .kv_size = sizeof(float),
     .destroy = cpu_destroy,

@@ -498,6 +498,7 @@ static void cuda_destroy(lethe_backend *be) {
 
 static const lethe_backend_ops cuda_ops = {
     /* .name */ "cuda",
+    /* .caps */ LETHE_BE_GRAPHS | LETHE_BE_PROFILER,
     /* .act_size */ sizeof(bf16),
     /* .kv_size */ sizeof(bf16),
     /* .destroy */ cuda_destroy,
