@@ -32,6 +32,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "backend/args.h"
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
 
@@ -343,15 +344,9 @@ void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
         lethe_cpu_attention_quant(be, a);
         return;
     }
-    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    lethe_check_attention(a);
     LETHE_ASSERT(a->n_heads / a->n_kv_heads <= ATT_GROUP_MAX);
     LETHE_ASSERT(a->head_dim > 0 && a->head_dim <= ATT_HEAD_DIM_MAX);
-    LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
-    for (int s = 0; s < a->n_seqs; s++) {
-        int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
-        int32_t n_sel = a->sel_begin[s + 1] - a->sel_begin[s];
-        LETHE_ASSERT(n_q >= 0 && n_sel >= n_q);
-    }
     const int G = a->n_heads / a->n_kv_heads;
     const int qt = LETHE_MAX(1, VEC_TARGET / G);
     /* one item per (row, KV head); the row that starts a tile computes the tile */

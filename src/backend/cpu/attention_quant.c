@@ -28,6 +28,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "backend/args.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/kv_codec.h"
 #include "core/util.h"
@@ -43,6 +44,7 @@
  * that stay in the residual (f32 on the CPU backend). */
 static void kivi_store(const lethe_kv_quant *kvq, uint8_t *kc, uint8_t *vc, const float *k,
                        const float *v, const int32_t *slots, int32_t n, int32_t C) {
+    lethe_check_kv_store_kivi(kvq, n, C);
     const lethe_kivi_plan *pl = kvq->kivi;
     const int32_t b = lethe_kv_kivi_bits(kvq->format), G = lethe_kv_kivi_group(kvq->format);
     const size_t cb = lethe_kivi_code_bytes(C, b), np = (size_t)C / (size_t)G;
@@ -52,10 +54,8 @@ static void kivi_store(const lethe_kv_quant *kvq, uint8_t *kc, uint8_t *vc, cons
     for (int32_t p = 0; p < pl->n_pack; p++) {
         const int32_t *src = pl->pack_src + (size_t)p * G, *dst = pl->pack_slot + (size_t)p * G;
         const int32_t e = pl->pack_entry[p];
-        LETHE_ASSERT(e >= 0 && e < kvq->n_groups);
         for (int32_t j = 0; j < G; j++) {
             const float *kr = src[j] >= 0 ? k + (size_t)src[j] * C : kres + (size_t)(-1 - src[j]) * C;
-            LETHE_ASSERT(src[j] < n && (src[j] >= 0 || -1 - src[j] < kvq->n_res));
             memcpy(tmp + (size_t)j * C, kr, (size_t)C * sizeof(float));
         }
         float *ks = kgrp + (size_t)e * 2 * C;
@@ -251,15 +251,9 @@ static void qattend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int
 }
 
 void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
-    LETHE_ASSERT(a->kvq && (a->kvq->format == LETHE_KV_FP8_E4M3 ||
-                            lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI));
-    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    lethe_check_attention_quant(a);
     LETHE_ASSERT(a->n_heads / a->n_kv_heads <= QA_GROUP_MAX);
     LETHE_ASSERT(a->head_dim > 0 && a->head_dim <= QA_HEAD_DIM_MAX);
-    LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
-    for (int s = 0; s < a->n_seqs; s++)
-        LETHE_ASSERT(a->q_begin[s + 1] - a->q_begin[s] >= 0 &&
-                     a->sel_begin[s + 1] - a->sel_begin[s] >= a->q_begin[s + 1] - a->q_begin[s]);
     const int n_items = a->n_tokens * a->n_kv_heads;
     const int nt = n_items < 2 ? 1 : lethe_cpu_threads(be);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)

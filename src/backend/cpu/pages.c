@@ -14,12 +14,14 @@
 #include <math.h>
 #include <string.h>
 
+#include "backend/args.h"
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
 
 void lethe_cpu_page_minmax(lethe_backend *be, void *meta_, const void *k_cache_,
                            const int32_t *page_ids, const int32_t *slot_begin, const int32_t *slots,
                            int32_t n_pages, int32_t kv_dim) {
+    lethe_check_page_minmax(page_ids, slot_begin, n_pages, kv_dim);
     float *meta = meta_;
     const float *K = k_cache_;
     const size_t kd = (size_t)kv_dim;
@@ -27,7 +29,6 @@ void lethe_cpu_page_minmax(lethe_backend *be, void *meta_, const void *k_cache_,
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int32_t i = 0; i < n_pages; i++) {
         const int32_t b = slot_begin[i], e = slot_begin[i + 1];
-        LETHE_ASSERT(page_ids[i] >= 0 && e > b);
         float *mn = meta + (size_t)page_ids[i] * 2 * kd, *mx = mn + kd;
         const float *k0 = K + (size_t)slots[b] * kd;
         memcpy(mn, k0, kd * sizeof(float));
@@ -47,7 +48,7 @@ void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q_, const 
                            const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
                            int32_t head_dim, bool out_on_backend) {
     (void)out_on_backend; /* backend memory is host memory here */
-    LETHE_ASSERT(n_kv_heads > 0 && n_heads % n_kv_heads == 0 && page_begin[0] == 0);
+    lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads);
     const float *Q = q_, *meta = meta_;
     const int32_t g = n_heads / n_kv_heads;
     const size_t kd = (size_t)n_kv_heads * head_dim, qd = (size_t)n_heads * head_dim;

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/args.h"
 #include "backend/cpu/cpu_ops.h"
 #include "backend/sample.h"
 #include "core/util.h"
@@ -193,7 +194,7 @@ void lethe_cpu_sample_free(lethe_cpu_ctx *c) {
 }
 
 void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a) {
-    LETHE_ASSERT(a->n >= 0 && a->n_vocab > 0 && (a->n == 0 || (a->logits && a->rows && a->tokens)));
+    lethe_check_sample(a);
     if (a->n == 0) return;
     lethe_cpu_ctx *c = be->ctx;
     const int nt = LETHE_MIN(lethe_cpu_threads(be), a->n);
@@ -203,7 +204,6 @@ void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a) {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int32_t i = 0; i < a->n; i++) {
         const lethe_sample_row *p = &a->rows[i];
-        LETHE_ASSERT(p->n_pen == 0 || (p->pen_begin >= 0 && p->pen_begin + p->n_pen <= a->n_pen));
         a->tokens[i] = lethe_sample_row_f32(logits + (size_t)i * V, a->n_vocab, p, a->pen_ids,
                                             a->pen_counts, &c->sample[omp_get_thread_num()],
                                             a->logprobs ? &a->logprobs[i] : NULL);

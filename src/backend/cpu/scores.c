@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/args.h"
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
 
@@ -68,17 +69,11 @@ static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *
 }
 
 void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
-    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
-    LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0 && a->head_dim > 0);
+    lethe_check_attn_scores(a);
     const int H = a->n_heads, per_group = a->n_heads / a->n_groups;
     size_t off = 0;
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const lethe_score_seq *sq = &a->seqs[s];
-        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
-        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
-        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
-        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
-        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
         const int32_t nc = sq->c1 - sq->c0;
         if (nc == 0) continue;
         float *hv = lethe_xmalloc((size_t)H * (size_t)nc * sizeof(float));

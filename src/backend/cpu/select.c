@@ -5,17 +5,17 @@
  * lethe_topk_indices per segment, which defines the order every backend must
  * reproduce (lethe_rank_before: higher first, ties to the smaller index, NaN
  * last). */
+#include "backend/args.h"
 #include "backend/cpu/cpu_ops.h"
-#include "core/util.h"
 #include "backend/topk.h"
+#include "core/util.h"
 
 void lethe_cpu_topk(lethe_backend *be, int32_t *out, const float *scores, int32_t n_segs,
                     const int32_t *seg_begin, const int32_t *out_begin) {
     (void)be;
-    LETHE_ASSERT(n_segs >= 0 && (n_segs == 0 || (seg_begin[0] >= 0 && out_begin[0] >= 0)));
+    lethe_check_topk(n_segs, seg_begin, out_begin);
     for (int32_t s = 0; s < n_segs; s++) {
         const int32_t n = seg_begin[s + 1] - seg_begin[s], k = out_begin[s + 1] - out_begin[s];
-        LETHE_ASSERT(n >= 0 && k >= 0 && k <= n);
         int32_t got = lethe_topk_indices(scores + seg_begin[s], n, k, out + out_begin[s]);
         LETHE_ASSERT(got == k);
     }
@@ -25,11 +25,10 @@ void lethe_cpu_select_expand(lethe_backend *be, int32_t *out, const int32_t *row
                              const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                              int32_t unit) {
     (void)be;
-    LETHE_ASSERT(unit >= 1 && n_seqs >= 0);
+    lethe_check_select_expand(seqs, n_seqs, unit);
     for (int32_t s = 0; s < n_seqs; s++) {
         const lethe_expand_seq *q = &seqs[s];
         const int32_t *row = rows + q->row_begin;
-        LETHE_ASSERT(0 <= q->head && q->head <= q->tail && q->tail <= q->row_len && q->n_picks >= 0);
         int32_t *o = out + q->out_begin;
         int32_t n = 0, prev_end = q->head;
         for (int32_t e = 0; e < q->head; e++) o[n++] = row[e];

@@ -27,6 +27,7 @@
  *
  * Index arrays are staged once per call (or pre-staged per step). */
 #include "backend/cuda/attention_common.cuh"
+#include "backend/args.h"
 
 #include <math.h>
 #include <mma.h>
@@ -476,16 +477,12 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
         return;
     }
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
-    LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
+    lethe_check_attention(a);
     const int D = a->head_dim;
     LETHE_ASSERT(D % 8 == 0 && D >= 8 && D <= 256);
     bool decode = a->n_tokens == a->n_seqs;
-    for (int s = 0; s < a->n_seqs; s++) {
-        const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
-        LETHE_ASSERT(n_q >= 0 && a->sel_begin[s + 1] - a->sel_begin[s] >= n_q);
-        if (n_q != 1) decode = false;
-    }
+    for (int s = 0; s < a->n_seqs; s++)
+        if (a->q_begin[s + 1] - a->q_begin[s] != 1) decode = false;
     if (a->n_tokens == 0) return;
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);

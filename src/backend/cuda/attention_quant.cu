@@ -45,6 +45,7 @@
  * tile once per query row (no tensor cores): correct but slower than the
  * dense WMMA prefill; see docs/sparse-methods.md. */
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/args.h"
 
 #include <math.h>
 
@@ -251,15 +252,12 @@ static const int32_t *kivi_gather_aux(cuda_ctx *c, const lethe_kv_quant *kvq, co
  * freed): stream order keeps the CPU's sequence. */
 static void kivi_store(cuda_ctx *c, const lethe_kv_quant *kvq, uint8_t *kc, uint8_t *vc, const bf16 *k,
                        const bf16 *v, const int32_t *slots, int32_t n, int C) {
+    lethe_check_kv_store_kivi(kvq, n, C);
     const lethe_kivi_plan *pl = kvq->kivi;
-    LETHE_ASSERT(pl);
     const int b = lethe_kv_kivi_bits(kvq->format), G = lethe_kv_kivi_group(kvq->format);
-    LETHE_ASSERT((b == 2 || b == 4 || b == 8) && G >= 16 && C % G == 0);
+    LETHE_ASSERT(G >= 16); /* the pack kernels read 8 codes per load */
     if (pl->n_pack > 0) {
         const size_t nm = (size_t)pl->n_pack * G;
-        for (int32_t p = 0; p < pl->n_pack; p++) LETHE_ASSERT(pl->pack_entry[p] >= 0 && pl->pack_entry[p] < kvq->n_groups);
-        for (size_t j = 0; j < nm; j++)
-            LETHE_ASSERT(pl->pack_src[j] < n && (pl->pack_src[j] >= 0 || -1 - pl->pack_src[j] < kvq->n_res));
         const int32_t *d_src = lethe_cuda_stage_idx(c, pl->pack_src, nm);
         const int32_t *d_dst = lethe_cuda_stage_idx(c, pl->pack_slot, nm);
         const int32_t *d_ent = lethe_cuda_stage_idx(c, pl->pack_entry, (size_t)pl->n_pack);
@@ -604,14 +602,9 @@ static void launch_qsplit(cuda_ctx *c, const lethe_attn_args *a, const int32_t *
 extern "C" void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     const bool kivi = a->kvq && lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI;
-    LETHE_ASSERT(a->kvq && (a->kvq->format == LETHE_KV_FP8_E4M3 || kivi));
-    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
-    LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
+    lethe_check_attention_quant(a);
     const int D = a->head_dim;
     LETHE_ASSERT(D % 8 == 0 && D >= 8 && D <= 256);
-    for (int s = 0; s < a->n_seqs; s++)
-        LETHE_ASSERT(a->q_begin[s + 1] - a->q_begin[s] >= 0 &&
-                     a->sel_begin[s + 1] - a->sel_begin[s] >= a->q_begin[s + 1] - a->q_begin[s]);
     if (a->n_tokens == 0) return;
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);

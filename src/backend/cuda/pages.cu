@@ -35,6 +35,7 @@
  * host sync when its output is host; with out_on_backend it is
  * asynchronous. */
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/args.h"
 
 #include <string.h>
 
@@ -89,9 +90,8 @@ extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void
                                        const int32_t *page_ids, const int32_t *slot_begin,
                                        const int32_t *slots, int32_t n_pages, int32_t kv_dim) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(n_pages >= 0 && kv_dim > 0);
+    lethe_check_page_minmax(page_ids, slot_begin, n_pages, kv_dim);
     if (n_pages == 0) return;
-    LETHE_ASSERT(n_pages <= 0x7fffffff && slot_begin[0] == 0);
     const int32_t *d_ids = lethe_cuda_stage_idx(c, page_ids, (size_t)n_pages);
     const int32_t *d_beg = lethe_cuda_stage_idx(c, slot_begin, (size_t)n_pages + 1);
     const int32_t *d_slots = lethe_cuda_stage_idx(c, slots, (size_t)slot_begin[n_pages]);
@@ -295,17 +295,14 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
                                        bool out_on_backend) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
-    LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+    lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads);
     LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
     if (n_seqs == 0) return;
-    LETHE_ASSERT(page_begin[0] == 0 && n_seqs <= 65535);
+    LETHE_ASSERT(n_seqs <= 65535);
     const int32_t total = page_begin[n_seqs];
     if (total == 0) return;
     int32_t max_pages = 0;
-    for (int32_t s = 0; s < n_seqs; s++) {
-        LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);
-        max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
-    }
+    for (int32_t s = 0; s < n_seqs; s++) max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
     /* the vector kernel: chunks of 8 channels, cph = head_dim / 8 a divisor of 32 */
     const int32_t n_chunks = n_kv_heads * head_dim / 8, R = (n_chunks + 31) / 32;
     const bool vec = head_dim >= 8 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0 &&

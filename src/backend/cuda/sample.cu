@@ -30,6 +30,7 @@
  * block of 512 threads. Not captured in CUDA graphs (host params, host
  * outputs): it runs right after the forward or its graph replay. */
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/args.h"
 
 #include <string.h>
 
@@ -332,7 +333,7 @@ sample_kernel(const bf16 *__restrict__ logits, int32_t V, const lethe_sample_row
 extern "C" void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "sample is not graph-capturable (host params and outputs)");
-    LETHE_ASSERT(a->n >= 0 && a->n_vocab > 0 && (a->n == 0 || (a->logits && a->rows && a->tokens)));
+    lethe_check_sample(a);
     if (a->n == 0) return;
     const size_t V = (size_t)a->n_vocab, n = (size_t)a->n;
     /* f32 scratch for the penalised rows; grows on first use (never captured,
@@ -344,9 +345,6 @@ extern "C" void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a)
         c->sample_ws_cap = need + need / 4;
         CU_CHECK(cudaMalloc(&c->sample_ws, c->sample_ws_cap));
     }
-    for (int32_t i = 0; i < a->n; i++)
-        LETHE_ASSERT(a->rows[i].n_pen == 0 ||
-                     (a->rows[i].pen_begin >= 0 && a->rows[i].pen_begin + a->rows[i].n_pen <= a->n_pen));
     void *h;
     lethe_sample_row *rows_d = (lethe_sample_row *)lethe_cuda_ring_alloc(c, n * sizeof(lethe_sample_row), &h);
     memcpy(h, a->rows, n * sizeof(lethe_sample_row));

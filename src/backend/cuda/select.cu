@@ -32,6 +32,7 @@
  * real scores crowd a few bins (same exponent) and shared atomics on one
  * address serialize. */
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/args.h"
 
 #define TOPK_THREADS 1024
 #define TOPK_WARPS (TOPK_THREADS / 32)
@@ -168,16 +169,7 @@ extern "C" void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *sc
                                 int32_t n_segs, const int32_t *seg_begin,
                                 const int32_t *out_begin) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(n_segs >= 0);
-    if (n_segs == 0) return;
-    LETHE_ASSERT(n_segs <= 0x7fffffff && seg_begin[0] >= 0 && out_begin[0] >= 0);
-    bool any = false;
-    for (int32_t s = 0; s < n_segs; s++) {
-        const int32_t n = seg_begin[s + 1] - seg_begin[s], k = out_begin[s + 1] - out_begin[s];
-        LETHE_ASSERT(n >= 0 && k >= 0 && k <= n);
-        any |= k > 0;
-    }
-    if (!any) return;
+    if (!lethe_check_topk(n_segs, seg_begin, out_begin)) return; /* no segment asks for k > 0 */
     const int32_t *d_seg = lethe_cuda_stage_idx(c, seg_begin, (size_t)n_segs + 1);
     const int32_t *d_out = lethe_cuda_stage_idx(c, out_begin, (size_t)n_segs + 1);
     topk_kernel<<<(unsigned)n_segs, TOPK_THREADS, 0, c->stream>>>(out, scores, d_seg, d_out);
@@ -219,23 +211,11 @@ extern "C" void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const 
                                          const int32_t *picks, const lethe_expand_seq *seqs,
                                          int32_t n_seqs, int32_t unit) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(unit >= 1 && n_seqs >= 0 && n_seqs <= 65535);
-    if (n_seqs == 0) return;
     /* host-side checks of the request (the picks themselves live on the device) */
-    int64_t max_out = 0, n_rows = 0, n_picks = 0;
-    for (int32_t s = 0; s < n_seqs; s++) {
-        const lethe_expand_seq *q = &seqs[s];
-        LETHE_ASSERT(q->row_begin >= 0 && q->pick_begin >= 0 && q->out_begin >= 0);
-        LETHE_ASSERT(0 <= q->head && q->head <= q->tail && q->tail <= q->row_len && q->n_picks >= 0);
-        const int64_t cnt = (int64_t)q->head + (int64_t)q->n_picks * unit + (q->row_len - q->tail);
-        LETHE_ASSERT(cnt <= 0x7fffffff);
-        max_out = max_out > cnt ? max_out : cnt;
-        n_rows = n_rows > (int64_t)q->row_begin + q->row_len ? n_rows : (int64_t)q->row_begin + q->row_len;
-        if (q->n_picks)
-            n_picks = n_picks > (int64_t)q->pick_begin + q->n_picks ? n_picks
-                                                                    : (int64_t)q->pick_begin + q->n_picks;
-    }
-    if (max_out == 0) return;
+    const lethe_expand_extent x = lethe_check_select_expand(seqs, n_seqs, unit);
+    LETHE_ASSERT(n_seqs <= 65535); /* grid y */
+    if (x.max_out == 0) return;
+    const int64_t max_out = x.max_out, n_rows = x.rows_end, n_picks = x.picks_end;
     const int32_t *d_seqs = lethe_cuda_stage_idx(c, (const int32_t *)seqs, (size_t)n_seqs * 8);
     const int32_t *d_rows = lethe_cuda_stage_idx(c, rows, (size_t)n_rows);
     /* picks are backend memory (topk's out); a host array is staged all the same */

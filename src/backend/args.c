@@ -1,0 +1,103 @@
+/* args.c - argument checks shared by the CPU and CUDA twins (see args.h). */
+#include "backend/args.h"
+
+#include "backend/sample.h"
+#include "core/status.h"
+
+void lethe_check_attention(const lethe_attn_args *a) {
+    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    LETHE_ASSERT(a->n_seqs > 0 && a->q_begin[0] == 0 && a->q_begin[a->n_seqs] == a->n_tokens);
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
+        LETHE_ASSERT(n_q >= 0 && a->sel_begin[s + 1] - a->sel_begin[s] >= n_q);
+    }
+}
+
+void lethe_check_attention_quant(const lethe_attn_args *a) {
+    LETHE_ASSERT(a->kvq && (a->kvq->format == LETHE_KV_FP8_E4M3 ||
+                            lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI));
+    lethe_check_attention(a);
+}
+
+void lethe_check_attn_scores(const lethe_attn_scores_args *a) {
+    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
+    LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0 && a->head_dim > 0);
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *sq = &a->seqs[s];
+        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
+        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
+        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
+        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
+        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
+    }
+}
+
+void lethe_check_kv_store_kivi(const lethe_kv_quant *kvq, int32_t n, int32_t C) {
+    const lethe_kivi_plan *pl = kvq->kivi;
+    LETHE_ASSERT(pl);
+    const int32_t b = lethe_kv_kivi_bits(kvq->format), G = lethe_kv_kivi_group(kvq->format);
+    LETHE_ASSERT((b == 2 || b == 4 || b == 8) && G >= 1 && C % G == 0);
+    for (int32_t p = 0; p < pl->n_pack; p++) {
+        LETHE_ASSERT(pl->pack_entry[p] >= 0 && pl->pack_entry[p] < kvq->n_groups);
+        const int32_t *src = pl->pack_src + (size_t)p * G;
+        for (int32_t j = 0; j < G; j++) /* a new token of this store, or a residual entry */
+            LETHE_ASSERT(src[j] < n && (src[j] >= 0 || -1 - src[j] < kvq->n_res));
+    }
+}
+
+void lethe_check_page_minmax(const int32_t *page_ids, const int32_t *slot_begin, int32_t n_pages,
+                             int32_t kv_dim) {
+    LETHE_ASSERT(n_pages >= 0 && kv_dim > 0);
+    if (n_pages == 0) return;
+    LETHE_ASSERT(slot_begin[0] == 0);
+    for (int32_t i = 0; i < n_pages; i++)
+        LETHE_ASSERT(page_ids[i] >= 0 && slot_begin[i + 1] > slot_begin[i]);
+}
+
+void lethe_check_page_scores(int32_t n_seqs, const int32_t *page_begin, int32_t n_heads,
+                             int32_t n_kv_heads) {
+    LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+    if (n_seqs == 0) return;
+    LETHE_ASSERT(page_begin[0] == 0);
+    for (int32_t s = 0; s < n_seqs; s++) LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);
+}
+
+bool lethe_check_topk(int32_t n_segs, const int32_t *seg_begin, const int32_t *out_begin) {
+    LETHE_ASSERT(n_segs >= 0);
+    if (n_segs == 0) return false;
+    LETHE_ASSERT(seg_begin[0] >= 0 && out_begin[0] >= 0);
+    bool any = false;
+    for (int32_t s = 0; s < n_segs; s++) {
+        const int32_t n = seg_begin[s + 1] - seg_begin[s], k = out_begin[s + 1] - out_begin[s];
+        LETHE_ASSERT(n >= 0 && k >= 0 && k <= n);
+        any |= k > 0;
+    }
+    return any;
+}
+
+lethe_expand_extent lethe_check_select_expand(const lethe_expand_seq *seqs, int32_t n_seqs,
+                                              int32_t unit) {
+    LETHE_ASSERT(unit >= 1 && n_seqs >= 0);
+    lethe_expand_extent x = {0, 0, 0};
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const lethe_expand_seq *q = &seqs[s];
+        LETHE_ASSERT(q->row_begin >= 0 && q->pick_begin >= 0 && q->out_begin >= 0);
+        LETHE_ASSERT(0 <= q->head && q->head <= q->tail && q->tail <= q->row_len && q->n_picks >= 0);
+        const int64_t cnt = (int64_t)q->head + (int64_t)q->n_picks * unit + (q->row_len - q->tail);
+        LETHE_ASSERT(cnt <= 0x7fffffff);
+        const int64_t rows_end = (int64_t)q->row_begin + q->row_len;
+        const int64_t picks_end = (int64_t)q->pick_begin + q->n_picks;
+        if (cnt > x.max_out) x.max_out = cnt;
+        if (rows_end > x.rows_end) x.rows_end = rows_end;
+        if (q->n_picks && picks_end > x.picks_end) x.picks_end = picks_end;
+    }
+    return x;
+}
+
+void lethe_check_sample(const lethe_sample_args *a) {
+    LETHE_ASSERT(a->n >= 0 && a->n_vocab > 0 && (a->n == 0 || (a->logits && a->rows && a->tokens)));
+    for (int32_t i = 0; i < a->n; i++) {
+        const lethe_sample_row *p = &a->rows[i];
+        LETHE_ASSERT(p->n_pen == 0 || (p->pen_begin >= 0 && p->pen_begin + p->n_pen <= a->n_pen));
+    }
+}

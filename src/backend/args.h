@@ -1,0 +1,79 @@
+/* args.h - argument checks shared by the CPU and CUDA twins of an op.
+ *
+ * Each function asserts (LETHE_ASSERT: a bad argument is a caller bug, ops
+ * never fail) the part of an op's contract in backend.h / sample.h that does
+ * not depend on the backend: shapes, index ranges, ordering of the host index
+ * arrays. A backend's own limits (head_dim ranges, grid sizes, shared memory,
+ * graph capture) stay in its twin, after the shared call. Every check reads
+ * host arguments only, so both twins call it before staging anything.
+ *
+ * Callable from C and from the CUDA backend's C++ (.cu) files. */
+#ifndef LETHE_BACKEND_ARGS_H
+#define LETHE_BACKEND_ARGS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* attention over native KV: heads (n_heads a multiple of n_kv_heads > 0),
+ * q_begin [n_seqs + 1] from 0 to n_tokens (n_seqs > 0), and per sequence
+ * n_q >= 0 query rows with at least n_q selected keys (the new tokens). */
+void lethe_check_attention(const lethe_attn_args *a);
+
+/* attention over quantized KV: lethe_check_attention plus a kvq of format
+ * FP8_E4M3 or KIVI. */
+void lethe_check_attention_quant(const lethe_attn_args *a);
+
+/* attn_scores: heads and groups (n_heads a multiple of n_kv_heads and of
+ * n_groups), head_dim > 0, and each lethe_score_seq inside q (rows), key_slots
+ * (keys) and its keys (candidates), with a known mode. */
+void lethe_check_attn_scores(const lethe_attn_scores_args *a);
+
+/* kv_store_quant into a KIVI layer of C = n_kv_heads * head_dim channels for
+ * n new tokens: a plan, b in {2, 4, 8}, G | C, and every completed group's K
+ * entry and member rows (new token < n, or a residual entry) in range. */
+void lethe_check_kv_store_kivi(const lethe_kv_quant *kvq, int32_t n, int32_t C);
+
+/* page_minmax: n_pages >= 0, kv_dim > 0, slot_begin [n_pages + 1] from 0 with
+ * at least one slot per page, page_ids >= 0. */
+void lethe_check_page_minmax(const int32_t *page_ids, const int32_t *slot_begin, int32_t n_pages,
+                             int32_t kv_dim);
+
+/* page_scores: n_seqs >= 0, heads (n_heads a multiple of n_kv_heads > 0),
+ * page_begin [n_seqs + 1] from 0, non-decreasing. */
+void lethe_check_page_scores(int32_t n_seqs, const int32_t *page_begin, int32_t n_heads,
+                             int32_t n_kv_heads);
+
+/* topk: n_segs >= 0, and per segment 0 <= k_s <= n_s (seg_begin, out_begin
+ * [n_segs + 1], starting >= 0). Returns whether some k_s > 0 (false: the op
+ * writes nothing). */
+bool lethe_check_topk(int32_t n_segs, const int32_t *seg_begin, const int32_t *out_begin);
+
+/* How far a select_expand call reaches into its arrays (what a device backend
+ * stages): the largest per-sequence output count, and the ends of the rows and
+ * picks entries the sequences name. */
+typedef struct lethe_expand_extent {
+    int64_t max_out, rows_end, picks_end;
+} lethe_expand_extent;
+
+/* select_expand: unit >= 1, n_seqs >= 0, per sequence offsets >= 0 and
+ * 0 <= head <= tail <= row_len, n_picks >= 0, its count inside int32. Returns
+ * the call's extent. (Whether the picks fall inside (head, tail) is checked
+ * where the picks are read: they are backend memory.) */
+lethe_expand_extent lethe_check_select_expand(const lethe_expand_seq *seqs, int32_t n_seqs,
+                                              int32_t unit);
+
+/* sample: n >= 0 rows over n_vocab > 0 (logits, rows and tokens present when
+ * n > 0), each row's penalty entries inside [0, n_pen). */
+void lethe_check_sample(const lethe_sample_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LETHE_BACKEND_ARGS_H */
