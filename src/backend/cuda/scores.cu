@@ -29,6 +29,7 @@
  * O(n_heads * n_cand) per sequence. Work: O(n_heads * n_rows * n_keys * D)
  * FMAs per pass, the cost of the window scorer itself. */
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/args.h"
 
 #include <math.h>
 
@@ -212,7 +213,11 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
 #define SC1_KEYS 256         /* keys (threads) per logits block */
 #define SC1_STAT_THREADS 512
 
-__device__ __forceinline__ void sc1_range(const sc_desc &sd, int32_t *lo, int32_t *hi) {
+/* raw range [lo, hi) of a one-row sequence (see L. above): the whole row
+ * with a whole-row denominator, else the candidates. S is sc_desc on the
+ * device and lethe_score_seq on the host (same field names). */
+template <typename S>
+__host__ __device__ __forceinline__ void sc1_range(const S &sd, int32_t *lo, int32_t *hi) {
     const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
     const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sd.mode & LETHE_SCORES_CAND_DENOM);
     *lo = whole ? 0 : sd.c0;
@@ -396,77 +401,114 @@ __global__ void sc1_values_kernel(const sc_desc *__restrict__ descs, const int32
     out[sd.out_off + (int64_t)g * nc + j] = kind == LETHE_SCORES_PROB_MEAN ? acc / (float)per : acc;
 }
 
-/* raw range [lo, hi) of a one-row sequence: the whole row with a whole-row
- * denominator, else the candidates (host side of sc1_range) */
-static void sc1_range_host(const lethe_score_seq *sq, int32_t *lo, int32_t *hi) {
-    const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
-    const bool whole = kind != LETHE_SCORES_LOGIT_MAX && !(sq->mode & LETHE_SCORES_CAND_DENOM);
-    *lo = whole ? 0 : sq->c0;
-    *hi = whole ? sq->n_keys : sq->c1;
-}
-
 /* dynamic shared memory above the 48 KiB default needs a (cheap) per-kernel opt-in */
 static void sc_smem_optin(const void *kernel, size_t smem) {
     if (smem > 48 * 1024)
         CU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
 }
 
-/* attn_scores when every sequence scores one row (see above) */
-static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a) {
-    const int H = a->n_heads, D = a->head_dim, n_kv = a->n_kv_heads, g = H / n_kv;
-    int64_t n_raw = 0, n_out = 0;
-    int32_t n_l_items = 0, n_v_items = 0;
+/* The host side of one attn_scores call, shared by both paths: the
+ * per-sequence descriptors and two work lists of (sequence, offset) pairs,
+ * staged in one ring copy, and the split of the scratch. List 0 is the first
+ * pass: general path, stats blocks of SC_RB scored rows (probability modes
+ * only); single-row path, logits blocks of SC1_KEYS keys of the raw range.
+ * List 1 is the values blocks of SC_THREADS candidates. */
+typedef struct sc_plan {
+    const int32_t *slots;      /* key_slots (device) */
+    const sc_desc *desc;       /* [n_seqs] (device) */
+    const int32_t *work[2];    /* [2 * n_items[i]] (device) */
+    int32_t n_items[2];
+    float *hv;                 /* per sequence [n_heads, n_cand] (general) or raw [n_heads, hi - lo] */
+    float *out;                /* reduced output [n_out]: scratch, or a->out with out_on_backend */
+    float2 *stats;             /* per sequence [n_heads, n_rows] (m, l), probability modes */
+    int64_t n_out;
+} sc_plan;
+
+/* list-0 extent of a sequence with candidates: *len entries in blocks of
+ * *step; *per_head: its floats per head in hv */
+static void sc_first_pass(const lethe_score_seq *sq, bool single, int32_t *len, int32_t *step,
+                          int32_t *per_head) {
+    if (single) {
+        int32_t lo, hi;
+        sc1_range(*sq, &lo, &hi);
+        *len = *per_head = hi - lo;
+        *step = SC1_KEYS;
+        return;
+    }
+    *len = (sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX ? sq->n_rows : 0;
+    *step = SC_RB;
+    *per_head = sq->c1 - sq->c0;
+}
+
+/* Builds and stages the plan; false when no sequence has a candidate (the
+ * call writes nothing). */
+static bool sc_plan_build(cuda_ctx *c, const lethe_attn_scores_args *a, bool single, sc_plan *p) {
+    const int H = a->n_heads;
+    int32_t n0 = 0, n1 = 0, len, step, per_head;
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const lethe_score_seq *sq = &a->seqs[s];
-        if (sq->c1 == sq->c0) continue;
-        int32_t lo, hi;
-        sc1_range_host(sq, &lo, &hi);
-        const int32_t nr = hi - lo;
-        n_l_items += (nr + SC1_KEYS - 1) / SC1_KEYS;
-        n_v_items += (sq->c1 - sq->c0 + SC_THREADS - 1) / SC_THREADS;
+        const int32_t nc = sq->c1 - sq->c0;
+        if (nc == 0) continue;
+        sc_first_pass(sq, single, &len, &step, &per_head);
+        n0 += (len + step - 1) / step;
+        n1 += (nc + SC_THREADS - 1) / SC_THREADS;
     }
-    if (n_v_items == 0) return;
-    const int32_t *d_slots = lethe_cuda_stage_idx(c, a->key_slots, (size_t)a->n_key_slots);
+    if (n1 == 0) return false;
+    /* keys first: the descriptors below then take the ring's next bytes */
+    p->slots = lethe_cuda_stage_idx(c, a->key_slots, (size_t)a->n_key_slots);
     const size_t desc_bytes = ((size_t)a->n_seqs * sizeof(sc_desc) + 255) & ~(size_t)255;
-    const size_t work_bytes = (size_t)(n_l_items + n_v_items) * 2 * sizeof(int32_t);
+    const size_t work_bytes = (size_t)(n0 + n1) * 2 * sizeof(int32_t);
     void *hview;
     char *dbase = (char *)lethe_cuda_ring_alloc(c, desc_bytes + work_bytes, &hview);
     sc_desc *hd = (sc_desc *)hview;
-    int32_t *hw_l = (int32_t *)((char *)hview + desc_bytes), *hw_v = hw_l + 2 * n_l_items;
-    int32_t kl = 0, kv = 0;
+    int32_t *hw0 = (int32_t *)((char *)hview + desc_bytes), *hw1 = hw0 + 2 * n0;
+    int64_t n_hv = 0, n_st = 0, n_out = 0;
+    int32_t k0 = 0, k1 = 0;
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const lethe_score_seq *sq = &a->seqs[s];
         const int32_t nc = sq->c1 - sq->c0;
         sc_desc d = {sq->q_row, sq->n_rows, sq->key_begin, sq->n_keys, sq->c0, sq->c1, sq->mode, 0,
-                     n_raw, (int64_t)s * H, n_out};
+                     n_hv, n_st, n_out};
         hd[s] = d;
         if (nc == 0) continue;
-        int32_t lo, hi;
-        sc1_range_host(sq, &lo, &hi);
-        const int32_t nr = hi - lo;
-        n_raw += (int64_t)H * nr;
+        sc_first_pass(sq, single, &len, &step, &per_head);
+        n_hv += (int64_t)H * per_head;
         n_out += (int64_t)a->n_groups * nc;
-        for (int32_t e0 = 0; e0 < nr; e0 += SC1_KEYS) hw_l[2 * kl] = s, hw_l[2 * kl + 1] = e0, kl++;
-        for (int32_t j0 = 0; j0 < nc; j0 += SC_THREADS) hw_v[2 * kv] = s, hw_v[2 * kv + 1] = j0, kv++;
+        if ((sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX) n_st += (int64_t)H * sq->n_rows;
+        for (int32_t o = 0; o < len; o += step) hw0[2 * k0] = s, hw0[2 * k0 + 1] = o, k0++;
+        for (int32_t j0 = 0; j0 < nc; j0 += SC_THREADS) hw1[2 * k1] = s, hw1[2 * k1 + 1] = j0, k1++;
     }
-    LETHE_ASSERT(kl == n_l_items && kv == n_v_items);
+    LETHE_ASSERT(k0 == n0 && k1 == n1);
     LETHE_ASSERT((size_t)n_out == lethe_attn_scores_out_len(a->seqs, a->n_seqs, a->n_groups));
     CU_CHECK(cudaMemcpyAsync(dbase, hview, desc_bytes + work_bytes, cudaMemcpyHostToDevice, c->stream));
-    const sc_desc *d_desc = (const sc_desc *)dbase;
-    const int32_t *d_l = (const int32_t *)(dbase + desc_bytes), *d_v = d_l + 2 * n_l_items;
+    p->desc = (const sc_desc *)dbase;
+    p->work[0] = (const int32_t *)(dbase + desc_bytes);
+    p->work[1] = p->work[0] + 2 * n0;
+    p->n_items[0] = n0, p->n_items[1] = n1;
 
-    /* scratch: raw [n_raw] | out [n_out] | stats [n_seqs * H] float2 (8-byte aligned) */
-    const size_t n_f = (size_t)(n_raw + n_out + 1) & ~(size_t)1;
+    /* scratch: hv [n_hv] | out [n_out] | stats [n_st] float2 (8-byte aligned: n_hv + n_out even) */
+    const size_t n_f = (size_t)(n_hv + n_out + 1) & ~(size_t)1;
     size_t cap = c->scores_cap;
-    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, (n_f + 2 * (size_t)a->n_seqs * H) * sizeof(float));
+    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, (n_f + 2 * (size_t)n_st) * sizeof(float));
     c->scores_cap = cap;
-    float *raw = c->scores_d, *out = a->out_on_backend ? a->out : c->scores_d + n_raw;
-    float2 *stats = (float2 *)(c->scores_d + n_f);
+    p->hv = c->scores_d;
+    p->out = a->out_on_backend ? a->out : c->scores_d + n_hv;
+    p->stats = (float2 *)(c->scores_d + n_f);
+    p->n_out = n_out;
+    return true;
+}
+
+/* attn_scores when every sequence scores one row (see above) */
+static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a, const sc_plan *p) {
+    const int H = a->n_heads, D = a->head_dim, n_kv = a->n_kv_heads, g = H / n_kv;
+    const sc_desc *d_desc = p->desc;
+    const int32_t *d_slots = p->slots, *d_l = p->work[0], *d_v = p->work[1];
+    float *raw = p->hv;
 
     /* logits: head_dim 64 / 128 with KV groups up to 8 take the unrolled kernel
      * (queries padded to G = 4 or 8 heads), other shapes the generic one */
     const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
-    const dim3 l_grid((unsigned)n_l_items, (unsigned)n_kv);
+    const dim3 l_grid((unsigned)p->n_items[0], (unsigned)n_kv);
     const int G = (D == 64 || D == 128) && g <= 8 ? (g <= 4 ? 4 : 8) : 0;
     const size_t smem = (size_t)(G ? G : g) * D * sizeof(float);
     LETHE_ASSERT(smem <= c->smem_optin && "attn_scores: a KV group's queries do not fit in shared memory");
@@ -488,104 +530,47 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
 #undef SC1_D_LAUNCH
     CU_LAUNCH_CHECK();
     sc1_stats_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), SC1_STAT_THREADS, 0, c->stream>>>(
-        d_desc, raw, stats);
+        d_desc, raw, p->stats);
     CU_LAUNCH_CHECK();
-    sc1_values_kernel<<<dim3((unsigned)n_v_items, (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
-        d_desc, d_v, raw, stats, out, H, a->n_groups);
+    sc1_values_kernel<<<dim3((unsigned)p->n_items[1], (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
+        d_desc, d_v, raw, p->stats, p->out, H, a->n_groups);
     CU_LAUNCH_CHECK();
-    if (a->out_on_backend) return;
-    CU_CHECK(cudaMemcpyAsync(a->out, out, (size_t)n_out * sizeof(float), cudaMemcpyDeviceToHost,
-                             c->stream));
-    CU_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+/* attn_scores, any number of scored rows (the three kernels at the top) */
+static void attn_scores_general(cuda_ctx *c, const lethe_attn_scores_args *a, const sc_plan *p) {
+    const int H = a->n_heads, D = a->head_dim;
+    const sc_desc *d_desc = p->desc;
+    const int32_t *d_slots = p->slots, *d_stat = p->work[0], *d_val = p->work[1];
+    const size_t smem = (size_t)SC_RB * D * sizeof(float);
+    const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
+    if (p->n_items[0] > 0) {
+        sc_stats_kernel<<<dim3((unsigned)p->n_items[0], (unsigned)H), SC_THREADS, smem, c->stream>>>(
+            d_desc, d_stat, q, kc, d_slots, H, a->n_kv_heads, D, a->scale, p->stats);
+        CU_LAUNCH_CHECK();
+    }
+    sc_values_kernel<<<dim3((unsigned)p->n_items[1], (unsigned)H), SC_THREADS, smem, c->stream>>>(
+        d_desc, d_val, q, kc, d_slots, H, a->n_kv_heads, D, a->scale, p->stats, p->hv);
+    CU_LAUNCH_CHECK();
+    sc_reduce_kernel<<<dim3((unsigned)p->n_items[1], (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
+        d_desc, d_val, p->hv, p->out, H, a->n_groups);
+    CU_LAUNCH_CHECK();
 }
 
 extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: attn_scores stages its descriptors");
-    LETHE_ASSERT(a->n_heads > 0 && a->n_kv_heads > 0 && a->n_heads % a->n_kv_heads == 0);
-    LETHE_ASSERT(a->n_groups > 0 && a->n_heads % a->n_groups == 0);
+    lethe_check_attn_scores(a);
     LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= 256);
-    const int H = a->n_heads, D = a->head_dim;
-    bool single = a->n_seqs > 0;
-    for (int32_t s = 0; s < a->n_seqs; s++) {
-        const lethe_score_seq *sq = &a->seqs[s];
-        LETHE_ASSERT(sq->n_rows >= 1 && sq->n_keys >= sq->n_rows);
-        LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
-        LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
-        LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
-        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
-        single &= sq->n_rows == 1;
-    }
-    single &= D % 8 == 0; /* sc1_logits reads K rows 8 channels (16 bytes) at a time */
-    if (single) {
-        attn_scores_single_rows(c, a);
-        return;
-    }
-    /* host pass: descriptors, scratch offsets, work lists */
-    int64_t n_hv = 0, n_st = 0, n_out = 0;
-    int32_t n_stat_items = 0, n_val_items = 0;
-    for (int32_t s = 0; s < a->n_seqs; s++) { /* (the arguments were checked above) */
-        const lethe_score_seq *sq = &a->seqs[s];
-        const int32_t nc = sq->c1 - sq->c0;
-        if (nc == 0) continue;
-        if ((sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX)
-            n_stat_items += (sq->n_rows + SC_RB - 1) / SC_RB;
-        n_val_items += (nc + SC_THREADS - 1) / SC_THREADS;
-    }
-    if (n_val_items == 0) return;
-    /* keys first: the descriptors below then take the ring's next bytes */
-    const int32_t *d_slots = lethe_cuda_stage_idx(c, a->key_slots, (size_t)a->n_key_slots);
-    const size_t desc_bytes = ((size_t)a->n_seqs * sizeof(sc_desc) + 255) & ~(size_t)255;
-    const size_t work_bytes = (size_t)(n_stat_items + n_val_items) * 2 * sizeof(int32_t);
-    void *hview;
-    char *dbase = (char *)lethe_cuda_ring_alloc(c, desc_bytes + work_bytes, &hview);
-    sc_desc *hd = (sc_desc *)hview;
-    int32_t *hw_stat = (int32_t *)((char *)hview + desc_bytes), *hw_val = hw_stat + 2 * n_stat_items;
-    int32_t ks = 0, kv = 0;
-    for (int32_t s = 0; s < a->n_seqs; s++) {
-        const lethe_score_seq *sq = &a->seqs[s];
-        const int32_t nc = sq->c1 - sq->c0;
-        sc_desc d = {sq->q_row, sq->n_rows, sq->key_begin, sq->n_keys, sq->c0, sq->c1, sq->mode, 0,
-                     n_hv, n_st, n_out};
-        hd[s] = d;
-        if (nc == 0) continue;
-        n_hv += (int64_t)H * nc;
-        n_out += (int64_t)a->n_groups * nc;
-        if ((sq->mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX) {
-            n_st += (int64_t)H * sq->n_rows;
-            for (int32_t r0 = 0; r0 < sq->n_rows; r0 += SC_RB) hw_stat[2 * ks] = s, hw_stat[2 * ks + 1] = r0, ks++;
-        }
-        for (int32_t j0 = 0; j0 < nc; j0 += SC_THREADS) hw_val[2 * kv] = s, hw_val[2 * kv + 1] = j0, kv++;
-    }
-    LETHE_ASSERT(ks == n_stat_items && kv == n_val_items);
-    LETHE_ASSERT((size_t)n_out == lethe_attn_scores_out_len(a->seqs, a->n_seqs, a->n_groups));
-    CU_CHECK(cudaMemcpyAsync(dbase, hview, desc_bytes + work_bytes, cudaMemcpyHostToDevice, c->stream));
-    const sc_desc *d_desc = (const sc_desc *)dbase;
-    const int32_t *d_stat = (const int32_t *)(dbase + desc_bytes), *d_val = d_stat + 2 * n_stat_items;
-
-    /* scratch: hv [n_hv] | out [n_out] | stats [n_st] float2 (8-byte aligned: n_hv + n_out even) */
-    const size_t n_f = (size_t)(n_hv + n_out + 1) & ~(size_t)1;
-    size_t cap = c->scores_cap;
-    lethe_cuda_reserve(c, (void **)&c->scores_d, &cap, (n_f + 2 * (size_t)n_st) * sizeof(float));
-    c->scores_cap = cap;
-    float *hv = c->scores_d, *out = a->out_on_backend ? a->out : c->scores_d + n_hv;
-    float2 *stats = (float2 *)(c->scores_d + n_f);
-
-    const size_t smem = (size_t)SC_RB * D * sizeof(float);
-    const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
-    if (n_stat_items > 0) {
-        sc_stats_kernel<<<dim3((unsigned)n_stat_items, (unsigned)H), SC_THREADS, smem, c->stream>>>(
-            d_desc, d_stat, q, kc, d_slots, H, a->n_kv_heads, D, a->scale, stats);
-        CU_LAUNCH_CHECK();
-    }
-    sc_values_kernel<<<dim3((unsigned)n_val_items, (unsigned)H), SC_THREADS, smem, c->stream>>>(
-        d_desc, d_val, q, kc, d_slots, H, a->n_kv_heads, D, a->scale, stats, hv);
-    CU_LAUNCH_CHECK();
-    sc_reduce_kernel<<<dim3((unsigned)n_val_items, (unsigned)a->n_groups), SC_THREADS, 0, c->stream>>>(
-        d_desc, d_val, hv, out, H, a->n_groups);
-    CU_LAUNCH_CHECK();
+    /* sc1_logits reads K rows 8 channels (16 bytes) at a time */
+    bool single = a->n_seqs > 0 && a->head_dim % 8 == 0;
+    for (int32_t s = 0; s < a->n_seqs; s++) single &= a->seqs[s].n_rows == 1;
+    sc_plan p;
+    if (!sc_plan_build(c, a, single, &p)) return;
+    if (single) attn_scores_single_rows(c, a, &p);
+    else attn_scores_general(c, a, &p);
     if (a->out_on_backend) return; /* stays on the device (feeds topk): no sync */
-    CU_CHECK(cudaMemcpyAsync(a->out, out, (size_t)n_out * sizeof(float), cudaMemcpyDeviceToHost,
+    CU_CHECK(cudaMemcpyAsync(a->out, p.out, (size_t)p.n_out * sizeof(float), cudaMemcpyDeviceToHost,
                              c->stream));
     CU_CHECK(cudaStreamSynchronize(c->stream));
 }
