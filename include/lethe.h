@@ -251,15 +251,30 @@ typedef struct lethe_engine_stats {
 /* Thread-safe snapshot (updated at the end of every step). */
 void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out);
 
-/* ---- Chain Cache (src/engine/engine_chain.c) ----
+/* ---- Chain Cache (src/cache/chain_cache.c) ----
  * In chain mode a conversation keeps its (possibly compacted) KV and method
  * state between turns; a turn only prefills the tokens after the processed
- * boundary. Turns are submitted with the *_chain functions below; a turn
- * refused by the chain table returns LETHE_ERR_CAPACITY / NOT_FOUND / BUSY /
- * INVALID with res->http_status and res->code set (404 chain_not_found, 409
- * chain_busy | chain_prefix_mismatch | chain_fingerprint_mismatch, 410
- * chain_gone, 503 chain_capacity_unavailable, 400 chain_invalid_request |
- * chain_mode_disabled). */
+ * boundary. Turns are submitted with the *_chain functions below; a refused
+ * turn returns LETHE_ERR_CAPACITY / NOT_FOUND / BUSY / INVALID with
+ * res->code saying why. The HTTP server maps the codes onto statuses and
+ * code strings (src/server/chain_api.c: 404 chain_not_found, 409 chain_busy |
+ * chain_prefix_mismatch | chain_fingerprint_mismatch, 410 chain_gone, 503
+ * chain_capacity_unavailable, 400 chain_invalid_request | chain_mode_disabled). */
+typedef enum lethe_chain_code {
+    LETHE_CHAIN_OK = 0,
+    LETHE_CHAIN_NOT_FOUND,            /* unknown chain id */
+    LETHE_CHAIN_BUSY,                 /* the chain has a turn in progress */
+    LETHE_CHAIN_PREFIX_MISMATCH,      /* append mode: the tokens do not continue the chain */
+    LETHE_CHAIN_FINGERPRINT_MISMATCH, /* built by another model / method configuration */
+    LETHE_CHAIN_GONE,                 /* reclaimed or invalidated: resend the full prompt */
+    LETHE_CHAIN_CAPACITY,             /* no KV for the turn even after reclaiming idle chains */
+    LETHE_CHAIN_BAD_REQUEST,          /* the turn's chain fields are inconsistent */
+    LETHE_CHAIN_MODE_DISABLED,        /* the engine does not run the Chain Cache */
+    LETHE_CHAIN_INVALID_REQUEST,      /* the request itself is invalid (sampling, token ids) */
+    LETHE_CHAIN_QUEUE_FULL,           /* the engine's inbox is full */
+    LETHE_CHAIN_ENGINE_BUSY,          /* add_request_chain while the engine thread runs */
+} lethe_chain_code;
+
 typedef struct lethe_chain_params {
     const char *chain_id;       /* NULL or "": create a new chain */
     const char *owner;          /* tenant that owns the chain (NULL = anonymous); another owner's
@@ -270,8 +285,7 @@ typedef struct lethe_chain_params {
 } lethe_chain_params;
 
 typedef struct lethe_chain_result {
-    int http_status;            /* 200, or the refusal's HTTP status */
-    const char *code;           /* "ok", "chain_busy", ... (static) */
+    lethe_chain_code code;      /* LETHE_CHAIN_OK, or why the turn was refused */
     char message[192];
     char chain_id[48];
     const char *status;         /* "created" | "resumed" | "recreated" */

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/util.h"
+#include "server/chain_api.h" /* the HTTP mapping of chain codes */
 #include "test.h"
 
 static uint8_t FP[LETHE_CHAIN_FP_BYTES], FP2[LETHE_CHAIN_FP_BYTES];
@@ -61,11 +62,11 @@ static void test_ids_and_digest(void) {
     big2[599]++;
     lethe_chain_digest(big2, 600, d2);
     CHECK(memcmp(d1, d2, 32) != 0);
-    CHECK_EQ_INT(lethe_chain_http_status(LETHE_CHAIN_GONE), 410);
-    CHECK_EQ_INT(lethe_chain_http_status(LETHE_CHAIN_CAPACITY), 503);
-    CHECK_EQ_INT(lethe_chain_http_status(LETHE_CHAIN_BUSY), 409);
-    CHECK_EQ_INT(lethe_chain_http_status(LETHE_CHAIN_NOT_FOUND), 404);
-    CHECK(strcmp(lethe_chain_code_name(LETHE_CHAIN_CAPACITY), "chain_capacity_unavailable") == 0);
+    CHECK_EQ_INT(srv_chain_http_status(LETHE_CHAIN_GONE), 410);
+    CHECK_EQ_INT(srv_chain_http_status(LETHE_CHAIN_CAPACITY), 503);
+    CHECK_EQ_INT(srv_chain_http_status(LETHE_CHAIN_BUSY), 409);
+    CHECK_EQ_INT(srv_chain_http_status(LETHE_CHAIN_NOT_FOUND), 404);
+    CHECK(strcmp(srv_chain_code_name(LETHE_CHAIN_CAPACITY), "chain_capacity_unavailable") == 0);
 }
 
 static void test_turns(void) {
@@ -130,7 +131,7 @@ static void test_turns(void) {
     lethe_chain_turn f;
     lethe_chain_begin(t, &fa, &f);
     CHECK_EQ_INT(f.code, LETHE_CHAIN_FINGERPRINT_MISMATCH);
-    CHECK_EQ_INT(lethe_chain_http_status(f.code), 409);
+    CHECK_EQ_INT(srv_chain_http_status(f.code), 409);
 
     /* digest mismatch in full-prompt mode: recreate, old payload released */
     int32_t other[90];
@@ -344,7 +345,7 @@ static void test_append_messages(void) {
     lethe_chain_turn bad;
     lethe_chain_begin(t, &b, &bad);
     CHECK_EQ_INT(bad.code, LETHE_CHAIN_PREFIX_MISMATCH);
-    CHECK_EQ_INT(lethe_chain_http_status(bad.code), 409);
+    CHECK_EQ_INT(srv_chain_http_status(bad.code), 409);
     CHECK_STR_CONTAINS(bad.message, "start at 2, the chain covers 3");
     b.append_start = 3;
     lethe_chain_turn ok;

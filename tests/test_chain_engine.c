@@ -23,6 +23,7 @@
 
 #include "core/util.h"
 #include "engine/engine_internal.h"
+#include "server/chain_api.h" /* the HTTP mapping of chain codes */
 #include "test.h"
 
 #define MAXT 2048
@@ -134,7 +135,7 @@ static void test_dense_ten_turns(void) {
         if (append) turn(e, id, app, n_app, true, n_gen, &cr, &res);
         else turn(e, t ? id : NULL, hist, n_prompt, false, n_gen, &cr, &res);
         lethe_engine_get_stats(e, &s1);
-        CHECK_EQ_INT(cr.http_status, 200);
+        CHECK_EQ_INT(srv_chain_http_status(cr.code), 200);
         CHECK(!strcmp(cr.status, t ? "resumed" : "created"));
         if (t == 0) strcpy(id, cr.chain_id);
         CHECK(!strcmp(cr.chain_id, id));
@@ -191,11 +192,11 @@ static void test_dense_ten_turns(void) {
     CHECK(ra.finished && ra.why == LETHE_FINISH_ABORT);
     run_all(e);
     CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, &rid) == LETHE_ERR_NOT_FOUND);
-    CHECK_EQ_INT(cr.http_status, 410);
-    CHECK(!strcmp(cr.code, "chain_gone"));
+    CHECK_EQ_INT(srv_chain_http_status(cr.code), 410);
+    CHECK(!strcmp(srv_chain_code_name(cr.code), "chain_gone"));
     cp.chain_id = "chain_nope";
     CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, &rid) == LETHE_ERR_NOT_FOUND);
-    CHECK_EQ_INT(cr.http_status, 404);
+    CHECK_EQ_INT(srv_chain_http_status(cr.code), 404);
     lethe_engine_stats s2;
     lethe_engine_get_stats(e, &s2);
     CHECK_EQ_INT(s2.kv_slots_used, 0);
@@ -218,8 +219,8 @@ static void test_modes_and_capacity(void) {
     lethe_chain_params cp = {0};
     lethe_chain_result cr;
     CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, NULL) == LETHE_ERR_INVALID);
-    CHECK_EQ_INT(cr.http_status, 400);
-    CHECK(!strcmp(cr.code, "chain_mode_disabled"));
+    CHECK_EQ_INT(srv_chain_http_status(cr.code), 400);
+    CHECK(!strcmp(srv_chain_code_name(cr.code), "chain_mode_disabled"));
     lethe_engine_destroy(e);
     e = mk_fake("dense", "auto", false, 0, &st);
     CHECK(!strcmp(lethe_engine_prefix_cache_mode(e), "off"));
@@ -250,8 +251,8 @@ static void test_modes_and_capacity(void) {
     p2.sampling.max_tokens = 100;
     p2.user = &r2;
     CHECK(lethe_engine_add_request_chain(e, &p2, &cp, &cr, NULL) == LETHE_ERR_CAPACITY);
-    CHECK_EQ_INT(cr.http_status, 503);
-    CHECK(!strcmp(cr.code, "chain_capacity_unavailable"));
+    CHECK_EQ_INT(srv_chain_http_status(cr.code), 503);
+    CHECK(!strcmp(srv_chain_code_name(cr.code), "chain_capacity_unavailable"));
     run_all(e);
     /* now IDLE (1000 slots resident): the same turn reclaims it (LRU) and runs */
     char first[48];

@@ -407,7 +407,7 @@ static void test_eviction_method(void) {
     lethe_engine *e = NULL;
     CHECK_MSG(lethe_engine_create_with(&p, &runner, NULL, &e) == 0, "%s", lethe_engine_last_error());
     CHECK(lethe_kv_per_layer(e->pool));
-    CHECK(e->prefix.radix == NULL);
+    CHECK(strcmp(lethe_engine_prefix_cache_mode(e), "radix") != 0);
     uint64_t rng = 3;
     static int32_t prompts[8][300];
     for (int i = 0; i < 8; i++) {

@@ -7,13 +7,15 @@
  * KV checker runs after every step. */
 #include <string.h>
 
+#include "cache/radix.h"
 #include "core/util.h"
 #include "sched/scheduler.h"
 #include "test.h"
 
 typedef struct world {
     lethe_kv_pool *pool;
-    lethe_radix *radix;
+    lethe_prefix_cache *pc;
+    lethe_radix *radix;         /* the tree behind pc */
     lethe_sched *s;
     lethe_sched_out out;
     int32_t max_gen[64]; /* finish after this many generated tokens */
@@ -24,27 +26,26 @@ static void world_init(world *w, int32_t n_slots, int32_t budget, int32_t max_se
     memset(w, 0, sizeof(*w));
     lethe_kv_pool_params pp = {.n_layers = 2, .n_kv_heads = 1, .head_dim = 4, .n_slots = n_slots};
     CHECK(lethe_kv_pool_create(&pp, &w->pool) == LETHE_OK);
-    if (prefix) w->radix = lethe_radix_create(w->pool, 1);
+    if (prefix) {
+        lethe_pc_params pc = {.mode = "radix", .enabled = true, .shareable = true, .pool = w->pool};
+        CHECK(lethe_pcache_create(&pc, &w->pc) == LETHE_OK);
+        w->radix = lethe_radix_cache_tree(w->pc);
+        CHECK(w->radix != NULL);
+    }
     lethe_sched_params sp = {.max_num_seqs = max_seqs, .max_num_batched_tokens = budget,
                              .split_prefill_decode = split};
-    w->s = lethe_sched_create(&sp, w->pool, w->radix, m);
+    w->s = lethe_sched_create(&sp, w->pool, w->pc, m);
 }
 
 static void world_check(world *w) {
-    lethe_kv_holder h;
-    lethe_status st;
-    if (w->radix) {
-        h = lethe_radix_holder(w->radix);
-        st = lethe_kv_check(w->pool, &h, 1);
-    } else {
-        st = lethe_kv_check(w->pool, NULL, 0);
-    }
+    lethe_kv_holder h = lethe_pcache_holder(w->pc);
+    lethe_status st = lethe_kv_check(w->pool, &h, 1);
     CHECK_MSG(st == LETHE_OK, "%s", lethe_last_error());
 }
 
 static void world_free(world *w) {
     lethe_sched_destroy(w->s);
-    lethe_radix_destroy(w->radix);
+    lethe_pcache_destroy(w->pc);
     lethe_kv_pool_destroy(w->pool);
 }
 
@@ -57,8 +58,8 @@ static lethe_req *mkreq(uint64_t id, int32_t n_prompt, int32_t base) {
 }
 
 static void freereq(lethe_req *r) {
+    CHECK(r->cache_ref == NULL); /* released with the request */
     free(r->tokens);
-    free(r->blocks);
     free(r);
 }
 
@@ -74,7 +75,7 @@ static void step(world *w) {
         lethe_req *r = w->out.items[i].req;
         if (!w->out.items[i].wants_logits) continue;
         lethe_req_push_token(r, 7);
-        if (r->n_tokens - r->n_prompt >= w->max_gen[r->id]) lethe_sched_remove(w->s, r);
+        if (r->n_tokens - r->n_prompt >= w->max_gen[r->id]) lethe_sched_remove(w->s, r, true);
     }
     world_check(w);
 }
@@ -262,7 +263,7 @@ static void test_prefix_hit(void) {
     w.max_gen[3] = 1;
     lethe_sched_add(w.s, a);
     step(&w);
-    CHECK_EQ_INT(a->n_blocks, 2); /* published after the step */
+    CHECK_EQ_INT(lethe_radix_n_blocks(w.radix), 2); /* a published its 2 full blocks after the step */
     lethe_sched_add(w.s, b);
     lethe_sched_add(w.s, c);
     step(&w);
@@ -335,14 +336,14 @@ static void test_abort_frees(void) {
     step(&w);
     step(&w);
     CHECK_EQ_INT(a->n_computed, 64);
-    lethe_sched_remove(w.s, a); /* mid-prefill */
+    lethe_sched_remove(w.s, a, false); /* mid-prefill */
     world_check(&w);
     CHECK_EQ_INT(lethe_kv_n_free(w.pool, 0) + lethe_radix_reclaimable(w.radix), 128);
     CHECK(!lethe_sched_has_work(w.s));
     /* waiting requests abort too */
     lethe_req *b = mkreq(2, 10, 0);
     lethe_sched_add(w.s, b);
-    lethe_sched_remove(w.s, b);
+    lethe_sched_remove(w.s, b, false);
     CHECK(!lethe_sched_has_work(w.s));
     freereq(a);
     freereq(b);

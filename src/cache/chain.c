@@ -55,34 +55,22 @@ struct lethe_chain_table {
     int32_t cap_cand;
 };
 
-int lethe_chain_http_status(lethe_chain_code c) {
+lethe_status lethe_chain_code_status(lethe_chain_code c) {
     switch (c) {
-    case LETHE_CHAIN_OK: return 200;
-    case LETHE_CHAIN_NOT_FOUND: return 404;
+    case LETHE_CHAIN_OK: return LETHE_OK;
+    case LETHE_CHAIN_CAPACITY:
+    case LETHE_CHAIN_QUEUE_FULL: return LETHE_ERR_CAPACITY;
+    case LETHE_CHAIN_NOT_FOUND:
+    case LETHE_CHAIN_GONE: return LETHE_ERR_NOT_FOUND;
+    case LETHE_CHAIN_BAD_REQUEST:
+    case LETHE_CHAIN_MODE_DISABLED:
+    case LETHE_CHAIN_INVALID_REQUEST: return LETHE_ERR_INVALID;
     case LETHE_CHAIN_BUSY:
     case LETHE_CHAIN_PREFIX_MISMATCH:
-    case LETHE_CHAIN_FINGERPRINT_MISMATCH: return 409;
-    case LETHE_CHAIN_GONE: return 410;
-    case LETHE_CHAIN_CAPACITY: return 503;
-    case LETHE_CHAIN_BAD_REQUEST:
-    case LETHE_CHAIN_MODE_DISABLED: return 400;
+    case LETHE_CHAIN_FINGERPRINT_MISMATCH:
+    case LETHE_CHAIN_ENGINE_BUSY: return LETHE_ERR_BUSY;
     }
-    return 500;
-}
-
-const char *lethe_chain_code_name(lethe_chain_code c) {
-    switch (c) {
-    case LETHE_CHAIN_OK: return "ok";
-    case LETHE_CHAIN_NOT_FOUND: return "chain_not_found";
-    case LETHE_CHAIN_BUSY: return "chain_busy";
-    case LETHE_CHAIN_PREFIX_MISMATCH: return "chain_prefix_mismatch";
-    case LETHE_CHAIN_FINGERPRINT_MISMATCH: return "chain_fingerprint_mismatch";
-    case LETHE_CHAIN_GONE: return "chain_gone";
-    case LETHE_CHAIN_CAPACITY: return "chain_capacity_unavailable";
-    case LETHE_CHAIN_BAD_REQUEST: return "chain_invalid_request";
-    case LETHE_CHAIN_MODE_DISABLED: return "chain_mode_disabled";
-    }
-    return "chain_error";
+    return LETHE_ERR_INVALID;
 }
 
 const char *lethe_chain_status_name(lethe_chain_status s) {
@@ -457,6 +445,22 @@ void *lethe_chain_peek_payload(lethe_chain_table *t, const char *id) {
     void *p = r && r->state == LETHE_CHAIN_IDLE ? r->payload : NULL;
     pthread_mutex_unlock(&t->mu);
     return p;
+}
+
+void *lethe_chain_turn_payload(lethe_chain_table *t, const char *id) {
+    pthread_mutex_lock(&t->mu);
+    chain_rec *r = find(t, id);
+    void *p = r && r->state == LETHE_CHAIN_ACTIVE ? r->payload : NULL;
+    pthread_mutex_unlock(&t->mu);
+    return p;
+}
+
+void lethe_chain_for_each_payload(lethe_chain_table *t, void (*visit)(void *ctx, void *payload), void *ctx) {
+    pthread_mutex_lock(&t->mu);
+    for (int32_t i = 0; i < t->n_recs; i++)
+        if (t->recs[i]->payload) visit(ctx, t->recs[i]->payload);
+    for (int32_t i = 0; i < t->n_released; i++) visit(ctx, t->released[i]);
+    pthread_mutex_unlock(&t->mu);
 }
 
 int32_t lethe_chain_count_payloads(lethe_chain_table *t) {

@@ -9,9 +9,11 @@
  * The table owns the logical lifecycle only (ids, states, boundaries,
  * digests, token history, capacity planning, LRU, tombstones). What is
  * resident (a KV row, the method's per-request state) is an opaque payload
- * owned by the engine; the table keeps it while the chain is IDLE, hands it
- * to the engine when the turn's request is admitted, takes it back at the end, and queues the payloads of reclaimed or invalidated
- * chains for the engine thread to free (lethe_chain_take_released).
+ * owned by the prefix-cache implementation over this table (chain_cache.c);
+ * the table keeps it while the chain is IDLE, hands it over when the turn's
+ * request is admitted, takes it back at the end, and queues the payloads of
+ * reclaimed or invalidated chains for the engine thread to free
+ * (lethe_chain_take_released).
  *
  * Capacity: the pool has n_spaces slot spaces of `slots_per_space` slots
  * each (1 shared space, or one per layer: never summed). An IDLE chain
@@ -19,12 +21,13 @@
  * suffix + decode peak, per space). A turn fits when every space's usage
  * stays within capacity; otherwise IDLE chains are reclaimed in strict LRU
  * order (logical clock, no ties); ACTIVE chains never; if even reclaiming
- * every IDLE chain is not enough the turn fails with CAPACITY (503) and
- * nothing is reclaimed. Reclaimed or invalidated ids are remembered in a
- * bounded FIFO of tombstones so later requests get GONE (410), not 404.
+ * every IDLE chain is not enough the turn fails with CAPACITY and nothing
+ * is reclaimed. Reclaimed or invalidated ids are remembered in a bounded
+ * FIFO of tombstones so later requests get GONE, not NOT_FOUND.
  *
  * All functions are thread-safe (one mutex): the server thread begins turns,
- * the engine thread finishes them. */
+ * the engine thread finishes them. The prefix-cache seam (prefix_cache.h)
+ * is how the engine reaches them. */
 #ifndef LETHE_CHAIN_H
 #define LETHE_CHAIN_H
 
@@ -36,20 +39,12 @@
 #define LETHE_CHAIN_DEFAULT_TOMBSTONES 1024
 #define LETHE_CHAIN_OWNER_CAP 72         /* tenant name + NUL (longer names are refused upstream) */
 
-typedef enum lethe_chain_code {
-    LETHE_CHAIN_OK = 0,
-    LETHE_CHAIN_NOT_FOUND,            /* 404 chain_not_found */
-    LETHE_CHAIN_BUSY,                 /* 409 chain_busy */
-    LETHE_CHAIN_PREFIX_MISMATCH,      /* 409 chain_prefix_mismatch (append mode) */
-    LETHE_CHAIN_FINGERPRINT_MISMATCH, /* 409 chain_fingerprint_mismatch */
-    LETHE_CHAIN_GONE,                 /* 410 chain_gone */
-    LETHE_CHAIN_CAPACITY,             /* 503 chain_capacity_unavailable */
-    LETHE_CHAIN_BAD_REQUEST,          /* 400 chain_invalid_request */
-    LETHE_CHAIN_MODE_DISABLED,        /* 400 chain_mode_disabled */
-} lethe_chain_code;
+/* lethe_chain_code (the outcome of a turn) is public: include/lethe.h. The
+ * HTTP server maps codes onto statuses and code strings (chain_api.c). */
+#include "core/status.h"
 
-int lethe_chain_http_status(lethe_chain_code c);
-const char *lethe_chain_code_name(lethe_chain_code c); /* "chain_busy", ... */
+/* The C API status a refused turn returns (CAPACITY, NOT_FOUND, INVALID, BUSY). */
+lethe_status lethe_chain_code_status(lethe_chain_code c);
 
 typedef enum lethe_chain_status {
     LETHE_CHAIN_CREATED = 0,
@@ -88,7 +83,8 @@ typedef struct lethe_chain_begin_args {
     const char *chain_id;      /* NULL or "": create a new chain */
     const char *owner;         /* tenant (NULL = ""): a chain of another owner is NOT_FOUND (and its
                                 * tombstone too), as if it did not exist */
-    const uint8_t *fingerprint; /* [LETHE_CHAIN_FP_BYTES] of the engine serving the turn */
+    const uint8_t *fingerprint; /* [LETHE_CHAIN_FP_BYTES] of the engine serving the turn
+                                * (lethe_pcache_begin_turn fills in the cache's own) */
     const int32_t *tokens;     /* full prompt, or (append) the appended tokens only */
     int32_t n_tokens;
     bool append;               /* tokens continue the chain's history (requires chain_id) */
@@ -124,8 +120,14 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
 void *lethe_chain_take_payload(lethe_chain_table *t, const char *id);
 /* The payload of an IDLE chain without taking it (NULL otherwise). */
 void *lethe_chain_peek_payload(lethe_chain_table *t, const char *id);
+/* The payload an ACTIVE (resumed) turn has not taken yet, without taking it
+ * (NULL if none, already taken, or the chain is not ACTIVE). */
+void *lethe_chain_turn_payload(lethe_chain_table *t, const char *id);
 /* Payloads the table holds (records + pending releases). */
 int32_t lethe_chain_count_payloads(lethe_chain_table *t);
+/* Calls visit(ctx, payload) for every payload the table holds (records and
+ * pending releases), under the table's lock (visit must not call back). */
+void lethe_chain_for_each_payload(lethe_chain_table *t, void (*visit)(void *ctx, void *payload), void *ctx);
 
 /* End of a successful turn: history = the request's tokens (prompt +
  * generated), processed = tokens with KV (n_tokens - 1: the last sampled

@@ -18,10 +18,12 @@
  *
  * Life of a block: lethe_radix_match() finds the longest cached prefix (read
  * only); lethe_radix_acquire() attaches it to a request row (shared slots,
- * req_ref++); after the step that computed a new full block the engine calls
- * lethe_radix_insert() with the row's slots, which publishes it (or finds
- * that another request published the same content first); when the request
- * ends or is preempted lethe_radix_release() drops its req_refs. */
+ * req_ref++); after the step that computed a new full block
+ * lethe_radix_insert() is called with the row's slots, which publishes it (or
+ * finds that another request published the same content first); when the
+ * request ends or is preempted lethe_radix_release() drops its req_refs.
+ * radix_cache.c makes these calls: the tree as a prefix cache
+ * (prefix_cache.h). */
 #ifndef LETHE_RADIX_H
 #define LETHE_RADIX_H
 

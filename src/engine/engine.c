@@ -7,7 +7,7 @@
  *   padding) -> KV pool sized from the budget, plus the padding scratch slot
  *   (handed to the method) ->
  *   runner bind ->
- *   radix cache (if the method allows prefix reuse) -> scheduler -> sampler
+ *   prefix cache (src/cache picks radix, chain or off) -> scheduler -> sampler
  *   scratch -> inbox.
  * KV sizing: slots per layer = budget / (bytes one token costs in all layers),
  * capped at max_num_seqs x max_model_len (more could never be used by running
@@ -119,15 +119,6 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     return LETHE_OK;
 }
 
-static uint64_t fingerprint(const lethe_engine *e) {
-    char buf[1024];
-    const lethe_model_config *c = &e->runner.cfg;
-    int n = snprintf(buf, sizeof(buf), "%s|%s|%d|%d|%d|%d|%d|%s|%s|%d", e->model_path ? e->model_path : "",
-                     c->arch, c->n_layers, c->n_kv_heads, c->head_dim, c->n_vocab, c->dim,
-                     e->method->ops->name, e->sparse_config ? e->sparse_config : "", LETHE_RADIX_BLOCK);
-    return lethe_hash64(buf, (size_t)LETHE_MAX(n, 0), 0x1e7e);
-}
-
 int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runner,
                              lethe_tokenizer *tok, lethe_engine **out) {
     *out = NULL;
@@ -211,13 +202,11 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
     if ((st = e->runner.bind(e->runner.ctx, e->pool, e->p.max_num_batched_tokens)) != LETHE_OK) goto fail;
-    if ((st = eng_cache_mode_init(e)) != LETHE_OK) goto fail; /* chain cache or ... */
-    if (e->p.enable_prefix_caching && !e->prefix.chains) /* radix */
-        e->prefix.radix = lethe_radix_create(e->pool, fingerprint(e));
+    if ((st = eng_cache_init(e)) != LETHE_OK) goto fail;
     lethe_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
                              .max_num_batched_tokens = e->p.max_num_batched_tokens,
                              .split_prefill_decode = e->p.split_prefill_decode};
-    e->sched = lethe_sched_create(&sp, e->pool, e->prefix.radix, e->method);
+    e->sched = lethe_sched_create(&sp, e->pool, e->pcache, e->method);
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
     /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
     e->step.cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->fwd.max_bucket);
@@ -240,10 +229,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->reqs.buckets = lethe_xcalloc(e->reqs.n_buckets, sizeof(*e->reqs.buckets));
     e->stats.cur.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool); /* without the scratch slot */
     eng_publish_stats(e);
-    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s",
+    LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
              lethe_kv_format_name(pp.format), e->max_model_len,
-             ops->name, e->prefix.radix ? ", prefix cache on" : "",
+             ops->name, e->pcache ? ", prefix cache " : "", e->pcache ? lethe_pcache_mode(e->pcache) : "",
              e->fwd.use_graphs ? ", CUDA-graph decode" : e->fwd.max_bucket ? ", padded decode" : "");
     *out = e;
     return LETHE_OK;
@@ -351,8 +340,8 @@ eng_req *eng_req_new(lethe_engine *e, const lethe_request_params *p) {
 
 void eng_req_free(eng_req *q) {
     if (!q) return;
+    LETHE_ASSERT(!q->r.cache_ref); /* released by the scheduler or cancelled */
     free(q->r.tokens);
-    free(q->r.blocks);
     for (int i = 0; i < LETHE_MAX_STOP; i++) free(q->stop_copy[i]);
     free(q->forced);
     lethe_stopstr_free(&q->stop);
@@ -381,7 +370,6 @@ void eng_admit(lethe_engine *e, eng_req *q) {
     e->reqs.n_live++;
     e->stats.cur.prompt_tokens_total += q->r.n_prompt;
     lethe_sched_add(e->sched, &q->r);
-    if (q->has_chain) eng_chain_on_admit(e, q);
 }
 
 /* Final event without a token (abort, error), then the request is gone. */
@@ -396,15 +384,14 @@ void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char
     ev.completion_tokens = q->r.n_tokens - q->r.n_prompt;
     ev.cached_tokens = q->r.cached_tokens;
     ev.ttft_s = q->has_ttft ? q->ttft : 0.0;
-    eng_chain_on_end(e, q, false);
-    eng_retire(e, q);
+    eng_retire(e, q, false);
     if (q->cb) q->cb(q->user, &ev);
     eng_req_free(q);
 }
 
 /* Out of the scheduler (KV freed) and the id table; the caller frees q. */
-void eng_retire(lethe_engine *e, eng_req *q) {
-    if (q->r.state != LETHE_REQ_FINISHED) lethe_sched_remove(e->sched, &q->r);
+void eng_retire(lethe_engine *e, eng_req *q, bool ok) {
+    if (q->r.state != LETHE_REQ_FINISHED) lethe_sched_remove(e->sched, &q->r, ok);
     table_remove(e, q);
     e->stats.cur.n_requests_finished++;
 }
@@ -465,7 +452,7 @@ void eng_publish_stats(lethe_engine *e) {
     s->n_running = lethe_sched_n_running(e->sched);
     s->n_waiting = lethe_sched_n_waiting(e->sched);
     int32_t n_sp = lethe_kv_n_spaces(e->pool);
-    int64_t reclaim = e->prefix.radix ? lethe_radix_reclaimable(e->prefix.radix) * n_sp : 0;
+    int64_t reclaim = lethe_pcache_reclaimable(e->pcache) * n_sp;
     s->kv_slots_used = s->kv_slots_total - lethe_kv_total_free(e->pool) - reclaim;
     s->kv_usage = s->kv_slots_total ? (double)s->kv_slots_used / (double)s->kv_slots_total : 0.0;
     const lethe_sched_stats *ss = lethe_sched_get_stats(e->sched);
@@ -485,15 +472,9 @@ void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out) {
 }
 
 lethe_status eng_check(lethe_engine *e) {
-    lethe_kv_holder h;
-    lethe_status st;
-    if (e->prefix.radix) {
-        h = lethe_radix_holder(e->prefix.radix);
-        st = lethe_kv_check(e->pool, &h, 1);
-        if (st == LETHE_OK) st = lethe_radix_check(e->prefix.radix);
-    } else {
-        st = lethe_kv_check(e->pool, NULL, 0);
-    }
+    lethe_kv_holder h = lethe_pcache_holder(e->pcache);
+    lethe_status st = lethe_kv_check(e->pool, &h, 1);
+    if (st == LETHE_OK) st = lethe_pcache_check(e->pcache);
     if (st != LETHE_OK) return st;
     /* every running request owns a live row; waiting ones own nothing */
     int32_t n_run = lethe_sched_n_running(e->sched);
@@ -508,10 +489,10 @@ lethe_status eng_check(lethe_engine *e) {
     }
     int32_t rows = 0;
     for (int32_t row = 0; row < lethe_kv_max_rows(e->pool); row++) rows += lethe_kv_row_in_use(e->pool, row);
-    int32_t held = eng_chain_rows_held(e);
+    int32_t held = lethe_pcache_rows_held(e->pcache);
     if (rows != n_run + held)
         return lethe_errorf(LETHE_ERR_INVALID, "engine check: %d KV rows in use for %d running requests and %d "
-                            "rows held by chains", rows, n_run, held);
+                            "rows held by the prefix cache", rows, n_run, held);
     return LETHE_OK;
 }
 
@@ -537,7 +518,6 @@ void lethe_engine_destroy(lethe_engine *e) {
         if (e->reqs.buckets) eng_apply_inbox(e);
         for (uint64_t b = 0; e->reqs.buckets && b < e->reqs.n_buckets; b++)
             while (e->reqs.buckets[b]) eng_finish(e, e->reqs.buckets[b], LETHE_FINISH_ABORT, NULL);
-        eng_chain_destroy(e); /* resident chains' KV, before the pool and the method go */
     } else {
         void **items;
         uint64_t *ids;
@@ -548,7 +528,7 @@ void lethe_engine_destroy(lethe_engine *e) {
         free(ids);
     }
     lethe_sched_destroy(e->sched);
-    lethe_radix_destroy(e->prefix.radix);
+    lethe_pcache_destroy(e->pcache); /* resident KV it holds, before the pool and the method go */
     lethe_sparse_destroy(e->method);
     if (e->runner.destroy) e->runner.destroy(e->runner.ctx);
     lethe_kv_pool_destroy(e->pool);

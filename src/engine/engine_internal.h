@@ -22,7 +22,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
-#include "cache/radix.h"
+#include "cache/prefix_cache.h"
 #include "engine/queue.h"
 #include "engine/runner.h"
 #include "engine/sampler.h"
@@ -51,10 +51,6 @@ typedef struct eng_req {
     double t_submit, ttft;
     bool has_ttft;
     struct eng_req *hnext;            /* id table chain */
-    /* chain cache (engine_chain.c) */
-    bool has_chain;
-    char chain_id[48];
-    int32_t chain_reused;
 } eng_req;
 
 /* Live requests by id (engine.c): chained hash table, power-of-two buckets. */
@@ -146,13 +142,6 @@ typedef struct eng_thread {
     atomic_bool stop;
 } eng_thread;
 
-/* Prefix caching: at most one of the two is on (engine_chain.c chooses). */
-typedef struct eng_prefix {
-    lethe_radix *radix;               /* NULL: off or not valid for the method */
-    struct lethe_chain_table *chains; /* Chain Cache (engine_chain.c); NULL outside chain mode */
-    uint8_t chain_fp[32];
-} eng_prefix;
-
 struct lethe_engine {
     /* set at create, immutable */
     lethe_engine_params p;            /* strings below are owned copies */
@@ -167,7 +156,7 @@ struct lethe_engine {
     lethe_sparse_method *method;
     lethe_sched *sched;
     lethe_sampler_ws sws;
-    eng_prefix prefix;
+    lethe_prefix_cache *pcache;       /* radix or chain (src/cache chooses); NULL: prefix caching off */
 
     eng_reqs reqs;
     eng_step_state step;
@@ -193,18 +182,13 @@ void eng_req_free(eng_req *q);
 void eng_admit(lethe_engine *e, eng_req *q); /* into the table and the scheduler */
 eng_req *eng_find(lethe_engine *e, uint64_t id);
 void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error);
-void eng_retire(lethe_engine *e, eng_req *q);
+void eng_retire(lethe_engine *e, eng_req *q, bool ok); /* ok: finished normally (the cache may keep its KV) */
 void eng_publish_stats(lethe_engine *e);
 lethe_status eng_check(lethe_engine *e);
 void eng_apply_inbox(lethe_engine *e);
 
 /* engine_chain.c */
-lethe_status eng_cache_mode_init(lethe_engine *e);      /* at create: radix or chain or off */
-void eng_chain_on_admit(lethe_engine *e, eng_req *q);   /* engine thread: take the resident KV */
-void eng_chain_on_end(lethe_engine *e, eng_req *q, bool ok); /* before eng_retire */
-void eng_chain_drain(lethe_engine *e);                   /* frees reclaimed chains' KV */
-void eng_chain_destroy(lethe_engine *e);
-int32_t eng_chain_rows_held(lethe_engine *e);            /* rows held outside running requests */
+lethe_status eng_cache_init(lethe_engine *e); /* at create, once the pool exists: e->pcache (mode choice in src/cache) */
 
 /* engine_step.c */
 int eng_step(lethe_engine *e);

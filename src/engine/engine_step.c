@@ -325,8 +325,7 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, int3
     }
     if (ev.finished) {
         /* the request leaves before its callback runs, like eng_finish */
-        eng_chain_on_end(e, q, true);
-        eng_retire(e, q);
+        eng_retire(e, q, true);
         if (q->cb) q->cb(q->user, &ev);
         eng_req_free(q);
     } else if (q->cb) {
@@ -337,7 +336,7 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, int3
 /* ---- the step ---- */
 
 int eng_step(lethe_engine *e) {
-    eng_chain_drain(e); /* reclaimed chains free their KV before new turns are admitted */
+    lethe_pcache_drain(e->pcache); /* reclaimed chains free their KV before new turns are admitted */
     eng_apply_inbox(e);
     lethe_sched_out out;
     lethe_sched_schedule(e->sched, &out);

@@ -5,8 +5,8 @@
  * (at least one: the last sampled token, or the prompt) still have to go
  * through the forward. A step computes tokens[n_computed .. n_computed + n).
  *
- * Preemption by recompute: the row and prefix blocks are dropped, n_computed
- * goes back to 0 and the request waits again at the head of the queue; on
+ * Preemption by recompute: the row and prefix-cache references are dropped,
+ * n_computed goes back to 0 and the request waits again at the head of the queue; on
  * re-admission prompt + generated tokens are prefilled as one prompt
  * (n_prefill = n_tokens then) and decoding continues where it stopped.
  *
@@ -18,8 +18,6 @@
 
 #include <stdbool.h>
 #include <stdint.h>
-
-typedef struct lethe_radix_block lethe_radix_block;
 
 typedef enum lethe_req_state {
     LETHE_REQ_NEW = 0,      /* not yet handed to the scheduler */
@@ -40,8 +38,9 @@ typedef struct lethe_req {
 
     /* KV */
     int32_t row;            /* KV row id, -1 when none */
-    lethe_radix_block **blocks; /* prefix-cache chain covering row entries [0, 16 * n_blocks) */
-    int32_t n_blocks, cap_blocks;
+    void *cache_ref;        /* the prefix cache's record of what this request holds or
+                             * continues (src/cache/prefix_cache.h): radix blocks, a chain
+                             * turn; NULL when none */
     int32_t cached_tokens;  /* prompt tokens reused from the prefix cache at first admission */
     bool admitted_once;
     bool is_recompute;      /* current admission re-prefills after a preemption */
@@ -52,15 +51,6 @@ typedef struct lethe_req {
     /* scheduler bookkeeping */
     struct lethe_req *prev, *next; /* waiting list links */
     uint64_t arrival;       /* FCFS order */
-
-    /* Chain Cache resume: at its first admission
-     * the request takes over resume_row (KV of tokens [0, resume_computed),
-     * possibly compacted) and resume_state (the method's state) instead of a
-     * fresh row and request_init; only tokens after the boundary are
-     * prefilled. Cleared at admission. */
-    bool has_resume;
-    int32_t resume_row, resume_computed;
-    void *resume_state;
 } lethe_req;
 
 /* Appends a token (grows the array). */

@@ -3,11 +3,12 @@
  *
  * Capacity arithmetic ("can it fit", always asked BEFORE allocating):
  *   available = min over slot spaces of free slots
- *             + slots of unreferenced prefix-cache blocks (evictable on demand)
+ *             + slots the prefix cache can reclaim on demand (unreferenced
+ *               radix blocks)
  *             - extra slots reserved this step by methods whose peak exceeds
  *               the tokens they append (temporary staging, for instance).
  * Per-layer slot spaces are never summed: the minimum is what every layer can
- * give. Allocation evicts cache blocks only when the free lists fall short. */
+ * give. Allocation evicts from the cache only when the free lists fall short. */
 #include "sched/scheduler.h"
 
 #include <stdio.h>
@@ -20,7 +21,7 @@
 struct lethe_sched {
     lethe_sched_params p;
     lethe_kv_pool *pool;
-    lethe_radix *radix;
+    lethe_prefix_cache *pc;
     lethe_sparse_method *m;
     lethe_req **running;       /* admission order (oldest first) */
     int32_t n_running, cap_running;
@@ -36,8 +37,6 @@ struct lethe_sched {
     int32_t cap_preempted, cap_failed;
     int32_t *pos_buf;
     int32_t cap_pos;
-    lethe_radix_block **match;
-    int32_t cap_match;
 };
 
 void lethe_req_push_token(lethe_req *r, int32_t tok) {
@@ -48,13 +47,13 @@ void lethe_req_push_token(lethe_req *r, int32_t tok) {
     r->tokens[r->n_tokens++] = tok;
 }
 
-lethe_sched *lethe_sched_create(const lethe_sched_params *p, lethe_kv_pool *pool, lethe_radix *radix,
+lethe_sched *lethe_sched_create(const lethe_sched_params *p, lethe_kv_pool *pool, lethe_prefix_cache *pc,
                                 lethe_sparse_method *method) {
     LETHE_ASSERT(p->max_num_seqs > 0 && p->max_num_batched_tokens > 0);
     lethe_sched *s = lethe_xcalloc(1, sizeof(*s));
     s->p = *p;
     s->pool = pool;
-    s->radix = radix;
+    s->pc = pc;
     s->m = method;
     return s;
 }
@@ -66,7 +65,6 @@ void lethe_sched_destroy(lethe_sched *s) {
     free(s->preempted);
     free(s->failed);
     free(s->pos_buf);
-    free(s->match);
     free(s);
 }
 
@@ -118,7 +116,6 @@ void lethe_sched_add(lethe_sched *s, lethe_req *r) {
     LETHE_ASSERT(r->state == LETHE_REQ_NEW && r->n_tokens >= 1);
     r->row = -1;
     r->n_computed = 0;
-    r->n_blocks = 0;
     r->arrival = s->next_arrival++;
     r->state = LETHE_REQ_WAITING;
     wait_push_back(s, r);
@@ -126,25 +123,30 @@ void lethe_sched_add(lethe_sched *s, lethe_req *r) {
 
 /* ---- KV of one request ---- */
 
-static void free_kv(lethe_sched *s, lethe_req *r) {
+/* the prefix cache's view of r */
+static lethe_pc_seq pc_seq(lethe_req *r) {
+    return (lethe_pc_seq){.id = r->id, .tokens = r->tokens, .n_tokens = r->n_tokens, .n_computed = r->n_computed,
+                          .row = &r->row, .method_state = &r->method_state, .ref = &r->cache_ref};
+}
+
+/* The prefix cache lets go first (a finished chain turn takes the row and
+ * the method state), then whatever is left is freed. */
+static void free_kv(lethe_sched *s, lethe_req *r, lethe_pc_end how) {
+    lethe_pc_seq v = pc_seq(r);
+    lethe_pcache_release(s->pc, &v, how);
     if (r->row >= 0) {
         lethe_kv_row_release(s->pool, r->row);
         r->row = -1;
-    }
-    if (r->n_blocks > 0) {
-        LETHE_ASSERT(s->radix);
-        lethe_radix_release(s->radix, r->blocks, r->n_blocks);
-        r->n_blocks = 0;
     }
     if (s->m && s->m->ops->request_finished && r->method_state) s->m->ops->request_finished(s->m, r->method_state);
     r->method_state = NULL;
     r->n_computed = 0;
 }
 
-void lethe_sched_remove(lethe_sched *s, lethe_req *r) {
+void lethe_sched_remove(lethe_sched *s, lethe_req *r, bool ok) {
     if (r->state == LETHE_REQ_RUNNING) running_remove(s, r);
     else if (r->state == LETHE_REQ_WAITING) wait_unlink(s, r);
-    free_kv(s, r);
+    free_kv(s, r, ok ? LETHE_PC_END_OK : LETHE_PC_END_FAILED);
     r->state = LETHE_REQ_FINISHED;
 }
 
@@ -158,7 +160,7 @@ static void push_ptr(lethe_req ***arr, int32_t *n, int32_t *cap, lethe_req *r) {
 
 static void preempt(lethe_sched *s, lethe_sched_out *out, lethe_req *r) {
     running_remove(s, r);
-    free_kv(s, r);
+    free_kv(s, r, LETHE_PC_END_PREEMPTED);
     r->state = LETHE_REQ_WAITING;
     r->n_preemptions++;
     s->stats.n_preemptions++;
@@ -170,9 +172,7 @@ static void preempt(lethe_sched *s, lethe_sched_out *out, lethe_req *r) {
 
 /* ---- capacity ---- */
 
-static int64_t reclaimable(const lethe_sched *s) {
-    return s->radix ? lethe_radix_reclaimable(s->radix) : 0;
-}
+static int64_t reclaimable(const lethe_sched *s) { return lethe_pcache_reclaimable(s->pc); }
 
 int64_t lethe_sched_available(const lethe_sched *s) {
     return (int64_t)lethe_kv_min_free(s->pool) + reclaimable(s) - s->reserved_extra;
@@ -230,10 +230,10 @@ static int32_t respect_final_chunk(const lethe_sched *s, int32_t n, int32_t rema
     return remaining - mfc;
 }
 
-/* Takes `n` new slots at the next positions (evicting cache blocks if needed). */
+/* Takes `n` new slots at the next positions (evicting from the cache if needed). */
 static void allocate(lethe_sched *s, lethe_req *r, int32_t n, int32_t peak) {
     int64_t need = (int64_t)n + s->reserved_extra + (peak - n);
-    if (s->radix && lethe_kv_min_free(s->pool) < need) lethe_radix_evict(s->radix, (int32_t)need);
+    if (lethe_kv_min_free(s->pool) < need) lethe_pcache_evict(s->pc, (int32_t)need);
     if (n > s->cap_pos) {
         s->cap_pos = LETHE_MAX(n, 2 * s->cap_pos);
         s->pos_buf = lethe_xrealloc(s->pos_buf, (size_t)s->cap_pos * sizeof(int32_t));
@@ -266,7 +266,7 @@ static void fail(lethe_sched *s, lethe_sched_out *out, lethe_req *r, int32_t nee
                  "KV cache too small for this request: it needs %d more slots per layer, %lld can be "
                  "made available (%d slots per layer in total); raise --kv-cache-bytes or lower "
                  "--max-model-len", need, (long long)avail, lethe_kv_n_slots(s->pool));
-    lethe_sched_remove(s, r);
+    lethe_sched_remove(s, r, false);
     push_ptr(&s->failed, &out->n_failed, &s->cap_failed, r);
     out->failed = s->failed;
 }
@@ -322,27 +322,16 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
 static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budget) {
     while (s->wait_head && budget > 0 && s->n_running < s->p.max_num_seqs) {
         lethe_req *r = s->wait_head;
-        /* a chain turn resumes on its resident row (no prefix match) */
-        bool resume = r->has_resume && !r->admitted_once;
-        /* prefix match (read-only) */
-        int32_t nb = 0;
-        if (s->radix && !resume) {
-            int32_t max_blocks = (r->n_tokens - 1) / LETHE_RADIX_BLOCK;
-            if (max_blocks > s->cap_match) {
-                s->cap_match = LETHE_MAX(max_blocks, 2 * s->cap_match);
-                s->match = lethe_xrealloc(s->match, (size_t)s->cap_match * sizeof(*s->match));
-            }
-            nb = lethe_radix_match(s->radix, r->tokens, r->n_tokens, s->match, max_blocks);
-        }
-        int32_t hit = resume ? r->resume_computed : nb * LETHE_RADIX_BLOCK;
-        int32_t res0 = hit; /* resident entries before the first chunk (max over slot spaces) */
-        if (resume)
-            for (int32_t sp = 0, k = res0 = 0; sp < lethe_kv_n_spaces(s->pool); sp++)
-                k = lethe_kv_row_len(s->pool, sp, r->resume_row), res0 = LETHE_MAX(res0, k);
+        /* what the prefix cache can supply (read-only): shared blocks, or a
+         * chain turn's resident row (possibly compacted: resident < hit) */
+        lethe_pc_seq v = pc_seq(r);
+        lethe_pc_match m;
+        lethe_pcache_match(s->pc, &v, &m);
+        int32_t hit = m.tokens;
+        int32_t res0 = m.resident; /* resident entries before the first chunk (max over slot spaces) */
         int32_t n = respect_final_chunk(s, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);
         if (n <= 0) break; /* the final chunk needs more budget than this step has left */
-        int64_t pinned = s->radix ? (int64_t)lethe_radix_count_unreferenced(s->match, nb) * LETHE_RADIX_BLOCK : 0;
-        int64_t avail = lethe_sched_available(s) - pinned;
+        int64_t avail = lethe_sched_available(s) - m.pinned;
         /* peak of the first chunk, asked with the state it will have */
         int32_t saved_computed = r->n_computed, saved_prefill = r->n_prefill;
         r->n_computed = hit;
@@ -363,39 +352,22 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
             n = k;
             peak = peak_for(s, r, res0, n);
         }
-        /* commit */
+        /* commit: a fresh row unless the cache hands over a resident one */
         wait_unlink(s, r);
-        if (resume) {
-            r->row = r->resume_row;
-            r->method_state = r->resume_state;
-            r->has_resume = false;
-            r->resume_row = -1;
-            r->resume_state = NULL;
-        } else {
-            r->row = lethe_kv_row_alloc(s->pool);
-        }
-        if (nb > 0) {
-            if (nb > r->cap_blocks) {
-                r->cap_blocks = LETHE_MAX(nb, 2 * r->cap_blocks);
-                r->blocks = lethe_xrealloc(r->blocks, (size_t)r->cap_blocks * sizeof(*r->blocks));
-            }
-            memcpy(r->blocks, s->match, (size_t)nb * sizeof(*r->blocks));
-            r->n_blocks = nb;
-            lethe_radix_acquire(s->radix, r->blocks, nb, r->row);
-        }
+        if (!m.resume) r->row = lethe_kv_row_alloc(s->pool);
+        v = pc_seq(r);
+        lethe_pcache_acquire(s->pc, &v, &m);
         r->is_recompute = r->admitted_once;
         if (!r->admitted_once) r->cached_tokens = hit;
         r->admitted_once = true;
-        if (s->radix) {
-            s->stats.prefix_queries_tokens += r->n_tokens;
-            s->stats.prefix_hit_tokens += hit;
-        }
+        s->stats.prefix_queries_tokens += m.queried;
+        if (m.queried > 0) s->stats.prefix_hit_tokens += hit;
         r->state = LETHE_REQ_RUNNING;
         running_push(s, r);
-        if (s->m && s->m->ops->request_init && !resume) {
-            lethe_sparse_seq v;
-            lethe_sched_seq_view(r, n, 0, &v);
-            lethe_status st = s->m->ops->request_init(s->m, &v, &r->method_state);
+        if (s->m && s->m->ops->request_init && !m.resume) {
+            lethe_sparse_seq sv;
+            lethe_sched_seq_view(r, n, 0, &sv);
+            lethe_status st = s->m->ops->request_init(s->m, &sv, &r->method_state);
             if (st != LETHE_OK) {
                 snprintf(r->fail_reason, sizeof(r->fail_reason), "sparse method %s: %s", s->m->ops->name,
                          lethe_last_error());
@@ -428,8 +400,8 @@ void lethe_sched_schedule(lethe_sched *s, lethe_sched_out *out) {
         if (out->n_items == 0) plan(s, out, PHASE_DECODE);
     }
     /* temporary slots a method reserved must physically exist during the step */
-    if (s->radix && s->reserved_extra > 0 && lethe_kv_min_free(s->pool) < s->reserved_extra)
-        lethe_radix_evict(s->radix, (int32_t)s->reserved_extra);
+    if (s->reserved_extra > 0 && lethe_kv_min_free(s->pool) < s->reserved_extra)
+        lethe_pcache_evict(s->pc, (int32_t)s->reserved_extra);
 }
 
 void lethe_sched_commit(lethe_sched *s, const lethe_sched_out *out) {
@@ -439,18 +411,8 @@ void lethe_sched_commit(lethe_sched *s, const lethe_sched_out *out) {
         if (r->state != LETHE_REQ_RUNNING) continue; /* removed during the step */
         LETHE_ASSERT(r->n_computed == it->start);
         r->n_computed += it->n;
-        if (!s->radix) continue;
-        /* publish newly completed full blocks (prompt and generated tokens alike) */
-        while ((r->n_blocks + 1) * LETHE_RADIX_BLOCK <= r->n_computed) {
-            if (r->n_blocks == r->cap_blocks) {
-                r->cap_blocks = r->cap_blocks ? r->cap_blocks * 2 : 8;
-                r->blocks = lethe_xrealloc(r->blocks, (size_t)r->cap_blocks * sizeof(*r->blocks));
-            }
-            int32_t first = r->n_blocks * LETHE_RADIX_BLOCK;
-            lethe_radix_block *parent = r->n_blocks ? r->blocks[r->n_blocks - 1] : NULL;
-            r->blocks[r->n_blocks] = lethe_radix_insert(s->radix, parent, r->tokens + first, r->row, first);
-            r->n_blocks++;
-        }
+        lethe_pc_seq v = pc_seq(r);
+        lethe_pcache_commit(s->pc, &v); /* e.g. publish newly completed full blocks */
     }
 }
 

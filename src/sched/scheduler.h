@@ -13,25 +13,27 @@
  *     available, else the NEWEST running request is preempted (its KV freed,
  *     it re-queues at the head of the waiting list) until it fits.
  *  2. Waiting requests, strictly FCFS (the head blocks the rest): the prefix
- *     cache is matched, the first chunk's peak is checked against capacity
- *     (minus cached blocks the match would pin) and only then are the row,
- *     the cached blocks and the new slots taken. No admission in a step that
- *     preempted (the memory is contended).
+ *     cache is matched (shared blocks, or a chain turn's resident row), the
+ *     first chunk's peak is checked against capacity (minus cached slots the
+ *     match would pin) and only then are the row, the cached prefix and the
+ *     new slots taken. No admission in a step that preempted (the memory is
+ *     contended).
  *
  * Mixed steps (default, as vLLM): decode tokens and prefill chunks share a
  * step. With split_prefill_decode (the anchor's rule) a step is all prefill
  * (if any prefill work can run) or all decode. docs/architecture.md has the
  * CPU measurement behind the default.
  *
- * After the forward, lethe_sched_commit() advances n_computed and publishes
- * newly completed 16-token blocks to the prefix cache. */
+ * After the forward, lethe_sched_commit() advances n_computed and lets the
+ * prefix cache publish what became shareable (newly completed 16-token
+ * blocks for the radix cache). */
 #ifndef LETHE_SCHEDULER_H
 #define LETHE_SCHEDULER_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "cache/radix.h"
+#include "cache/prefix_cache.h"
 #include "kv/kv_pool.h"
 #include "sched/request.h"
 #include "sparse/sparse.h"
@@ -67,8 +69,11 @@ typedef struct lethe_sched_stats {
 
 typedef struct lethe_sched lethe_sched;
 
-/* radix may be NULL (prefix caching off); method may be NULL (dense defaults). */
-lethe_sched *lethe_sched_create(const lethe_sched_params *p, lethe_kv_pool *pool, lethe_radix *radix,
+/* pc may be NULL (prefix caching off); method may be NULL (dense defaults).
+ * The scheduler drives the cache through lethe_pcache_* without knowing its
+ * kind: match/acquire at admission, commit after each step, release at
+ * preemption and removal, reclaimable/evict for capacity. */
+lethe_sched *lethe_sched_create(const lethe_sched_params *p, lethe_kv_pool *pool, lethe_prefix_cache *pc,
                                 lethe_sparse_method *method);
 void lethe_sched_destroy(lethe_sched *s); /* the caller removes its requests first */
 
@@ -76,11 +81,14 @@ void lethe_sched_destroy(lethe_sched *s); /* the caller removes its requests fir
 void lethe_sched_add(lethe_sched *s, lethe_req *r);
 /* Plans one step; out stays valid until the next call. */
 void lethe_sched_schedule(lethe_sched *s, lethe_sched_out *out);
-/* After the forward of `out`: n_computed += n, publish full blocks. */
+/* After the forward of `out`: n_computed += n, then the prefix cache's commit
+ * (the radix cache publishes newly completed blocks). */
 void lethe_sched_commit(lethe_sched *s, const lethe_sched_out *out);
-/* Removes a request wherever it is and frees its KV, blocks and method state
- * (finish, abort, error). State becomes FINISHED. */
-void lethe_sched_remove(lethe_sched *s, lethe_req *r);
+/* Removes a request wherever it is and frees its KV, prefix-cache references
+ * and method state. ok: it finished normally (the prefix cache may keep what
+ * it computed: a chain turn keeps its row); otherwise (abort, error) the
+ * cache keeps nothing of it. State becomes FINISHED. */
+void lethe_sched_remove(lethe_sched *s, lethe_req *r, bool ok);
 
 bool lethe_sched_has_work(const lethe_sched *s);
 int32_t lethe_sched_n_running(const lethe_sched *s);
@@ -88,7 +96,7 @@ int32_t lethe_sched_n_waiting(const lethe_sched *s);
 lethe_req *lethe_sched_running_at(const lethe_sched *s, int32_t i);
 const lethe_sched_stats *lethe_sched_get_stats(const lethe_sched *s);
 
-/* Slots every slot space can still provide: free + reclaimable cache blocks. */
+/* Slots every slot space can still provide: free + what the prefix cache can reclaim. */
 int64_t lethe_sched_available(const lethe_sched *s);
 
 /* The method's view of a request for capacity questions and step hooks. */

@@ -11,8 +11,10 @@
  * Response fields: chain_id, chain_status (created | resumed | recreated) on
  * every response object and stream chunk; usage.prompt_tokens_details.
  * cached_tokens carries the reused tokens. Refusals are OpenAI-style error
- * bodies whose "code" is the chain code (chain_busy, chain_gone, ...) with
- * the matching HTTP status. /metrics gains lethe:chain_* series. */
+ * bodies whose "code" is the chain code string (chain_busy, chain_gone, ...)
+ * with the matching HTTP status: the engine returns a lethe_chain_code and
+ * this file alone maps it (srv_chain_http_status / srv_chain_code_name).
+ * /metrics gains lethe:chain_* series. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +102,42 @@ done:
     return rc;
 }
 
+int srv_chain_http_status(lethe_chain_code c) {
+    switch (c) {
+    case LETHE_CHAIN_OK: return 200;
+    case LETHE_CHAIN_NOT_FOUND: return 404;
+    case LETHE_CHAIN_BUSY:
+    case LETHE_CHAIN_PREFIX_MISMATCH:
+    case LETHE_CHAIN_FINGERPRINT_MISMATCH: return 409;
+    case LETHE_CHAIN_GONE: return 410;
+    case LETHE_CHAIN_CAPACITY:
+    case LETHE_CHAIN_QUEUE_FULL: return 503;
+    case LETHE_CHAIN_BAD_REQUEST:
+    case LETHE_CHAIN_MODE_DISABLED:
+    case LETHE_CHAIN_INVALID_REQUEST: return 400;
+    case LETHE_CHAIN_ENGINE_BUSY: return 500;
+    }
+    return 500;
+}
+
+const char *srv_chain_code_name(lethe_chain_code c) {
+    switch (c) {
+    case LETHE_CHAIN_OK: return "ok";
+    case LETHE_CHAIN_NOT_FOUND: return "chain_not_found";
+    case LETHE_CHAIN_BUSY: return "chain_busy";
+    case LETHE_CHAIN_PREFIX_MISMATCH: return "chain_prefix_mismatch";
+    case LETHE_CHAIN_FINGERPRINT_MISMATCH: return "chain_fingerprint_mismatch";
+    case LETHE_CHAIN_GONE: return "chain_gone";
+    case LETHE_CHAIN_CAPACITY: return "chain_capacity_unavailable";
+    case LETHE_CHAIN_BAD_REQUEST: return "chain_invalid_request";
+    case LETHE_CHAIN_MODE_DISABLED: return "chain_mode_disabled";
+    case LETHE_CHAIN_INVALID_REQUEST: return "invalid_request";
+    case LETHE_CHAIN_QUEUE_FULL: return "queue_full";
+    case LETHE_CHAIN_ENGINE_BUSY: return "engine_busy";
+    }
+    return "chain_error";
+}
+
 int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_gen *g, srv_error *err) {
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(root, "chain_id");
     const cJSON *as = field(root, "chain_append_start");
@@ -141,21 +179,23 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
 int srv_chain_submit(lethe_engine *e, const lethe_request_params *p, srv_gen *g, uint64_t *id) {
     lethe_chain_params cp = {.chain_id = g->chain_id, .owner = g->tenant, .append = g->chain_append,
                              .append_start = g->chain_append_start, .n_messages = g->n_messages};
-    int rc = lethe_engine_submit_chain(e, p, &cp, &g->chain_res, id);
-    snprintf(g->chain_code, sizeof(g->chain_code), "%s", g->chain_res.code ? g->chain_res.code : "");
-    return rc;
+    return lethe_engine_submit_chain(e, p, &cp, &g->chain_res, id);
+}
+
+int srv_chain_refusal_status(const srv_gen *g) {
+    return g->chain && g->chain_res.code != LETHE_CHAIN_OK ? srv_chain_http_status(g->chain_res.code) : 0;
 }
 
 char *srv_chain_error_json(const srv_gen *g) {
     cJSON *root = cJSON_CreateObject();
     cJSON *e = cJSON_AddObjectToObject(root, "error");
     cJSON_AddStringToObject(e, "message", g->chain_res.message);
-    int st = g->chain_res.http_status;
+    int st = srv_chain_http_status(g->chain_res.code);
     cJSON_AddStringToObject(e, "type", st == 404 ? "NotFoundError" : st == 409 ? "ConflictError"
                                        : st == 410 ? "GoneError" : st == 503 ? "ServiceUnavailableError"
                                                                              : "BadRequestError");
     cJSON_AddNullToObject(e, "param");
-    cJSON_AddStringToObject(e, "code", g->chain_res.code ? g->chain_res.code : "chain_error");
+    cJSON_AddStringToObject(e, "code", srv_chain_code_name(g->chain_res.code));
     if (g->chain_id) cJSON_AddStringToObject(root, "chain_id", g->chain_id);
     char *s = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);

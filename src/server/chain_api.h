@@ -13,8 +13,17 @@
 int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_gen *g, srv_error *err);
 /* lethe_engine_submit_chain with g's chain fields; fills g->chain_res. */
 int srv_chain_submit(lethe_engine *e, const lethe_request_params *p, srv_gen *g, uint64_t *id);
+/* The HTTP status of a chain turn the engine refused (g->chain_res.code),
+ * 0 when g is not a refused chain turn. */
+int srv_chain_refusal_status(const srv_gen *g);
 /* Error body for a refused chain turn (g->chain_res), malloc'd. */
 char *srv_chain_error_json(const srv_gen *g);
+/* HTTP status and code string of a chain result (the anchor's table: 404
+ * chain_not_found, 409 chain_busy | chain_prefix_mismatch |
+ * chain_fingerprint_mismatch, 410 chain_gone, 503 chain_capacity_unavailable,
+ * 400 chain_invalid_request | chain_mode_disabled). */
+int srv_chain_http_status(lethe_chain_code c);
+const char *srv_chain_code_name(lethe_chain_code c);
 /* Adds chain_id / chain_status to a response or chunk object. */
 void srv_chain_annotate(const srv_gen *g, cJSON *root);
 /* lethe:chain_cache_* series (nothing outside chain mode). */

@@ -305,8 +305,8 @@ static void handle_generate(srv_state *s, const srv_request *rq, const char *ten
         srv_req_set_wake(r, (srv_wake){0});
         srv_req_unref(r); /* the engine's */
         srv_req_unref(r); /* ours */
-        if (g->chain && g->chain_res.http_status >= 400) /* refused by the chain table */
-            set_body(resp, g->chain_res.http_status, srv_chain_error_json(g), "application/json");
+        int code = srv_chain_refusal_status(g);
+        if (code) set_body(resp, code, srv_chain_error_json(g), "application/json"); /* refused by the chain cache */
         else submit_error(resp, rc);
         srv_gen_free(g);
         free(x);

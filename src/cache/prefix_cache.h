@@ -1,0 +1,206 @@
+/* prefix_cache.h - the one seam between requests and whatever keeps KV
+ * across requests: the radix prefix cache (radix_cache.c over radix.c) and
+ * the Chain Cache (chain_cache.c over chain.c) are two implementations of
+ * lethe_prefix_cache_ops; the scheduler and the engine call the lethe_pcache_*
+ * wrappers below and never learn which one is active. A NULL cache is
+ * "off": every wrapper accepts it and answers "nothing cached".
+ *
+ * The model: a request's KV row is [prefix the cache supplied | continuation
+ * the request computes]. The cache is asked, in order:
+ *
+ *   match     (read-only) how much of the prompt it can supply: logical
+ *             tokens, the row entries they occupy (fewer when pruned or
+ *             compacted), slots attaching would pin; whether it hands over
+ *             a whole resident row with the method's state (a resumed chain);
+ *   acquire   attach it: shared read-only slots into the fresh row (radix),
+ *             or the resident row + state themselves (chain);
+ *   commit    after every step: publish what the request computed that others
+ *             may share (radix: newly completed 16-token blocks);
+ *   release   when the request is preempted, finishes or fails: drop shared
+ *             references; a finished chain turn keeps its row and state as
+ *             the chain's payload, a failed one invalidates the chain.
+ *
+ * Capacity: `reclaimable` is what the cache would give back under pressure
+ * (the scheduler counts it as available), `evict` gives it back. Payloads the
+ * cache let go of from another thread (a chain reclaimed by a new turn's
+ * admission) are freed by `drain`, on the engine thread, before new work is
+ * admitted.
+ *
+ * Threads: match/acquire/commit/release/reclaimable/evict/drain/holder/
+ * rows_held/check run on the engine thread (they touch the KV pool);
+ * begin_turn, cancel_turn and stats may run on any thread; control says per
+ * kind.
+ *
+ * Room for what comes next (docs/architecture.md "Prefix-cache seam" has
+ * the plan): lethe_pc_match.resident < tokens already carries a prefix whose
+ * physical payload is smaller than its logical length (pruned blocks, as a
+ * compacted chain row is today); `control` takes new operation kinds (radix
+ * match / inspect / delete_subtree / set_priority, pruning) without a new
+ * engine entry point; a host tier demotes in `evict`/`drain` and restores in
+ * `acquire`; a chain branching from a radix prefix is a third implementation
+ * whose match returns the shared blocks plus its private continuation. */
+#ifndef LETHE_PREFIX_CACHE_H
+#define LETHE_PREFIX_CACHE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cache/chain.h"
+#include "core/status.h"
+#include "kv/kv_pool.h"
+
+typedef struct lethe_prefix_cache lethe_prefix_cache;
+
+/* What the cache sees of a request (the scheduler fills it from lethe_req):
+ * the token history, progress, and the fields the cache may hand over or
+ * take (row, method state) plus its own per-request record. */
+typedef struct lethe_pc_seq {
+    uint64_t id;
+    const int32_t *tokens;      /* [n_tokens] prompt then generated */
+    int32_t n_tokens;
+    int32_t n_computed;         /* tokens with KV in *row */
+    int32_t *row;               /* KV row, -1 when none */
+    void **method_state;        /* the sparse method's per-request state */
+    void **ref;                 /* the cache's record for this request (NULL: none) */
+} lethe_pc_seq;
+
+/* The answer of match; valid until the next match call. */
+typedef struct lethe_pc_match {
+    int32_t tokens;             /* logical tokens supplied: computing starts there */
+    int32_t resident;           /* row entries they occupy, max over slot spaces (<= tokens) */
+    int64_t pinned;             /* slots per space acquiring takes out of `reclaimable` */
+    int32_t queried;            /* prompt tokens looked up in a shared index (hit-rate
+                                 * statistics; 0 for a chain turn, which is not a lookup) */
+    bool resume;                /* a resident row + method state is handed over: the
+                                 * scheduler allocates no row and skips request_init */
+} lethe_pc_match;
+
+typedef enum lethe_pc_end {
+    LETHE_PC_END_OK = 0,        /* finished: the cache may keep what it computed */
+    LETHE_PC_END_FAILED,        /* aborted or failed: nothing of it is kept */
+    LETHE_PC_END_PREEMPTED,     /* preempted by recompute: it will be admitted again */
+} lethe_pc_end;
+
+/* Operations addressed to the active cache by kind (inspection, control).
+ * An implementation answers the kinds it knows; the others are
+ * LETHE_ERR_UNSUPPORTED. */
+typedef enum lethe_pc_ctl_kind {
+    LETHE_PC_CTL_CHAIN_HISTORY = 1, /* any thread: a chain's logical token history */
+    LETHE_PC_CTL_CHAIN_POSITIONS,   /* engine thread: an IDLE chain's resident positions
+                                     * in `layer` */
+} lethe_pc_ctl_kind;
+
+typedef struct lethe_pc_ctl {
+    lethe_pc_ctl_kind kind;
+    const char *chain_id;
+    int32_t layer;
+    int32_t *out;               /* copies up to cap values (may be NULL) */
+    int32_t cap;
+    int32_t n_out;              /* result: full length (-1 when the id is unknown) */
+} lethe_pc_ctl;
+
+/* Whether a control kind needs the engine thread (the pool) or runs anywhere. */
+bool lethe_pcache_ctl_engine_thread(lethe_pc_ctl_kind kind);
+
+/* Counters a cache publishes; fields that do not apply stay 0. Chain
+ * counters are those of lethe_chain_get_stats. */
+typedef struct lethe_pc_stats {
+    lethe_chain_stats chain;
+} lethe_pc_stats;
+
+typedef struct lethe_prefix_cache_ops {
+    const char *name;           /* "radix" | "chain" (lethe_engine_prefix_cache_mode) */
+
+    /* ---- a request's life (engine thread) ---- */
+    void (*match)(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_match *out);
+    /* right after match for the same request, row allocated unless m->resume */
+    void (*acquire)(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m);
+    void (*commit)(lethe_prefix_cache *pc, const lethe_pc_seq *s); /* NULL: nothing to publish */
+    /* before the scheduler frees *row and *method_state (what the cache took is -1 / NULL then) */
+    void (*release)(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how);
+
+    /* ---- capacity (engine thread) ---- */
+    int64_t (*reclaimable)(const lethe_prefix_cache *pc);  /* NULL: 0 slots per space */
+    void (*evict)(lethe_prefix_cache *pc, int64_t want_free); /* NULL: nothing to evict */
+    void (*drain)(lethe_prefix_cache *pc);                 /* NULL: nothing is released late */
+
+    /* ---- conversation turns (any thread; NULL: LETHE_CHAIN_MODE_DISABLED) ---- */
+    void (*begin_turn)(lethe_prefix_cache *pc, const lethe_chain_begin_args *a,
+                       lethe_chain_turn *out, void **ref);
+    /* a begun turn that never reached the scheduler */
+    void (*cancel_turn)(lethe_prefix_cache *pc, void *ref);
+
+    /* ---- inspection ---- */
+    lethe_status (*control)(lethe_prefix_cache *pc, lethe_pc_ctl *c); /* NULL: nothing supported */
+    void (*stats)(lethe_prefix_cache *pc, lethe_pc_stats *out);        /* NULL: zeros */
+    /* slot references held outside rows, for lethe_kv_check (NULL: none) */
+    void (*holder_for_each)(void *pc, void (*visit)(void *, int32_t, int32_t), void *vctx);
+    int32_t (*rows_held)(lethe_prefix_cache *pc);  /* KV rows held outside requests (NULL: 0) */
+    lethe_status (*check)(lethe_prefix_cache *pc);         /* own invariants (NULL: none) */
+
+    void (*destroy)(lethe_prefix_cache *pc);               /* frees every payload it holds */
+} lethe_prefix_cache_ops;
+
+/* Frees a method state the cache holds (a chain's payload): the engine
+ * passes the sparse method's request_finished. */
+typedef void (*lethe_pc_release_state_fn)(void *ctx, void *state);
+
+/* The part every implementation embeds first. */
+struct lethe_prefix_cache {
+    const lethe_prefix_cache_ops *ops;
+    lethe_kv_pool *pool;
+    lethe_pc_release_state_fn release_state;
+    void *release_ctx;
+};
+
+typedef struct lethe_pc_params {
+    const char *mode;           /* "auto" (NULL, "") | "radix" | "chain" */
+    bool enabled;               /* prefix caching on (--enable-prefix-caching) */
+    bool shareable;             /* the method's per-token KV does not depend on history:
+                                 * blocks can be shared (LETHE_SPARSE_PREFIX_CACHE) */
+    const char *method;         /* method name, for messages */
+    lethe_kv_pool *pool;
+    /* everything that shapes KV content for the same tokens (model, dtype,
+     * method and knobs, ...): hashed into block ids and chain fingerprints */
+    const char *kv_description;
+    lethe_pc_release_state_fn release_state; /* NULL: requests carry no method state */
+    void *release_ctx;
+} lethe_pc_params;
+
+/* The mode choice: auto = radix when the method's KV is shareable, else the
+ * Chain Cache; an explicit mode that cannot work is an error with the flag
+ * named. *out = NULL (LETHE_OK) when prefix caching is off. */
+lethe_status lethe_pcache_create(const lethe_pc_params *p, lethe_prefix_cache **out);
+void lethe_pcache_destroy(lethe_prefix_cache *pc); /* NULL-safe; needs the pool and method alive */
+
+/* the implementations (chosen by lethe_pcache_create) */
+lethe_prefix_cache *lethe_radix_cache_create(const lethe_pc_params *p);
+lethe_prefix_cache *lethe_chain_cache_create(const lethe_pc_params *p);
+/* The tree behind a radix prefix cache (tests, inspection); NULL for another kind. */
+typedef struct lethe_radix lethe_radix;
+lethe_radix *lethe_radix_cache_tree(lethe_prefix_cache *pc);
+
+const char *lethe_pcache_mode(const lethe_prefix_cache *pc); /* "radix" | "chain" | "off" */
+/* whether begin_turn works (the engine takes chain turns) */
+bool lethe_pcache_takes_turns(const lethe_prefix_cache *pc);
+
+void lethe_pcache_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_match *out);
+void lethe_pcache_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m);
+void lethe_pcache_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s);
+void lethe_pcache_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how);
+int64_t lethe_pcache_reclaimable(const lethe_prefix_cache *pc);
+void lethe_pcache_evict(lethe_prefix_cache *pc, int64_t want_free);
+void lethe_pcache_drain(lethe_prefix_cache *pc);
+/* out->code = LETHE_CHAIN_MODE_DISABLED (message empty) when the cache takes
+ * no turns; on OK *ref goes into the request (lethe_req.cache_ref). */
+void lethe_pcache_begin_turn(lethe_prefix_cache *pc, const lethe_chain_begin_args *a,
+                             lethe_chain_turn *out, void **ref);
+void lethe_pcache_cancel_turn(lethe_prefix_cache *pc, void *ref);
+lethe_status lethe_pcache_control(lethe_prefix_cache *pc, lethe_pc_ctl *c);
+void lethe_pcache_stats(lethe_prefix_cache *pc, lethe_pc_stats *out);
+/* always usable (visits nothing when the cache holds no slot outside rows) */
+lethe_kv_holder lethe_pcache_holder(lethe_prefix_cache *pc);
+int32_t lethe_pcache_rows_held(lethe_prefix_cache *pc);
+lethe_status lethe_pcache_check(lethe_prefix_cache *pc);
+
+#endif /* LETHE_PREFIX_CACHE_H */
