@@ -146,10 +146,11 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
         return srv_errorf(err, 400, "chain_id", "'chain_id' must be a string or null");
     bool has_id = cJSON_IsString(id) && id->valuestring[0];
     if ((id || as) && !chain_mode) {
-        snprintf(g->chain_code, sizeof(g->chain_code), "chain_mode_disabled");
-        return srv_errorf(err, 400, "chain_id",
-                          "chain_id needs the Chain Cache, but this server runs prefix-cache mode '%s'; start it "
-                          "with --prefix-cache-mode chain", lethe_engine_prefix_cache_mode(api->engine));
+        srv_errorf(err, srv_chain_http_status(LETHE_CHAIN_MODE_DISABLED), "chain_id",
+                   "chain_id needs the Chain Cache, but this server runs prefix-cache mode '%s'; start it "
+                   "with --prefix-cache-mode chain", lethe_engine_prefix_cache_mode(api->engine));
+        snprintf(err->code, sizeof(err->code), "%s", srv_chain_code_name(LETHE_CHAIN_MODE_DISABLED));
+        return -1;
     }
     if (!chain_mode) return 0;
     g->chain = true; /* in chain mode every request continues or creates a chain */

@@ -23,6 +23,7 @@
 
 int srv_errorf(srv_error *err, int status, const char *param, const char *fmt, ...) {
     err->status = status;
+    err->code[0] = 0;
     snprintf(err->param, sizeof(err->param), "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
@@ -52,7 +53,8 @@ char *srv_error_json(const srv_error *err) {
     cJSON_AddStringToObject(e, "type", error_type(err->status));
     if (err->param[0]) cJSON_AddStringToObject(e, "param", err->param);
     else cJSON_AddNullToObject(e, "param");
-    cJSON_AddNumberToObject(e, "code", err->status);
+    if (err->code[0]) cJSON_AddStringToObject(e, "code", err->code);
+    else cJSON_AddNumberToObject(e, "code", err->status);
     char *s = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
     return s;

@@ -25,6 +25,8 @@ typedef struct srv_error {
     int status;                 /* HTTP status */
     char param[64];             /* offending field, "" if none */
     char message[512];
+    char code[40];              /* the body's "code" string (chain_mode_disabled, ...);
+                                 * "" = the HTTP status number */
 } srv_error;
 
 /* Sets *err and returns -1 (so a check reads `return srv_errorf(...)`). */
@@ -61,7 +63,6 @@ typedef struct srv_gen {
     char *chain_id;             /* requested id (malloc'd) or NULL: create */
     bool chain_append;          /* chain_append_start given: prompt = appended tokens only */
     int32_t chain_append_start, n_messages;
-    char chain_code[40];
     lethe_chain_result chain_res;
     const char *tenant;         /* owner of the chains this request creates or resumes (not owned) */
 } srv_gen;

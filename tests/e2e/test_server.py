@@ -357,6 +357,23 @@ def test_chat_400(srv, body, param):
     err_of(post(srv, "/v1/chat/completions", body), 400, param)
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x", "chain_id": "chain_abc"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chain_id": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                                           {"role": "user", "content": "b"}],
+                              "chain_id": "chain_abc", "chain_append_start": 2}),
+])
+def test_chain_fields_without_chain_mode(srv, path, body):
+    # this server runs the radix cache: a chain refusal, whose "code" is the
+    # chain code string like every other chain error's (not the HTTP status)
+    r = post(srv, path, body)
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert e["code"] == "chain_mode_disabled" and e["param"] == "chain_id", e
+    assert "--prefix-cache-mode chain" in e["message"], e
+
+
 def test_n_greater_than_one_message(client, model):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=model, prompt="x", n=2)
