@@ -80,7 +80,18 @@ static void test_clip_and_error_json(void) {
     free(j);
 }
 
+/* regression (fuzz_openai): /detokenize of a token whose text is empty built its
+ * reply from a sanitized buffer that was never NUL-terminated */
+static void test_sanitize_empty(void) {
+    char *a = srv_utf8_sanitize("", 0), *b = srv_utf8_sanitize("\0\0\0", 3), *c = srv_utf8_sanitize("x\xff", 2);
+    CHECK(!strcmp(a, "") && !strcmp(b, "") && !strcmp(c, "x\xef\xbf\xbd"));
+    free(a);
+    free(b);
+    free(c);
+}
+
 int main(void) {
+    test_sanitize_empty();
     test_accepts();
     test_refuses();
     test_clip_and_error_json();

@@ -56,6 +56,7 @@ size_t srv_utf8_seq(const unsigned char *s, size_t n) {
 char *srv_utf8_sanitize(const char *s, size_t n) {
     srv_buf b = {0};
     srv_buf_reserve(&b, n);
+    b.data[0] = '\0'; /* "" when nothing is kept (empty or all-NUL input) */
     size_t i = 0;
     while (i < n) {
         size_t k = srv_utf8_seq((const unsigned char *)s + i, n - i);
