@@ -4,6 +4,8 @@
 #   make test       install deps if missing, fetch the default model, run the whole suite
 #   make test-asan  the C unit tests under ASan + UBSan
 #   make test-gpu   CUDA op/model tests (needs a GPU; run on the GPU machine)
+#   make fuzz       the libFuzzer harnesses (tests/fuzz) under ASan + UBSan, clang;
+#                   FUZZ_SECONDS=N per harness (default 60), FUZZ_RUNS=N executions instead
 #   make run        start the server on the default model
 #   make clean
 #
@@ -24,7 +26,8 @@ EXTRA_CFLAGS  ?=
 EXTRA_LDFLAGS ?=
 CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) \
                -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP $(EXTRA_CFLAGS)
-LDLIBS  := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lcurl -lcrypto -lm -lpthread -fopenmp
+BASE_LDLIBS := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lcurl -lcrypto -lm -lpthread -fopenmp
+LDLIBS  := $(BASE_LDLIBS)
 
 ifeq ($(SAN),1)
   BUILD := build-asan
@@ -66,7 +69,7 @@ ifeq ($(CUDA),1)
   LIB_CUDA := $(BUILD)/liblethe_cuda.a
 endif
 
-.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench
+.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build
 # with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
 all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN))
 
@@ -93,9 +96,10 @@ $(BUILD)/tests/%: tests/%.c $(LIB) $(LIB_CUDA) tests/test.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
 
-# The suite: deps + model first, then every C test, then the Python/e2e tests.
-test: deps model all
-	@bash tests/run.sh $(BUILD)
+# The suite: deps + model first, then every C test, a short run of every fuzz
+# harness, then the Python/e2e tests.
+test: deps model all fuzz-build
+	@LETHE_FUZZ_BUILD=$(FUZZ_BUILD) bash tests/run.sh $(BUILD)
 
 test-c: all
 	@bash tests/run.sh $(BUILD) --c-only
@@ -118,7 +122,39 @@ deps:
 model:
 	@bash scripts/fetch-model.sh
 
+# ---- fuzzing: every src/**/*.c (CUDA off) built with clang, ASan + UBSan and
+# libFuzzer's coverage instrumentation into build-fuzz/liblethe.a; each
+# tests/fuzz/fuzz_*.c links against it into build-fuzz/fuzz/fuzz_*.
+FUZZ_CC      ?= clang
+FUZZ_BUILD   ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_RUNS    ?= 0
+FUZZ_CFLAGS  := -std=c17 -g -O1 -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -Itests/fuzz \
+                -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+                -MMD -MP $(EXTRA_CFLAGS)
+FUZZ_OBJ     := $(SRC:%.c=$(FUZZ_BUILD)/%.o)
+FUZZ_SRC     := $(shell find tests/fuzz -name 'fuzz_*.c' 2>/dev/null | sort)
+FUZZ_BIN     := $(FUZZ_SRC:tests/fuzz/%.c=$(FUZZ_BUILD)/fuzz/%)
+
+$(FUZZ_BUILD)/src/%.o: src/%.c | deps
+	@mkdir -p $(dir $@)
+	@$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
+
+$(FUZZ_BUILD)/liblethe.a: $(FUZZ_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(FUZZ_BUILD)/fuzz/%: tests/fuzz/%.c tests/fuzz/fuzz_util.h $(FUZZ_BUILD)/liblethe.a
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_BUILD)/liblethe.a $(BASE_LDLIBS)
+
+fuzz-build: $(FUZZ_BIN)
+
+fuzz: fuzz-build model
+	@bash tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_RUNS)
+
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-fuzz
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+-include $(shell find $(FUZZ_BUILD) -name '*.d' 2>/dev/null)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # scripts/setup.sh - installs what lethe needs to build and test, if missing:
-# Debian packages (compiler deps) and the PyPI packages the e2e tests use.
+# Debian packages (compiler deps; clang for the libFuzzer harnesses) and the
+# PyPI packages the e2e tests use.
 set -euo pipefail
-pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip)
+pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip clang)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tests/run.sh BUILD [--c-only] - runs every test binary in BUILD/tests, then
-# (unless --c-only) the Python end-to-end tests; prints PASS/FAIL per test
+# (unless --c-only) each fuzz harness for a few seconds when $LETHE_FUZZ_BUILD
+# names their build (make test sets it) and the Python end-to-end tests; prints PASS/FAIL per test
 # and a closing "N passed, N failed" line. Exits non-zero if anything failed.
 set -u
 build=${1:-build}
@@ -24,6 +25,19 @@ for t in "$build"/tests/test_*; do
         fail=$((fail+1)); failed+=("$name")
     fi
 done
+# a short run of every fuzz harness (make fuzz-build; `make fuzz` for long runs)
+fuzz_build=${LETHE_FUZZ_BUILD:-}
+if [ $c_only = 0 ] && [ -n "$fuzz_build" ]; then
+    for b in "$fuzz_build"/fuzz/fuzz_*; do
+        [ -x "$b" ] || continue
+        name=$(basename "$b")
+        if out=$(bash tests/fuzz/run.sh "$fuzz_build" "${LETHE_FUZZ_SECONDS:-4}" 0 "$name" 2>&1); then
+            echo "$out"; pass=$((pass+1))
+        else
+            echo "$out"; fail=$((fail+1)); failed+=("$name")
+        fi
+    done
+fi
 if [ $c_only = 0 ]; then
     for t in tests/e2e/test_*.py; do
         [ -f "$t" ] || continue
