@@ -15,7 +15,12 @@
  *    current-page rule and its selection == a scratch oracle (batched decode,
  *    page boundaries, compaction), OmniKV sparse layers == sink + oracle top-K + recent,
  *    KIVI / FP8 stored values within their bounds and tail pages exact;
- *  - registry and knob parsing errors, the OmniKV layer picker. */
+ *  - registry and knob parsing errors, the contract's registry rules (broken
+ *    tables rejected with the method and the rule named), the OmniKV layer
+ *    picker.
+ * The generic parts iterate the registry and run each method's own
+ * test_configs (sparse.h), including a throwaway method registered here
+ * (sparse_throwaway.h): a new method needs no edit in this file. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +33,7 @@
 #include "kv/kv_pool.h"
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
+#include "sparse_throwaway.h"
 #include "test.h"
 
 enum { NL = 4, H = 4, HK = 2, D = 32, KVD = HK * D, NSLOTS = 512, MAXR = 4, MAXT = 256 };
@@ -187,8 +193,7 @@ static void h_step(harness *h) {
                 CHECK(n <= L);
                 memcpy(sel + n_sel, lss + lsb[s], sizeof(int32_t) * (size_t)(n > 0 ? n : 0));
             } else {
-                n = seqs[s].is_prefill ? m->ops->build_prefill_selection(m, l, &st, s, sel + n_sel, L)
-                                       : m->ops->build_decode_selection(m, l, &st, s, q, sel + n_sel, L);
+                n = lethe_sparse_build_selection(m, l, &st, s, q, sel + n_sel, L);
             }
             CHECK(n >= seqs[s].n_new && n <= L);
             for (int t = 0; t < seqs[s].n_new; t++) /* the new tokens last, in order */
@@ -246,43 +251,43 @@ typedef struct trace {
     int n;
 } trace;
 
-static void run_script(const char *method, const char *cfg, trace *tr) {
+/* returns whether the method stores lossy codes with this config (its pool's
+ * KV format is not the backend's native one) */
+static bool run_script(const char *method, const char *cfg, trace *tr) {
     harness h;
     h_open(&h, method, cfg);
+    const bool lossy = lethe_kv_format_of(h.pool) != LETHE_KV_NATIVE;
     h_add(&h, 0, 11, 70, 80);
     h_add(&h, 1, 22, 45, 52);
     h.r[0].by_pos = tr->out;
     while (h.r[0].n_done < h.r[0].n_total) h_step(&h);
     tr->n = h.r[0].n_total;
     h_close(&h);
+    return lossy;
 }
 
-static const char *big_cfg(const char *name) {
-    if (!strcmp(name, "h2o")) return "h2o_prefill_budget=1000,h2o_decode_budget=1000";
-    if (!strcmp(name, "kivi")) return "kivi_bits=16";
-    if (!strcmp(name, "streamingllm")) return "sink_keep_tokens=4,recent_keep_tokens=1000";
-    /* the page ops run in every layer; with K >= pages every page is selected */
-    if (!strcmp(name, "quest"))
-        return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=100000,quest_skip_layers=0,"
-               "quest_always_score=true";
-    return "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=100000";
-}
-
+/* every method with its identity config (budgets >= context): bit-identical
+ * to dense, or close when it stores lossy codes (fp8_kv: every token is read
+ * as E4M3 codes, its own step included) */
 static void test_identity(void) {
     static trace dense, tr;
     run_script("dense", NULL, &dense);
+    int n_lossy = 0;
     for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
         const lethe_sparse_ops *o = lethe_sparse_method_at(i);
-        if (!strcmp(o->name, "fp8_kv")) continue;
-        run_script(o->name, big_cfg(o->name), &tr);
+        fprintf(stderr, "    %s\n", o->name);
+        const bool lossy = run_script(o->name, o->test_configs.identity, &tr);
         CHECK_EQ_INT(tr.n, dense.n);
-        CHECK_MSG(memcmp(tr.out, dense.out, sizeof(tr.out[0]) * (size_t)tr.n) == 0,
-                  "%s with budgets >= context differs from dense", o->name);
+        if (lossy) {
+            double e = rel_err(&tr.out[0][0][0], &dense.out[0][0][0], (size_t)tr.n * NL * H * D);
+            CHECK_MSG(e > 0 && e < 0.05, "%s rel err %g", o->name, e);
+            n_lossy++;
+        } else {
+            CHECK_MSG(memcmp(tr.out, dense.out, sizeof(tr.out[0]) * (size_t)tr.n) == 0,
+                      "%s with budgets >= context differs from dense", o->name);
+        }
     }
-    /* fp8: close, not identical (every token is read as E4M3 codes, its own step included) */
-    run_script("fp8_kv", NULL, &tr);
-    double e = rel_err(&tr.out[0][0][0], &dense.out[0][0][0], (size_t)tr.n * NL * H * D);
-    CHECK_MSG(e > 0 && e < 0.05, "fp8 rel err %g", e);
+    CHECK(n_lossy >= 1); /* fp8_kv */
 }
 
 /* ---- lifecycle: abort, preemption + recompute, chain snapshot/restore ---- */
@@ -332,11 +337,8 @@ static void test_lifecycle_all(void) {
         const char *name = lethe_sparse_method_at(i)->name;
         fprintf(stderr, "    %s\n", name);
         lifecycle(name, NULL); /* defaults: budgets > context, nothing evicted */
-        const char *small = !strcmp(name, "h2o") ? "h2o_prefill_budget=40,h2o_decode_budget=24"
-                            : !strcmp(name, "kivi") || !strcmp(name, "fp8_kv") ? NULL
-                            : !strcmp(name, "dense") ? NULL
-                            : "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=12";
-        if (small) lifecycle(name, small);
+        const char *small = lethe_sparse_method_at(i)->test_configs.small;
+        if (small) lifecycle(name, small); /* budgets that evict / select */
     }
 }
 
@@ -644,16 +646,147 @@ static void test_registry_knobs(void) {
     CHECK(lethe_sparse_create("h2o", "h2o_prefill=maybe", &env, &m) == LETHE_ERR_INVALID);
     CHECK(lethe_sparse_create("h2o", "h2o_recent_ratio=0.3,h2o_prefill=false", &env, &m) == LETHE_OK);
     lethe_sparse_destroy(m);
-    /* every method: kind set, defaults parse, knob names unique across the shared three */
+    /* every method: the contract's rules hold, defaults and test configs parse */
     for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
         const lethe_sparse_ops *o = lethe_sparse_method_at(i);
-        CHECK_MSG(lethe_sparse_create(o->name, NULL, &env, &m) == LETHE_OK, "%s: %s", o->name, lethe_last_error());
-        CHECK((o->kind == LETHE_SPARSE_KIND_EVICTION) == ((o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0));
-        lethe_sparse_destroy(m);
+        CHECK_MSG(lethe_sparse_validate(o) == LETHE_OK, "%s", lethe_last_error());
+        const char *cfgs[3] = {NULL, o->test_configs.identity, o->test_configs.small};
+        for (int c = 0; c < 3; c++) {
+            CHECK_MSG(lethe_sparse_create(o->name, cfgs[c], &env, &m) == LETHE_OK, "%s %s: %s", o->name,
+                      cfgs[c] ? cfgs[c] : "", lethe_last_error());
+            lethe_sparse_destroy(m);
+        }
     }
 }
 
+/* ---- the registry's rules: broken tables fail naming the method and the rule ---- */
+
+static lethe_sel_result stub_select_layer(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                                          const void *q, const lethe_step_rows *rows,
+                                          const int32_t **sel_begin, const int32_t **sel_slots) {
+    return LETHE_SEL_PER_SEQ;
+}
+static bool stub_needs_scores(lethe_sparse_method *m, int32_t layer) { return false; }
+static void stub_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                            const lethe_attn_args *attn) {}
+static lethe_kv_format stub_kv_format(const lethe_sparse_method *m) { return LETHE_KV_NATIVE; }
+static lethe_status stub_set_knob(lethe_sparse_method *m, const char *key, const char *value) {
+    return LETHE_OK;
+}
+
+static void expect_broken(const lethe_sparse_ops *o, const char *rule) {
+    CHECK_MSG(lethe_sparse_validate(o) == LETHE_ERR_INVALID, "%s: accepted, expected '%s'",
+              o->name ? o->name : "(unnamed)", rule);
+    char head[96];
+    snprintf(head, sizeof(head), "sparse method %s: ", o->name ? o->name : "(unnamed)");
+    CHECK_STR_CONTAINS(lethe_last_error(), head);
+    CHECK_STR_CONTAINS(lethe_last_error(), rule);
+    /* nor can it be registered */
+    CHECK(lethe_sparse_register_extra(o) == LETHE_ERR_INVALID);
+}
+
+static void test_registry_rules(void) {
+    const int32_t n0 = lethe_sparse_n_methods();
+    lethe_sparse_ops o;
+    /* a minimal table (name + summary, every hook defaulted) is valid */
+    o = (lethe_sparse_ops){.name = "minimal", .summary = "defaults only"};
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.name = NULL;
+    expect_broken(&o, "name must be a non-empty [a-z0-9_] word");
+    o = (lethe_sparse_ops){.name = "Bad-Name", .summary = "x"};
+    expect_broken(&o, "name must be a non-empty [a-z0-9_] word");
+    o = (lethe_sparse_ops){.name = "nosummary"};
+    expect_broken(&o, "summary");
+
+    o = (lethe_sparse_ops){.name = "sel", .summary = "x", .kind = LETHE_SPARSE_KIND_SELECTION,
+                           .test_configs = {.small = "decode_keep_tokens=8"}};
+    expect_broken(&o, "a SELECTION method must provide select_layer or build_decode_selection");
+    o.select_layer = stub_select_layer;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.flags = LETHE_SPARSE_UNIFORM;
+    expect_broken(&o, "select_layer needs shared rows");
+
+    o = lethe_sparse_dense; /* UNIFORM */
+    o.name = "uni";
+    o.needs_scores = stub_needs_scores;
+    o.after_attn = stub_after_attn;
+    expect_broken(&o, "a LETHE_SPARSE_UNIFORM method must not have needs_scores, after_attn or layer_end");
+    o.flags &= ~(unsigned)LETHE_SPARSE_UNIFORM;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.after_attn = NULL;
+    expect_broken(&o, "needs_scores without after_attn");
+
+    o = *lethe_sparse_find("streamingllm");
+    o.name = "evict";
+    o.aliases[0] = NULL;
+    o.select_layer = stub_select_layer;
+    expect_broken(&o, "select_layer needs shared rows");
+    o.select_layer = NULL;
+    o.finish_step = NULL;
+    expect_broken(&o, "an EVICTION method must provide finish_step");
+    o = *lethe_sparse_find("streamingllm");
+    o.name = "evict";
+    o.aliases[0] = NULL;
+    o.flags = 0;
+    expect_broken(&o, "an EVICTION method must set LETHE_SPARSE_PER_LAYER_ROWS");
+    o.flags = LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_PREFIX_CACHE;
+    expect_broken(&o, "must not set LETHE_SPARSE_PREFIX_CACHE");
+    o.flags = LETHE_SPARSE_PER_LAYER_ROWS;
+    o.test_configs.small = NULL;
+    expect_broken(&o, "must give test_configs.small");
+    o = (lethe_sparse_ops){.name = "rows", .summary = "x", .flags = LETHE_SPARSE_PER_LAYER_ROWS};
+    expect_broken(&o, "LETHE_SPARSE_PER_LAYER_ROWS is for EVICTION methods only");
+
+    o = (lethe_sparse_ops){.name = "quant", .summary = "x", .kind = LETHE_SPARSE_KIND_QUANTIZATION};
+    expect_broken(&o, "a QUANTIZATION method must provide kv_format");
+    o.kv_format = stub_kv_format;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.kind = LETHE_SPARSE_KIND_DENSE;
+    expect_broken(&o, "only a QUANTIZATION method may");
+
+    o = (lethe_sparse_ops){.name = "meta", .summary = "x", .page_meta_floats = 4};
+    expect_broken(&o, "page_meta_floats must be > 0 exactly when LETHE_SPARSE_PAGE_META is set");
+    o.flags = LETHE_SPARSE_PAGE_META;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.page_meta_floats = 0;
+    expect_broken(&o, "page_meta_floats must be > 0 exactly when LETHE_SPARSE_PAGE_META is set");
+
+    o = (lethe_sparse_ops){.name = "hooks", .summary = "x", .snapshot = lethe_sparse_find("h2o")->snapshot};
+    expect_broken(&o, "snapshot and restore come together");
+    o = (lethe_sparse_ops){.name = "hooks", .summary = "x", .request_init = lethe_sparse_find("h2o")->request_init};
+    expect_broken(&o, "request_init and request_finished come together");
+    o = (lethe_sparse_ops){.name = "hooks", .summary = "x", .init = lethe_sparse_find("h2o")->init};
+    expect_broken(&o, "init without destroy");
+
+    /* knob tables */
+    static const lethe_sparse_knob shadow[] = {{"sink_keep_tokens", LETHE_KNOB_INT, "4", 0, 10, "h"}};
+    static const lethe_sparse_knob twice[] = {{"a_knob", LETHE_KNOB_INT, "4", 0, 10, "h"},
+                                              {"a_knob", LETHE_KNOB_FLOAT, "0.5", 0, 1, "h"}};
+    static const lethe_sparse_knob bad_def[] = {{"a_knob", LETHE_KNOB_INT, "40", 0, 10, "h"}};
+    o = (lethe_sparse_ops){.name = "knobs", .summary = "x", .knob_table = shadow, .n_knob_table = 1,
+                           .set_knob = stub_set_knob};
+    expect_broken(&o, "knob sink_keep_tokens shadows the shared knob");
+    o.knob_table = twice, o.n_knob_table = 2;
+    expect_broken(&o, "knob a_knob is listed twice");
+    o.knob_table = bad_def, o.n_knob_table = 1;
+    expect_broken(&o, "knob a_knob: its default '40' is not a valid value");
+    o.knob_table = twice + 1;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.set_knob = NULL;
+    expect_broken(&o, "a method with a knob_table must provide set_knob");
+
+    /* names: a registered spelling is refused, nothing was added */
+    o = (lethe_sparse_ops){.name = "another_dense", .summary = "x", .aliases = {"Vanilla", NULL}};
+    CHECK(lethe_sparse_register_extra(&o) == LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "sparse method another_dense: 'Vanilla' already names method dense");
+    CHECK_EQ_INT(lethe_sparse_n_methods(), n0);
+}
+
 int main(void) {
+    /* a method defined only in this test runs through every generic suite below */
+    CHECK_MSG(lethe_sparse_register_extra(&throwaway_recent_window) == LETHE_OK, "%s", lethe_last_error());
+    CHECK(lethe_sparse_find("recent-window") == &throwaway_recent_window);
+    TEST_RUN(test_registry_rules);
     TEST_RUN(test_registry_knobs);
     TEST_RUN(test_identity);
     TEST_RUN(test_streamingllm);

@@ -40,7 +40,6 @@ static void print_text(const lethe_sparse_ops *o) {
         if (kn->type == LETHE_KNOB_INT || kn->type == LETHE_KNOB_FLOAT) printf(" [%.10g, %.10g]", kn->min, kn->max);
         printf("\n");
     }
-    for (const char *const *k = o->knob_names; k && *k; k++) printf("    %s\n", *k);
     printf("\n");
 }
 

@@ -126,9 +126,7 @@ static void plan_layer_(lethe_engine *e, int32_t layer, const void *q, lethe_lay
     for (int32_t s = 0; s < n_seqs; s++) {
         const lethe_sparse_seq *sq = &e->step.seqs[s];
         int32_t cap = lethe_kv_row_len(e->pool, sp, sq->row);
-        int32_t n = sq->is_prefill
-                        ? m->ops->build_prefill_selection(m, layer, &e->step.st, s, e->plan.sel + off, cap)
-                        : m->ops->build_decode_selection(m, layer, &e->step.st, s, q, e->plan.sel + off, cap);
+        int32_t n = lethe_sparse_build_selection(m, layer, &e->step.st, s, q, e->plan.sel + off, cap);
         LETHE_ASSERT(n >= sq->n_new && n <= cap);
         if (e->p.check_invariants) {
             for (int32_t j = 0; j < sq->n_new; j++)

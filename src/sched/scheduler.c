@@ -203,8 +203,8 @@ void lethe_sched_seq_view(const lethe_req *r, int32_t n_new, int32_t q_row, leth
 static int32_t peak_for(const lethe_sched *s, const lethe_req *r, int32_t n_resident, int32_t n) {
     lethe_sparse_seq v;
     lethe_sched_seq_view(r, n, 0, &v);
-    int32_t peak = v.is_prefill ? lethe_sparse_prefill_peak(s->m, &v, n_resident, n)
-                                : lethe_sparse_decode_peak(s->m, &v, n_resident);
+    /* a decode token needs one new slot per layer */
+    int32_t peak = v.is_prefill ? lethe_sparse_prefill_peak(s->m, &v, n_resident, n) : 1;
     LETHE_ASSERT(peak >= n);
     return peak;
 }

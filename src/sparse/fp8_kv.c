@@ -10,17 +10,9 @@
  * its own prefill chunk), on CPU and CUDA alike.
  *
  * Quantization is per token, so a token's codes do not depend on its history:
- * radix prefix reuse stays valid (LETHE_SPARSE_PREFIX_CACHE). */
+ * radix prefix reuse stays valid (LETHE_SPARSE_PREFIX_CACHE). Attention reads
+ * every resident slot (the selection hooks' default). */
 #include "sparse/sparse.h"
-
-static int32_t fp8_prefill(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                           int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-static int32_t fp8_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                          int32_t seq, const void *q, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
 
 static lethe_kv_format fp8_kv_format(const lethe_sparse_method *m) {
     return m->env.be ? LETHE_KV_FP8_E4M3 : LETHE_KV_NATIVE; /* fake model: bookkeeping only */
@@ -30,9 +22,9 @@ const lethe_sparse_ops lethe_sparse_fp8_kv = {
     .name = "fp8_kv",
     .aliases = {"fp8", NULL},
     .summary = "E4M3 KV with per-token, per-KV-head dynamic scales (1-byte codes in the pool)",
-    .flags = LETHE_SPARSE_PREFIX_CACHE,
-    .build_prefill_selection = fp8_prefill,
-    .build_decode_selection = fp8_decode,
     .kind = LETHE_SPARSE_KIND_QUANTIZATION,
+    .flags = LETHE_SPARSE_PREFIX_CACHE,
+    /* the defaults (no budget): lossy by design, so close to dense, not equal */
+    .test_configs = {.identity = NULL},
     .kv_format = fp8_kv_format,
 };

@@ -115,15 +115,6 @@ static bool h2o_needs_scores(lethe_sparse_method *m, int32_t layer) {
     return false;
 }
 
-static int32_t h2o_select(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                          int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-static int32_t h2o_select_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                                 int32_t seq, const void *q, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
 static void h2o_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                            const lethe_attn_args *attn) {
     h2o_priv *p = PRIV(m);
@@ -137,7 +128,7 @@ static void h2o_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sp
         if (!attn || !seq_scores(p, q)) continue;
         int32_t wn = q->n_new;
         if (q->is_prefill && p->window > 0 && p->window < wn) wn = p->window;
-        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L); /* select_all */
+        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L); /* the default: every slot */
         /* every resident token is a candidate; softmax over the full causal row.
          * decode: per-head probabilities summed over heads; prefill logits: max
          * raw logit (softmaxed over the row below); prefill probability: per-head
@@ -217,23 +208,23 @@ const lethe_sparse_ops lethe_sparse_h2o = {
     .name = "h2o",
     .aliases = {"h2o_prefill", "heavy-hitter", NULL},
     .summary = "accumulated-attention heavy hitters + recent; compacts between prefill chunks",
+    .kind = LETHE_SPARSE_KIND_EVICTION,
     .flags = LETHE_SPARSE_PER_LAYER_ROWS,
+    .knob_table = knobs,
+    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
+    .test_configs = {.identity = "h2o_prefill_budget=4096,h2o_decode_budget=4096",
+                     .small = "h2o_prefill_budget=16,h2o_decode_budget=12"},
+    .max_resident = h2o_max_resident,
     .init = h2o_init,
+    .configure = h2o_configure,
     .destroy = h2o_destroy,
     .set_knob = h2o_set_knob,
     .request_init = h2o_request_init,
     .request_finished = h2o_request_finished,
+    .prepare = h2o_prepare,
+    .finish_step = h2o_finish,
+    .needs_scores = h2o_needs_scores,
+    .after_attn = h2o_after_attn,
     .snapshot = h2o_snapshot,
     .restore = h2o_restore,
-    .prepare = h2o_prepare,
-    .needs_scores = h2o_needs_scores,
-    .build_prefill_selection = h2o_select,
-    .build_decode_selection = h2o_select_decode,
-    .after_attn = h2o_after_attn,
-    .finish_step = h2o_finish,
-    .kind = LETHE_SPARSE_KIND_EVICTION,
-    .knob_table = knobs,
-    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
-    .configure = h2o_configure,
-    .max_resident = h2o_max_resident,
 };

@@ -195,16 +195,6 @@ static lethe_status kivi_restore(lethe_sparse_method *m, void *state, const void
     return LETHE_OK;
 }
 
-static int32_t kivi_prefill(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                            int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-static int32_t kivi_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                           int32_t seq, const void *q, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
-
 /* Places this step's new tokens: groups completed by them are packed, the
  * rest go to the request's residual block (see the file comment). */
 static void kivi_prepare(lethe_sparse_method *m, const lethe_sparse_step *st) {
@@ -263,19 +253,19 @@ const lethe_sparse_ops lethe_sparse_kivi = {
     .name = "kivi",
     .aliases = {NULL},
     .summary = "2/4/8-bit KV codes in the pool: per-channel key groups, per-token values, full-precision tail group",
+    .kind = LETHE_SPARSE_KIND_QUANTIZATION,
+    .knob_table = knobs,
+    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
+    /* 16 bits: the passthrough (native storage), bit-identical to dense */
+    .test_configs = {.identity = "kivi_bits=16,kv_quant_page_size=16"},
+    .kv_format = kivi_kv_format,
     .init = kivi_init,
+    .configure = kivi_configure,
     .destroy = kivi_destroy,
     .set_knob = kivi_set_knob,
     .request_init = kivi_request_init,
     .request_finished = kivi_request_finished,
+    .prepare = kivi_prepare,
     .snapshot = kivi_snapshot,
     .restore = kivi_restore,
-    .build_prefill_selection = kivi_prefill,
-    .build_decode_selection = kivi_decode,
-    .prepare = kivi_prepare,
-    .kind = LETHE_SPARSE_KIND_QUANTIZATION,
-    .knob_table = knobs,
-    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
-    .configure = kivi_configure,
-    .kv_format = kivi_kv_format,
 };

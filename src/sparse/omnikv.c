@@ -182,17 +182,6 @@ static bool omni_needs_scores(lethe_sparse_method *m, int32_t layer) {
     return false;
 }
 
-static int32_t omni_prefill(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                            int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
-/* without select_layer (or a backend) nothing is published: the whole row */
-static int32_t omni_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                           int32_t seq, const void *qact, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
 /* A filter layer publishes, for every decode sequence whose candidates
  * [s, L - r) exceed K: per head softmax over the candidates, max over heads,
  * top K (all on the backend, into p->picks). */
@@ -287,22 +276,22 @@ const lethe_sparse_ops lethe_sparse_omnikv = {
     .name = "omnikv",
     .aliases = {NULL},
     .summary = "full filter layers pick the top tokens that the following sparse layers read",
+    .kind = LETHE_SPARSE_KIND_SELECTION,
     .flags = LETHE_SPARSE_PREFIX_CACHE,
+    .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT | LETHE_USES_KEEP,
+    .knob_table = knobs,
+    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
+    .test_configs = {.identity = "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096",
+                     .small = "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,omnikv_full_layers=0"},
     .init = omni_init,
+    .configure = omni_configure,
     .destroy = omni_destroy,
     .set_knob = omni_set_knob,
     .request_init = omni_request_init,
     .request_finished = omni_request_finished,
     .prepare = omni_prepare,
-    .needs_scores = omni_needs_scores,
-    .build_prefill_selection = omni_prefill,
-    .build_decode_selection = omni_decode,
-    .after_attn = omni_after_attn,
-    .select_layer = omni_select_layer,
     .finish_step = omni_finish,
-    .kind = LETHE_SPARSE_KIND_SELECTION,
-    .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT | LETHE_USES_KEEP,
-    .knob_table = knobs,
-    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
-    .configure = omni_configure,
+    .needs_scores = omni_needs_scores,
+    .select_layer = omni_select_layer,
+    .after_attn = omni_after_attn,
 };

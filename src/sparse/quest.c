@@ -38,8 +38,8 @@
  * select_expand call (the chosen pages' 16 entries each, then the current
  * page(s), mapped to slots through the engine's staged full rows). A layer
  * where no sequence needs scoring reads the full rows (LETHE_SEL_FULL).
- * build_decode_selection is the form without select_layer / without a
- * backend: it reads the whole row. */
+ * Without a backend (select_layer answers PER_SEQ) the selection hooks keep
+ * their default: the whole row. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -342,35 +342,27 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
     return LETHE_SEL_BUILT;
 }
 
-static int32_t quest_prefill(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                             int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
-/* without select_layer (or a backend) Quest reads the whole row */
-static int32_t quest_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                            int32_t seq, const void *qact, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
 const lethe_sparse_ops lethe_sparse_quest = {
     .name = "quest",
     .aliases = {NULL},
     .summary = "decode reads the pages with the highest key min/max upper bound; nothing freed",
+    .kind = LETHE_SPARSE_KIND_SELECTION,
     .flags = LETHE_SPARSE_PREFIX_CACHE,
+    .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT | LETHE_USES_KEEP,
+    .knob_table = knobs,
+    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
+    /* identity: the page ops run in every layer and select every page */
+    .test_configs = {.identity = "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096,"
+                                 "quest_skip_layers=0,quest_always_score=true",
+                     .identity_on_backend = true,
+                     .small = "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=0"},
+    .slot_overhead_bytes = quest_slot_overhead,
     .init = quest_init,
+    .configure = quest_configure,
     .destroy = quest_destroy,
     .set_knob = quest_set_knob,
     .request_init = quest_request_init,
     .request_finished = quest_request_finished,
     .prepare = quest_prepare,
-    .build_prefill_selection = quest_prefill,
-    .build_decode_selection = quest_decode,
     .select_layer = quest_select_layer,
-    .kind = LETHE_SPARSE_KIND_SELECTION,
-    .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT | LETHE_USES_KEEP,
-    .knob_table = knobs,
-    .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
-    .configure = quest_configure,
-    .slot_overhead_bytes = quest_slot_overhead,
 };

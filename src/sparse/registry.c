@@ -1,41 +1,49 @@
 /* registry.c - the list of sparse methods (one line each), lookup by name or
- * alias, "knob=value,..." parsing, and the defaults of optional hooks.
+ * alias, "knob=value,..." parsing, method creation.
  *
- * Adding a method: write src/sparse/<name>.c defining a lethe_sparse_ops,
- * declare it in sparse.h and add one line to g_methods below. */
+ * Adding a method: write src/sparse/<name>.c defining `const lethe_sparse_ops
+ * lethe_sparse_<name>` (sparse.h: only name and summary are required, every
+ * hook has a default) and add the line X(<name>) to LETHE_SPARSE_METHODS
+ * below. On the registry's first use every table is checked against the
+ * contract's rules (validate.c); the generic test suites then run the method
+ * with its test_configs. */
 #include <ctype.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/log.h"
 #include "core/util.h"
 #include "sparse/sparse.h"
 
-extern const lethe_sparse_ops lethe_sparse_streamingllm, lethe_sparse_snapkv, lethe_sparse_pyramidkv,
-    lethe_sparse_h2o, lethe_sparse_quest, lethe_sparse_omnikv, lethe_sparse_kivi, lethe_sparse_fp8_kv;
+/* The built-in methods, one line each: X(name) registers lethe_sparse_<name>
+ * (the table in src/sparse/<name>.c). Order = `lethe methods` order. */
+#define LETHE_SPARSE_METHODS(X)                                                                    \
+    X(dense)                                                                                       \
+    X(streamingllm)                                                                                \
+    X(snapkv)                                                                                      \
+    X(pyramidkv)                                                                                   \
+    X(h2o)                                                                                         \
+    X(quest)                                                                                       \
+    X(omnikv)                                                                                      \
+    X(kivi)                                                                                        \
+    X(fp8_kv)
 
-static const lethe_sparse_ops *const g_methods[] = {
-    &lethe_sparse_dense,
-    &lethe_sparse_streamingllm,
-    &lethe_sparse_snapkv,
-    &lethe_sparse_pyramidkv,
-    &lethe_sparse_h2o,
-    &lethe_sparse_quest,
-    &lethe_sparse_omnikv,
-    &lethe_sparse_kivi,
-    &lethe_sparse_fp8_kv,
-};
+#define DECLARE_(n) extern const lethe_sparse_ops lethe_sparse_##n;
+#define ENTRY_(n) &lethe_sparse_##n,
+LETHE_SPARSE_METHODS(DECLARE_)
+static const lethe_sparse_ops *const g_methods[] = {LETHE_SPARSE_METHODS(ENTRY_)};
+enum { N_BUILTIN = (int)LETHE_ARRAY_LEN(g_methods), MAX_EXTRA = 8 };
+
+/* methods registered at run time (lethe_sparse_register_extra), after the built-ins */
+static const lethe_sparse_ops *g_extra[MAX_EXTRA];
+static int32_t g_n_extra;
 
 void lethe_sparse_knobs_default(lethe_sparse_knobs *k) {
     k->sink_keep_tokens = LETHE_SPARSE_SINK_DEFAULT;
     k->recent_keep_tokens = LETHE_SPARSE_RECENT_DEFAULT;
     k->decode_keep_tokens = LETHE_SPARSE_DECODE_KEEP_DEFAULT;
-}
-
-int32_t lethe_sparse_n_methods(void) { return (int32_t)LETHE_ARRAY_LEN(g_methods); }
-
-const lethe_sparse_ops *lethe_sparse_method_at(int32_t i) {
-    return i >= 0 && i < lethe_sparse_n_methods() ? g_methods[i] : NULL;
 }
 
 /* case-insensitive, '-' == '_' */
@@ -49,19 +57,78 @@ static bool name_eq(const char *a, const char *b) {
     return *a == *b;
 }
 
+static const lethe_sparse_ops *method_at(int32_t i) { return i < N_BUILTIN ? g_methods[i] : g_extra[i - N_BUILTIN]; }
+
+/* whether `name` spells method o (its name or an alias) */
+static bool spells(const lethe_sparse_ops *o, const char *name) {
+    if (name_eq(name, o->name)) return true;
+    for (int a = 0; a < 4 && o->aliases[a]; a++)
+        if (name_eq(name, o->aliases[a])) return true;
+    return false;
+}
+
+/* o's name and aliases against each other and against methods [0, n) */
+static lethe_status check_clash(const lethe_sparse_ops *o, int32_t n) {
+    const char *names[5] = {o->name};
+    int n_names = 1;
+    for (int a = 0; a < 4 && o->aliases[a]; a++) names[n_names++] = o->aliases[a];
+    for (int i = 0; i < n_names; i++) {
+        for (int j = 0; j < i; j++)
+            if (name_eq(names[i], names[j]))
+                return lethe_errorf(LETHE_ERR_INVALID, "sparse method %s: '%s' is spelled twice in its "
+                                    "name and aliases", o->name, names[i]);
+        for (int32_t k = 0; k < n; k++)
+            if (spells(method_at(k), names[i]))
+                return lethe_errorf(LETHE_ERR_INVALID, "sparse method %s: '%s' already names method %s",
+                                    o->name, names[i], method_at(k)->name);
+    }
+    return LETHE_OK;
+}
+
+/* Every built-in table against the contract (validate.c) and the others'
+ * names, once. A broken built-in is a bug: abort naming method and rule. */
+static pthread_once_t g_checked = PTHREAD_ONCE_INIT;
+static void check_builtins(void) {
+    for (int32_t i = 0; i < N_BUILTIN; i++) {
+        lethe_status st = lethe_sparse_validate(g_methods[i]);
+        if (st == LETHE_OK) st = check_clash(g_methods[i], i);
+        if (st != LETHE_OK) LOG_ERROR("sparse registry: %s", lethe_last_error());
+        LETHE_ASSERT(st == LETHE_OK && "a registered sparse method breaks the contract (sparse.h)");
+    }
+}
+static void ensure_checked(void) { pthread_once(&g_checked, check_builtins); }
+
+int32_t lethe_sparse_n_methods(void) {
+    ensure_checked();
+    return N_BUILTIN + g_n_extra;
+}
+
+const lethe_sparse_ops *lethe_sparse_method_at(int32_t i) {
+    return i >= 0 && i < lethe_sparse_n_methods() ? method_at(i) : NULL;
+}
+
+lethe_status lethe_sparse_register_extra(const lethe_sparse_ops *ops) {
+    const int32_t n = lethe_sparse_n_methods();
+    lethe_status st = lethe_sparse_validate(ops);
+    if (st != LETHE_OK) return st;
+    if ((st = check_clash(ops, n)) != LETHE_OK) return st;
+    if (g_n_extra == MAX_EXTRA)
+        return lethe_errorf(LETHE_ERR_CAPACITY, "sparse method %s: the registry holds at most %d extra "
+                            "methods", ops->name, MAX_EXTRA);
+    g_extra[g_n_extra++] = ops;
+    return LETHE_OK;
+}
+
 const lethe_sparse_ops *lethe_sparse_find(const char *name) {
     if (!name || !*name) name = "dense";
-    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
-        const lethe_sparse_ops *o = g_methods[i];
-        if (name_eq(name, o->name)) return o;
-        for (int a = 0; a < 4 && o->aliases[a]; a++)
-            if (name_eq(name, o->aliases[a])) return o;
-    }
+    const int32_t n = lethe_sparse_n_methods();
+    for (int32_t i = 0; i < n; i++)
+        if (spells(method_at(i), name)) return method_at(i);
     char known[512];
     size_t k = 0;
     known[0] = '\0';
-    for (int32_t i = 0; i < lethe_sparse_n_methods() && k < sizeof(known); i++) {
-        int w = snprintf(known + k, sizeof(known) - k, "%s%s", i ? ", " : "", g_methods[i]->name);
+    for (int32_t i = 0; i < n && k < sizeof(known); i++) {
+        int w = snprintf(known + k, sizeof(known) - k, "%s%s", i ? ", " : "", method_at(i)->name);
         if (w > 0) k += (size_t)w;
     }
     lethe_errorf(LETHE_ERR_NOT_FOUND, "--sparse-method %s: unknown method (known: %s)", name, known);
@@ -102,14 +169,9 @@ lethe_status lethe_sparse_parse_config(lethe_sparse_method *m, const char *confi
         else if (!strcmp(key, "decode_keep_tokens")) st = parse_knob_int(key, val, &m->knobs.decode_keep_tokens);
         else {
             bool known = false;
-            for (const char *const *k = m->ops->knob_names; k && *k; k++) known |= !strcmp(*k, key);
             for (int32_t k = 0; k < m->ops->n_knob_table; k++) known |= !strcmp(m->ops->knob_table[k].name, key);
-            if (!known || !m->ops->set_knob) {
+            if (!known) {
                 char names[768] = "sink_keep_tokens, recent_keep_tokens, decode_keep_tokens";
-                for (const char *const *k = m->ops->knob_names; k && *k; k++) {
-                    size_t l = strlen(names);
-                    snprintf(names + l, sizeof(names) - l, ", %s", *k);
-                }
                 for (int32_t k = 0; k < m->ops->n_knob_table; k++) {
                     size_t l = strlen(names);
                     snprintf(names + l, sizeof(names) - l, ", %s", m->ops->knob_table[k].name);
@@ -129,11 +191,7 @@ lethe_status lethe_sparse_create(const char *name, const char *config, const let
                                  lethe_sparse_method **out) {
     *out = NULL;
     const lethe_sparse_ops *ops = lethe_sparse_find(name);
-    if (!ops) return LETHE_ERR_NOT_FOUND;
-    LETHE_ASSERT(ops->build_prefill_selection && ops->build_decode_selection);
-    /* select_layer hands the engine one selection per sequence of shared rows */
-    LETHE_ASSERT(!ops->select_layer ||
-                 !(ops->flags & (LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_UNIFORM)));
+    if (!ops) return LETHE_ERR_NOT_FOUND; /* (registered tables passed lethe_sparse_validate) */
     lethe_sparse_method *m = lethe_xcalloc(1, sizeof(*m));
     m->ops = ops;
     m->env = *env;
@@ -153,25 +211,4 @@ void lethe_sparse_destroy(lethe_sparse_method *m) {
     if (!m) return;
     if (m->ops->destroy) m->ops->destroy(m);
     free(m);
-}
-
-int32_t lethe_sparse_prefill_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
-                                  int32_t n_resident, int32_t n_chunk) {
-    if (m && m->ops->prefill_peak_slots) return m->ops->prefill_peak_slots(m, s, n_resident, n_chunk);
-    return n_chunk;
-}
-
-int32_t lethe_sparse_decode_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
-                                 int32_t n_resident) {
-    if (m && m->ops->decode_peak_slots) return m->ops->decode_peak_slots(m, s, n_resident);
-    return 1;
-}
-
-int32_t lethe_sparse_select_all(const lethe_sparse_method *m, int32_t layer, int32_t row,
-                                int32_t *sel, int32_t cap) {
-    int32_t sp = lethe_kv_space_of(m->env.pool, layer);
-    int32_t n = lethe_kv_row_len(m->env.pool, sp, row);
-    LETHE_ASSERT(n <= cap);
-    memcpy(sel, lethe_kv_row_slots(m->env.pool, sp, row), (size_t)n * sizeof(int32_t));
-    return n;
 }

@@ -95,16 +95,6 @@ bool lethe_scored_needs_scores(lethe_sparse_method *m, int32_t layer) {
     return false;
 }
 
-int32_t lethe_scored_select(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                            int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
-int32_t lethe_scored_select_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                                   int32_t seq, const void *q, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
 void lethe_scored_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                              const lethe_attn_args *attn) {
     lethe_scored_priv *p = PRIV(m);
@@ -121,7 +111,8 @@ void lethe_scored_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_
         int32_t wn = q->is_prefill ? LETHE_MIN(p->w, q->n_new) : q->n_new;
         int32_t c0 = s, c1 = L - r;
         if (c1 <= c0 || wn <= 0) continue;
-        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L); /* select_all: entry == row position */
+        /* the default selection (every slot): entry == row position */
+        LETHE_ASSERT(attn->sel_begin[i + 1] - attn->sel_begin[i] == L);
         /* logits: max over window rows and heads; probability: per head the
          * window mean of the softmax over the candidates, max over heads */
         req[n] = (lethe_score_seq){

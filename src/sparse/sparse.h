@@ -2,9 +2,11 @@
  * reads (logical selection) and what KV stays resident (physical eviction)
  * without the engine, the scheduler or the model naming it.
  *
- * A method is a lethe_sparse_ops table (one static const per method, listed
- * in registry.c) plus per-engine private state. The engine drives it; the
- * scheduler only asks it capacity questions (peak slots per layer).
+ * A method is a lethe_sparse_ops table (one static const per method in its
+ * own file, listed by one line in registry.c) plus per-engine private state.
+ * The engine drives it; the scheduler only asks it capacity questions (peak
+ * slots per layer). Every hook is optional with a documented default (at the
+ * field); the registry checks each table's rules (validate.c) on first use.
  *
  * Call order for one engine step (a step may mix prefill chunks and decode
  * tokens; each sequence says which it is):
@@ -161,68 +163,104 @@ enum {
     LETHE_SPARSE_PREFIX_CACHE = 1u << 1,   /* radix prefix reuse is valid for this method */
     LETHE_SPARSE_PAGE_META = 1u << 2,      /* wants per-page metadata (page_meta_floats) */
     /* Uniform: every layer gets the same selection (shared rows), built
-     * without the query, no scores, no after_attn / layer_end. The engine
-     * then builds the plan once per step (layer 0, q = NULL) and runs the
-     * step as one plan: index arrays staged once, pure decode steps replayed
-     * as CUDA graphs padded to bucket sizes (engine_forward.c). Only dense
-     * qualifies today (fp8_kv / kivi rewrite KV in after_attn, quest / omnikv
-     * select per layer). */
+     * without the query, no scores, no after_attn / layer_end (registry
+     * checks). The engine then builds the plan once per step (layer 0, q =
+     * NULL) and runs the step as one plan: index arrays staged once, pure
+     * decode steps replayed as CUDA graphs padded to bucket sizes
+     * (engine_forward.c). Only dense qualifies today (fp8_kv / kivi store
+     * quantized KV through the per-layer forward, quest / omnikv select per
+     * layer). */
     LETHE_SPARSE_UNIFORM = 1u << 3,
 };
 
+/* Configurations the method-generic test suites run every registered method
+ * with (tests/test_sparse_conformance.c through the engine on the tiny Llama,
+ * tests/test_sparse_methods.c through this contract on synthetic q/k/v), so a
+ * new method needs no test edit. Their contexts are 30 .. 130 tokens in 2 or 4
+ * layers (head_dim 16 / 32), prefill chunks 16 .. 40 tokens. */
+typedef struct lethe_sparse_test_configs {
+    /* --sparse-config with budgets >= every test context: attention reads
+     * what dense reads, so outputs are bit-identical to dense (close to it
+     * when the method's kv_format stores lossy codes). NULL = the defaults. */
+    const char *identity;
+    /* the identity config still builds selections with select_layer (every
+     * page / token selected), so the identity run also proves that path */
+    bool identity_on_backend;
+    /* budgets far below the test contexts: an EVICTION method ends with
+     * fewer resident slots than dense, a SELECTION method reads subsets
+     * (built by select_layer when it has one). Required for those two kinds
+     * (registry check); NULL for the others. */
+    const char *small;
+} lethe_sparse_test_configs;
+
+/* The method table. Only name and summary are required; every other field
+ * may stay zero / NULL and then has the default written next to it (the
+ * lethe_sparse_* wrappers below apply the defaults, so the engine and the
+ * scheduler never test a hook for NULL themselves). lethe_sparse_validate
+ * lists the rules a table must follow; the registry checks them on first use. */
 struct lethe_sparse_ops {
-    const char *name;          /* canonical name, e.g. "dense" */
-    const char *aliases[4];    /* other accepted spellings, NULL-terminated */
-    const char *summary;       /* one line for `lethe methods` */
-    unsigned flags;
-    int32_t page_meta_floats;  /* with LETHE_SPARSE_PAGE_META */
-    /* method-specific knob names (besides the shared three), NULL-terminated;
-     * values reach set_knob. NULL = none. */
-    const char *const *knob_names;
+    /* ---- identity and knobs ---- */
+    const char *name;          /* required: canonical name, [a-z0-9_], e.g. "dense" */
+    const char *aliases[4];    /* other accepted spellings, NULL-terminated; default none */
+    const char *summary;       /* required: one line for `lethe methods` */
+    lethe_sparse_kind kind;    /* default LETHE_SPARSE_KIND_DENSE */
+    unsigned flags;            /* LETHE_SPARSE_*; default 0: shared rows, no radix prefix reuse */
+    unsigned shared_knobs;     /* LETHE_USES_*: shared knobs the method reads; default none */
+    const lethe_sparse_knob *knob_table; /* method knobs (values reach set_knob); default none */
+    int32_t n_knob_table;
+    lethe_sparse_test_configs test_configs; /* what the generic test suites run (above) */
 
-    /* ---- engine lifetime (all optional) ---- */
-    lethe_status (*init)(lethe_sparse_method *m);            /* allocate m->priv */
-    void (*destroy)(lethe_sparse_method *m);
-    lethe_status (*set_knob)(lethe_sparse_method *m, const char *key, const char *value);
-
-    /* ---- per request (optional) ---- */
-    lethe_status (*request_init)(lethe_sparse_method *m, const lethe_sparse_seq *s, void **state);
-    void (*request_finished)(lethe_sparse_method *m, void *state);
-    size_t (*snapshot)(lethe_sparse_method *m, const void *state, void *buf, size_t cap);
-    lethe_status (*restore)(lethe_sparse_method *m, void *state, const void *buf, size_t n);
-
-    /* ---- capacity questions (optional; the scheduler asks them before it
-     * allocates). Peak new slots per layer (in every slot space) the step
-     * needs for this sequence, counted before finish_step evicts anything.
-     * Defaults: n_chunk for a prefill chunk, 1 for a decode token. */
+    /* ---- capacity questions: asked before the pool exists (env.pool NULL) ---- */
+    /* admission bound: most slots one layer of the request may hold at once
+     * (prompt n_prompt, n_total tokens in all, prefill chunks <= chunk);
+     * default n_total (nothing is ever freed) */
+    int32_t (*max_resident)(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
+                            int32_t n_total, int32_t chunk);
+    /* prefill policy: the final prompt chunk must hold at least this many
+     * tokens (SnapKV's observation window lies in it); default 0 */
+    int32_t (*min_final_chunk)(const lethe_sparse_method *m);
+    /* peak new slots per layer (in every slot space) a prefill chunk of
+     * n_chunk tokens needs, counted before finish_step evicts anything;
+     * default n_chunk (a decode token always needs 1) */
     int32_t (*prefill_peak_slots)(const lethe_sparse_method *m, const lethe_sparse_seq *s,
                                   int32_t n_resident, int32_t n_chunk);
-    int32_t (*decode_peak_slots)(const lethe_sparse_method *m, const lethe_sparse_seq *s,
-                                 int32_t n_resident);
+    /* the KV storage format the pool must use (after configure, so it may
+     * depend on knobs); default LETHE_KV_NATIVE. The engine sizes the pool by
+     * that format's real bytes per token (lethe_kv_token_bytes). */
+    lethe_kv_format (*kv_format)(const lethe_sparse_method *m);
+    /* backend bytes the method allocates per KV slot (all layers together)
+     * besides K and V (Quest: its page bounds); the engine adds them to the
+     * per-token cost when it sizes the pool. Default 0. */
+    size_t (*slot_overhead_bytes)(const lethe_sparse_method *m);
+    /* floats of pool page metadata per 16-entry page (kv_pool.h), > 0 exactly
+     * when flags has LETHE_SPARSE_PAGE_META; default 0 */
+    int32_t page_meta_floats;
 
-    /* ---- step hooks ---- */
-    void (*prepare)(lethe_sparse_method *m, const lethe_sparse_step *st);       /* optional */
-    bool (*needs_scores)(lethe_sparse_method *m, int32_t layer);                 /* optional: false */
-    /* REQUIRED. Write the selection of sequence `seq` for `layer` into
-     * sel[0..cap) and return its length (cap >= the row length). */
-    int32_t (*build_prefill_selection)(lethe_sparse_method *m, int32_t layer,
-                                       const lethe_sparse_step *st, int32_t seq, int32_t *sel,
-                                       int32_t cap);
-    /* REQUIRED. As above for a decode token; q is the backend activation
-     * [n_tokens, n_heads, head_dim] after RoPE (rows of this sequence from q_row). */
-    int32_t (*build_decode_selection)(lethe_sparse_method *m, int32_t layer,
-                                      const lethe_sparse_step *st, int32_t seq, const void *q,
-                                      int32_t *sel, int32_t cap);
-    /* optional. attn: the layer's attention arguments (q after RoPE, this
-     * layer's K cache, each sequence's selection in step order) when
-     * needs_scores(layer) was true, else NULL; valid during the call only.
-     * A method turns them into reduced per-key scores with lethe_sparse_scores
-     * (the backend's attn_scores op: on the device, nothing rows x keys). */
-    void (*after_attn)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                       const lethe_attn_args *attn);
-    /* optional (methods with shared rows only): the selections of EVERY
-     * sequence of the step for `layer` at once, built on the backend, so a
-     * decode step needs no host sync and no per-layer upload of slot lists.
+    /* ---- engine lifetime (pool NULL in all four) ---- */
+    lethe_status (*init)(lethe_sparse_method *m);        /* allocate m->priv; default none */
+    /* after init and the knob parse: cross-knob checks, derived budgets; default none */
+    lethe_status (*configure)(lethe_sparse_method *m);
+    void (*destroy)(lethe_sparse_method *m);             /* free m->priv; required with init */
+    /* one method knob (a knob_table name) = value; required with knob_table */
+    lethe_status (*set_knob)(lethe_sparse_method *m, const char *key, const char *value);
+
+    /* ---- per request ---- */
+    /* *state = per-request state (lethe_sparse_seq.state); default none (NULL) */
+    lethe_status (*request_init)(lethe_sparse_method *m, const lethe_sparse_seq *s, void **state);
+    void (*request_finished)(lethe_sparse_method *m, void *state); /* required with request_init */
+
+    /* ---- per step ---- */
+    void (*prepare)(lethe_sparse_method *m, const lethe_sparse_step *st);     /* default none */
+    /* after the forward, before tokens are published: the ONLY place physical
+     * eviction (lethe_kv_keep) may happen; required for EVICTION, default none */
+    void (*finish_step)(lethe_sparse_method *m, const lethe_sparse_step *st);
+
+    /* ---- per layer (inside the model forward) ---- */
+    /* will after_attn score this layer's queries? default false */
+    bool (*needs_scores)(lethe_sparse_method *m, int32_t layer);
+    /* shared rows only (not PER_LAYER_ROWS, not UNIFORM): the selections of
+     * EVERY sequence of the step for `layer` at once, built on the backend, so
+     * a decode step needs no host sync and no per-layer upload of slot lists.
      * When present the engine calls it instead of the per-sequence builders
      * (and before the layer's K/V store, like them). rows: the engine's
      * full-row selections of the step (each sequence's whole row, ascending;
@@ -230,52 +268,65 @@ struct lethe_sparse_ops {
      * Returns LETHE_SEL_FULL (attention reads `rows`), LETHE_SEL_BUILT
      * (*sel_begin: host [n_seqs + 1]; *sel_slots: backend int32 memory, e.g.
      * written by ops->select_expand; both owned by the method and valid until
-     * its next call) or LETHE_SEL_PER_SEQ (call build_*_selection per
-     * sequence). The selection convention is the same (ascending, new tokens
-     * last). */
+     * its next call) or LETHE_SEL_PER_SEQ (build per sequence, below). The
+     * selection convention is the same (ascending, new tokens last). Default
+     * none: always per sequence. */
     lethe_sel_result (*select_layer)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                                      const void *q, const lethe_step_rows *rows,
                                      const int32_t **sel_begin, const int32_t **sel_slots);
-    void (*layer_end)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st);
-    void (*finish_step)(lethe_sparse_method *m, const lethe_sparse_step *st); /* optional */
+    /* Write the selection of prefill sequence `seq` for `layer` into
+     * sel[0..cap) and return its length (cap >= the row length). Default:
+     * every resident slot of the row (lethe_sparse_select_all). */
+    int32_t (*build_prefill_selection)(lethe_sparse_method *m, int32_t layer,
+                                       const lethe_sparse_step *st, int32_t seq, int32_t *sel,
+                                       int32_t cap);
+    /* As above for a decode token; q is the backend activation [n_tokens,
+     * n_heads, head_dim] after RoPE (rows of this sequence from q_row).
+     * Default: every resident slot of the row. */
+    int32_t (*build_decode_selection)(lethe_sparse_method *m, int32_t layer,
+                                      const lethe_sparse_step *st, int32_t seq, const void *q,
+                                      int32_t *sel, int32_t cap);
+    /* attn: the layer's attention arguments (q after RoPE, this layer's K
+     * cache, each sequence's selection in step order) when needs_scores(layer)
+     * was true, else NULL; valid during the call only. A method turns them
+     * into reduced per-key scores with lethe_sparse_scores (the backend's
+     * attn_scores op: on the device, nothing rows x keys). Required with
+     * needs_scores; default none. */
+    void (*after_attn)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                       const lethe_attn_args *attn);
+    void (*layer_end)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st); /* default none */
 
-    /* ---- added by the sparse-methods issue (all optional) ---- */
-    lethe_sparse_kind kind;
-    unsigned shared_knobs;                 /* LETHE_USES_* */
-    const lethe_sparse_knob *knob_table;   /* typed method knobs (accepted like knob_names) */
-    int32_t n_knob_table;
-    /* after init and the knob parse: cross-knob checks, derived budgets */
-    lethe_status (*configure)(lethe_sparse_method *m);
-    /* prefill policy: the final prompt chunk must hold at least this many
-     * tokens (SnapKV's observation window lies in it); NULL = 0 */
-    int32_t (*min_final_chunk)(const lethe_sparse_method *m);
-    /* admission bound: most slots one layer of the request may hold at once
-     * (prompt n_prompt, n_total tokens in all, prefill chunks <= chunk);
-     * NULL = n_total (nothing is ever freed) */
-    int32_t (*max_resident)(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
-                            int32_t n_total, int32_t chunk);
-
-    /* ---- added for quantized KV storage (optional) ----
-     * the KV storage format the pool must use (after configure, so it may
-     * depend on knobs); NULL = LETHE_KV_NATIVE. The engine sizes the pool by
-     * that format's real bytes per token (lethe_kv_token_bytes). */
-    lethe_kv_format (*kv_format)(const lethe_sparse_method *m);
-
-    /* ---- added by the quest issue (optional) ---- */
-    /* backend bytes the method allocates per KV slot (all layers together)
-     * besides K and V (Quest: its page bounds); the engine adds them to the
-     * per-token cost when it sizes the pool, so the method's buffers fit in
-     * the same budget. Called before the pool exists. NULL = 0. */
-    size_t (*slot_overhead_bytes)(const lethe_sparse_method *m);
+    /* ---- state snapshot / restore (prefix chains that resume a conversation) ---- */
+    /* serialise `state` into buf[0..cap) and return its size (write only when
+     * it fits; buf may be NULL to ask the size); default: nothing to save */
+    size_t (*snapshot)(lethe_sparse_method *m, const void *state, void *buf, size_t cap);
+    /* rebuild a fresh request_init state from a snapshot; required with snapshot */
+    lethe_status (*restore)(lethe_sparse_method *m, void *state, const void *buf, size_t n);
 };
 
 /* ---- registry (registry.c) ---- */
 
+/* The registered methods: the built-ins of registry.c, then those added with
+ * lethe_sparse_register_extra. The first call of any registry function checks
+ * every built-in with lethe_sparse_validate and aborts naming the method and
+ * the rule (a broken built-in table is a bug). */
 int32_t lethe_sparse_n_methods(void);
 const lethe_sparse_ops *lethe_sparse_method_at(int32_t i);
 /* by canonical name or alias ('-' and '_' are interchangeable, case-insensitive);
  * NULL with an error naming the known methods otherwise */
 const lethe_sparse_ops *lethe_sparse_find(const char *name);
+
+/* The contract's rules for one table (validate.c; each field's comment above
+ * says what it needs): LETHE_OK, or LETHE_ERR_INVALID with the message
+ * "sparse method NAME: RULE". */
+lethe_status lethe_sparse_validate(const lethe_sparse_ops *ops);
+/* Registers a method defined outside registry.c after the built-ins (the
+ * tests' throwaway method): validated like them, and its name and aliases
+ * must not spell a registered method. At most 8; not thread-safe (call it
+ * before any engine exists). */
+lethe_status lethe_sparse_register_extra(const lethe_sparse_ops *ops);
+/* the shared knobs' names (lethe_sparse_knobs order), which method knobs must not shadow */
+extern const char *const lethe_sparse_shared_knob_names[3];
 
 /* Parses "knob=value,knob=value" into knobs (shared ones) and hands others
  * to the method's set_knob. Unknown knobs and bad values are errors. */
@@ -286,14 +337,26 @@ lethe_status lethe_sparse_create(const char *name, const char *config, const let
                                  lethe_sparse_method **out);
 void lethe_sparse_destroy(lethe_sparse_method *m); /* NULL-safe */
 
-/* Defaults applied when a hook is absent (what the scheduler calls). */
-int32_t lethe_sparse_prefill_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
-                                  int32_t n_resident, int32_t n_chunk);
-int32_t lethe_sparse_decode_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
-                                 int32_t n_resident);
+/* ---- hooks with their defaults applied (sparse_common.c): what the engine
+ * and the scheduler call instead of testing the table for NULL ---- */
 
-/* Helper for methods: copies a row's slots for `layer` into sel (the "select
- * everything resident" selection) and returns the count. */
+/* The selection of sequence `seq` for `layer` into sel[0..cap): the
+ * method's build_prefill_selection or build_decode_selection (by
+ * st->seqs[seq].is_prefill), or every resident slot of the row. */
+int32_t lethe_sparse_build_selection(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                                     int32_t seq, const void *q, int32_t *sel, int32_t cap);
+int32_t lethe_sparse_prefill_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                  int32_t n_resident, int32_t n_chunk); /* n_chunk without the hook */
+int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m); /* 0 without the hook */
+lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m); /* NATIVE without the hook */
+int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
+                                  int32_t n_total, int32_t chunk); /* n_total without the hook */
+size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m); /* 0 without the hook */
+
+/* ---- helpers for methods (sparse_common.c) ---- */
+
+/* Copies a row's slots for `layer` into sel (the "select everything
+ * resident" selection, the selection hooks' default) and returns the count. */
 int32_t lethe_sparse_select_all(const lethe_sparse_method *m, int32_t layer, int32_t row,
                                 int32_t *sel, int32_t cap);
 
@@ -305,12 +368,6 @@ lethe_status lethe_knobs_set(const lethe_sparse_ops *o, lethe_knob_values *v, co
                              const char *value);
 double lethe_knob_num(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name);
 const char *lethe_knob_str(const lethe_sparse_ops *o, const lethe_knob_values *v, const char *name);
-
-int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m); /* 0 without the hook */
-lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m); /* NATIVE without the hook */
-int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
-                                  int32_t n_total, int32_t chunk);
-size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m); /* 0 without the hook */
 
 /* Host view of a layer's stored K / V ([n_slots, n_kv_heads, head_dim] f32),
  * NULL when the backend's KV memory is not host f32 (CUDA: the method ops

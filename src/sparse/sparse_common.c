@@ -1,6 +1,6 @@
 /* sparse_common.c - helpers every sparse method shares on top of the contract:
- * typed knob tables (defaults, parsing with bounds, lookup), the prefill-
- * policy and admission wrappers, host access to stored K/V (CPU backend),
+ * typed knob tables (defaults, parsing with bounds, lookup), the hooks with
+ * their defaults applied (selection, capacity questions), host access to stored K/V (CPU backend),
  * the attn_scores call, entry -> slot conversion, and row-aligned score vectors that follow
  * compaction (with their chain-cache snapshot format). */
 #include <errno.h>
@@ -87,6 +87,31 @@ const char *lethe_knob_str(const lethe_sparse_ops *o, const lethe_knob_values *v
     int32_t i = knob_index(o, name);
     LETHE_ASSERT(i >= 0);
     return v->str[i];
+}
+
+int32_t lethe_sparse_prefill_peak(const lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                  int32_t n_resident, int32_t n_chunk) {
+    if (m && m->ops->prefill_peak_slots) return m->ops->prefill_peak_slots(m, s, n_resident, n_chunk);
+    return n_chunk;
+}
+
+int32_t lethe_sparse_select_all(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                                int32_t *sel, int32_t cap) {
+    int32_t sp = lethe_kv_space_of(m->env.pool, layer);
+    int32_t n = lethe_kv_row_len(m->env.pool, sp, row);
+    LETHE_ASSERT(n <= cap);
+    memcpy(sel, lethe_kv_row_slots(m->env.pool, sp, row), (size_t)n * sizeof(int32_t));
+    return n;
+}
+
+int32_t lethe_sparse_build_selection(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
+                                     int32_t seq, const void *q, int32_t *sel, int32_t cap) {
+    if (st->seqs[seq].is_prefill) {
+        if (m->ops->build_prefill_selection) return m->ops->build_prefill_selection(m, layer, st, seq, sel, cap);
+    } else if (m->ops->build_decode_selection) {
+        return m->ops->build_decode_selection(m, layer, st, seq, q, sel, cap);
+    }
+    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
 }
 
 int32_t lethe_sparse_min_final_chunk(const lethe_sparse_method *m) {

@@ -7,7 +7,8 @@
  * compaction at step end). The original paper trims before every step (the
  * cache never exceeds s + r, s = 4) and re-rotates cached keys with
  * cache-relative positions; lethe keeps original positions (post-RoPE keys),
- * as the anchor does. No scores, no per-request state. */
+ * as the anchor does. No scores, no per-request state; attention reads every
+ * resident slot (the selection hooks' default). */
 #include <stdlib.h>
 
 #include "core/util.h"
@@ -19,15 +20,6 @@ static int32_t sl_after(const lethe_sparse_method *m, int32_t len, bool prefill,
     int32_t b = m->knobs.sink_keep_tokens + m->knobs.recent_keep_tokens;
     if (prefill) return final_chunk && len > b ? b : len;
     return len >= 2 * b && len > b ? b : len;
-}
-
-static int32_t sl_select(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                         int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-static int32_t sl_select_decode(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                                int32_t seq, const void *q, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
 }
 
 static void sl_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
@@ -54,13 +46,13 @@ static int32_t sl_max_resident(const lethe_sparse_method *m, int32_t layer, int3
 
 const lethe_sparse_ops lethe_sparse_streamingllm = {
     .name = "streamingllm",
-    .aliases = {"attention-sink", "attention_sink", NULL},
+    .aliases = {"attention-sink", NULL}, /* attention_sink too (lookup treats - and _ alike) */
     .summary = "keep sink + recent tokens; trim at prompt end and when a row reaches 2 (s + r)",
-    .flags = LETHE_SPARSE_PER_LAYER_ROWS,
-    .build_prefill_selection = sl_select,
-    .build_decode_selection = sl_select_decode,
-    .finish_step = sl_finish,
     .kind = LETHE_SPARSE_KIND_EVICTION,
+    .flags = LETHE_SPARSE_PER_LAYER_ROWS,
     .shared_knobs = LETHE_USES_SINK | LETHE_USES_RECENT,
+    .test_configs = {.identity = "sink_keep_tokens=4,recent_keep_tokens=1000",
+                     .small = "sink_keep_tokens=2,recent_keep_tokens=6"},
     .max_resident = sl_max_resident,
+    .finish_step = sl_finish,
 };

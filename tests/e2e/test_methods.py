@@ -32,6 +32,32 @@ def test_json_lists_every_method_with_kind_and_defaults():
     assert {k["name"]: k["default"] for k in methods["kivi"]["knobs"]}["kivi_bits"] == "4"
 
 
+def test_every_registered_method_is_listed_whole():
+    """Iterates the registry's listing: every method (a new one included, with no
+    edit here) has a kind, a summary, typed knobs with defaults and help, and is
+    found by its name and each alias, case- and '-'/'_'-insensitively."""
+    p = run("--json")
+    assert p.returncode == 0, p.stderr
+    methods = json.loads(p.stdout)
+    assert methods and methods[0]["name"] == "dense"
+    spellings = set()
+    for m in methods:
+        assert m["kind"] in ("dense", "eviction", "selection", "quantization"), m
+        assert m["summary"].strip(), m
+        names = [k["name"] for k in m["knobs"]]
+        assert len(names) == len(set(names)), m["name"]
+        for k in m["knobs"]:
+            assert k["type"] in ("int", "float", "bool", "str") and k["default"] != "" and k["help"], k
+            if "min" in k:  # method knobs carry their bounds (the shared ones are counts >= 0)
+                assert k["min"] <= float(k["default"]) <= k["max"], k
+        for spelling in [m["name"], *m["aliases"]]:
+            key = spelling.lower().replace("-", "_")
+            assert key not in spellings, spelling
+            spellings.add(key)
+            q = run(spelling.upper().replace("_", "-"))
+            assert q.returncode == 0 and q.stdout.startswith(m["name"]), (spelling, q.stderr)
+
+
 def test_one_method_by_alias_and_unknown():
     p = run("attention_sink")
     assert p.returncode == 0 and p.stdout.startswith("streamingllm")
