@@ -6,6 +6,7 @@
 #   make test-gpu   CUDA op/model tests (needs a GPU; run on the GPU machine)
 #   make fuzz       the libFuzzer harnesses (tests/fuzz) under ASan + UBSan, clang;
 #                   FUZZ_SECONDS=N per harness (default 60), FUZZ_RUNS=N executions instead
+#   make dev        dev/cuda programs: attention kernel generations side by side (nvcc)
 #   make run        start the server on the default model
 #   make clean
 #
@@ -57,21 +58,28 @@ TOOL_SRC  := $(shell find tools -name '*.c' | sort)
 TEST_SRC  := $(shell find tests -maxdepth 1 -name 'test_*.c' | sort)
 GPU_TEST_SRC := $(shell find tests/gpu -name 'test_*.c' 2>/dev/null | sort)
 BENCH_SRC := $(shell find bench -maxdepth 1 -name '*.c' 2>/dev/null | sort)
+# dev/cuda: kernel generations kept out of lethe (dev/cuda/README.md); every
+# dev/cuda/*.c is a program linked with every dev/cuda/*.cu
+DEV_CU_SRC := $(shell find dev/cuda -maxdepth 1 -name '*.cu' 2>/dev/null | sort)
+DEV_C_SRC  := $(shell find dev/cuda -maxdepth 1 -name '*.c' 2>/dev/null | sort)
 
 OBJ       := $(SRC:%.c=$(BUILD)/%.o)
 CU_OBJ    := $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
+DEV_CU_OBJ := $(DEV_CU_SRC:%.cu=$(BUILD)/%.cu.o)
+DEV_BIN    := $(DEV_C_SRC:%.c=$(BUILD)/%)
 
 LIB := $(BUILD)/liblethe.a
 ifeq ($(CUDA),1)
   LIB_CUDA := $(BUILD)/liblethe_cuda.a
 endif
 
-.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build
+.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build dev
 # with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
-all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN))
+# and the dev/cuda programs (make dev)
+all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -95,6 +103,18 @@ $(BUILD)/lethe: $(TOOL_OBJ) $(LIB) $(LIB_CUDA)
 $(BUILD)/tests/%: tests/%.c $(LIB) $(LIB_CUDA) tests/test.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
+
+# dev/cuda programs (the option parser comes from tools/)
+$(BUILD)/dev/%.o: CFLAGS += -Itools
+$(DEV_BIN): $(BUILD)/dev/cuda/%: $(BUILD)/dev/cuda/%.o $(DEV_CU_OBJ) $(BUILD)/tools/options.o $(LIB) $(LIB_CUDA)
+	$(CC) $(CFLAGS) -o $@ $< $(DEV_CU_OBJ) $(BUILD)/tools/options.o -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
+
+ifeq ($(CUDA),1)
+dev: $(DEV_BIN)
+else
+dev:
+	@echo "make dev: dev/cuda needs nvcc (CUDA=1)" >&2; exit 1
+endif
 
 # The suite: deps + model first, then every C test, a short run of every fuzz
 # harness, then the Python/e2e tests.

@@ -10,8 +10,9 @@ same call (scripts/gpu-check.sh):
     on the shapes of lethe's attention sweep: q [B, H, 1, D], K/V
     [B, KV, ctx, D] bf16, GQA.
 Reads lethe's --json output and prints the ratios side by side: the ratio
-column is lethe's default attention kernel (the entry's "us"); where the JSON
-has every kernel generation ("kernels": v1, v2) their ratios follow."""
+column is lethe's attention (the entry's "us"); JSON from before the v1
+kernels moved to dev/cuda carries every generation ("kernels": v1, v2) and
+their ratios follow."""
 import argparse
 import json
 import statistics

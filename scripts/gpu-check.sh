@@ -3,9 +3,14 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,peer,plot,profile,sparse,stepprof,mmcmp,replay
-# (default: build,test,bench,peer,plot,profile; sparse and replay only when
-# named).
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,stepprof,mmcmp,replay
+# (default: build,test,bench,dev,peer,plot,profile; sparse, stepprof, mmcmp and
+# replay only when named).
+#
+#   dev     dev/cuda/attn_bench (built by the build phase): the attention
+#           kernel generations v1, v2 and lethe's op against the CPU twin,
+#           then v1 vs v2 timed at the Llama-3.1-8B shape (decode b8/b32 x
+#           16K/32K, prefill 8K). < 1 min. -> $OUT/dev-attn.{log,json}
 #
 #   sparse  `lethe bench sparse`: SnapKV 2K largest batch + decode
 #           tok/s vs dense at 32K and 128K, Quest / OmniKV vs dense at batch
@@ -28,10 +33,10 @@
 #           (8 agents x 8 turns, tool outputs 500-2000 words, concurrency 8).
 #           ~3 min. REPLAY_ARGS adds/overrides flags. -> $OUT/replay.json
 #   profile Nsight Compute (ncu --clock-control none; this GPU machine is a
-#           VM) on the decode attention kernels (v1 and v2) at b8 x 32K, the
-#           prefill attention kernels at 8K, and one eager decode step of the
-#           dummy Llama-3.1-8B (b8 x 2K); the range is set by `lethe bench
-#           engine --profile` (cudaProfilerStart/Stop), kernels outside it run
+#           VM) on the decode attention kernels (v1 and v2, dev/cuda/attn_bench)
+#           at b8 x 32K, the prefill attention kernels at 8K, and one eager
+#           decode step of the dummy Llama-3.1-8B (b8 x 2K); the range is set
+#           by --profile (cudaProfilerStart/Stop), kernels outside it run
 #           unprofiled. ~1.5-3 min. Summary in $OUT/profile.txt
 #           (scripts/ncu_summary.py), reports in $OUT/ncu-*.ncu-rep. A missing
 #           or failing ncu is reported and the run goes on.
@@ -42,7 +47,7 @@
 # are unpacked into .deb/root and passed through EXTRA_CFLAGS/EXTRA_LDFLAGS.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-phases=${1:-build,test,bench,peer,plot,profile}
+phases=${1:-build,test,bench,dev,peer,plot,profile}
 has() { [[ ",$phases," == *",$1,"* ]]; }
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 t_start=$(date +%s)
@@ -97,6 +102,11 @@ if has bench; then
         --points ${BENCH_POINTS:-1:4096:64,32:512:64,64:8192:32,1:8192:8} --attention \
         --attn-batch 8,32 --attn-ctx 16384,32768 --attn-prefill 8192 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     log "bench: ($(( $(date +%s) - t0 ))s)"
+fi
+if has dev; then
+    t0=$(date +%s)
+    ./build/dev/cuda/attn_bench --json "$OUT/dev-attn.json" 2>&1 | tee "$OUT/dev-attn.log"
+    log "dev: rc=${PIPESTATUS[0]} ($(( $(date +%s) - t0 ))s): $(grep '^check:' "$OUT/dev-attn.log" | tail -1)"
 fi
 if has peer; then
     t0=$(date +%s)
@@ -182,13 +192,13 @@ if has profile; then
         echo "ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute): no profile" >>"$OUT/profile.txt"
     else
         cfg=configs/llama-3.1-8b-instruct/config.json
-        # ncu_run NAME TIMEOUT NCU-ARGS... -- LETHE-ARGS...: profile, export CSV, never fail the run
+        # ncu_run NAME TIMEOUT NCU-ARGS... -- PROGRAM ARGS...: profile, export CSV, never fail the run
         ncu_run() {
             local name=$1 lim=$2; shift 2
             local nargs=() ; while [ "$1" != "--" ]; do nargs+=("$1"); shift; done; shift
             rm -f "$OUT/ncu-$name.ncu-rep"
             timeout "$lim" "$NCU" --clock-control none --profile-from-start off --force-overwrite \
-                -o "$OUT/ncu-$name" "${nargs[@]}" ./build/lethe bench engine "$@" \
+                -o "$OUT/ncu-$name" "${nargs[@]}" "$@" \
                 >"$OUT/ncu-$name.log" 2>&1
             local rc=$?
             [ $rc -ne 0 ] && echo "ncu $name: rc=$rc (124 = timed out after ${lim}s); see ncu-$name.log: $(grep -m1 -i 'error' "$OUT/ncu-$name.log")" >>"$OUT/profile.txt"
@@ -198,15 +208,15 @@ if has profile; then
                     echo "ncu $name: CSV export failed" >>"$OUT/profile.txt"
             fi
         }
-        # attention kernels: one call of each generation in the range
+        # attention kernels: one call of each generation in the range (dev/cuda/attn_bench)
         ncu_run attn 120 --section SpeedOfLight --section Occupancy --section LaunchStats \
             --section WarpStateStats --metrics dram__bytes_read.sum -- \
-            -m $cfg --attention-only --attn-batch 8 --attn-ctx 32768 --attn-prefill 8192 --reps 1 --profile
-        python3 scripts/ncu_summary.py kernels "attention kernels: decode b8 x 32K (v1 split_kernel + merge, v2 decode_v2_kernel [+ merge]), prefill 8K (v1 prefill_kernel, v2 prefill_v2_kernel); default kernel: ${LETHE_ATTN_KERNEL:-built-in}" \
+            ./build/dev/cuda/attn_bench --no-check --batch 8 --ctx 32768 --prefill 8192 --reps 1 --profile
+        python3 scripts/ncu_summary.py kernels "attention kernels: decode b8 x 32K (v1 split_kernel + merge, v2 decode_v2_kernel [+ merge]), prefill 8K (v1 prefill_kernel, v2 prefill_v2_kernel); lethe runs v2" \
             "$OUT/ncu-attn.csv" >>"$OUT/profile.txt" 2>&1
         # one decode step of the 8B model (eager: every kernel of the step is a launch)
         ncu_run step 150 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed -- \
-            -m $cfg --load-format dummy --points 8:2048:3 --no-graph --profile
+            ./build/lethe bench engine -m $cfg --load-format dummy --points 8:2048:3 --no-graph --profile
         python3 scripts/ncu_summary.py share "one decode step, dummy Llama-3.1-8B, batch 8 x 2K context, eager (no graph)" \
             "$OUT/ncu-step.csv" >>"$OUT/profile.txt" 2>&1
     fi
@@ -221,6 +231,7 @@ grep -B1 -A4 "^   input |" "$OUT/sparse.log" 2>/dev/null
 grep -A5 "^matched batch" "$OUT/sparse.log" 2>/dev/null
 grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null
 grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
+[ -s "$OUT/dev-attn.log" ] && { echo; echo "dev/cuda/attn_bench:"; grep -E "^check:|FAIL$" "$OUT/dev-attn.log"; grep -A6 "attention alone" "$OUT/dev-attn.log"; }
 [ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }
 [ -s "$OUT/stepprof.txt" ] && { echo; cat "$OUT/stepprof.txt"; }
 [ -s "$OUT/mmcmp.txt" ] && { echo; cat "$OUT/mmcmp.txt"; }

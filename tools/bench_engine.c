@@ -15,13 +15,13 @@
  * device copy and an 8192^3 GEMM). KV layout: contiguous slots per sequence
  * (slot = seq * capacity + position), dense selection; steps go through
  * lethe_model_forward_uniform, so decode steps replay CUDA graphs unless
- * --no-graph. --attention adds attention-only sweeps: decode (the kernel
- * alone vs copy bandwidth) and prefill (causal, vs the GEMM peak), each for
- * every attention kernel generation of the backend side by side (CUDA: v1,
- * v2; the JSON entry's top-level numbers are the default one's). --profile
- * wraps one call per attention kernel and the last decode step in the
- * profiler range for `ncu --profile-from-start off` (scripts/gpu-check.sh
- * profile). --json writes everything (scripts/plot_bench.py draws it). */
+ * --no-graph. --attention adds attention-only sweeps of the backend's
+ * attention op (the kernels the engine runs): decode (vs copy bandwidth) and
+ * prefill (causal, vs the GEMM peak); dev/cuda/attn_bench compares the CUDA
+ * kernel generations side by side. --profile wraps one call per attention
+ * shape and the last decode step in the profiler range for `ncu
+ * --profile-from-start off` (scripts/gpu-check.sh profile). --json writes
+ * everything (scripts/plot_bench.py draws it). */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -218,20 +218,6 @@ done:
 
 /* ---- attention alone ----------------------------------------------------------- */
 
-/* Kernel generations to compare: both (v1, v2) where the backend can switch
- * (ops->attn_kernel), else the one it has (0). Returns the count; *dflt is
- * the default generation, restored by the caller. */
-static int attn_versions(lethe_backend *be, int *vers, int *dflt) {
-    if (!be->ops->attn_kernel || be->ops->attn_kernel(be, 0) == 0) {
-        vers[0] = 0;
-        *dflt = 0;
-        return 1;
-    }
-    *dflt = be->ops->attn_kernel(be, 0);
-    vers[0] = 1, vers[1] = 2;
-    return 2;
-}
-
 /* Times `reps` calls of a (after 3 warm-up calls); with `profile`, one more
  * call inside the profiler range (ncu --profile-from-start off). */
 static double time_attention(lethe_backend *be, const lethe_attn_args *a, int reps, bool profile) {
@@ -261,52 +247,34 @@ static void upload_random(lethe_backend *be, void *dst, size_t n) {
     free(h);
 }
 
-static const char *ver_name(int v) { return v == 1 ? "v1" : v == 2 ? "v2" : "default"; }
-
-/* Times the attention call `a` with each kernel generation vers[0..nv) and
- * prints one "| vN us rate frac" column group per version. `work` is what one
+/* Times the attention call `a` and prints "| us rate frac". `work` is what one
  * call moves or computes (bytes or FLOPs), `ceiling` the same-run device rate
  * for it (copy bytes/s or GEMM FLOP/s; 0 = unknown), `unit` scales work/s into
- * the printed rate (1e-9: GB/s, 1e-12: TFLOP/s). JSON: per[vN] = {us, rate_key,
- * frac_key}; the default version's numbers also go to the top level of e. */
-static void time_versions(lethe_backend *be, const lethe_attn_args *a, const int *vers, int nv,
-                          int dflt, int reps, bool profile, double work, double ceiling, double unit,
-                          const char *rate_key, const char *frac_key, cJSON *per, cJSON *e) {
-    for (int vi = 0; vi < nv; vi++) {
-        if (vers[vi]) be->ops->attn_kernel(be, vers[vi]);
-        const double t = time_attention(be, a, reps, profile);
-        const double rate = work / t * unit, frac = ceiling > 0 ? work / ceiling / t : 0;
-        printf(" | %4s %9.1f %8.1f %6.1f%%", ver_name(vers[vi]), t * 1e6, rate, 100 * frac);
-        cJSON *k1 = cJSON_AddObjectToObject(per, ver_name(vers[vi]));
-        cJSON_AddNumberToObject(k1, "us", t * 1e6);
-        cJSON_AddNumberToObject(k1, rate_key, rate);
-        cJSON_AddNumberToObject(k1, frac_key, frac);
-        if (vers[vi] == dflt) {
-            cJSON_AddStringToObject(e, "kernel", ver_name(dflt));
-            cJSON_AddNumberToObject(e, "us", t * 1e6);
-            cJSON_AddNumberToObject(e, rate_key, rate);
-            cJSON_AddNumberToObject(e, frac_key, frac);
-        }
-    }
+ * the printed rate (1e-9: GB/s, 1e-12: TFLOP/s). JSON: e gets {us, rate_key,
+ * frac_key}. */
+static void time_entry(lethe_backend *be, const lethe_attn_args *a, int reps, bool profile,
+                       double work, double ceiling, double unit, const char *rate_key,
+                       const char *frac_key, cJSON *e) {
+    const double t = time_attention(be, a, reps, profile);
+    const double rate = work / t * unit, frac = ceiling > 0 ? work / ceiling / t : 0;
+    printf(" | %9.1f %8.1f %6.1f%%", t * 1e6, rate, 100 * frac);
+    cJSON_AddNumberToObject(e, "us", t * 1e6);
+    cJSON_AddNumberToObject(e, rate_key, rate);
+    cJSON_AddNumberToObject(e, frac_key, frac);
 }
 
 /* Decode attention (one query per sequence, dense selection of ctx slots):
- * bytes of K + V read per call vs the copy bandwidth, per kernel generation;
- * the entry's us / gb_s / frac_copy are the default generation's (what the
- * engine runs; bench/peer_hf.py compares those with torch). */
+ * bytes of K + V read per call vs the copy bandwidth; the entry's us / gb_s /
+ * frac_copy are what the engine runs (bench/peer_hf.py compares them with
+ * torch). */
 static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, const int32_t *bs,
                               int nb, const int32_t *ctxs, int nc, double copy_bps, int reps,
                               bool profile) {
     cJSON *arr = cJSON_CreateArray();
     const int32_t H = c->n_heads, KV = c->n_kv_heads, D = c->head_dim, kv_dim = KV * D;
-    int vers[2], dflt;
-    const int nv = attn_versions(be, vers, &dflt);
-    printf("\ndecode attention alone (H=%d KV=%d D=%d, %s KV, %d reps; default kernel %s)\n", H,
-           KV, D, be->ops->kv_size == 2 ? "bf16" : "f32", reps, ver_name(dflt));
-    printf("%6s %8s", "batch", "ctx");
-    for (int v = 0; v < nv; v++)
-        printf(" | %4s %9s %8s %7s", ver_name(vers[v]), "us/call", "GB/s", "of copy");
-    printf("\n");
+    printf("\ndecode attention alone (H=%d KV=%d D=%d, %s KV, %d reps)\n", H, KV, D,
+           be->ops->kv_size == 2 ? "bf16" : "f32", reps);
+    printf("%6s %8s | %9s %8s %7s\n", "batch", "ctx", "us/call", "GB/s", "of copy");
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < nc; j++) {
             const int32_t B = bs[i], L = ctxs[j];
@@ -342,13 +310,10 @@ static cJSON *attention_sweep(lethe_backend *be, const lethe_model_config *c, co
             cJSON *e = cJSON_CreateObject();
             cJSON_AddNumberToObject(e, "batch", B);
             cJSON_AddNumberToObject(e, "ctx", L);
-            cJSON *per = cJSON_AddObjectToObject(e, "kernels");
             printf("%6d %8d", B, L);
-            time_versions(be, &a, vers, nv, dflt, reps, profile, bytes, copy_bps, 1e-9, "gb_s",
-                          "frac_copy", per, e);
+            time_entry(be, &a, reps, profile, bytes, copy_bps, 1e-9, "gb_s", "frac_copy", e);
             printf("\n");
             fflush(stdout);
-            if (dflt) be->ops->attn_kernel(be, dflt);
             cJSON_AddItemToArray(arr, e);
             be->ops->unstage(be);
             be->ops->release(be, k), be->ops->release(be, v);
@@ -365,13 +330,9 @@ static cJSON *prefill_attention_sweep(lethe_backend *be, const lethe_model_confi
                                       bool profile) {
     cJSON *arr = cJSON_CreateArray();
     const int32_t H = c->n_heads, KV = c->n_kv_heads, D = c->head_dim, kv_dim = KV * D;
-    int vers[2], dflt;
-    const int nv = attn_versions(be, vers, &dflt);
     printf("\nprefill attention alone (H=%d KV=%d D=%d, causal, one sequence, %d reps)\n", H, KV,
            D, reps);
-    printf("%8s", "tokens");
-    for (int v = 0; v < nv; v++) printf(" | %4s %9s %8s %7s", ver_name(vers[v]), "us/call", "TFLOP/s", "of pk");
-    printf("\n");
+    printf("%8s | %9s %8s %7s\n", "tokens", "us/call", "TFLOP/s", "of pk");
     for (int i = 0; i < nl; i++) {
         const int32_t L = lens[i];
         void *k = NULL, *v = NULL, *q = NULL, *o = NULL;
@@ -402,13 +363,10 @@ static cJSON *prefill_attention_sweep(lethe_backend *be, const lethe_model_confi
         cJSON *e = cJSON_CreateObject();
         cJSON_AddNumberToObject(e, "tokens", L);
         cJSON_AddNumberToObject(e, "flops", flops);
-        cJSON *per = cJSON_AddObjectToObject(e, "kernels");
         printf("%8d", L);
-        time_versions(be, &a, vers, nv, dflt, reps, profile, flops, gemm_fps, 1e-12, "tflops",
-                      "frac_gemm_peak", per, e);
+        time_entry(be, &a, reps, profile, flops, gemm_fps, 1e-12, "tflops", "frac_gemm_peak", e);
         printf("\n");
         fflush(stdout);
-        if (dflt) be->ops->attn_kernel(be, dflt);
         cJSON_AddItemToArray(arr, e);
         be->ops->unstage(be);
         be->ops->release(be, k), be->ops->release(be, v);
@@ -441,7 +399,7 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--attn-ctx", NULL, LETHE_OPT_STR, &o.attn_ctx, "LIST", "attention sweep context lengths", 1, 0},
         {"--attn-prefill", NULL, LETHE_OPT_STR, &o.attn_prefill, "LIST", "prefill attention sweep lengths (one sequence, causal)", 1, 0},
         {"--reps", NULL, LETHE_OPT_INT, &o.reps, "N", "timed repetitions (attention sweep)", 1, 100000},
-        {"--profile", NULL, LETHE_OPT_BOOL, &o.profile, NULL, "profiler range (ncu --profile-from-start off) around one call per attention kernel and the last decode step", 1, 0},
+        {"--profile", NULL, LETHE_OPT_BOOL, &o.profile, NULL, "profiler range (ncu --profile-from-start off) around one call per attention shape and the last decode step", 1, 0},
         {"--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "dummy weights and token seed", 1, 0},
         {"--json", NULL, LETHE_OPT_STR, &o.json, "PATH", "write results as JSON", 1, 0},
     };

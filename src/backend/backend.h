@@ -345,15 +345,10 @@ typedef struct lethe_backend_ops {
                         const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
                         int32_t head_dim, bool out_on_backend);
     /* (out_on_backend: out is backend f32 memory, no host copy and no sync.) */
-    /* Optional (NULL = not offered; benchmarks and tests only). attn_kernel:
-     * selects the attention kernel generation (CUDA: 1 = v1, 2 = v2; the
-     * default comes from LETHE_ATTN_KERNEL=v1|v2) when version > 0, and
-     * returns the one in use (CPU: always 0). Captured graphs keep the
-     * kernels they captured: reset them after switching. profile_range:
+    /* Optional (NULL = not offered; benchmarks and tests only). profile_range:
      * starts/stops the device profiler's capture range (CUDA:
      * cudaProfilerStart/Stop, for `ncu --profile-from-start off`); a no-op
      * unless caps has LETHE_BE_PROFILER. */
-    int (*attn_kernel)(lethe_backend *be, int version);
     void (*profile_range)(lethe_backend *be, bool start);
     /* ---- sampling on the backend (backend/sample.h defines the arguments
      * and the exact semantics; cpu/sample.c, cuda/sample.cu) ---- */

@@ -10,8 +10,8 @@
  * GQA groups 1/3/4/8/12/16/32, head_dim 32/64/96/128/256, ragged batches mixing
  * decode rows with prefill and extend chunks over permuted cache slots,
  * sparse (subset) selections, the pre-staged (stage_step) path, contexts
- * >= 16K (split-K; every attention case runs once per kernel generation,
- * ops->attn_kernel: v1, v2), attn_scores (every mode, up to 40K
+ * >= 16K (split-K; head_dim 64 / 128 run the v2 kernels, the others the
+ * generic split-K kernel; dev/cuda compares v1 too), attn_scores (every mode, up to 40K
  * candidates; single-row shapes on both logits kernels), the Quest page ops
  * (page_minmax: exact; page_scores: fp32 reassociation only, both kernels), the sample op (exact token equality, see
  * test_sample), and the device-side selection ops topk / select_expand
@@ -253,8 +253,6 @@ static void test_rows(void) {
 
 #define ATTN_MAX_SEQS 24
 
-static int g_attn_version; /* kernel generation under test (ops->attn_kernel), 0 = n/a */
-
 typedef struct attn_case {
     const char *name;
     int n_heads, n_kv, hd;
@@ -323,8 +321,8 @@ static void run_attn_case(const attn_case *tc, int staged) {
     a.q = pq.g, a.out = po.g, a.k_cache = pk.g, a.v_cache = pv.g;
     g_gpu->ops->attention(g_gpu, &a);
     char what[160];
-    snprintf(what, sizeof what, "attention v%d %s (H=%d KV=%d D=%d T=%d%s)", g_attn_version,
-             tc->name, H, KV, D, T, staged ? ", staged" : "");
+    snprintf(what, sizeof what, "attention %s (H=%d KV=%d D=%d T=%d%s)", tc->name, H, KV, D, T,
+             staged ? ", staged" : "");
     compare(&pk, (size_t)n_slots * kv_dim, 1e-6, "kv_store K");
     compare(&pv, (size_t)n_slots * kv_dim, 1e-6, "kv_store V");
     double e = compare(&po, (size_t)T * H * D, 1.5e-2, what);
@@ -382,22 +380,15 @@ static void test_attention(void) {
         {"mixed decode rows", 32, 8, 128, 6, {1, 1, 100, 1, 1, 1}, {3000, 17, 600, 1, 129, 5000}, 0},
         {"mixed decode rows d64 sparse", 9, 3, 64, 4, {1, 7, 1, 1}, {20000, 300, 65, 2}, 1},
     };
-    const int versions[] = {1, 2};
-    const int n_versions = g_gpu->ops->attn_kernel ? 2 : 1;
-    const int dflt = g_gpu->ops->attn_kernel ? g_gpu->ops->attn_kernel(g_gpu, 0) : 0;
-    for (int vi = 0; vi < n_versions; vi++) {
-        g_attn_version = g_gpu->ops->attn_kernel ? g_gpu->ops->attn_kernel(g_gpu, versions[vi]) : 0;
-        for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_attn_case(&cases[i], 0);
-        run_attn_case(&cases[1], 1);
-        run_attn_case(&cases[8], 1);
-        run_attn_case(&cases[23], 1);
-        /* repeat with fresh inputs: a kernel race shows up as a moving error */
-        run_attn_case(&cases[1], 0);
-        run_attn_case(&cases[7], 0);
-        run_attn_case(&cases[19], 0);
-        run_attn_case(&cases[27], 0);
-    }
-    if (dflt) g_gpu->ops->attn_kernel(g_gpu, dflt);
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_attn_case(&cases[i], 0);
+    run_attn_case(&cases[1], 1);
+    run_attn_case(&cases[8], 1);
+    run_attn_case(&cases[23], 1);
+    /* repeat with fresh inputs: a kernel race shows up as a moving error */
+    run_attn_case(&cases[1], 0);
+    run_attn_case(&cases[7], 0);
+    run_attn_case(&cases[19], 0);
+    run_attn_case(&cases[27], 0);
 }
 
 /* ---- attn_scores (sparse methods' reduced scores) ------------------------- */

@@ -70,8 +70,7 @@ static lethe_status cpu_graph_end(lethe_backend *be, int32_t key) {
 static bool cpu_graph_launch(lethe_backend *be, int32_t key, float *logits_dst) { return false; }
 static void cpu_graph_reset(lethe_backend *be) {}
 
-/* one attention kernel; no device profiler */
-static int cpu_attn_kernel(lethe_backend *be, int version) { return 0; }
+/* no device profiler */
 static void cpu_profile_range(lethe_backend *be, bool start) {}
 
 /* memcpy bandwidth (64 MiB, read + written bytes) and the f32 GEMM rate */
@@ -135,7 +134,6 @@ static const lethe_backend_ops cpu_ops = {
     /* Quest page bounds */
     .page_minmax = lethe_cpu_page_minmax,
     .page_scores = lethe_cpu_page_scores,
-    .attn_kernel = cpu_attn_kernel,
     .profile_range = cpu_profile_range,
     .sample = lethe_cpu_sample,
     .topk = lethe_cpu_topk,

@@ -1,11 +1,11 @@
 /* attention_common.cuh - helpers shared by the attention kernels (internal).
  *
- * attention.cu holds the v1 kernels (SIMT split-K decode, WMMA prefill), the
- * score output, the LSE merge and the dispatcher; attention_v2.cu the v2
- * kernels (mma.sync bf16 + cp.async pipelines). Both follow backend.h's
- * lethe_attn_args semantics (the CPU twin is backend/cpu/attention.c).
- * LETHE_ATTN_KERNEL=v1|v2 (read at backend creation, ops->attn_kernel at run
- * time) picks the generation. */
+ * attention.cu holds the dispatcher, the generic split-K kernel (any head_dim
+ * the v2 kernels do not take) and the LSE merge; attention_v2.cu the v2
+ * kernels (mma.sync bf16 + cp.async pipelines, head_dim 64 / 128). Both
+ * follow backend.h's lethe_attn_args semantics (the CPU twin is
+ * backend/cpu/attention.c). dev/cuda/ builds on these launchers to compare
+ * the kernel generations (the v1 prefill kernel lives there). */
 #ifndef LETHE_BACKEND_CUDA_ATTENTION_COMMON_CUH
 #define LETHE_BACKEND_CUDA_ATTENTION_COMMON_CUH
 
@@ -54,6 +54,12 @@ void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const in
                            int n_seqs, bool decode, int32_t n_items, int n_heads, int D,
                            int n_splits, int gran, bool skip_single, const int32_t *d_items,
                            const float *ws_o, const float *ws_lse);
+
+/* The generic split-K attention (attention.cu) for any head_dim in 8..256,
+ * D % 8 == 0, decode (every sequence one query) or not: split_kernel + the
+ * merge. The dispatcher's path for shapes v2 does not take. */
+void lethe_cuda_attn_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                           const int32_t *d_sb, const int32_t *d_sel, bool decode);
 
 /* v2 launchers (attention_v2.cu); D is 64 or 128. v2_fits: the shape is one
  * v2 takes (D 64/128) and both v2 kernels' shared memory fits this device's

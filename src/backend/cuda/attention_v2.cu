@@ -3,9 +3,9 @@
  * table with cp.async into multi-buffered shared memory, online softmax in
  * registers (FlashAttention-2 register layout: the S accumulator of QK^T is
  * reused as the A operand of PV without a shared-memory round trip).
- * Semantics: backend.h's lethe_attn_args, same as attention.cu (v1) and the
- * CPU twin backend/cpu/attention.c. head_dim 64 and 128; attention.cu keeps
- * the generic v1 kernels for every other shape.
+ * Semantics: backend.h's lethe_attn_args, same as attention.cu and the CPU
+ * twin backend/cpu/attention.c. head_dim 64 and 128; attention.cu keeps the
+ * generic split-K kernel for every other shape.
  *
  * decode_v2_kernel (one query row per sequence): a block = (row, KV head,
  * split) with the G <= 16 query heads of that KV head as the 16 rows of the

@@ -429,14 +429,7 @@ static lethe_status cuda_measure_peaks(lethe_backend *be, double *copy_bps, doub
     return LETHE_OK;
 }
 
-/* ---- kernel selection, profiler range ----------------------------------- */
-
-static int cuda_attn_kernel(lethe_backend *be, int version) {
-    cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(version >= 0 && version <= 2);
-    if (version > 0) c->attn_kernel = version;
-    return c->attn_kernel;
-}
+/* ---- profiler range ------------------------------------------------------ */
 
 static void cuda_profile_range(lethe_backend *be, bool start) {
     cuda_ctx *c = cuda_ctx_of(be);
@@ -444,17 +437,6 @@ static void cuda_profile_range(lethe_backend *be, bool start) {
     if (start) cudaProfilerStart();
     else cudaProfilerStop();
     cudaGetLastError(); /* no profiler attached is not an error */
-}
-
-/* LETHE_ATTN_KERNEL=v1|v2|1|2 (unset: the default below) */
-static lethe_status attn_kernel_from_env(int *out) {
-    const char *e = getenv("LETHE_ATTN_KERNEL");
-    *out = 2; /* v2 (tensor-core decode/prefill) passed make test-gpu on the H200 at 0ed5ebf (LETHE_ATTN_KERNEL=v2); v1 stays selectable */
-    if (!e || !*e) return LETHE_OK;
-    if (!strcmp(e, "v1") || !strcmp(e, "1")) *out = 1;
-    else if (!strcmp(e, "v2") || !strcmp(e, "2")) *out = 2;
-    else return lethe_errorf(LETHE_ERR_INVALID, "LETHE_ATTN_KERNEL='%s': expected v1 or v2", e);
-    return LETHE_OK;
 }
 
 /* LETHE_MATMUL=auto|cublas: auto (default) sends decode-sized products
@@ -532,7 +514,6 @@ static const lethe_backend_ops cuda_ops = {
     /* Quest page bounds */
     /* .page_minmax */ lethe_cuda_page_minmax,
     /* .page_scores */ lethe_cuda_page_scores,
-    /* .attn_kernel */ cuda_attn_kernel,
     /* .profile_range */ cuda_profile_range,
     /* .sample */ lethe_cuda_sample,
     /* device-side selection (select.cu) */
@@ -574,8 +555,7 @@ extern "C" lethe_status lethe_backend_cuda_create(const lethe_backend_params *p,
     be->ops = &cuda_ops;
     be->n_threads = p->n_threads;
     be->ctx = c;
-    lethe_status env_st = attn_kernel_from_env(&c->attn_kernel);
-    if (env_st == LETHE_OK) env_st = matmul_from_env(&c->matmul_cublas_only);
+    lethe_status env_st = matmul_from_env(&c->matmul_cublas_only);
     if (env_st != LETHE_OK) {
         cuda_destroy(be);
         return env_st;
@@ -609,9 +589,9 @@ extern "C" lethe_status lethe_backend_cuda_create(const lethe_backend_params *p,
     c->ring_cap = RING_BYTES;
     INIT_CHECK(cudaMallocHost((void **)&c->ring_h, c->ring_cap), "pinned staging ring");
     INIT_CHECK(cudaMalloc((void **)&c->ring_d, c->ring_cap), "device staging ring");
-    LOG_INFO("cuda backend: %s, %d SMs, %.1f GiB, compute %d.%d, attention kernels v%d, matmul %s",
-             prop.name, c->n_sms, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
-             c->attn_kernel, c->matmul_cublas_only ? "cublas" : "auto");
+    LOG_INFO("cuda backend: %s, %d SMs, %.1f GiB, compute %d.%d, matmul %s", prop.name, c->n_sms,
+             prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
+             c->matmul_cublas_only ? "cublas" : "auto");
     *out = be;
     return LETHE_OK;
 }

@@ -21,8 +21,7 @@
  *   matmul.cu        cuBLAS bf16 GEMM (fp32 accumulation), small-batch GEMV
  *   norm.cu          RMSNorm (also per-head q/k norm)
  *   rope.cu          rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
- *   attention.cu     prefill/extend (tensor cores) + split-K flash decoding (v1),
- *                    score output, LSE merge, dispatch
+ *   attention.cu     dispatch, generic split-K flash attention (any head_dim), LSE merge
  *   attention_v2.cu  v2: mma.sync + cp.async decode and prefill (head_dim 64/128)
  *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3)
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
@@ -116,10 +115,6 @@ typedef struct cuda_ctx {
     size_t f32_cap;
     float *f32_h;                /* pinned, for captured logits */
     size_t f32_h_cap;
-
-    /* attention kernel generation (1 = v1, 2 = v2): LETHE_ATTN_KERNEL at
-     * creation, ops->attn_kernel after */
-    int attn_kernel;
 
     /* attention split-K workspace: partial O [.., D] and LSE, fp32 */
     float *attn_ws;
