@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "commands.h"
+#include "core/env.h"
 
 typedef struct subcommand {
     const char *name;
@@ -23,6 +24,8 @@ static void usage(FILE *f) {
                "lethe is a sparse-first LLM inference and serving engine.\n\ncommands:\n");
     for (size_t i = 0; i < sizeof(g_cmds) / sizeof(g_cmds[0]); i++)
         fprintf(f, "  %-10s %s\n", g_cmds[i].name, g_cmds[i].help);
+    fprintf(f, "\n");
+    lethe_env_print_help(f); /* every LETHE_* variable (core/env.c) */
 }
 
 int main(int argc, char **argv) {

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/env.h"
 #include "core/log.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
@@ -177,13 +178,12 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         goto fail;
     }
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
-    const char *st_env = getenv("LETHE_STEP_TIMES");
-    e->diag.step_times = st_env && *st_env && strcmp(st_env, "0") != 0;
     /* LETHE_PROFILE_STEP=N: the device profiler's range around the N-th pure
      * decode step (1-based), for `ncu --profile-from-start off` */
-    const char *ps_env = getenv("LETHE_PROFILE_STEP");
-    e->diag.profile_step = ps_env && *ps_env ? strtoll(ps_env, NULL, 10) : 0;
-    if (e->diag.profile_step < 0 || (e->diag.profile_step > 0 && !e->runner.be)) e->diag.profile_step = 0;
+    if ((st = lethe_env_bool(LETHE_ENV_STEP_TIMES, &e->diag.step_times)) != LETHE_OK ||
+        (st = lethe_env_uint(LETHE_ENV_PROFILE_STEP, &e->diag.profile_step)) != LETHE_OK)
+        goto fail;
+    if (!e->runner.be) e->diag.profile_step = 0;
     /* device logits rows: every logits row of a step, padded decode steps included */
     if (e->runner.workspace &&
         (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,
@@ -210,10 +210,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
     /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
     e->step.cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->fwd.max_bucket);
-    { /* sampling on the backend unless LETHE_SAMPLE_ON_HOST=1 (debugging, comparisons) */
-        const char *h = getenv("LETHE_SAMPLE_ON_HOST");
-        e->ds.enabled = e->runner.sample && !(h && h[0] == '1');
-    }
+    /* sampling on the backend unless LETHE_SAMPLE_ON_HOST=1 (debugging, comparisons) */
+    bool on_host = false;
+    if ((st = lethe_env_bool(LETHE_ENV_SAMPLE_ON_HOST, &on_host)) != LETHE_OK) goto fail;
+    e->ds.enabled = e->runner.sample && !on_host;
     e->step.logits = malloc((size_t)e->step.cap_logits * (size_t)e->n_vocab * sizeof(float));
     if (!e->step.logits) {
         st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->step.cap_logits,

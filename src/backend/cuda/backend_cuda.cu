@@ -29,6 +29,7 @@
 #include <string.h>
 
 extern "C" {
+#include "core/env.h"
 #include "core/log.h"
 }
 
@@ -439,15 +440,14 @@ static void cuda_profile_range(lethe_backend *be, bool start) {
     cudaGetLastError(); /* no profiler attached is not an error */
 }
 
-/* LETHE_MATMUL=auto|cublas: auto (default) sends decode-sized products
- * (n <= 4) to matmul.cu's GEMV kernel; cublas sends every product to cuBLAS
- * (side-by-side benchmarks) */
+/* LETHE_MATMUL=auto|cublas (env table, core/env.c): auto (default) sends
+ * decode-sized products (n <= 4) to matmul.cu's GEMV kernel; cublas sends
+ * every product to cuBLAS (side-by-side benchmarks) */
 static lethe_status matmul_from_env(bool *cublas_only) {
-    const char *e = getenv("LETHE_MATMUL");
-    *cublas_only = false;
-    if (!e || !*e || !strcmp(e, "auto")) return LETHE_OK;
-    if (!strcmp(e, "cublas")) *cublas_only = true;
-    else return lethe_errorf(LETHE_ERR_INVALID, "LETHE_MATMUL='%s': expected auto or cublas", e);
+    const char *v = NULL;
+    lethe_status st = lethe_env_choice(LETHE_ENV_MATMUL, &v);
+    if (st != LETHE_OK) return st;
+    *cublas_only = !strcmp(v, "cublas");
     return LETHE_OK;
 }
 
