@@ -18,7 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/env.h"
 #include "core/log.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
@@ -178,12 +177,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         goto fail;
     }
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
-    /* LETHE_PROFILE_STEP=N: the device profiler's range around the N-th pure
-     * decode step (1-based), for `ncu --profile-from-start off` */
-    if ((st = lethe_env_bool(LETHE_ENV_STEP_TIMES, &e->diag.step_times)) != LETHE_OK ||
-        (st = lethe_env_uint(LETHE_ENV_PROFILE_STEP, &e->diag.profile_step)) != LETHE_OK)
-        goto fail;
-    if (!e->runner.be) e->diag.profile_step = 0;
+    if ((st = eng_diag_init(e)) != LETHE_OK) goto fail; /* LETHE_STEP_TIMES, LETHE_PROFILE_STEP */
     /* device logits rows: every logits row of a step, padded decode steps included */
     if (e->runner.workspace &&
         (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,
@@ -210,10 +204,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
     /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
     e->step.cap_logits = LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens), e->fwd.max_bucket);
-    /* sampling on the backend unless LETHE_SAMPLE_ON_HOST=1 (debugging, comparisons) */
-    bool on_host = false;
-    if ((st = lethe_env_bool(LETHE_ENV_SAMPLE_ON_HOST, &on_host)) != LETHE_OK) goto fail;
-    e->ds.enabled = e->runner.sample && !on_host;
+    /* sampling on the backend unless LETHE_SAMPLE_ON_HOST=1 */
+    if ((st = eng_sample_init(e)) != LETHE_OK) goto fail;
     e->step.logits = malloc((size_t)e->step.cap_logits * (size_t)e->n_vocab * sizeof(float));
     if (!e->step.logits) {
         st = lethe_errorf(LETHE_ERR_NOMEM, "engine: logits buffer for %d sequences x %d vocab", e->step.cap_logits,
@@ -506,13 +498,7 @@ const char *lethe_engine_model_name(const lethe_engine *e) { return e->model_nam
 void lethe_engine_destroy(lethe_engine *e) {
     if (!e) return;
     lethe_engine_stop(e);
-    if (e->diag.step_times && e->diag.n_timed > 0) {
-        const double k = 1e3 / (double)e->diag.n_timed;
-        LOG_INFO("step times (LETHE_STEP_TIMES, %lld decode steps, host ms per step): forward+sample "
-                 "%.3f = forward call %.3f (plan_layer %.3f) + sample/wait %.3f",
-                 (long long)e->diag.n_timed, e->diag.t_step * k, e->diag.t_fwd * k,
-                 e->diag.t_plan * k, e->diag.t_sample * k);
-    }
+    eng_diag_report(e);
     if (e->sched) {
         /* requests still queued or live end with ABORT so callers are released */
         if (e->reqs.buckets) eng_apply_inbox(e);
@@ -549,7 +535,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->plan.rows_begin);
     free(e->fwd.gs);
     free(e->step.logits);
-    free(e->ds.rows), free(e->ds.tokens), free(e->ds.logprobs), free(e->ds.pen_ids), free(e->ds.pen_counts);
+    eng_sample_free(e);
     free(e->step.detok_buf);
     lethe_queue_destroy(&e->thr.inbox);
     pthread_mutex_destroy(&e->stats.mu);

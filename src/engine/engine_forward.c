@@ -1,4 +1,13 @@
-/* engine_forward.c - how one engine step's forward runs.
+/* engine_forward.c - how one engine step's forward runs, and the layer plan.
+ *
+ * The layer plan (plan_layer, the runner's hook): per layer, where the new
+ * tokens' K/V go (their slots, appended to each row by the scheduler) and
+ * what attention reads: each sequence's selection, asked from the sparse
+ * method (build_prefill_selection / build_decode_selection, or select_layer
+ * for the whole step at once). after_attn hands the method the attention's
+ * arguments when it needs scores (it scores through the backend's
+ * attn_scores op), then layer_end. With check_invariants the engine checks a
+ * selection's contents: the new tokens last, every slot resident.
  *
  * Two paths, chosen once at create (eng_forward_init):
  *
@@ -32,7 +41,7 @@
  * Methods never see the dummies: e->step.batch and e->step.st keep the real B.
  *
  * logits: e->step.logits (host rows), or NULL to leave every row, padding
- * included, in the model's device logits for the sample op (engine_step.c).
+ * included, in the model's device logits for the sample op (engine_sample.c).
  *
  * Graphs exist on backends with LETHE_BE_GRAPHS (the CPU backend's graph ops
  * are no-op twins); enforce_eager turns them off, pad_decode_batches pads
@@ -130,10 +139,130 @@ static void stage_rows(lethe_engine *e) {
     e->plan.rows_staged = true;
 }
 
-void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits) {
+/* ---- the layer plan: where the new K/V go, what attention reads ---- */
+
+/* The method's select_layer answer as the layer's plan (rows: the step's
+ * staged full rows, stage_rows above); false: build per sequence. */
+static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q,
+                                   lethe_layer_plan *out) {
+    lethe_sparse_method *m = e->method;
+    const int32_t n_seqs = e->step.st.n_seqs;
+    const lethe_step_rows rows = {.begin = e->plan.rows_begin, .slots = e->plan.rows};
+    const int32_t *sb = NULL, *ss = NULL;
+    lethe_sel_result r = m->ops->select_layer(m, layer, &e->step.st, q, &rows, &sb, &ss);
+    if (r == LETHE_SEL_PER_SEQ) return false;
+    out->store_slots = e->plan.store; /* staged: the new tokens' slots, the same in every layer */
+    out->kvq = lethe_kv_quant_of(e->pool, layer);
+    LETHE_ASSERT(!out->kvq); /* built selections live on the backend: native KV only */
+    if (r == LETHE_SEL_FULL) {
+        out->sel_begin = e->plan.rows_begin;
+        out->sel_slots = e->plan.rows;
+    } else {
+        LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
+        /* counts always; the contents live on the backend, readable here when
+         * backend memory is host memory (the CPU backend: every test) */
+        const bool host_view = e->p.check_invariants &&
+                               lethe_backend_has(e->runner.be, LETHE_BE_HOST_MEMORY);
+        const int32_t sp = lethe_kv_space_of(e->pool, layer);
+        for (int32_t s = 0; s < n_seqs; s++) {
+            const lethe_sparse_seq *sq = &e->step.seqs[s];
+            const int32_t n = sb[s + 1] - sb[s],
+                          cap = e->plan.rows_begin[s + 1] - e->plan.rows_begin[s];
+            LETHE_ASSERT(n >= sq->n_new && n <= cap);
+            if (!host_view) continue;
+            const int32_t *sel = ss + sb[s];
+            for (int32_t j = 0; j < sq->n_new; j++) /* the new tokens last, in order */
+                LETHE_ASSERT(sel[n - sq->n_new + j] == e->plan.store[sq->q_row + j]);
+            for (int32_t j = 0; j < n; j++)
+                LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, sel[j]) > 0);
+        }
+        out->sel_begin = sb;
+        out->sel_slots = ss;
+        e->stats.cur.device_selections++;
+    }
+    e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
+    return true;
+}
+
+/* Every sequence's selection from the method (lethe_sparse_build_selection:
+ * its build_prefill_selection / build_decode_selection, or every resident
+ * slot), the new tokens' store slots from the rows. */
+static void plan_per_seq(lethe_engine *e, int32_t layer, const void *q, lethe_layer_plan *out) {
+    lethe_sparse_method *m = e->method;
+    const int32_t sp = lethe_kv_space_of(e->pool, layer);
+    const int32_t n_seqs = e->step.st.n_seqs;
+    int64_t total = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const lethe_sparse_seq *sq = &e->step.seqs[s];
+        int32_t len = lethe_kv_row_len(e->pool, sp, sq->row);
+        const int32_t *slots = lethe_kv_row_slots(e->pool, sp, sq->row);
+        LETHE_ASSERT(len >= sq->n_new);
+        /* the new tokens are the row's last entries (appended by the scheduler) */
+        memcpy(e->plan.store + sq->q_row, slots + len - sq->n_new,
+               (size_t)sq->n_new * sizeof(int32_t));
+        total += len;
+    }
+    if (total > e->plan.cap_sel) {
+        e->plan.cap_sel = LETHE_MAX(total, 2 * e->plan.cap_sel);
+        e->plan.sel = lethe_xrealloc(e->plan.sel, (size_t)e->plan.cap_sel * sizeof(int32_t));
+    }
+    int32_t off = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const lethe_sparse_seq *sq = &e->step.seqs[s];
+        int32_t cap = lethe_kv_row_len(e->pool, sp, sq->row);
+        int32_t n =
+            lethe_sparse_build_selection(m, layer, &e->step.st, s, q, e->plan.sel + off, cap);
+        LETHE_ASSERT(n >= sq->n_new && n <= cap);
+        if (e->p.check_invariants) {
+            for (int32_t j = 0; j < sq->n_new; j++)
+                LETHE_ASSERT(e->plan.sel[off + n - sq->n_new + j] == e->plan.store[sq->q_row + j]);
+            for (int32_t j = 0; j < n; j++)
+                LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, e->plan.sel[off + j]) > 0);
+        }
+        e->plan.sel_begin[s] = off;
+        off += n;
+    }
+    e->plan.sel_begin[n_seqs] = off;
+    out->store_slots = e->plan.store;
+    out->sel_begin = e->plan.sel_begin;
+    out->sel_slots = e->plan.sel;
+    out->kvq = lethe_kv_quant_of(e->pool, layer);
+    /* asked here, while the step's selections are built: after_attn then gets
+     * the attention's arguments to score with (backend attn_scores) */
+    e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
+}
+
+/* The plan_layer hook: what layer `layer` reads and where its new K/V go
+ * (the uniform path asks once: layer 0, q = NULL). */
+static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                       lethe_layer_plan *out) {
+    lethe_engine *e = ctx;
+    const double t0 = e->diag.timed ? lethe_time_s() : 0;
+    if (!e->plan.rows_staged || !plan_from_select_layer(e, layer, q, out))
+        plan_per_seq(e, layer, q, out);
+    if (e->diag.timed) e->diag.t_plan += lethe_time_s() - t0; /* LETHE_STEP_TIMES, engine_diag.c */
+}
+
+/* The after_attn hook: the method scores (with the attention's arguments when
+ * it asked for scores) and ends the layer. */
+static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b,
+                       const lethe_attn_args *a) {
+    lethe_engine *e = ctx;
+    lethe_sparse_method *m = e->method;
+    (void)b;
+    if (m->ops->after_attn)
+        m->ops->after_attn(m, layer, &e->step.st, e->plan.layer_scores ? a : NULL);
+    if (m->ops->layer_end) m->ops->layer_end(m, layer, &e->step.st);
+}
+
+/* ---- the forward ---- */
+
+void eng_forward(lethe_engine *e, float *logits) {
     if (!e->fwd.uniform) {
         if (e->method->ops->select_layer) stage_rows(e);
-        e->runner.forward(e->runner.ctx, &e->step.batch, hooks, logits);
+        const lethe_fwd_hooks hooks = {
+            .ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
+        e->runner.forward(e->runner.ctx, &e->step.batch, &hooks, logits);
         if (e->plan.rows_staged && e->runner.be) e->runner.be->ops->unstage(e->runner.be);
         e->plan.rows_staged = false;
         e->stats.cur.eager_steps++;
@@ -141,7 +270,7 @@ void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits) {
     }
     lethe_fwd_batch b = e->step.batch; /* padded below; methods keep seeing e->step.batch */
     lethe_layer_plan plan;
-    hooks->plan_layer(hooks->ctx, 0, &b, NULL, &plan); /* the same in every layer */
+    plan_layer(e, 0, &b, NULL, &plan); /* the same in every layer */
     LETHE_ASSERT(!plan.kvq); /* per-layer KV storage (quantized formats) is not uniform */
     const int32_t S = b.n_seqs;
     const bool decode = b.n_tokens == S && b.n_logits == S;

@@ -4,12 +4,13 @@
  *                    tokenizer-facing API (tokenize, chat, detokenize)
  *   engine.c         construction from a runner, requests (validate, add,
  *                    abort), stats, destroy
- *   engine_step.c    one step: schedule, build the batch, forward with the
- *                    plan_layer hooks routed through the sparse method,
- *                    sample, detokenize, stop checks, events
- *   engine_forward.c how the step's forward runs: per-layer hooks, or one
- *                    uniform plan (staged once; decode steps as CUDA graphs
- *                    padded to bucket sizes)
+ *   engine_step.c    one step: schedule -> run (batch, forward, sample,
+ *                    commit) -> postprocess (detokenize, stop checks, events)
+ *   engine_forward.c how the step's forward runs: the plan_layer hooks routed
+ *                    through the sparse method, or one uniform plan (staged
+ *                    once; decode steps as CUDA graphs padded to bucket sizes)
+ *   engine_sample.c  the tokens: on the backend (ops->sample) or the host
+ *   engine_diag.c    LETHE_STEP_TIMES / LETHE_PROFILE_STEP around a step
  *   engine_thread.c  threaded mode: start/stop/submit/cancel
  *
  * Ownership: in threaded mode the engine thread owns everything below except
@@ -78,7 +79,7 @@ typedef struct eng_step_state {
     char *detok_buf;
 } eng_step_state;
 
-/* What attention reads and where new K/V go (plan_layer, engine_step.c). */
+/* What attention reads and where new K/V go (plan_layer, engine_forward.c). */
 typedef struct eng_plan {
     int32_t *store;                   /* [cap_rows] store slots of the current layer */
     int32_t *sel, *sel_begin;         /* selection of the current layer: [cap_sel], [cap_seqs + 1] */
@@ -100,7 +101,7 @@ typedef struct eng_fwd {
     lethe_graph_state *gs;
 } eng_fwd;
 
-/* Sampling on the backend (engine_step.c): per logits row params, results,
+/* Sampling on the backend (engine_sample.c): per logits row params, results,
  * penalty entries; used when no row of a step needs host logits. */
 typedef struct eng_dsample {
     bool enabled;
@@ -121,9 +122,11 @@ typedef struct eng_diag {
     bool step_times;
     int64_t profile_step;             /* 0: off */
     int64_t n_decode_steps;           /* pure decode steps run so far */
+    bool profiled;                    /* the current step is inside the profiler's range */
     bool timed;                       /* the current step is timed */
+    double t0, t1;                    /* the current step's begin and forward_done */
     int64_t n_timed;
-    double t_step, t_fwd, t_plan, t_sample;
+    double t_step, t_fwd, t_plan, t_sample; /* sums over the timed steps */
 } eng_diag;
 
 /* Counters (engine thread) and the snapshot other threads read. */
@@ -197,7 +200,27 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs); /* step s
 /* engine_forward.c */
 void eng_forward_init(lethe_engine *e);   /* at create, after the method, before the pool */
 void eng_forward_bind(lethe_engine *e);   /* at create, once the pool exists */
-/* runs e->batch through the runner: hooks per layer, or the uniform plan */
-void eng_forward(lethe_engine *e, const lethe_fwd_hooks *hooks, float *logits); /* NULL: device */
+/* runs e->step.batch through the runner: plan_layer hooks per layer, or the
+ * uniform plan; logits: e->step.logits, or NULL to leave them on the device */
+void eng_forward(lethe_engine *e, float *logits);
+
+/* engine_sample.c */
+lethe_status eng_sample_init(lethe_engine *e); /* at create: LETHE_SAMPLE_ON_HOST, runner->sample */
+void eng_sample_free(lethe_engine *e);
+/* no row of the step needs host logits */
+bool eng_sample_on_device(const lethe_engine *e, const lethe_sched_out *out);
+/* every logits row's token (and logprob) into e->ds, by runner->sample */
+void eng_sample_device(lethe_engine *e, const lethe_sched_out *out);
+/* request q's token for logits row k (host row, or NULL: the backend's
+ * e->ds result): the forced token, or the sampled one */
+void eng_sample_token(lethe_engine *e, eng_req *q, const float *logits, int32_t k,
+                      lethe_sample_result *res);
+
+/* engine_diag.c: hooks around a step's run (no-ops unless asked for) */
+lethe_status eng_diag_init(lethe_engine *e); /* at create: LETHE_STEP_TIMES, LETHE_PROFILE_STEP */
+void eng_diag_step_begin(lethe_engine *e, bool pure_decode); /* before the forward */
+void eng_diag_forward_done(lethe_engine *e);                 /* after the forward call */
+void eng_diag_step_end(lethe_engine *e);                     /* after sampling and finish_step */
+void eng_diag_report(const lethe_engine *e);                 /* at destroy: the log line */
 
 #endif /* LETHE_ENGINE_INTERNAL_H */

@@ -1,0 +1,65 @@
+/* engine_diag.c - diagnostics around an engine step (off unless asked for).
+ *
+ *   LETHE_STEP_TIMES=1   host seconds of every pure decode step (no prefill
+ *                        token), split at the hooks below:
+ *                          begin --[forward call]--> forward_done
+ *                                --[sample + finish_step]--> end
+ *                        plus plan_layer's share of the forward call
+ *                        (engine_forward.c adds it while `timed`); logged as
+ *                        ms per step when the engine is destroyed. The
+ *                        forward call is the host issuing work (the device
+ *                        runs behind it); sampling waits for the device, so a
+ *                        large sample share means the step is device-bound.
+ *   LETHE_PROFILE_STEP=N the device profiler's range (ops->profile_range)
+ *                        around the N-th pure decode step (1-based), for
+ *                        `ncu --profile-from-start off` over one real step.
+ *
+ * Both are read once at create through the env table (core/env.h). */
+#include "core/env.h"
+#include "core/log.h"
+#include "core/util.h"
+#include "engine/engine_internal.h"
+
+lethe_status eng_diag_init(lethe_engine *e) {
+    lethe_status st = lethe_env_bool(LETHE_ENV_STEP_TIMES, &e->diag.step_times);
+    if (st == LETHE_OK) st = lethe_env_uint(LETHE_ENV_PROFILE_STEP, &e->diag.profile_step);
+    if (st != LETHE_OK) return st;
+    if (!e->runner.be || !e->runner.be->ops->profile_range)
+        e->diag.profile_step = 0; /* no device profiler */
+    return LETHE_OK;
+}
+
+void eng_diag_step_begin(lethe_engine *e, bool pure_decode) {
+    eng_diag *d = &e->diag;
+    if (pure_decode) d->n_decode_steps++;
+    d->profiled = pure_decode && d->profile_step > 0 && d->n_decode_steps == d->profile_step;
+    if (d->profiled) e->runner.be->ops->profile_range(e->runner.be, true);
+    d->timed = d->step_times && pure_decode;
+    if (d->timed) d->t0 = lethe_time_s();
+}
+
+void eng_diag_forward_done(lethe_engine *e) {
+    if (e->diag.timed) e->diag.t1 = lethe_time_s();
+}
+
+void eng_diag_step_end(lethe_engine *e) {
+    eng_diag *d = &e->diag;
+    if (d->profiled) e->runner.be->ops->profile_range(e->runner.be, false);
+    d->profiled = false;
+    if (!d->timed) return;
+    const double t2 = lethe_time_s();
+    d->n_timed++;
+    d->t_fwd += d->t1 - d->t0;
+    d->t_sample += t2 - d->t1;
+    d->t_step += t2 - d->t0;
+    d->timed = false;
+}
+
+void eng_diag_report(const lethe_engine *e) {
+    const eng_diag *d = &e->diag;
+    if (!d->step_times || d->n_timed == 0) return;
+    const double k = 1e3 / (double)d->n_timed;
+    LOG_INFO("step times (LETHE_STEP_TIMES, %lld decode steps, host ms per step): forward+sample "
+             "%.3f = forward call %.3f (plan_layer %.3f) + sample/wait %.3f",
+             (long long)d->n_timed, d->t_step * k, d->t_fwd * k, d->t_plan * k, d->t_sample * k);
+}
