@@ -51,10 +51,11 @@
 
 #include "commands.h"
 #include "core/util.h"
-#include "engine/engine_internal.h"
+#include "engine/engine_introspect.h"
 #include "eval/runinfo.h"
 #include "model/forward_uniform.h"
 #include "options.h"
+#include "sparse/sparse.h" /* the knob defaults */
 
 #define SB_MAX_LIST 8
 
@@ -89,16 +90,16 @@ static void on_event(void *user, const lethe_event *ev) {
             t->n_started++;
             if (t->record_resident && !ev->finished) {
                 /* the first token is published after finish_step compacted the prompt */
-                eng_req *q = eng_find(t->e, ev->request_id);
-                lethe_kv_pool *pool = t->e->pool;
-                if (q && q->r.row >= 0)
-                    for (int32_t l = 0; l < lethe_kv_n_layers(pool); l++) {
-                        int32_t n = lethe_kv_row_len(pool, lethe_kv_space_of(pool, l), q->r.row);
-                        t->res_min = t->res_n ? LETHE_MIN(t->res_min, n) : n;
-                        t->res_max = t->res_n ? LETHE_MAX(t->res_max, n) : n;
-                        t->res_sum += n;
-                        t->res_n++;
-                    }
+                lethe_engine_layout lo;
+                lethe_engine_get_layout(t->e, &lo);
+                for (int32_t l = 0; l < lo.n_layers; l++) {
+                    const int32_t n = lethe_engine_request_resident(t->e, ev->request_id, l);
+                    if (n < 0) break; /* not live or no KV row */
+                    t->res_min = t->res_n ? LETHE_MIN(t->res_min, n) : n;
+                    t->res_max = t->res_n ? LETHE_MAX(t->res_max, n) : n;
+                    t->res_sum += n;
+                    t->res_n++;
+                }
             }
         }
     }
@@ -128,12 +129,15 @@ static int engine_run(lethe_engine *e, const char *label, int32_t n, int32_t inp
     r->n_req = n, r->input = input, r->max_tokens = max_tokens;
     sb_track t = {.e = e, .n_req = n, .record_resident = record_resident};
     int32_t *prompt = lethe_xmalloc((size_t)input * sizeof(int32_t));
+    lethe_engine_layout lo;
+    lethe_engine_get_layout(e, &lo);
     lethe_engine_stats s0, s1;
     lethe_engine_get_stats(e, &s0);
     double t0 = lethe_time_s();
     for (int32_t i = 0; i < n; i++) {
         uint64_t rng = seed * 0x9e3779b97f4a7c15ull + (uint64_t)i + 1;
-        for (int32_t k = 0; k < input; k++) prompt[k] = (int32_t)(lethe_splitmix64(&rng) % (uint64_t)e->n_vocab);
+        for (int32_t k = 0; k < input; k++)
+            prompt[k] = (int32_t)(lethe_splitmix64(&rng) % (uint64_t)lo.n_vocab);
         lethe_request_params rp = {.prompt = prompt, .n_prompt = input, .cb = on_event, .user = &t};
         lethe_sampling_default_params(&rp.sampling);
         rp.sampling.temperature = 0;
@@ -202,13 +206,15 @@ static lethe_status synthetic_decode(lethe_engine *e, int32_t B, int32_t ctx0, i
                                      uint64_t seed, sb_decode *d) {
     memset(d, 0, sizeof(*d));
     d->batch = B, d->ctx0 = ctx0, d->steps = steps;
-    lethe_model *m = lethe_runner_model_of(&e->runner);
+    lethe_model *m = lethe_engine_model(e);
     if (!m) return lethe_errorf(LETHE_ERR_UNSUPPORTED, "synthetic decode needs a real model");
+    lethe_engine_layout lo;
+    lethe_engine_get_layout(e, &lo);
     const int32_t T = ctx0 + steps, L = m->cfg.n_layers;
-    LETHE_ASSERT(B >= 1 && (int64_t)B * T <= lethe_kv_n_slots(e->pool));
-    LETHE_ASSERT(B <= e->p.max_num_batched_tokens); /* the forward workspace's rows */
+    LETHE_ASSERT(B >= 1 && (int64_t)B * T <= lo.kv_slots_per_layer);
+    LETHE_ASSERT(B <= lo.max_num_batched_tokens); /* the forward workspace's rows */
     void **kc = lethe_xmalloc((size_t)L * sizeof(void *)), **vc = lethe_xmalloc((size_t)L * sizeof(void *));
-    for (int32_t l = 0; l < L; l++) kc[l] = lethe_kv_k(e->pool, l), vc[l] = lethe_kv_v(e->pool, l);
+    lethe_engine_kv_buffers(e, kc, vc);
     int32_t *tok = lethe_xmalloc((size_t)B * sizeof(int32_t)), *pos = lethe_xmalloc((size_t)B * sizeof(int32_t));
     int32_t *store = lethe_xmalloc((size_t)B * sizeof(int32_t)), *rows = lethe_xmalloc((size_t)B * sizeof(int32_t));
     int32_t *seq_begin = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
@@ -368,10 +374,11 @@ static int part_capacity(const sb_opts *o, cJSON *root) {
         write_json(o, root);
         return 1;
     }
-    const int32_t S = lethe_kv_n_slots(e->pool), nl = e->runner.cfg.n_layers;
-    const int32_t chunk = e->p.max_num_batched_tokens, max_seqs = e->p.max_num_seqs;
-    const size_t tok_bytes = lethe_kv_token_bytes(nl, e->runner.cfg.n_kv_heads, e->runner.cfg.head_dim,
-                                                  e->runner.be->ops->kv_size, lethe_kv_format_of(e->pool));
+    lethe_engine_layout lo;
+    lethe_engine_get_layout(e, &lo);
+    const int32_t S = lo.kv_slots_per_layer, nl = lo.n_layers;
+    const int32_t chunk = lo.max_num_batched_tokens, max_seqs = lo.max_num_seqs;
+    const size_t tok_bytes = lo.kv_token_bytes;
     cJSON_AddNumberToObject(cap, "engine_load_s", lethe_time_s() - tl);
     cJSON_AddNumberToObject(cap, "pool_slots_per_layer", S);
     cJSON_AddNumberToObject(cap, "kv_bytes_per_token", (double)tok_bytes);
@@ -414,7 +421,7 @@ static int part_capacity(const sb_opts *o, cJSON *root) {
         /* (ii) capacity arithmetic */
         int32_t P = 0;
         for (int32_t l = 0; l < nl; l++) {
-            int32_t pl = lethe_sparse_max_resident(e->method, l, L, L + O, chunk);
+            int32_t pl = lethe_engine_max_resident(e, l, L, L + O, chunk);
             P = LETHE_MAX(P, pl);
         }
         const int64_t steady = (int64_t)R + O, dense_need = (int64_t)L + O;
@@ -499,7 +506,9 @@ static int part_matched(const sb_opts *o, cJSON *root) {
             continue;
         }
         cJSON_AddNumberToObject(row, "engine_load_s", lethe_time_s() - tl);
-        cJSON_AddNumberToObject(row, "pool_slots_per_layer", lethe_kv_n_slots(e->pool));
+        lethe_engine_layout lo;
+        lethe_engine_get_layout(e, &lo);
+        cJSON_AddNumberToObject(row, "pool_slots_per_layer", lo.kv_slots_per_layer);
         sb_run r;
         int er = engine_run(e, m, B, L, max_tokens, o->seed, false, !o->no_progress, &r);
         lethe_engine_destroy(e);
