@@ -52,7 +52,23 @@ ifeq ($(CUDA),1)
   LDLIBS += -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -lstdc++ -ldl -lrt
 endif
 
+# xgrammar (structured output): C++ core built once from its PyPI source
+# distribution by scripts/build-xgrammar.sh, into the git common directory
+# (shared by every worktree and build folder; .deps/ outside a git checkout)
+XGRAMMAR_VERSION := 0.2.8
+LETHE_DEPS ?= $(or $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null | sed 's|$$|/lethe-deps|'),$(CURDIR)/.deps)
+XGR_DIR := $(LETHE_DEPS)/xgrammar-$(XGRAMMAR_VERSION)
+XGR_LIB := $(XGR_DIR)/lib/libxgrammar.a
+CXX     ?= g++
+CXXFLAGS := -std=c++17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) -D_GNU_SOURCE -fPIC \
+            -Iinclude -Isrc -isystem $(XGR_DIR)/include -MMD -MP $(EXTRA_CFLAGS)
+ifeq ($(SAN),1)
+  CXXFLAGS += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+endif
+LDLIBS  += $(XGR_LIB) -lstdc++
+
 SRC       := $(shell find src -name '*.c' | sort)
+CXX_SRC   := $(shell find src -name '*.cc' | sort)
 CU_SRC    := $(shell find src -name '*.cu' | sort)
 TOOL_SRC  := $(shell find tools -name '*.c' | sort)
 TEST_SRC  := $(shell find tests -maxdepth 1 -name 'test_*.c' | sort)
@@ -63,7 +79,7 @@ BENCH_SRC := $(shell find bench -maxdepth 1 -name '*.c' 2>/dev/null | sort)
 DEV_CU_SRC := $(shell find dev/cuda -maxdepth 1 -name '*.cu' 2>/dev/null | sort)
 DEV_C_SRC  := $(shell find dev/cuda -maxdepth 1 -name '*.c' 2>/dev/null | sort)
 
-OBJ       := $(SRC:%.c=$(BUILD)/%.o)
+OBJ       := $(SRC:%.c=$(BUILD)/%.o) $(CXX_SRC:%.cc=$(BUILD)/%.cc.o)
 CU_OBJ    := $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 TOOL_OBJ  := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
@@ -84,6 +100,13 @@ all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_B
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.cc.o: %.cc | $(XGR_LIB)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -c $< -o $@
+
+$(XGR_LIB):
+	@bash scripts/build-xgrammar.sh $(XGR_DIR)
 
 $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)

@@ -108,6 +108,23 @@ typedef struct lethe_event {
 
 typedef void (*lethe_event_cb)(void *user, const lethe_event *ev);
 
+/* A compiled output constraint (structured output, forced tool calls):
+ * immutable, reference counted; a request keeps its own reference, so the
+ * caller may free its handle right after submit. */
+typedef struct lethe_grammar lethe_grammar;
+typedef enum lethe_grammar_kind {
+    LETHE_GRAMMAR_JSON_SCHEMA = 0,  /* spec: a JSON Schema (JSON text) */
+    LETHE_GRAMMAR_JSON_OBJECT,      /* any JSON object; spec unused */
+    LETHE_GRAMMAR_EBNF,             /* spec: EBNF (GBNF-style, root rule "root") */
+    LETHE_GRAMMAR_REGEX,            /* spec: a regular expression for the whole output */
+    LETHE_GRAMMAR_STRUCTURAL_TAG,   /* spec: an xgrammar structural tag (JSON text) */
+} lethe_grammar_kind;
+/* Compiles against the engine's vocabulary (thread-safe; compiled grammars
+ * are cached). LETHE_ERR_INVALID with the compiler's message for a bad spec. */
+int lethe_engine_compile_grammar(lethe_engine *e, lethe_grammar_kind kind, const char *spec,
+                                 lethe_grammar **out);
+void lethe_grammar_free(lethe_grammar *g); /* drops one reference; NULL-safe */
+
 typedef struct lethe_request_params {
     const int32_t *prompt;      /* token ids (copied at submit) */
     int32_t n_prompt;
@@ -122,6 +139,11 @@ typedef struct lethe_request_params {
     /* When true, every token event carries the full next-token logits
      * (raw, before penalties/temperature) that produced it. */
     bool want_logits;
+    /* Output constraint or NULL: every sampled token is one the grammar
+     * allows (masked before sampling, on the device for CUDA); the model's
+     * end tokens only once the grammar is complete. Not with forced tokens
+     * or ignore_eos. The request takes its own reference at submit. */
+    lethe_grammar *grammar;
 } lethe_request_params;
 
 typedef struct lethe_engine_params {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # scripts/setup.sh - installs what lethe needs to build and test, if missing:
-# Debian packages (compiler deps; clang for the libFuzzer harnesses) and the
-# PyPI packages the e2e tests use.
+# Debian packages (compiler deps; clang for the libFuzzer harnesses; cmake
+# builds xgrammar, see scripts/build-xgrammar.sh) and the PyPI packages the
+# e2e tests use.
 set -euo pipefail
-pkgs=(build-essential pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip clang)
+pkgs=(build-essential cmake pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip clang)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -18,6 +19,7 @@ py_missing=()
 python3 -c 'import openai' 2>/dev/null || py_missing+=("openai>=1.40")
 python3 -c 'import pytest' 2>/dev/null || py_missing+=("pytest")
 python3 -c 'import requests' 2>/dev/null || py_missing+=("requests")
+python3 -c 'import jsonschema' 2>/dev/null || py_missing+=("jsonschema")   # structured-output e2e tests
 python3 -c 'import matplotlib' 2>/dev/null || py_missing+=("matplotlib")   # plots: scripts/gen_docs.py
 if [ ${#py_missing[@]} -gt 0 ]; then
     echo "setup: installing PyPI packages: ${py_missing[*]}" >&2

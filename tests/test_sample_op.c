@@ -6,6 +6,8 @@
  *    on many random rows and parameter sets: penalties, temperature 0,
  *    top-k 1 / small / large, tiny and large top-p, min-p, bf16-rounded
  *    logits (many exact ties); exact token equality, logprob equality;
+ *  - token masks (structured output): masked rows against the reference on
+ *    -inf logits, only allowed tokens, the host sampler with the same mask;
  *  - the same rows in other batch compositions and orders give the same
  *    tokens; a fixed (seed, draw) reproduces, other draws move;
  *  - the engine on tiny-llama: sampled (seeded, non-greedy) requests take
@@ -347,12 +349,69 @@ static void test_engine_paths(void) {
     fprintf(stderr, "    engine: %lld backend-sampled steps, tokens equal to the host path\n", (long long)s_dev);
 }
 
+/* Step 0, the token mask: the op equals the reference run on the row with
+ * masked logits set to -inf, the token is always an allowed one, the host
+ * sampler with the same mask agrees, and the logprob is the raw one. Masks
+ * from one allowed token to almost all, on rows where the best tokens are
+ * masked (the masked argmax and draws must come from the allowed set). */
+static void test_mask(void) {
+    static const int32_t vocabs[] = {7, 1000, 32000};
+    int n_rows = 0;
+    for (size_t vi = 0; vi < LETHE_ARRAY_LEN(vocabs); vi++) {
+        const int32_t V = vocabs[vi], n = 24, W = lethe_sample_mask_words(V);
+        tcase c = make_case(n, V, 40 + (int)vi);
+        uint32_t *mask = lethe_xcalloc((size_t)n * (size_t)W, sizeof(uint32_t));
+        for (int32_t r = 0; r < n; r++) {
+            uint32_t *m = mask + (size_t)r * W;
+            const double density = r % 4 == 0 ? 0.0 : r % 4 == 1 ? 0.01 : r % 4 == 2 ? 0.5 : 0.97;
+            for (int32_t i = 0; i < V; i++)
+                if (urand() < density) m[i / 32] |= 1u << (i % 32);
+            const int32_t one = (int32_t)(urand() * V); /* at least one allowed token */
+            m[one / 32] |= 1u << (one % 32);
+            c.rows[r].mask_row = r % 5 == 4 ? 0 : r + 1; /* some rows without a mask in the same call */
+        }
+        int32_t *tok = lethe_xmalloc((size_t)n * sizeof(int32_t));
+        float *lp = lethe_xmalloc((size_t)n * sizeof(float));
+        for (int32_t r = 0; r < n; r++) tok[r] = -7;
+        lethe_sample_args a = {.logits = c.logits, .n = n, .n_vocab = V, .rows = c.rows, .pen_ids = c.pen_ids,
+                               .pen_counts = c.pen_counts, .n_pen = c.n_pen, .mask = mask, .n_mask = n,
+                               .tokens = tok, .logprobs = lp};
+        g_cpu->ops->sample(g_cpu, &a);
+        lethe_sampler_ws ws;
+        CHECK(lethe_sampler_ws_init(&ws, V) == LETHE_OK);
+        float *masked = lethe_xmalloc((size_t)V * sizeof(float));
+        for (int32_t r = 0; r < n; r++) {
+            const float *row = c.logits + (size_t)r * V;
+            const uint32_t *m = c.rows[r].mask_row ? mask + (size_t)r * W : NULL;
+            for (int32_t i = 0; i < V; i++) masked[i] = m && !lethe_sample_mask_allows(m, i) ? -INFINITY : row[i];
+            const int32_t want = ref_sample(masked, V, &c.rows[r], c.pen_ids, c.pen_counts);
+            CHECK_MSG(tok[r] == want, "mask V=%d row %d: op %d, reference %d", V, r, tok[r], want);
+            CHECK(!m || lethe_sample_mask_allows(m, tok[r]));
+            CHECK(lp[r] == lethe_sample_logprob_f32(row, V, tok[r])); /* raw, not masked */
+            lethe_rng rng = {.seed = c.rows[r].seed, .draw = c.rows[r].draw};
+            lethe_sample_result res;
+            lethe_sampling_params sp = c.sp[r];
+            sp.logprobs = -1;
+            lethe_sampler_sample_masked(&ws, &sp, &rng, row, m, c.hist[r], c.n_prompt[r], c.hist[r] + c.n_prompt[r],
+                                        c.n_out[r], &res);
+            CHECK_EQ_INT(res.token, tok[r]);
+            n_rows++;
+        }
+        free(masked);
+        lethe_sampler_ws_free(&ws);
+        free(tok), free(lp), free(mask);
+        free_case(&c);
+    }
+    fprintf(stderr, "    %d masked rows equal to the reference, always an allowed token\n", n_rows);
+}
+
 int main(void) {
     lethe_backend_params pc = {.device = "cpu", .n_threads = 2};
     CHECK(lethe_backend_create(&pc, &g_cpu) == LETHE_OK);
     TEST_RUN(test_exp);
     TEST_RUN(test_op_vs_reference);
     TEST_RUN(test_batch_composition);
+    TEST_RUN(test_mask);
     TEST_RUN(test_engine_paths);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_sample_op: ok\n");

@@ -99,5 +99,6 @@ void lethe_check_sample(const lethe_sample_args *a) {
     for (int32_t i = 0; i < a->n; i++) {
         const lethe_sample_row *p = &a->rows[i];
         LETHE_ASSERT(p->n_pen == 0 || (p->pen_begin >= 0 && p->pen_begin + p->n_pen <= a->n_pen));
+        LETHE_ASSERT(p->mask_row >= 0 && p->mask_row <= a->n_mask && (!p->mask_row || a->mask));
     }
 }

@@ -3,6 +3,10 @@
  * sampler) and the CUDA kernel (backend/cuda/sample.cu).
  *
  * Definition of one row (n_vocab raw logits r, f32 values; CUDA reads bf16):
+ *   0. token mask (structured output): a row with a mask sets l_i = -inf for
+ *      every token whose bit is clear (bit i % 32 of word i / 32), so such a
+ *      token has q = 0 and is never drawn or picked by greedy while one
+ *      allowed token has a finite logit; the logprob stays the raw one;
  *   1. penalties, per entry (id t, output count c) of the row's list, which
  *      holds each distinct id of prompt + output once (HF/vLLM/OpenAI order):
  *        rep != 1:            l = l > 0 ? l / rep : l * rep
@@ -75,6 +79,7 @@ typedef struct lethe_sample_row {
     float repetition_penalty;   /* 1 = off */
     float presence_penalty, frequency_penalty;
     int32_t pen_begin, n_pen;   /* this row's entries in pen_ids / pen_counts */
+    int32_t mask_row;           /* 1-based row of the args' mask; 0 = no mask */
     uint64_t seed, draw;        /* RNG key and the request's draw index */
 } lethe_sample_row;
 
@@ -87,10 +92,18 @@ struct lethe_sample_args {
     const int32_t *pen_ids;        /* [n_pen] distinct ids per row (see above) */
     const int32_t *pen_counts;     /* [n_pen] occurrences in the row's output */
     int32_t n_pen;
+    const uint32_t *mask;          /* [n_mask, lethe_sample_mask_words(n_vocab)] allowed-token bits */
+    int32_t n_mask;
     int32_t *tokens;               /* out [n] */
     float *logprobs;               /* out [n] or NULL: raw logprob of the token */
 };
 typedef struct lethe_sample_args lethe_sample_args;
+
+LETHE_SHD int32_t lethe_sample_mask_words(int32_t n_vocab) { return (n_vocab + 31) / 32; }
+
+LETHE_SHD bool lethe_sample_mask_allows(const uint32_t *mask, int32_t i) {
+    return (mask[i >> 5] >> (i & 31)) & 1u;
+}
 
 LETHE_SHD bool lethe_sample_is_greedy(const lethe_sample_row *p) {
     return p->temperature == 0.0f || p->top_k == 1;
@@ -211,10 +224,10 @@ typedef struct lethe_sample_scratch {
 
 #ifndef __CUDACC__
 /* The row function of the definition above (backend/cpu/sample.c), on f32
- * logits; the engine's host sampler calls it too. Returns the token;
- * *logprob if non-NULL. */
+ * logits; the engine's host sampler calls it too. mask: the row's bits or
+ * NULL. Returns the token; *logprob if non-NULL. */
 int32_t lethe_sample_row_f32(const float *raw, int32_t n_vocab, const lethe_sample_row *p,
-                             const int32_t *pen_ids, const int32_t *pen_counts,
+                             const int32_t *pen_ids, const int32_t *pen_counts, const uint32_t *mask,
                              lethe_sample_scratch *s, float *logprob);
 /* raw log-softmax of one token: m + log(sum exp(r - m)) in double, in id order */
 float lethe_sample_logprob_f32(const float *raw, int32_t n_vocab, int32_t token);

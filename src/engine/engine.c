@@ -21,6 +21,7 @@
 #include "core/log.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
+#include "grammar/grammar.h"
 
 #define ENG_QUEUE_CAP 4096
 #define ENG_DEFAULT_KV_BYTES ((size_t)1 << 30)
@@ -139,6 +140,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     memset(runner, 0, sizeof(*runner));
     e->tok = tok;
     pthread_mutex_init(&e->stats.mu, NULL);
+    pthread_mutex_init(&e->gram.mu, NULL);
     lethe_queue_init(&e->thr.inbox, ENG_QUEUE_CAP);
     atomic_init(&e->reqs.next_id, 1);
     atomic_init(&e->thr.stop, false);
@@ -288,6 +290,9 @@ lethe_status eng_validate(const lethe_engine *e, const lethe_request_params *p) 
                                                    "(use stop_token_ids)");
         if (!p->sampling.stop[i][0]) return lethe_errorf(LETHE_ERR_INVALID, "request: stop string %d is empty", i);
     }
+    if (p->grammar && (p->n_forced > 0 || p->sampling.ignore_eos))
+        return lethe_errorf(LETHE_ERR_INVALID, "request: a grammar (structured output) cannot be combined with %s",
+                            p->n_forced > 0 ? "forced tokens" : "ignore_eos");
     if (p->n_forced < 0 || (p->n_forced > 0 && !p->forced))
         return lethe_errorf(LETHE_ERR_INVALID, "request: forced output: %d tokens but no array", p->n_forced);
     for (int32_t i = 0; i < p->n_forced; i++)
@@ -318,6 +323,10 @@ eng_req *eng_req_new(lethe_engine *e, const lethe_request_params *p) {
         q->n_forced = p->n_forced;
     }
     q->want_logits = p->want_logits;
+    if (p->grammar) {
+        lethe_status gs = lethe_gmatcher_create(p->grammar, &q->gm);
+        LETHE_ASSERT(gs == LETHE_OK && "a grammar matcher (allocation)");
+    }
     int64_t limit = e->max_model_len;
     if (q->n_forced > 0) limit = LETHE_MIN(limit, (int64_t)p->n_prompt + q->n_forced);
     else if (p->sampling.max_tokens > 0) limit = LETHE_MIN(limit, (int64_t)p->n_prompt + p->sampling.max_tokens);
@@ -336,6 +345,7 @@ void eng_req_free(eng_req *q) {
     free(q->r.tokens);
     for (int i = 0; i < LETHE_MAX_STOP; i++) free(q->stop_copy[i]);
     free(q->forced);
+    lethe_gmatcher_free(q->gm);
     lethe_stopstr_free(&q->stop);
     free(q);
 }
@@ -521,6 +531,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     if (e->runner.be) lethe_backend_destroy(e->runner.be);
     lethe_tokenizer_free(e->tok);
     lethe_sampler_ws_free(&e->sws);
+    eng_grammar_destroy(e);
     free(e->reqs.buckets);
     free(e->step.tokens);
     free(e->step.pos);
@@ -539,6 +550,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->step.detok_buf);
     lethe_queue_destroy(&e->thr.inbox);
     pthread_mutex_destroy(&e->stats.mu);
+    pthread_mutex_destroy(&e->gram.mu);
     free(e->model_path);
     free(e->model_name);
     free(e->sparse_method);

@@ -52,6 +52,7 @@ typedef struct eng_req {
     double t_submit, ttft;
     bool has_ttft;
     struct eng_req *hnext;            /* id table chain */
+    struct lethe_gmatcher *gm;        /* structured output: the request's grammar state, or NULL */
 } eng_req;
 
 /* Live requests by id (engine.c): chained hash table, power-of-two buckets. */
@@ -129,6 +130,16 @@ typedef struct eng_diag {
     double t_step, t_fwd, t_plan, t_sample; /* sums over the timed steps */
 } eng_diag;
 
+/* Structured output (engine_grammar.c): the vocabulary's grammar compiler,
+ * built on first use by whichever thread compiles first (under mu), and the
+ * step's token masks (engine thread). */
+typedef struct eng_grammar {
+    pthread_mutex_t mu;
+    struct lethe_gcompiler *compiler;
+    uint32_t *mask;                   /* [cap_rows, words] allowed-token bits of the step's rows */
+    int32_t cap_rows, words;
+} eng_grammar;
+
 /* Counters (engine thread) and the snapshot other threads read. */
 typedef struct eng_stats {
     lethe_engine_stats cur;
@@ -167,6 +178,7 @@ struct lethe_engine {
     eng_fwd fwd;
     eng_dsample ds;
     eng_diag diag;
+    eng_grammar gram;
     eng_stats stats;
     eng_thread thr;
 };
@@ -189,6 +201,11 @@ void eng_retire(lethe_engine *e, eng_req *q, bool ok); /* ok: finished normally 
 void eng_publish_stats(lethe_engine *e);
 lethe_status eng_check(lethe_engine *e);
 void eng_apply_inbox(lethe_engine *e);
+
+/* engine_grammar.c */
+void eng_grammar_destroy(lethe_engine *e);
+/* q's mask for its next token into the step's mask row k (0-based); grows the buffer */
+const uint32_t *eng_grammar_mask(lethe_engine *e, eng_req *q, int32_t k);
 
 /* engine_chain.c */
 lethe_status eng_cache_init(lethe_engine *e); /* at create, once the pool exists: e->pcache (mode choice in src/cache) */

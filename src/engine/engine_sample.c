@@ -14,6 +14,9 @@
  * Both give the same tokens (backend/sample.h defines the op, sampler.c is
  * its host twin). A forced token (the request's forced output) is never
  * sampled; its row on the backend is a greedy dummy whose result is unused.
+ * A request with a grammar (structured output) gets its token mask in both
+ * paths: a mask row of the op's arguments on the backend (applied on the
+ * device), the same bits to lethe_sampler_sample_masked on the host.
  * LETHE_SAMPLE_ON_HOST=1 forces the host path (debugging, comparisons). */
 #include <stdlib.h>
 #include <string.h>
@@ -70,7 +73,7 @@ void eng_sample_device(lethe_engine *e, const lethe_sched_out *out) {
         e->ds.tokens = lethe_xmalloc((size_t)e->step.cap_logits * sizeof(int32_t));
         e->ds.logprobs = lethe_xmalloc((size_t)e->step.cap_logits * sizeof(float));
     }
-    int32_t k = 0;
+    int32_t k = 0, n_mask = 0;
     int64_t n_pen = 0;
     bool want_lp = false;
     for (int32_t i = 0; i < out->n_items; i++) {
@@ -86,6 +89,10 @@ void eng_sample_device(lethe_engine *e, const lethe_sched_out *out) {
             row.n_pen = penalty_entries(e, q, n_pen);
             n_pen += row.n_pen;
             want_lp |= q->sp.logprobs == 0;
+            if (q->gm) { /* structured output: the grammar's mask, applied by the op (on the device) */
+                eng_grammar_mask(e, q, n_mask);
+                row.mask_row = ++n_mask;
+            }
         }
         e->ds.rows[k++] = row;
     }
@@ -96,6 +103,8 @@ void eng_sample_device(lethe_engine *e, const lethe_sched_out *out) {
                            .pen_ids = e->ds.pen_ids,
                            .pen_counts = e->ds.pen_counts,
                            .n_pen = (int32_t)n_pen,
+                           .mask = n_mask ? e->gram.mask : NULL,
+                           .n_mask = n_mask,
                            .tokens = e->ds.tokens,
                            .logprobs = want_lp ? e->ds.logprobs : NULL};
     e->runner.sample(e->runner.ctx, &a);
@@ -118,7 +127,8 @@ void eng_sample_token(lethe_engine *e, eng_req *q, const float *logits, int32_t 
         lethe_sample_row row = lethe_sampler_row(&q->sp, &q->rng);
         if (!lethe_sample_is_greedy(&row)) q->rng.draw++; /* as lethe_sampler_sample does */
     } else {
-        lethe_sampler_sample(&e->sws, &q->sp, &q->rng, logits, r->tokens, r->n_prompt,
-                             r->tokens + r->n_prompt, n_gen, res);
+        const uint32_t *mask = q->gm ? eng_grammar_mask(e, q, 0) : NULL;
+        lethe_sampler_sample_masked(&e->sws, &q->sp, &q->rng, logits, mask, r->tokens, r->n_prompt,
+                                    r->tokens + r->n_prompt, n_gen, res);
     }
 }

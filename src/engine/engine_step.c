@@ -24,6 +24,7 @@
 #include "core/log.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
+#include "grammar/grammar.h"
 
 void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
     if (n_rows > e->step.cap_rows) {
@@ -153,6 +154,12 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, int3
     const bool forced = q->r.n_tokens - q->r.n_prompt < q->n_forced;
     lethe_sample_result res;
     eng_sample_token(e, q, logits, k, &res); /* engine_sample.c */
+    if (q->gm && !forced && !lethe_gmatcher_accept(q->gm, res.token)) {
+        /* cannot happen while the mask is applied; refuse the token rather than emit it */
+        LOG_ERROR("request %llu: token %d is not allowed by its grammar", (unsigned long long)q->r.id, res.token);
+        eng_finish(e, q, LETHE_FINISH_ERROR, "structured output: the sampled token is not allowed by the grammar");
+        return;
+    }
     lethe_req_push_token(&q->r, res.token);
     e->stats.cur.generation_tokens_total++;
     if (!q->has_ttft) {

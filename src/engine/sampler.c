@@ -166,10 +166,17 @@ int32_t lethe_sampler_penalty_entries(lethe_sampler_ws *ws, const lethe_sampling
 void lethe_sampler_sample(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng,
                           const float *logits, const int32_t *prompt, int32_t n_prompt,
                           const int32_t *output, int32_t n_output, lethe_sample_result *res) {
+    lethe_sampler_sample_masked(ws, p, rng, logits, NULL, prompt, n_prompt, output, n_output, res);
+}
+
+void lethe_sampler_sample_masked(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng,
+                                 const float *logits, const uint32_t *mask, const int32_t *prompt,
+                                 int32_t n_prompt, const int32_t *output, int32_t n_output,
+                                 lethe_sample_result *res) {
     lethe_sample_row row = lethe_sampler_row(p, rng);
     row.n_pen = lethe_sampler_penalty_entries(ws, p, prompt, n_prompt, output, n_output,
                                               ws->pen_ids, ws->pen_counts);
-    res->token = lethe_sample_row_f32(logits, ws->n_vocab, &row, ws->pen_ids, ws->pen_counts,
+    res->token = lethe_sample_row_f32(logits, ws->n_vocab, &row, ws->pen_ids, ws->pen_counts, mask,
                                       &ws->row, NULL);
     if (!lethe_sample_is_greedy(&row)) rng->draw++;
     res->logprob = 0.0f;

@@ -78,6 +78,11 @@ typedef struct lethe_sample_result {
 void lethe_sampler_sample(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng,
                           const float *logits, const int32_t *prompt, int32_t n_prompt,
                           const int32_t *output, int32_t n_output, lethe_sample_result *res);
+/* The same with a token mask (backend/sample.h step 0; NULL = none). */
+void lethe_sampler_sample_masked(lethe_sampler_ws *ws, const lethe_sampling_params *p, lethe_rng *rng,
+                                 const float *logits, const uint32_t *mask, const int32_t *prompt,
+                                 int32_t n_prompt, const int32_t *output, int32_t n_output,
+                                 lethe_sample_result *res);
 
 /* The op's row parameters for a request (penalty entries not set). */
 lethe_sample_row lethe_sampler_row(const lethe_sampling_params *p, const lethe_rng *rng);

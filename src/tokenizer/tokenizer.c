@@ -212,6 +212,10 @@ bool lethe_tokenizer_is_eog(const lethe_tokenizer *t, int32_t id) {
     return false;
 }
 
+bool lethe_tokenizer_is_special(const lethe_tokenizer *t, int32_t id) {
+    return id >= 0 && id < t->n_vocab && (t->attr[id] & TOK_ATTR_SPECIAL);
+}
+
 int32_t lethe_tokenizer_find_token(const lethe_tokenizer *t, const char *piece) {
     if (!t || !piece) return -1;
     return tok_strmap_get(t, &t->all_map, piece, strlen(piece));

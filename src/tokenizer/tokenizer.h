@@ -31,6 +31,8 @@ int32_t lethe_tokenizer_n_vocab(const lethe_tokenizer *t);
 int32_t lethe_tokenizer_bos(const lethe_tokenizer *t);  /* -1 if none */
 int32_t lethe_tokenizer_eos(const lethe_tokenizer *t);  /* -1 if none */
 bool lethe_tokenizer_is_eog(const lethe_tokenizer *t, int32_t id); /* eos, eot, im_end, ... */
+/* a control token (matched only with parse_special; skip_special drops it) */
+bool lethe_tokenizer_is_special(const lethe_tokenizer *t, int32_t id);
 /* true when the model's tokenizer adds BOS to a plain prompt (Llama-3: yes; SmolLM2/Qwen: no) */
 bool lethe_tokenizer_adds_bos(const lethe_tokenizer *t);
 /* the GGUF tokenizer.chat_template / tokenizer_config chat_template, or NULL */

@@ -679,11 +679,24 @@ static void sample_case(int n, int V, int variant) {
             p->n_pen = n_pen - p->pen_begin;
         }
     }
+    /* token masks (structured output) on every 4th row: 1/8 of the ids, or a
+     * single one, with the row's best token masked out; applied on the device */
+    const int32_t W = lethe_sample_mask_words(V);
+    uint32_t *mask = lethe_xcalloc((size_t)n * (size_t)W, sizeof(uint32_t));
+    int32_t n_mask = 0;
+    for (int r = 0; r < n; r++) {
+        if (r % 4 != 3) continue;
+        uint32_t *m = mask + (size_t)n_mask * W;
+        for (int i = 0; i < V; i++)
+            if (r % 8 == 3 ? i == (r * 37 + 11) % V : (i * 2654435761u + (unsigned)r) % 8 == 0) m[i / 32] |= 1u << (i % 32);
+        rows[r].mask_row = ++n_mask;
+    }
     int32_t *tc = lethe_xmalloc((size_t)n * sizeof(int32_t)), *tg = lethe_xmalloc((size_t)n * sizeof(int32_t));
     float *lc = lethe_xmalloc((size_t)n * sizeof(float)), *lg = lethe_xmalloc((size_t)n * sizeof(float));
     for (int r = 0; r < n; r++) tg[r] = -7, lg[r] = NAN; /* poisoned outputs */
     lethe_sample_args a = {.n = n, .n_vocab = V, .rows = rows, .pen_ids = ids, .pen_counts = cnt,
-                           .n_pen = n_pen, .tokens = tc, .logprobs = lc};
+                           .n_pen = n_pen, .mask = n_mask ? mask : NULL, .n_mask = n_mask, .tokens = tc,
+                           .logprobs = lc};
     a.logits = px.c;
     g_cpu->ops->sample(g_cpu, &a);
     a.logits = px.g, a.tokens = tg, a.logprobs = lg;
@@ -696,14 +709,19 @@ static void sample_case(int n, int V, int variant) {
         CHECK_MSG(fabsf(lg[r] - lc[r]) <= 1e-5f * (1.0f + fabsf(lc[r])), "sample logprob row %d: %g vs %g", r,
                   (double)lg[r], (double)lc[r]);
         n_sampled += !lethe_sample_is_greedy(p);
+        if (p->mask_row)
+            CHECK_MSG(lethe_sample_mask_allows(mask + (size_t)(p->mask_row - 1) * W, tg[r]),
+                      "sample row %d: token %d is masked out", r, tg[r]);
     }
     /* a second call without logprobs: the same tokens (deterministic kernel) */
     a.logprobs = NULL;
     for (int r = 0; r < n; r++) tg[r] = -7;
     g_gpu->ops->sample(g_gpu, &a);
     for (int r = 0; r < n; r++) CHECK_MSG(tg[r] == tc[r], "sample rerun row %d: %d vs %d", r, tg[r], tc[r]);
-    fprintf(stderr, "    sample n=%-3d V=%-6d %d rows (%d sampled): tokens equal\n", n, V, n, n_sampled);
+    fprintf(stderr, "    sample n=%-3d V=%-6d %d rows (%d sampled, %d masked): tokens equal\n", n, V, n, n_sampled,
+            n_mask);
     pair_free(&px);
+    free(mask);
     free(x), free(rows), free(ids), free(cnt), free(tc), free(tg), free(lc), free(lg);
 }
 

@@ -144,11 +144,14 @@ float lethe_sample_logprob_f32(const float *raw, int32_t V, int32_t token) {
 }
 
 int32_t lethe_sample_row_f32(const float *raw, int32_t V, const lethe_sample_row *p,
-                             const int32_t *pen_ids, const int32_t *pen_counts,
+                             const int32_t *pen_ids, const int32_t *pen_counts, const uint32_t *mask,
                              lethe_sample_scratch *s, float *logprob) {
     LETHE_ASSERT(V > 0);
     float *l = s->l;
     memcpy(l, raw, (size_t)V * sizeof(float));
+    if (mask)
+        for (int32_t i = 0; i < V; i++)
+            if (!lethe_sample_mask_allows(mask, i)) l[i] = -INFINITY;
     for (int32_t e = p->pen_begin; e < p->pen_begin + p->n_pen; e++) {
         const int32_t t = pen_ids[e];
         LETHE_ASSERT(t >= 0 && t < V);
@@ -204,8 +207,10 @@ void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a) {
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int32_t i = 0; i < a->n; i++) {
         const lethe_sample_row *p = &a->rows[i];
+        const uint32_t *mask =
+            p->mask_row ? a->mask + (size_t)(p->mask_row - 1) * (size_t)lethe_sample_mask_words(a->n_vocab) : NULL;
         a->tokens[i] = lethe_sample_row_f32(logits + (size_t)i * V, a->n_vocab, p, a->pen_ids,
-                                            a->pen_counts, &c->sample[omp_get_thread_num()],
+                                            a->pen_counts, mask, &c->sample[omp_get_thread_num()],
                                             a->logprobs ? &a->logprobs[i] : NULL);
     }
 }

@@ -4,7 +4,8 @@
  * min-p, integer draw in id order) is backend/sample.h; the CPU twin is
  * backend/cpu/sample.c. This kernel computes the same sets without sorting:
  *
- *   1. row -> f32 scratch l [V] (bf16 -> f32 is exact), penalties scattered
+ *   1. row -> f32 scratch l [V] (bf16 -> f32 is exact; -inf where the row's
+ *      token mask clears the bit), penalties scattered
  *      (the entries of a row are distinct ids, so no two threads collide);
  *   2. block argmax of (key, -id) -> the greedy token and the max m;
  *   3. top-k: radix select on the 32-bit order key, 8 bits per pass (4
@@ -226,14 +227,17 @@ __device__ static uint32_t radix_select(const float *l, int32_t V, const sets &s
 
 __global__ void __launch_bounds__(SNT)
 sample_kernel(const bf16 *__restrict__ logits, int32_t V, const lethe_sample_row *rows,
-              const int32_t *pen_ids, const int32_t *pen_counts, float *scratch,
-              int32_t *out_tok, float *out_lp) {
+              const int32_t *pen_ids, const int32_t *pen_counts, const uint32_t *__restrict__ mask,
+              float *scratch, int32_t *out_tok, float *out_lp) {
     __shared__ sample_smem sm;
     const int32_t row = blockIdx.x;
     const lethe_sample_row p = rows[row];
     const bf16 *raw = logits + (size_t)row * V;
     float *l = scratch + (size_t)row * V;
-    for (int32_t i = threadIdx.x; i < V; i += SNT) l[i] = __bfloat162float(raw[i]);
+    /* step 0, the token mask: a disallowed token's logit is -inf (q = 0) */
+    const uint32_t *mk = p.mask_row ? mask + (size_t)(p.mask_row - 1) * (size_t)lethe_sample_mask_words(V) : NULL;
+    for (int32_t i = threadIdx.x; i < V; i += SNT)
+        l[i] = (mk && !lethe_sample_mask_allows(mk, i)) ? -INFINITY : __bfloat162float(raw[i]);
     __syncthreads();
     for (int32_t e = threadIdx.x; e < p.n_pen; e += SNT) {
         const int32_t id = pen_ids[p.pen_begin + e];
@@ -349,6 +353,13 @@ extern "C" void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a)
     lethe_sample_row *rows_d = (lethe_sample_row *)lethe_cuda_ring_alloc(c, n * sizeof(lethe_sample_row), &h);
     memcpy(h, a->rows, n * sizeof(lethe_sample_row));
     CU_CHECK(cudaMemcpyAsync(rows_d, h, n * sizeof(lethe_sample_row), cudaMemcpyHostToDevice, c->stream));
+    uint32_t *mask_d = NULL;
+    if (a->n_mask > 0) { /* the rows' token masks, uploaded with the other host params */
+        const size_t nb = (size_t)a->n_mask * (size_t)lethe_sample_mask_words(a->n_vocab) * sizeof(uint32_t);
+        mask_d = (uint32_t *)lethe_cuda_ring_alloc(c, nb, &h);
+        memcpy(h, a->mask, nb);
+        CU_CHECK(cudaMemcpyAsync(mask_d, h, nb, cudaMemcpyHostToDevice, c->stream));
+    }
     int32_t *ids_d = NULL, *counts_d = NULL;
     if (a->n_pen > 0) {
         const size_t nb = (size_t)a->n_pen * sizeof(int32_t);
@@ -365,7 +376,7 @@ extern "C" void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a)
     int32_t *tok_d = (int32_t *)out_d;
     float *lp_d = a->logprobs ? (float *)(out_d + n * sizeof(int32_t)) : NULL;
     sample_kernel<<<a->n, SNT, 0, c->stream>>>((const bf16 *)a->logits, a->n_vocab, rows_d, ids_d,
-                                               counts_d, (float *)c->sample_ws, tok_d, lp_d);
+                                               counts_d, mask_d, (float *)c->sample_ws, tok_d, lp_d);
     CU_LAUNCH_CHECK();
     CU_CHECK(cudaMemcpyAsync(out_h, out_d, n * (sizeof(int32_t) + sizeof(float)),
                              cudaMemcpyDeviceToHost, c->stream));
