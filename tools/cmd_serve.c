@@ -3,11 +3,12 @@
  * Flags follow `vllm serve`: the engine flags come from lethe_opts_engine()
  * (--model, --device, --max-model-len, --gpu-memory-utilization,
  * --max-num-seqs, --sparse-method, ...) and the server adds --host, --port,
- * --api-key, --served-model-name and the connection limits. The model may also be given as the one
+ * --api-key, --served-model-name, --tool-call-parser and the connection limits. The model may also be given as the one
  * positional argument (`lethe serve MODEL`). Without a model the default
  * models/SmolLM2-135M-Instruct.Q4_1.gguf is served. The server itself lives
  * in src/server (see server.h). */
 #include <stdio.h>
+#include <string.h>
 
 #include "commands.h"
 #include "options.h"
@@ -57,6 +58,9 @@ int lethe_cmd_serve(int argc, char **argv) {
                             1 << 20};
     rows[n++] = (lethe_opt){"--max-request-bytes", NULL, LETHE_OPT_BYTES, &cfg.max_body_bytes,
                             "SIZE", "larger request bodies are refused with 413", 1, 0};
+    rows[n++] = (lethe_opt){"--tool-call-parser", NULL, LETHE_OPT_STR, &cfg.tool_call_parser, "NAME",
+                            "how tool calls are read from the output: auto (the chat template's format), "
+                            "hermes, llama3_json, glm45", 1, 0};
     rows[n++] = (lethe_opt){"--load-delay-ms", NULL, LETHE_OPT_INT, &cfg.load_delay_ms, "MS",
                             "testing: wait before loading the model (/health stays 503)", 0,
                             600000};
@@ -64,10 +68,28 @@ int lethe_cmd_serve(int argc, char **argv) {
     int n_pos = 0;
     int rc = lethe_opts_parse(rows, n, argc, argv, "lethe serve [MODEL] [options]",
                               "Serves a model over an OpenAI-compatible HTTP API: /v1/completions, "
-                              "/v1/chat/completions,\n/v1/models, /health, /metrics (Prometheus).",
+                              "/v1/chat/completions,\n/v1/models, /health, /metrics (Prometheus).\n\n"
+                              "Request fields besides OpenAI's (docs/serving.md has each with examples):\n"
+                              "  sampling     top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids\n"
+                              "  chat         tools, tool_choice (auto|none|required|{function}), "
+                              "parallel_tool_calls,\n"
+                              "               chat_template_kwargs {enable_thinking, date_string, "
+                              "tools_in_user_message},\n"
+                              "               enable_thinking, preserve_thinking, add_generation_prompt\n"
+                              "  output       response_format {text|json_object|json_schema|grammar} "
+                              "(enforced while sampling);\n"
+                              "               reasoning_content and tool_calls in messages and stream deltas\n"
+                              "  chain cache  chain_id, chain_append_start (--prefix-cache-mode chain)\n"
+                              "  replay       forced_token_ids",
                               pos, &n_pos, 1);
     if (rc != 0) return rc > 0 ? 0 : 2;
     if (n_pos == 1) cfg.engine.model = pos[0];
+    if (cfg.tool_call_parser && strcmp(cfg.tool_call_parser, "auto") && strcmp(cfg.tool_call_parser, "hermes") &&
+        strcmp(cfg.tool_call_parser, "llama3_json") && strcmp(cfg.tool_call_parser, "glm45")) {
+        fprintf(stderr, "lethe serve: --tool-call-parser must be auto, hermes, llama3_json or glm45 (got '%s')\n",
+                cfg.tool_call_parser);
+        return 2;
+    }
     if (cfg.max_body_bytes == 0) {
         fprintf(stderr, "lethe serve: --max-request-bytes must be positive\n");
         return 2;

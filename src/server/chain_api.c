@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "core/util.h"
+#include "server/agent.h"
 #include "server/chain_api.h"
 
 /* no whitespace at either end: Llama-3 trims message content (Python str.strip()
@@ -31,43 +32,26 @@ static cJSON *field(const cJSON *root, const char *name) {
     return (v && !cJSON_IsNull(v)) ? v : NULL;
 }
 
-/* content as text: a string or an array of {"type": "text", "text"} parts */
-static char *content_text(const cJSON *m) {
-    const cJSON *c = cJSON_GetObjectItemCaseSensitive(m, "content");
-    if (cJSON_IsString(c)) return lethe_xstrdup(c->valuestring);
-    srv_buf b = {0};
-    srv_buf_puts(&b, "");
-    const cJSON *part;
-    if (cJSON_IsArray(c))
-        cJSON_ArrayForEach(part, c) {
-            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
-            if (cJSON_IsString(t)) srv_buf_puts(&b, t->valuestring);
-        }
-    return b.data;
-}
-
 /* Tokens to append for messages[k:] after the chain's history. */
 static int render_append(const srv_api *api, const cJSON *msgs, int k, const char *chain_id, srv_gen *g,
                          srv_error *err) {
     int n = cJSON_GetArraySize(msgs);
-    size_t m = (size_t)(n - k) + 2;
-    const char **roles = lethe_xcalloc(m, sizeof(char *));
-    char **contents = lethe_xcalloc(m, sizeof(char *));
-    roles[0] = "user";
-    contents[0] = lethe_xstrdup("x");
-    roles[1] = "assistant";
-    contents[1] = lethe_xstrdup(MARK);
-    for (int i = k; i < n; i++) {
-        const cJSON *msg = cJSON_GetArrayItem(msgs, i);
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(msg, "role");
-        roles[2 + i - k] = cJSON_IsString(role) ? role->valuestring : "user";
-        contents[2 + i - k] = content_text(msg);
-    }
+    /* the dummy context, then messages[k:] as sent (tool results, tools and template options apply) */
+    cJSON *slice = cJSON_CreateArray();
+    cJSON *u = cJSON_CreateObject(), *a = cJSON_CreateObject();
+    cJSON_AddStringToObject(u, "role", "user");
+    cJSON_AddStringToObject(u, "content", "x");
+    cJSON_AddStringToObject(a, "role", "assistant");
+    cJSON_AddStringToObject(a, "content", MARK);
+    cJSON_AddItemToArray(slice, u);
+    cJSON_AddItemToArray(slice, a);
+    for (int i = k; i < n; i++) cJSON_AddItemToArray(slice, cJSON_Duplicate(cJSON_GetArrayItem(msgs, i), true));
     char *text = NULL;
     int rc = -1;
     int32_t n_hist = 0, *hist = NULL;
-    if (lethe_engine_apply_chat(api->engine, roles, (const char *const *)contents, m, true, &text) != 0) {
-        srv_errorf(err, 400, "messages", "cannot render messages[%d:]: %s", k, lethe_engine_last_error());
+    srv_error rerr = {0};
+    if (srv_render_chat(api, slice, g->agent, NULL, true, &text, &rerr) != 0) {
+        srv_errorf(err, 400, "messages", "cannot render messages[%d:]: %s", k, rerr.message);
         goto done;
     }
     const char *tail = strstr(text, MARK);
@@ -96,9 +80,7 @@ static int render_append(const srv_api *api, const cJSON *msgs, int k, const cha
 done:
     free(hist);
     free(text);
-    for (size_t i = 0; i < m; i++) free(contents[i]);
-    free(contents);
-    free(roles);
+    cJSON_Delete(slice);
     return rc;
 }
 

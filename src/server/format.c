@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "core/util.h"
+#include "server/agent.h"
 #include "server/openai.h"
 #include "server/chain_api.h"
 
@@ -185,6 +186,25 @@ static cJSON *envelope(const srv_api *api, const srv_gen *g, const char *object)
     return root;
 }
 
+/* chat with tools: "tool_calls" instead of "stop" when the model called tools */
+static const char *finish_str(const srv_gen *g, lethe_finish_reason r) {
+    if (r == LETHE_FINISH_STOP && srv_agent_called_tools(g)) return "tool_calls";
+    return srv_finish_str(r);
+}
+
+void srv_chunk_logprobs(const srv_api *api, const srv_gen *g, const srv_event *ev, size_t text_offset,
+                        cJSON *choice) {
+    cJSON *lp = new_logprobs(g);
+    add_logprobs(api, g, lp, ev, text_offset);
+    cJSON_AddItemToObject(choice, "logprobs", lp);
+}
+
+void srv_chunk_finish(const srv_gen *g, cJSON *choice, lethe_finish_reason r) {
+    const char *s = finish_str(g, r);
+    if (s) cJSON_AddStringToObject(choice, "finish_reason", s);
+    else cJSON_AddNullToObject(choice, "finish_reason");
+}
+
 static void add_finish(cJSON *choice, lethe_finish_reason r) {
     const char *s = srv_finish_str(r);
     if (s) cJSON_AddStringToObject(choice, "finish_reason", s);
@@ -202,14 +222,15 @@ char *srv_response_json(const srv_api *api, const srv_gen *g, const srv_acc *a, 
     if (chat) {
         cJSON *m = cJSON_AddObjectToObject(c, "message");
         cJSON_AddStringToObject(m, "role", "assistant");
-        cJSON_AddStringToObject(m, "content", text);
+        if (g->agent) srv_agent_message(g, text, m); /* reasoning_content, tool_calls */
+        else cJSON_AddStringToObject(m, "content", text);
     } else {
         cJSON_AddStringToObject(c, "text", text);
     }
     if (a->logprobs) cJSON_AddItemToObject(c, "logprobs", cJSON_Duplicate(a->logprobs, true));
     else if (g->logprobs >= 0) cJSON_AddItemToObject(c, "logprobs", new_logprobs(g));
     else cJSON_AddNullToObject(c, "logprobs");
-    add_finish(c, a->finish);
+    srv_chunk_finish(g, c, a->finish);
     cJSON_AddItemToArray(choices, c);
     cJSON_AddItemToObject(root, "usage", usage_json(prompt, completion, cached));
     char *s = cJSON_PrintUnformatted(root);
@@ -217,7 +238,7 @@ char *srv_response_json(const srv_api *api, const srv_gen *g, const srv_acc *a, 
     return s;
 }
 
-static void sse_put(cJSON *root, srv_buf *out) {
+void srv_sse_put(cJSON *root, srv_buf *out) {
     char *s = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
     srv_buf_puts(out, "data: ");
@@ -226,7 +247,7 @@ static void sse_put(cJSON *root, srv_buf *out) {
     free(s);
 }
 
-static cJSON *chunk(const srv_api *api, const srv_gen *g, cJSON **choice) {
+cJSON *srv_chunk_new(const srv_api *api, const srv_gen *g, cJSON **choice) {
     cJSON *root = envelope(api, g, g->kind == SRV_CHAT ? "chat.completion.chunk" : "text_completion");
     cJSON *choices = cJSON_AddArrayToObject(root, "choices");
     *choice = cJSON_CreateObject();
@@ -237,25 +258,26 @@ static cJSON *chunk(const srv_api *api, const srv_gen *g, cJSON **choice) {
 
 void srv_sse_role(const srv_api *api, const srv_gen *g, srv_buf *out) {
     cJSON *c;
-    cJSON *root = chunk(api, g, &c);
+    cJSON *root = srv_chunk_new(api, g, &c);
     cJSON *d = cJSON_AddObjectToObject(c, "delta");
     cJSON_AddStringToObject(d, "role", "assistant");
     cJSON_AddStringToObject(d, "content", "");
     cJSON_AddNullToObject(c, "logprobs");
     cJSON_AddNullToObject(c, "finish_reason");
     if (g->include_usage) cJSON_AddNullToObject(root, "usage");
-    sse_put(root, out);
+    srv_sse_put(root, out);
 }
 
 void srv_sse_event(const srv_api *api, const srv_gen *g, const srv_event *ev, size_t text_offset,
                    srv_buf *out) {
+    if (g->kind == SRV_CHAT && g->agent) return srv_agent_sse_event(api, g, ev, text_offset, out);
     bool has_lp = g->logprobs >= 0 && ev->n_tokens > 0;
     /* nothing visible yet (a partial UTF-8 character or a held-back stop-string
      * prefix); without a tokenizer every token is empty text, so each still gets
      * a chunk for clients that time tokens */
     if (!ev->finished && !ev->text[0] && !has_lp && (api->has_tokenizer || ev->n_tokens == 0)) return;
     cJSON *c;
-    cJSON *root = chunk(api, g, &c);
+    cJSON *root = srv_chunk_new(api, g, &c);
     if (g->kind == SRV_CHAT) {
         cJSON *d = cJSON_AddObjectToObject(c, "delta");
         if (ev->text[0] || !ev->finished) cJSON_AddStringToObject(d, "content", ev->text);
@@ -271,7 +293,7 @@ void srv_sse_event(const srv_api *api, const srv_gen *g, const srv_event *ev, si
     }
     add_finish(c, ev->finished ? ev->finish_reason : LETHE_FINISH_NONE);
     if (g->include_usage) cJSON_AddNullToObject(root, "usage");
-    sse_put(root, out);
+    srv_sse_put(root, out);
 }
 
 void srv_sse_usage(const srv_api *api, const srv_gen *g, int32_t prompt, int32_t completion,
@@ -279,7 +301,7 @@ void srv_sse_usage(const srv_api *api, const srv_gen *g, int32_t prompt, int32_t
     cJSON *root = envelope(api, g, g->kind == SRV_CHAT ? "chat.completion.chunk" : "text_completion");
     cJSON_AddArrayToObject(root, "choices");
     cJSON_AddItemToObject(root, "usage", usage_json(prompt, completion, cached));
-    sse_put(root, out);
+    srv_sse_put(root, out);
 }
 
 void srv_sse_error(const srv_error *err, srv_buf *out) {

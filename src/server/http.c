@@ -47,6 +47,7 @@
 #include "server/conn.h"
 #include "server/metrics.h"
 #include "server/openai.h"
+#include "server/agent.h"
 #include "server/req.h"
 #include "server/server.h"
 
@@ -295,6 +296,7 @@ static void handle_generate(srv_state *s, const srv_request *rq, const char *ten
     p.sampling = g->sp;
     p.forced = g->forced;
     p.n_forced = g->n_forced;
+    p.grammar = g->agent ? g->agent->grammar : NULL; /* the engine takes its own reference */
     p.cb = srv_req_on_event;
     p.user = r;
     srv_req_ref(r); /* the engine's reference, dropped by the final event */
@@ -437,6 +439,7 @@ static void *loader_main(void *arg) {
         s->api.engine = e;
         s->api.served_name = s->served_name;
         s->api.model_path = s->cfg->engine.model;
+        s->api.tool_parser = s->cfg->tool_call_parser;
         s->api.max_model_len = lethe_engine_max_model_len(e);
         s->api.created = (int64_t)time(NULL);
         size_t nb = 0;

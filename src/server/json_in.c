@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/json.h"
 #include "server/openai.h"
 
 static bool json_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
@@ -93,6 +94,7 @@ int srv_json_parse(const char *body, size_t len, cJSON **out, srv_error *err) {
         cJSON_Delete(root);
         return srv_errorf(err, 400, NULL, "unexpected data after the JSON value (byte offset %zu)", at);
     }
+    lethe_json_keep_numbers(root, body, len); /* chat templates print numbers as written */
     *out = root;
     return 0;
 }

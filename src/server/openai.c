@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "core/util.h"
+#include "server/agent.h"
 #include "server/chain_api.h"
 
 int srv_errorf(srv_error *err, int status, const char *param, const char *fmt, ...) {
@@ -221,15 +222,17 @@ static int parse_messages(const srv_api *api, const cJSON *root, srv_gen *g, srv
         if ((rc = message_text(cJSON_GetObjectItemCaseSensitive(m, "content"), (int)i, &texts[i],
                                err)))
             break;
+        if ((rc = srv_agent_check_message(m, (int)i, err))) break;
         contents[i] = texts[i].data ? texts[i].data : "";
         i++;
     }
     bool add_gen = true;
     if (!rc && get_bool(root, "add_generation_prompt", &add_gen, err) < 0) rc = -1;
     char *rendered = NULL;
-    if (!rc && lethe_engine_apply_chat(api->engine, roles, contents, n, add_gen, &rendered) != 0)
-        rc = srv_errorf(err, 400, "messages", "cannot apply the chat template: %s",
-                        lethe_engine_last_error());
+    const cJSON *cid = field(root, "chain_id"); /* the chain's memo restores dropped reasoning */
+    if (!rc)
+        rc = srv_render_chat(api, msgs, g->agent, cJSON_IsString(cid) ? cid->valuestring : NULL, add_gen,
+                             &rendered, err);
     if (!rc) rc = tokenize(api, rendered, false, "messages", g, err);
     free(rendered);
     for (size_t k = 0; k < n; k++) srv_buf_free(&texts[k]);
@@ -373,18 +376,6 @@ static int check_unsupported(const cJSON *root, srv_kind kind, srv_error *err) {
     v = field(root, "logit_bias");
     if (v && (!cJSON_IsObject(v) || v->child))
         return srv_errorf(err, 400, "logit_bias", "'logit_bias' is not supported");
-    if (kind == SRV_CHAT) {
-        v = field(root, "tools");
-        if (v && (!cJSON_IsArray(v) || cJSON_GetArraySize(v) > 0))
-            return srv_errorf(err, 400, "tools", "tool calling is not supported");
-        v = field(root, "response_format");
-        if (v) {
-            cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
-            if (!cJSON_IsObject(v) || !cJSON_IsString(t) || strcmp(t->valuestring, "text"))
-                return srv_errorf(err, 400, "response_format",
-                                  "only response_format {\"type\": \"text\"} is supported");
-        }
-    }
     return 0;
 }
 
@@ -441,6 +432,13 @@ int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_
         if (get_bool(so, "include_usage", &g->include_usage, err) < 0) goto out;
     }
     if (check_unsupported(root, kind, err) || parse_sampling(api, root, g, err)) goto out;
+    if (kind == SRV_CHAT && srv_agent_parse(api, root, g, err)) goto out; /* tools, reasoning, response_format */
+    if (g->agent && g->agent->grammar && (g->sp.ignore_eos || g->forced)) {
+        srv_errorf(err, 400, g->forced ? "forced_token_ids" : "ignore_eos",
+                   "'%s' cannot be combined with structured output or forced tool calls",
+                   g->forced ? "forced_token_ids" : "ignore_eos");
+        goto out;
+    }
     if (kind == SRV_CHAT ? parse_messages(api, root, g, err) : parse_prompt(api, root, g, err))
         goto out;
     if (srv_chain_parse(api, root, kind, g, err)) goto out; /* chain_id, chain_append_start */
@@ -468,6 +466,8 @@ out:
 }
 
 void srv_gen_free(srv_gen *g) {
+    srv_agent_free(g->agent);
+    g->agent = NULL;
     free(g->prompt);
     g->prompt = NULL;
     free(g->chain_id);

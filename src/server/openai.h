@@ -44,7 +44,10 @@ typedef struct srv_api {
     int32_t max_model_len;
     int64_t created;            /* server start time (unix seconds) */
     bool has_tokenizer;         /* false for dummy weights: token-id prompts only, empty text */
+    const char *tool_parser;    /* --tool-call-parser: NULL/"auto" = the chat template's format */
 } srv_api;
+
+typedef struct srv_agent srv_agent; /* tools, reasoning, structured output (agent.h) */
 
 typedef struct srv_gen {
     srv_kind kind;
@@ -65,6 +68,7 @@ typedef struct srv_gen {
     int32_t chain_append_start, n_messages;
     lethe_chain_result chain_res;
     const char *tenant;         /* owner of the chains this request creates or resumes (not owned) */
+    srv_agent *agent;           /* chat: tools, reasoning, response_format (agent.c), or NULL */
 } srv_gen;
 
 int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,
@@ -97,6 +101,12 @@ void srv_sse_event(const srv_api *api, const srv_gen *g, const srv_event *ev, si
 void srv_sse_usage(const srv_api *api, const srv_gen *g, int32_t prompt, int32_t completion,
                    int32_t cached, srv_buf *out);
 void srv_sse_error(const srv_error *err, srv_buf *out);
+/* chunk pieces for agent.c's stream formatting */
+cJSON *srv_chunk_new(const srv_api *api, const srv_gen *g, cJSON **choice);
+void srv_sse_put(cJSON *root, srv_buf *out); /* takes root */
+void srv_chunk_logprobs(const srv_api *api, const srv_gen *g, const srv_event *ev, size_t text_offset,
+                        cJSON *choice);
+void srv_chunk_finish(const srv_gen *g, cJSON *choice, lethe_finish_reason r);
 void srv_sse_done(srv_buf *out);
 
 /* Limits on a request (each refusal is a 400 naming the field; the body size

@@ -47,6 +47,7 @@ typedef struct lethe_server_config {
     float body_timeout_s;          /* body complete within, after the headers (default 60) */
     float idle_timeout_s;          /* idle keep-alive connections close after (default 30) */
     float write_timeout_s;         /* a client reading nothing this long is dropped (default 60) */
+    const char *tool_call_parser;  /* NULL / "auto": the chat template's; "hermes", "llama3_json", "glm45" */
 } lethe_server_config;
 
 void lethe_server_default_config(lethe_server_config *c);

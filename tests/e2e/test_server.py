@@ -351,7 +351,11 @@ def test_completion_400(srv, body, param):
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    # SmolLM2's template has no tool format: a well-formed tool is refused for the model
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json"}}, "response_format"),
 ])
 def test_chat_400(srv, body, param):
     err_of(post(srv, "/v1/chat/completions", body), 400, param)
