@@ -175,7 +175,8 @@ FUZZ_RUNS    ?= 0
 FUZZ_CFLAGS  := -std=c17 -g -O1 -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -Itests/fuzz \
                 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined \
                 -MMD -MP $(EXTRA_CFLAGS)
-FUZZ_OBJ     := $(SRC:%.c=$(FUZZ_BUILD)/%.o)
+FUZZ_CXX     ?= clang++
+FUZZ_OBJ     := $(SRC:%.c=$(FUZZ_BUILD)/%.o) $(CXX_SRC:%.cc=$(FUZZ_BUILD)/%.cc.o)
 FUZZ_SRC     := $(shell find tests/fuzz -name 'fuzz_*.c' 2>/dev/null | sort)
 FUZZ_BIN     := $(FUZZ_SRC:tests/fuzz/%.c=$(FUZZ_BUILD)/fuzz/%)
 
@@ -183,13 +184,18 @@ $(FUZZ_BUILD)/src/%.o: src/%.c | deps
 	@mkdir -p $(dir $@)
 	@$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
 
+$(FUZZ_BUILD)/src/%.cc.o: src/%.cc | $(XGR_LIB)
+	@mkdir -p $(dir $@)
+	@$(FUZZ_CXX) $(filter-out -Werror,$(CXXFLAGS)) -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize=vptr \
+	    -fsanitize=fuzzer-no-link -c $< -o $@
+
 $(FUZZ_BUILD)/liblethe.a: $(FUZZ_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
 $(FUZZ_BUILD)/fuzz/%: tests/fuzz/%.c tests/fuzz/fuzz_util.h $(FUZZ_BUILD)/liblethe.a
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_BUILD)/liblethe.a $(BASE_LDLIBS)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_BUILD)/liblethe.a $(BASE_LDLIBS) $(XGR_LIB) -lstdc++
 
 fuzz-build: $(FUZZ_BIN)
 
