@@ -3,9 +3,17 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,stepprof,mmcmp,replay
-# (default: build,test,bench,dev,peer,plot,profile; sparse, stepprof, mmcmp and
-# replay only when named).
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,stepprof,mmcmp,replay,basecmp
+# (default: build,test,bench,dev,peer,plot,profile; sparse, stepprof, mmcmp,
+# replay and basecmp only when named).
+#
+#   basecmp before vs after in one call: the tree of an earlier commit, carried
+#           as .deb/base-COMMIT.tar (`git archive -o .deb/base-COMMIT.tar COMMIT`),
+#           is built next to this one (in the build phase, in parallel) and
+#           `lethe bench engine` (dummy Llama-3.1-8B, $BASECMP_POINTS) runs
+#           base, new, base, new; then `bench sparse --parts matched` (dense,
+#           quest, omnikv at batch 8 x ${BASECMP_SPARSE_INPUT:-8192}) once each.
+#           Ratios new/base per point -> $OUT/basecmp.txt. ~4-5 min.
 #
 #   dev     dev/cuda/attn_bench (built by the build phase): the attention
 #           kernel generations v1, v2 and lethe's op against the CPU twin,
@@ -74,10 +82,27 @@ if [ -d .deb ]; then
     export EXTRA_LDFLAGS="-L$LK -Wl,-rpath-link,$L -Wl,-rpath,$L"
     export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$L"
 fi
+# xgrammar's C++ core, built on the dev machine (scripts/build-xgrammar.sh) and
+# carried: the GPU machine cannot fetch its source distribution
+for x in .deb/lethe-deps/xgrammar-*/lib/libxgrammar.a; do
+    [ -f "$x" ] && export LETHE_DEPS=$PWD/.deb/lethe-deps
+done
 
 # Nsight Compute: on PATH or in the usual install folders (empty when absent)
 find_ncu() { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
 
+BASE_DIR=/tmp/lethe-base
+if has basecmp; then
+    base_tar=${BASE_TAR:-$(ls .deb/base-*.tar 2>/dev/null | head -1)}
+    rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"
+    if [ -f "$base_tar" ]; then
+        tar xf "$base_tar" -C "$BASE_DIR"
+        (cd "$BASE_DIR" && make -j8 CUDA=1 build/lethe >"$OUT/base-build.log" 2>&1; echo "rc=$?" >>"$OUT/base-build.log") &
+        base_pid=$!
+    else
+        log "basecmp: no .deb/base-*.tar"
+    fi
+fi
 if has build; then
     make -j16 CUDA=1 all >"$OUT/build.log" 2>&1; rc=$?
     log "build: rc=$rc ($(( $(date +%s) - t_start ))s)"
@@ -181,6 +206,57 @@ if has replay; then
     add_gpu "$OUT/replay.json"
     log "replay: ($(( $(date +%s) - t0 ))s)"
 fi
+if has basecmp && [ -n "${base_pid:-}" ]; then
+    wait "$base_pid"
+    log "basecmp: base $(basename "$base_tar") build $(tail -1 "$OUT/base-build.log") ($(( $(date +%s) - t_start ))s)"
+    t0=$(date +%s)
+    cfg=configs/llama-3.1-8b-instruct/config.json
+    pts=${BASECMP_POINTS:-1:4096:64,8:4096:64,32:512:64,64:8192:32}
+    for rep in 1 2; do
+        for who in base new; do
+            bin=./build/lethe; [ $who = base ] && bin=$BASE_DIR/build/lethe
+            $bin bench engine -m $cfg --load-format dummy --points "$pts" --attention --attn-batch 8 \
+                --attn-ctx 32768 --attn-prefill 8192 --json "$OUT/basecmp-$who-$rep.json" \
+                >"$OUT/basecmp-$who-$rep.log" 2>&1 || echo "basecmp $who $rep: rc=$?" >>"$OUT/summary.txt"
+        done
+    done
+    for who in base new; do
+        bin=./build/lethe; [ $who = base ] && bin=$BASE_DIR/build/lethe
+        $bin bench sparse -m $cfg --load-format dummy --device cuda --parts matched --budget 2048 \
+            --matched-methods quest,omnikv --matched-batch 8 --matched-input ${BASECMP_SPARSE_INPUT:-8192} \
+            --matched-output 64 --no-progress --json "$OUT/basecmp-sparse-$who.json" \
+            >"$OUT/basecmp-sparse-$who.log" 2>&1 || echo "basecmp sparse $who: rc=$?" >>"$OUT/summary.txt"
+    done
+    python3 - "$OUT" >"$OUT/basecmp.txt" 2>&1 <<'EOF2'
+import json, os, statistics, sys
+out = sys.argv[1]
+def load(n):
+    p = os.path.join(out, n)
+    return json.load(open(p)) if os.path.exists(p) else None
+runs = {w: [r for r in (load(f"basecmp-{w}-{i}.json") for i in (1, 2)) if r] for w in ("base", "new")}
+print("engine bench, median of 2 runs each, alternating base/new (ratio = new / base)")
+print(f"{'point':>14} {'metric':>22} {'base':>10} {'new':>10} {'ratio':>7}")
+if runs["base"] and runs["new"]:
+    for i, p in enumerate(runs["new"][0]["points"]):
+        name = f"{p['batch']}x{p['input']}"
+        for k in ("prefill_tok_s", "decode_tok_s", "decode_frac_copy_bw"):
+            b = statistics.median(r["points"][i][k] for r in runs["base"])
+            n = statistics.median(r["points"][i][k] for r in runs["new"])
+            print(f"{name:>14} {k:>22} {b:10.4g} {n:10.4g} {n / b:7.3f}")
+    for key, f in (("attention", "gb_s"), ("prefill_attention", "tflops")):
+        for i, a in enumerate(runs["new"][0].get(key) or []):
+            b = statistics.median(r[key][i][f] for r in runs["base"])
+            n = statistics.median(r[key][i][f] for r in runs["new"])
+            print(f"{key:>14} {f:>22} {b:10.4g} {n:10.4g} {n / b:7.3f}")
+sb, sn = load("basecmp-sparse-base.json"), load("basecmp-sparse-new.json")
+if sb and sn:
+    print("bench sparse --parts matched (one run each)")
+    for mb, mn in zip(sb["matched"]["methods"], sn["matched"]["methods"]):
+        for k in ("prefill_tok_s", "decode_tok_s", "pool_slots_per_layer"):
+            print(f"{mb['method']:>14} {k:>22} {mb[k]:10.4g} {mn[k]:10.4g} {mn[k] / mb[k]:7.3f}")
+EOF2
+    log "basecmp: ($(( $(date +%s) - t0 ))s) -> basecmp.txt"
+fi
 if has plot; then
     python3 scripts/plot_bench.py "$OUT/bench.json" "$OUT/bench.png" >>"$OUT/summary.txt" 2>&1
 fi
@@ -235,3 +311,4 @@ grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }
 [ -s "$OUT/stepprof.txt" ] && { echo; cat "$OUT/stepprof.txt"; }
 [ -s "$OUT/mmcmp.txt" ] && { echo; cat "$OUT/mmcmp.txt"; }
+[ -s "$OUT/basecmp.txt" ] && { echo; cat "$OUT/basecmp.txt"; }
