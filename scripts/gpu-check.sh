@@ -68,19 +68,26 @@ log "machine: $(head -2 "$OUT/gpu.txt" | tail -1) | $(tail -1 "$OUT/gpu.txt") | 
 
 # ---- libraries ----
 if [ -d .deb ]; then
-    R=$PWD/.deb/root; L=$R/usr/lib/x86_64-linux-gnu; LK=$PWD/.deb/link
-    mkdir -p "$R" "$LK"
+    R=$PWD/.deb/root; L=$R/usr/lib/x86_64-linux-gnu; LK=$PWD/.deb/link; FB=$PWD/.deb/fallback
+    mkdir -p "$R" "$LK" "$FB"
     for f in .deb/*.deb; do dpkg -x "$f" "$R"; done
-    # a library the system has is linked from the system; else from the .deb
-    for lib in cjson pcre2-8 icuuc curl crypto; do
+    # link time: a library the system has is linked from the system; else from the .deb
+    for lib in cjson pcre2-8 icuuc curl crypto microhttpd; do
         sys=$(ldconfig -p | grep -o "/[^ ]*/lib$lib\.so\.[0-9]*$" | head -1)
         # ICU suffixes its symbols with its version: the .deb headers need the .deb library
         [ "$lib" = icuuc ] && sys=
         if [ -n "$sys" ]; then ln -sf "$sys" "$LK/lib$lib.so"; else ln -sf "$(ls "$L"/lib$lib.so.[0-9]* | head -1)" "$LK/lib$lib.so"; echo "lib$lib: from .deb" >>"$OUT/gpu.txt"; fi
     done
+    # run time: only the sonames the system lacks come from the .debs (libcurl's
+    # own dependencies among them), so no system library is shadowed
+    for so in "$L"/lib*.so.*; do
+        n=$(basename "$so")
+        ldconfig -p | grep -q "^[[:space:]]$n " || ln -sf "$so" "$FB/$n"
+    done
+    echo "from .deb at run time: $(ls "$FB" | tr '\n' ' ')" >>"$OUT/gpu.txt"
     export EXTRA_CFLAGS="-I$R/usr/include -I$R/usr/include/x86_64-linux-gnu"
-    export EXTRA_LDFLAGS="-L$LK -Wl,-rpath-link,$L -Wl,-rpath,$L"
-    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$L"
+    export EXTRA_LDFLAGS="-L$LK -Wl,-rpath-link,$L -Wl,-rpath,$FB"
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$FB"
 fi
 # xgrammar's C++ core, built on the dev machine (scripts/build-xgrammar.sh) and
 # carried: the GPU machine cannot fetch its source distribution

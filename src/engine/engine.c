@@ -75,8 +75,12 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
                                             lethe_sparse_kv_format(e->method)) +
                        lethe_sparse_slot_overhead(e->method);
     size_t budget;
-    bool cuda = e->runner.be && e->runner.be->ops->free_memory && e->runner.be->ops->free_memory(e->runner.be) > 0;
-    if (cuda) {
+    /* device memory: the pool takes a share of what is free; host memory (and
+     * the fake runner): the configured KV budget */
+    const lethe_backend *be = e->runner.be;
+    bool device_mem = be && !lethe_backend_has(be, LETHE_BE_HOST_MEMORY) && be->ops->free_memory &&
+                      be->ops->free_memory(e->runner.be) > 0;
+    if (device_mem) {
         budget = (size_t)((double)e->runner.be->ops->free_memory(e->runner.be) * e->p.gpu_memory_utilization);
     } else {
         budget = e->p.kv_cache_bytes ? e->p.kv_cache_bytes : ENG_DEFAULT_KV_BYTES;
@@ -115,7 +119,7 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
                             "fewer than the %d one request of max_model_len %d needs: raise --kv-cache-bytes%s "
                             "or lower --max-model-len",
                             budget, (long long)slots, tok_bytes, c->n_layers, need, e->max_model_len,
-                            cuda ? " / --gpu-memory-utilization" : "");
+                            device_mem ? " / --gpu-memory-utilization" : "");
     *n_slots = (int32_t)slots;
     return LETHE_OK;
 }

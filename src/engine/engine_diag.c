@@ -24,7 +24,7 @@ lethe_status eng_diag_init(lethe_engine *e) {
     lethe_status st = lethe_env_bool(LETHE_ENV_STEP_TIMES, &e->diag.step_times);
     if (st == LETHE_OK) st = lethe_env_uint(LETHE_ENV_PROFILE_STEP, &e->diag.profile_step);
     if (st != LETHE_OK) return st;
-    if (!e->runner.be || !e->runner.be->ops->profile_range)
+    if (!e->runner.be || !lethe_backend_has(e->runner.be, LETHE_BE_PROFILER))
         e->diag.profile_step = 0; /* no device profiler */
     return LETHE_OK;
 }
