@@ -260,6 +260,8 @@ typedef struct lethe_engine_stats {
     int64_t prefill_tokens_computed;         /* tokens that went through the forward as prompt */
     int64_t n_preemptions;
     int64_t n_steps;
+    /* steps whose forward failed (a backend error): their requests ended with an internal error */
+    int64_t n_failed_steps;
     int64_t n_requests_finished;
     /* forward path (CUDA-graph decode, src/engine/engine_forward.c) */
     int64_t graph_replays;    /* decode steps replayed from a captured CUDA graph */

@@ -11,7 +11,9 @@
  *     radix with an eviction method and modes without prefix caching fail
  *     with a message; chain calls on a radix engine are refused (400).
  *  3. Abort invalidates (410 afterwards) and frees the KV; a recreated turn
- *     frees the old KV; capacity refusal (503) when ACTIVE turns hold it all.
+ *     frees the old KV; capacity refusal (503) when ACTIVE turns hold it all;
+ *     a turn whose model step fails (LETHE_FAULT_TOKEN) invalidates only its
+ *     own chain.
  *  4. SnapKV on the real SmolLM2 model: the chain's resident KV after each
  *     turn (positions kept per layer) and its outputs are the same whether
  *     the turns run synchronously in one engine or through the threaded
@@ -19,6 +21,8 @@
  *     the sink are always resident, and each layer holds at most the budget
  *     plus the tokens decoded after the compaction. */
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/util.h"
@@ -270,6 +274,73 @@ static void test_modes_and_capacity(void) {
     lethe_engine_destroy(e);
 }
 
+/* A turn whose model step fails (LETHE_FAULT_TOKEN): it ends with an
+ * internal error, its chain is invalidated (410 afterwards: its resident KV
+ * holds the failed step's garbage) and freed; another chain's next turn
+ * matches the reference on its full history. */
+static bool holds(const int32_t *t, int32_t n, int32_t tok) {
+    for (int32_t i = 0; i < n; i++)
+        if (t[i] == tok) return true;
+    return false;
+}
+
+static void test_failed_turn(void) {
+    lethe_fake_params fp = fake_params();
+    int32_t a1[40], b1[40], b2[20], a2[20];
+    for (int32_t i = 0; i < 40; i++) a1[i] = 4 + (i * 5) % 24, b1[i] = 4 + (i * 7 + 3) % 24;
+    for (int32_t i = 0; i < 20; i++) b2[i] = 4 + (i * 11) % 24, a2[i] = 4 + (i * 13) % 24;
+    /* B's history: b1, its 8 tokens, b2, its 8 tokens; A's: a1, its 8 tokens */
+    int32_t hb[96], ha[48], ref_b2[8];
+    memcpy(hb, b1, sizeof(b1));
+    CHECK_EQ_INT(lethe_fake_reference(&fp, b1, 40, 8, true, hb + 40), 8);
+    memcpy(hb + 48, b2, sizeof(b2));
+    CHECK_EQ_INT(lethe_fake_reference(&fp, hb, 68, 8, true, ref_b2), 8);
+    memcpy(ha, a1, sizeof(a1));
+    CHECK_EQ_INT(lethe_fake_reference(&fp, a1, 40, 8, true, ha + 40), 8);
+    int32_t fault = -1;
+    for (int32_t t = 28; t < 50 && fault < 0; t++)
+        if (!holds(hb, 68, t) && !holds(ref_b2, 8, t) && !holds(ha, 48, t)) fault = t;
+    CHECK(fault > 0);
+    a2[10] = fault;
+    char v[16];
+    snprintf(v, sizeof(v), "%d", fault);
+    setenv("LETHE_FAULT_TOKEN", v, 1);
+    int st;
+    lethe_engine *e = mk_fake("dense", "chain", true, 0, &st);
+    CHECK_MSG(st == 0, "%s", lethe_engine_last_error());
+    unsetenv("LETHE_FAULT_TOKEN");
+    result ra, rb;
+    lethe_chain_result cr;
+    char ida[48], idb[48];
+    turn(e, NULL, a1, 40, false, 8, &cr, &ra);
+    strcpy(ida, cr.chain_id);
+    turn(e, NULL, b1, 40, false, 8, &cr, &rb);
+    strcpy(idb, cr.chain_id);
+    /* A's append turn holds the fault token: its prefill step fails */
+    result rf = {0};
+    lethe_request_params rp = {.prompt = a2, .n_prompt = 20, .cb = on_event, .user = &rf};
+    lethe_sampling_default_params(&rp.sampling);
+    rp.sampling.temperature = 0;
+    rp.sampling.max_tokens = 8;
+    rp.sampling.ignore_eos = true;
+    lethe_chain_params cp = {.chain_id = ida, .append = true};
+    CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, NULL) == 0);
+    run_all(e);
+    CHECK(rf.finished && rf.why == LETHE_FINISH_ERROR && rf.n == 0);
+    lethe_engine_stats s;
+    lethe_engine_get_stats(e, &s);
+    CHECK_EQ_INT(s.n_failed_steps, 1);
+    CHECK_EQ_INT(s.kv_slots_used, 47); /* only B's resident KV (48 tokens, the last one has none) */
+    CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, NULL) == LETHE_ERR_NOT_FOUND);
+    CHECK(!strcmp(srv_chain_code_name(cr.code), "chain_gone"));
+    turn(e, idb, b2, 20, true, 8, &cr, &rb);
+    CHECK(!strcmp(cr.status, "resumed"));
+    CHECK_EQ_INT(rb.n, 8);
+    for (int32_t i = 0; i < 8; i++) CHECK_EQ_INT(rb.tokens[i], ref_b2[i]);
+    CHECK(eng_check(e) == LETHE_OK);
+    lethe_engine_destroy(e);
+}
+
 /* ---- SnapKV on the real model ---- */
 
 #define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -374,6 +445,7 @@ static void test_snapkv_chain(void) {
 int main(void) {
     test_dense_ten_turns();
     test_modes_and_capacity();
+    test_failed_turn();
     test_snapkv_chain();
     printf("test_chain_engine: ok\n");
     return 0;

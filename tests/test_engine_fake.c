@@ -2,9 +2,12 @@
  * outputs against a KV-free reference, prefix cache on/off, tiny KV pool
  * with preemption, alone vs batched, split vs mixed steps, request
  * validation, abort / cancel freeing KV within one step, forced outputs and
- * logits, threaded submit/cancel from several threads, and a randomized
+ * logits, threaded submit/cancel from several threads, a failed model step
+ * (LETHE_FAULT_TOKEN) ending only its own requests, and a randomized
  * workload of >= 10,000 steps with the ownership checker after every step. */
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -24,6 +27,8 @@ typedef struct result {
     int32_t cached, prompt_tokens, completion_tokens;
     float logit0[MAXT];      /* want_logits: logits[0] of each token event */
     int32_t logits_vocab, n_top;
+    bool internal; /* ERROR: error_internal */
+    char error[256];
 } result;
 
 static result g_res[MAXR];
@@ -52,6 +57,8 @@ static void on_event(void *user, const lethe_event *ev) {
     if (ev->finished) {
         r->finished = true;
         r->why = ev->finish_reason;
+        r->internal = ev->error_internal;
+        snprintf(r->error, sizeof(r->error), "%s", ev->error ? ev->error : "");
         r->n_final++;
         g_n_final++;
         pthread_cond_broadcast(&g_cv);
@@ -437,6 +444,160 @@ static void test_eviction_method(void) {
     lethe_engine_destroy(e);
 }
 
+/* ---- a failed model step (LETHE_FAULT_TOKEN) ---- */
+
+static bool holds(const int32_t *t, int32_t n, int32_t tok) {
+    for (int32_t i = 0; i < n; i++)
+        if (t[i] == tok) return true;
+    return false;
+}
+
+static void check_failed(const result *r) {
+    CHECK(r->finished && r->n_final == 1);
+    CHECK_EQ_INT(r->why, LETHE_FINISH_ERROR);
+    CHECK(r->internal);
+    CHECK_STR_CONTAINS(r->error, "LETHE_FAULT_TOKEN");
+}
+
+/* A step whose forward fails ends exactly the requests of its batch with an
+ * internal error (KV written to their new slots is garbage); every other
+ * request goes on to the reference output, the ownership checker passes after
+ * every step (mk_engine: check_invariants), no slot stays held, and the
+ * prefix cache serves no garbage: requests that reuse the failed request's
+ * published blocks, or the blocks of a request failed mid-decode, still match
+ * the reference. */
+static void test_failed_step(void) {
+    uint64_t rng = 77;
+    static int32_t norm[6][160], pois[3][160];
+    /* prompts of tokens 4..27; the fault token: one of the others that no
+     * normal request's output holds */
+    for (int i = 0; i < 6; i++)
+        for (int32_t j = 0; j < 160; j++)
+            norm[i][j] = j < 96 ? 4 + (i % 2 * 7 + j * 3) % 24
+                                : 4 + (int32_t)(lethe_splitmix64(&rng) % 24);
+    for (int i = 0; i < 3; i++)
+        for (int32_t j = 0; j < 160; j++)
+            pois[i][j] = j < 64 ? 4 + (i * 5 + j * 7) % 24
+                                : 4 + (int32_t)(lethe_splitmix64(&rng) % 24);
+    lethe_fake_params fp = fake_params();
+    int32_t fault = -1;
+    for (int32_t t = 28; t < 50 && fault < 0; t++) {
+        bool used = false;
+        for (int i = 0; i < 6 && !used; i++) {
+            int32_t want[MAXT];
+            int32_t n = lethe_fake_reference(&fp, norm[i], 160, 30, true, want);
+            used = holds(norm[i], 160, t) || holds(want, n, t);
+        }
+        if (!used) fault = t;
+    }
+    CHECK(fault > 0);
+    for (int i = 0; i < 3; i++) pois[i][100] = fault; /* in the second 64-token chunk */
+    char v[16];
+    snprintf(v, sizeof(v), "%d", fault);
+    setenv("LETHE_FAULT_TOKEN", v, 1);
+
+    /* split steps: a prefill step fails alone, decoding requests go on */
+    reset_results();
+    lethe_engine *e = mk_engine(1 << 20, 64, 8, true, true, 1024);
+    CHECK_EQ_INT(e->runner.fault_token, fault);
+    add(e, norm[0], 160, 30, true, &g_res[0]);
+    add(e, norm[1], 160, 30, true, &g_res[1]);
+    for (int k = 0; k < 6; k++) CHECK(lethe_engine_step(e) == 0); /* both prefilled (5 chunks) */
+    CHECK(g_res[0].n > 0 && g_res[1].n > 0);
+    add(e, pois[0], 160, 30, true, &g_res[2]);
+    run_all(e);
+    check_failed(&g_res[2]);
+    CHECK_EQ_INT(g_res[2].n, 0);
+    check_reference(norm[0], 160, 30, true, 1024, &g_res[0]);
+    check_reference(norm[1], 160, 30, true, 1024, &g_res[1]);
+    lethe_engine_stats s;
+    lethe_engine_get_stats(e, &s);
+    CHECK_EQ_INT(s.n_failed_steps, 1);
+    CHECK_EQ_INT(s.kv_slots_used, 0);
+    CHECK_EQ_INT(s.n_running + s.n_waiting, 0);
+    /* the failed request's first chunk was committed and published: a prompt
+     * sharing those 64 tokens (without the fault token) reuses them */
+    int32_t reuse[160];
+    memcpy(reuse, pois[0], sizeof(reuse));
+    reuse[100] = 4;
+    add(e, reuse, 160, 20, true, &g_res[3]);
+    run_all(e);
+    check_reference(reuse, 160, 20, true, 1024, &g_res[3]);
+    CHECK(g_res[3].cached >= 64);
+    lethe_engine_destroy(e);
+
+    /* mixed steps: the poisoned prefill shares its step with decode tokens of
+     * running requests, which fail with it; requests admitted afterwards,
+     * including ones that reuse the failed requests' cached prefixes, match */
+    reset_results();
+    e = mk_engine(1 << 20, 64, 8, true, false, 1024);
+    add(e, norm[2], 160, 30, true, &g_res[0]);
+    add(e, norm[3], 160, 30, true, &g_res[1]);
+    for (int k = 0; k < 6; k++) CHECK(lethe_engine_step(e) == 0);
+    CHECK(g_res[0].n > 0 && g_res[1].n > 0 && !g_res[0].finished);
+    add(e, pois[1], 160, 30, true, &g_res[2]);
+    add(e, pois[2], 60, 30, true, &g_res[3]); /* no fault token in its 60 tokens */
+    run_all(e);
+    check_failed(&g_res[2]);
+    check_failed(&g_res[0]); /* decoding in the failed step */
+    check_failed(&g_res[1]);
+    CHECK(g_res[0].n > 0 && g_res[0].n < 30);
+    lethe_engine_get_stats(e, &s);
+    CHECK(s.n_failed_steps >= 1);
+    CHECK_EQ_INT(s.kv_slots_used, 0);
+    /* pois[2]'s 60 tokens: in the failed step or after it, either way it ended */
+    CHECK(g_res[3].finished);
+    if (g_res[3].why != LETHE_FINISH_ERROR) check_reference(pois[2], 60, 30, true, 1024, &g_res[3]);
+    add(e, norm[2], 160, 30, true, &g_res[4]); /* cached blocks of a failed request */
+    add(e, norm[4], 160, 30, true, &g_res[5]);
+    run_all(e);
+    check_reference(norm[2], 160, 30, true, 1024, &g_res[4]);
+    check_reference(norm[4], 160, 30, true, 1024, &g_res[5]);
+    CHECK(g_res[4].cached >= 144);
+    lethe_engine_get_stats(e, &s);
+    CHECK_EQ_INT(s.kv_slots_used, 0);
+    lethe_engine_destroy(e);
+
+    /* an eviction method (per-layer rows, method state, no radix cache) */
+    reset_results();
+    fp.check_dense = false;
+    lethe_runner runner;
+    CHECK(lethe_runner_fake(&fp, &runner) == LETHE_OK);
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = "fake";
+    p.sparse_method = "streamingllm";
+    p.sparse_config = "sink_keep_tokens=4,recent_keep_tokens=16";
+    p.max_model_len = 400;
+    p.kv_cache_bytes = 800 * 24;
+    p.max_num_batched_tokens = 64;
+    p.split_prefill_decode = true;
+    p.check_invariants = true;
+    CHECK_MSG(lethe_engine_create_with(&p, &runner, NULL, &e) == 0, "%s",
+              lethe_engine_last_error());
+    /* the method changes the outputs (no dense reference): force them, all below the fault token */
+    lethe_request_params rp = {0};
+    lethe_sampling_default_params(&rp.sampling);
+    rp.prompt = norm[5];
+    rp.n_prompt = 160;
+    rp.forced = norm[4];
+    rp.n_forced = 30;
+    rp.cb = on_event;
+    rp.user = &g_res[0];
+    CHECK(lethe_engine_add_request(e, &rp, NULL) == 0);
+    for (int k = 0; k < 4; k++) CHECK(lethe_engine_step(e) == 0);
+    add(e, pois[0], 160, 30, true, &g_res[1]);
+    run_all(e);
+    check_failed(&g_res[1]);
+    CHECK(g_res[0].finished && g_res[0].why == LETHE_FINISH_LENGTH && g_res[0].n == 30);
+    CHECK(!memcmp(g_res[0].tokens, norm[4], 30 * sizeof(int32_t)));
+    lethe_engine_get_stats(e, &s);
+    CHECK_EQ_INT(s.n_failed_steps, 1);
+    CHECK_EQ_INT(s.kv_slots_used, 0);
+    lethe_engine_destroy(e);
+    unsetenv("LETHE_FAULT_TOKEN");
+}
+
 /* ---- threaded mode ---- */
 
 typedef struct submitter {
@@ -586,6 +747,7 @@ int main(void) {
     TEST_RUN(test_abort_and_cancel);
     TEST_RUN(test_forced_and_logits);
     TEST_RUN(test_eviction_method);
+    TEST_RUN(test_failed_step);
     TEST_RUN(test_threaded);
     TEST_RUN(test_random_workload);
     return 0;

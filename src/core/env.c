@@ -23,6 +23,11 @@ static const lethe_env_var g_vars[LETHE_ENV_N] = {
         {"LETHE_MATMUL", LETHE_ENV_CHOICE, "auto", "auto|cublas", "CUDA backend",
          "auto: products of at most 4 rows (decode at batch <= 4) on lethe's GEMV kernel, the "
          "rest on cuBLAS; cublas: every product on cuBLAS (side-by-side benchmarks)"},
+    [LETHE_ENV_FAULT_TOKEN] =
+        {"LETHE_FAULT_TOKEN", LETHE_ENV_UINT, "0", NULL, "engine",
+         "testing: the model forward of every step whose batch holds token id N fails after "
+         "it ran, as a backend error would; the step's requests end with an internal error "
+         "(HTTP 500), the others continue (0: off)"},
 };
 
 const lethe_env_var *lethe_env_var_of(lethe_env_id id) {

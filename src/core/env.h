@@ -31,6 +31,7 @@ typedef enum lethe_env_id {
     LETHE_ENV_PROFILE_STEP,   /* engine_diag.c */
     LETHE_ENV_SAMPLE_ON_HOST, /* engine_sample.c */
     LETHE_ENV_MATMUL,         /* backend/cuda/backend_cuda.cu */
+    LETHE_ENV_FAULT_TOKEN,    /* engine.c -> runner.c (testing) */
     LETHE_ENV_N
 } lethe_env_id;
 

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/env.h"
 #include "core/log.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
@@ -184,6 +185,9 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     }
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
     if ((st = eng_diag_init(e)) != LETHE_OK) goto fail; /* LETHE_STEP_TIMES, LETHE_PROFILE_STEP */
+    int64_t fault_token = 0;
+    if ((st = lethe_env_uint(LETHE_ENV_FAULT_TOKEN, &fault_token)) != LETHE_OK) goto fail;
+    e->runner.fault_token = (int32_t)LETHE_MIN(fault_token, (int64_t)INT32_MAX);
     /* device logits rows: every logits row of a step, padded decode steps included */
     if (e->runner.workspace &&
         (st = e->runner.workspace(e->runner.ctx, e->p.max_num_batched_tokens,
@@ -379,13 +383,15 @@ void eng_admit(lethe_engine *e, eng_req *q) {
 }
 
 /* Final event without a token (abort, error), then the request is gone. */
-void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error) {
+static void finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error,
+                   bool internal) {
     lethe_event ev = {0};
     ev.request_id = q->r.id;
     ev.text = "";
     ev.finished = true;
     ev.finish_reason = why;
     ev.error = error;
+    ev.error_internal = internal;
     ev.prompt_tokens = q->r.n_prompt;
     ev.completion_tokens = q->r.n_tokens - q->r.n_prompt;
     ev.cached_tokens = q->r.cached_tokens;
@@ -393,6 +399,14 @@ void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char
     eng_retire(e, q, false);
     if (q->cb) q->cb(q->user, &ev);
     eng_req_free(q);
+}
+
+void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error) {
+    finish(e, q, why, error, false);
+}
+
+void eng_fail_internal(lethe_engine *e, eng_req *q, const char *error) {
+    finish(e, q, LETHE_FINISH_ERROR, error, true);
 }
 
 /* Out of the scheduler (KV freed) and the id table; the caller frees q. */

@@ -257,7 +257,7 @@ static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b,
 
 /* ---- the forward ---- */
 
-void eng_forward(lethe_engine *e, float *logits) {
+lethe_status eng_forward(lethe_engine *e, float *logits) {
     if (!e->fwd.uniform) {
         if (e->method->ops->select_layer) stage_rows(e);
         const lethe_fwd_hooks hooks = {
@@ -266,7 +266,7 @@ void eng_forward(lethe_engine *e, float *logits) {
         if (e->plan.rows_staged && e->runner.be) e->runner.be->ops->unstage(e->runner.be);
         e->plan.rows_staged = false;
         e->stats.cur.eager_steps++;
-        return;
+        return lethe_runner_step_status(&e->runner, &e->step.batch);
     }
     lethe_fwd_batch b = e->step.batch; /* padded below; methods keep seeing e->step.batch */
     lethe_layer_plan plan;
@@ -282,4 +282,6 @@ void eng_forward(lethe_engine *e, float *logits) {
     if (gs->n_replays + gs->n_captures == graphs_before) e->stats.cur.eager_steps++;
     e->stats.cur.graph_replays = gs->n_replays;
     e->stats.cur.graph_captures = gs->n_captures;
+    /* the real rows, not the padding */
+    return lethe_runner_step_status(&e->runner, &e->step.batch);
 }

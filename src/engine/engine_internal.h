@@ -197,6 +197,9 @@ void eng_req_free(eng_req *q);
 void eng_admit(lethe_engine *e, eng_req *q); /* into the table and the scheduler */
 eng_req *eng_find(lethe_engine *e, uint64_t id);
 void eng_finish(lethe_engine *e, eng_req *q, lethe_finish_reason why, const char *error);
+/* ERROR because the engine failed (a failed model step), not the request: the event has
+ * error_internal (HTTP 500) */
+void eng_fail_internal(lethe_engine *e, eng_req *q, const char *error);
 void eng_retire(lethe_engine *e, eng_req *q, bool ok); /* ok: finished normally (the cache may keep its KV) */
 void eng_publish_stats(lethe_engine *e);
 lethe_status eng_check(lethe_engine *e);
@@ -218,8 +221,10 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs); /* step s
 void eng_forward_init(lethe_engine *e);   /* at create, after the method, before the pool */
 void eng_forward_bind(lethe_engine *e);   /* at create, once the pool exists */
 /* runs e->step.batch through the runner: plan_layer hooks per layer, or the
- * uniform plan; logits: e->step.logits, or NULL to leave them on the device */
-void eng_forward(lethe_engine *e, float *logits);
+ * uniform plan; logits: e->step.logits, or NULL to leave them on the device.
+ * Returns the runner's step status (lethe_runner_step_status): not OK = the
+ * step failed, its logits and new K/V are garbage. */
+lethe_status eng_forward(lethe_engine *e, float *logits);
 
 /* engine_sample.c */
 lethe_status eng_sample_init(lethe_engine *e); /* at create: LETHE_SAMPLE_ON_HOST, runner->sample */

@@ -17,7 +17,10 @@
  *                EOS / stop token / detokenize / stop strings / max_tokens /
  *                max_model_len, one event per token (the finishing one has
  *                finished = true)
+ *   (or fail)    a forward that failed (a backend error) ends every request
+ *                of its batch with an internal error instead (step_fail)
  * then the invariant check (check_invariants) and the stats snapshot. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -222,23 +225,45 @@ static void build_batch(lethe_engine *e, const lethe_sched_out *out) {
  * (engine_forward.c), the tokens on the backend when no row needs host
  * logits (engine_sample.c), method->finish_step (eviction), then the
  * scheduler's commit (n_computed advances, full blocks go to the cache).
- * Returns whether the backend sampled. */
-static bool step_run(lethe_engine *e, const lethe_sched_out *out) {
+ * *on_device: whether the backend sampled. A failed forward stops right
+ * after it (nothing sampled, evicted or committed) and returns its status. */
+static lethe_status step_run(lethe_engine *e, const lethe_sched_out *out, bool *on_device) {
     build_batch(e, out);
     lethe_sparse_method *m = e->method;
     if (m->ops->prepare) m->ops->prepare(m, &e->step.st);
-    const bool on_device = eng_sample_on_device(e, out);
+    *on_device = eng_sample_on_device(e, out);
     eng_diag_step_begin(e, out->n_prefill_tokens == 0); /* engine_diag.c */
-    eng_forward(e, on_device ? NULL : e->step.logits);
+    const lethe_status st = eng_forward(e, *on_device ? NULL : e->step.logits);
     eng_diag_forward_done(e);
-    if (on_device) eng_sample_device(e, out); /* right after the forward or its graph replay */
+    e->step.index++;
+    if (st != LETHE_OK) {
+        eng_diag_step_end(e);
+        return st;
+    }
+    if (*on_device) eng_sample_device(e, out); /* right after the forward or its graph replay */
     if (m->ops->finish_step) m->ops->finish_step(m, &e->step.st);
     eng_diag_step_end(e);
     lethe_sched_commit(e->sched, out);
     e->stats.cur.n_steps++;
     e->stats.cur.prefill_tokens_computed += out->n_prefill_tokens;
-    e->step.index++;
-    return on_device;
+    return LETHE_OK;
+}
+
+/* A failed step (the forward's error in lethe_last_error): every request of
+ * its batch ends with an internal error, the others are untouched. Its K/V
+ * went only to its own requests' new slots (the store slots appended this
+ * step), never to a slot another request or the prefix cache can read:
+ * cached blocks are published at commit, which did not happen. Ending a
+ * request releases its row, its method state and its cache references (a
+ * chain turn's chain is invalidated, LETHE_PC_END_FAILED), so no slot stays
+ * held; the invariant check after the step verifies it. */
+static void step_fail(lethe_engine *e, const lethe_sched_out *out) {
+    char msg[320];
+    snprintf(msg, sizeof(msg), "%s", lethe_last_error());
+    LOG_ERROR("engine step %lld failed, ending its %d requests: %s", (long long)e->step.index - 1,
+              out->n_items, msg);
+    for (int32_t i = 0; i < out->n_items; i++) eng_fail_internal(e, e->step.seq_req[i], msg);
+    e->stats.cur.n_failed_steps++;
 }
 
 /* Per logits row, in order: the token and its event (process_token). */
@@ -258,8 +283,9 @@ int eng_step(lethe_engine *e) {
     lethe_sched_out out;
     step_schedule(e, &out);
     if (out.n_items > 0) {
-        const bool on_device = step_run(e, &out);
-        step_postprocess(e, &out, on_device);
+        bool on_device = false;
+        if (step_run(e, &out, &on_device) == LETHE_OK) step_postprocess(e, &out, on_device);
+        else step_fail(e, &out);
     }
     lethe_status st = LETHE_OK;
     if (e->p.check_invariants) {

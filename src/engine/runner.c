@@ -85,6 +85,16 @@ lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_run
     return LETHE_OK;
 }
 
+lethe_status lethe_runner_step_status(const lethe_runner *r, const lethe_fwd_batch *b) {
+    if (r->fault_token <= 0) return LETHE_OK;
+    for (int32_t i = 0; i < b->n_tokens; i++)
+        if (b->tokens[i] == r->fault_token)
+            return lethe_errorf(LETHE_ERR_BACKEND,
+                                "backend error in the model step (injected: LETHE_FAULT_TOKEN=%d)",
+                                r->fault_token);
+    return LETHE_OK;
+}
+
 lethe_model *lethe_runner_model_of(const lethe_runner *r) {
     if (!r || !r->ctx || !r->kind || strcmp(r->kind, "model") != 0) return NULL;
     return &((model_runner *)r->ctx)->model;

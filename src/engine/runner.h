@@ -48,7 +48,19 @@ typedef struct lethe_runner {
      * a->n and are never sampled) */
     void (*sample)(void *ctx, lethe_sample_args *a);
     void (*destroy)(void *ctx);
+    /* testing (LETHE_FAULT_TOKEN, read by the engine at create): the forward
+     * of a step whose batch holds this token id fails after it ran, like a
+     * backend error would (lethe_runner_step_status); 0 = never */
+    int32_t fault_token;
 } lethe_runner;
+
+/* The status of the forward that just ran over batch b: LETHE_OK, or the
+ * error it ended with (the message is set, lethe_last_error). The forward
+ * ran to its end either way: K/V of b's store slots may be written, nothing
+ * else. Backend ops do not fail at run time (a CUDA error aborts: a sticky
+ * device error leaves the context unusable), so today the one error is the
+ * injected fault_token. */
+lethe_status lethe_runner_step_status(const lethe_runner *r, const lethe_fwd_batch *b);
 
 /* Real model (the runner takes ownership of model and backend). */
 lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_runner *out);

@@ -133,6 +133,9 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
                 model, (double)st->prefill_tokens_computed);
         counter(&b, "num_preemptions_total", "Cumulative number of preemptions.", model,
                 (double)st->n_preemptions);
+        counter(&b, "engine_failed_steps_total",
+                "Engine steps whose model forward failed; their requests ended with HTTP 500.",
+                model, (double)st->n_failed_steps);
     }
     pthread_mutex_lock(&m->mu);
     static const char *const reasons[] = {"none", "stop", "length", "abort", "error"};

@@ -22,12 +22,12 @@ MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 class Server:
-    def __init__(self, *args, model=MODEL, wait_ready=True, timeout=120):
+    def __init__(self, *args, model=MODEL, wait_ready=True, timeout=120, env=None):
         self.log = tempfile.NamedTemporaryFile(prefix="lethe-serve-", suffix=".log", delete=False)
         cmd = [BIN, "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", *args]
         # Passive OpenMP waits: on a shared 2-core machine, spinning worker threads
         # slowed decoding about 10x when other processes competed for the cores.
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}  # env: extra variables (LETHE_FAULT_TOKEN, ...)
         env.setdefault("OMP_WAIT_POLICY", "passive")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)

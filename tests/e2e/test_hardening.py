@@ -1,11 +1,13 @@
 """End-to-end hardening tests of `lethe serve`: a connection layer that one
 client cannot starve (thousands of half-open connections, per-client caps,
 header/body deadlines, immediate 413, JSON bodies for every HTTP-layer error),
-strict request bodies, and chain tenancy (a chain belongs to the API key or
-tenant header that created it)."""
+strict request bodies, chain tenancy (a chain belongs to the API key or
+tenant header that created it), and crash safety of state (a failed model
+step answers 500 for its own requests; the others go on, no KV stays held)."""
 import json
 import resource
 import socket
+import threading
 import time
 
 import pytest
@@ -281,6 +283,75 @@ def test_chain_belongs_to_its_tenant_header():
         assert chat(srv, chain_id=cid, headers={"X-Tenant": "t1"}).status_code == 200
         e = chat(srv, headers={"X-Tenant": "t" * 65}).json()["error"]
         assert "longer than 64 bytes" in e["message"]
+    finally:
+        srv.stop()
+        srv.cleanup()
+
+
+# ---- crash safety of state ----
+
+FAULT = 49000  # a token id (SmolLM2: 49152) no normal prompt or greedy output here holds
+
+
+def test_failed_model_step():
+    """LETHE_FAULT_TOKEN fails the forward of every step holding that token, as a
+    backend error would. With --split-prefill-decode a poisoned prompt's prefill
+    runs in a step of its own: it gets a 500 with the engine's message (or an
+    SSE error event when streaming) while a streaming request that is decoding
+    finishes normally; the KV ownership checker runs after every step (a broken
+    invariant would stop the server) and the KV in use returns to zero."""
+    srv = Server("--max-model-len", "512", "--threads", "2", "--check-invariants", "--split-prefill-decode",
+                 env={"LETHE_FAULT_TOKEN": str(FAULT)})
+    try:
+        got = {}
+
+        def long_stream():
+            body = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+                got["status"] = r.status_code
+                got["lines"] = []
+                for line in r.iter_lines():
+                    if line:
+                        got["lines"].append(line.decode())
+                        got["started"] = True
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        deadline = time.time() + 60
+        while not got.get("started") and time.time() < deadline:
+            time.sleep(0.02)
+        assert got.get("started"), "the long request did not start streaming"
+        poison = [1, 504, 3458, FAULT, 28, 253]
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": poison, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 500, r.text
+        e = r.json()["error"]
+        assert e["code"] == 500 and "LETHE_FAULT_TOKEN" in e["message"], e
+        # streaming: 200 headers, then the error as an SSE event and [DONE]
+        with requests.post(srv.url + "/v1/completions", json={"prompt": poison, "max_tokens": 4, "stream": True},
+                           stream=True, timeout=60) as rs:
+            assert rs.status_code == 200
+            lines = [l.decode() for l in rs.iter_lines() if l]
+        assert lines[-1] == "data: [DONE]", lines
+        ev = json.loads(lines[-2][len("data: "):])
+        assert "LETHE_FAULT_TOKEN" in ev["error"]["message"] and ev["error"]["code"] == 500, ev
+        t.join(120)
+        assert got["status"] == 200
+        assert got["lines"][-1] == "data: [DONE]"
+        chunks = [json.loads(l[len("data: "):]) for l in got["lines"][:-1]]
+        assert all("error" not in c for c in chunks), chunks[-1]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # the server goes on: a normal request, metrics account for both failures, no KV held
+        assert completion(srv).status_code == 200
+        m = srv.metrics()
+        assert m["lethe:engine_failed_steps_total"] == 2
+        assert m['lethe:request_success_total{finished_reason="error"}'] == 2
+        assert m['lethe:request_success_total{finished_reason="length"}'] == 2
+        assert m["lethe:kv_cache_usage_perc"] == 0 and m["lethe:num_requests_running"] == 0
+        assert srv.alive()
+    except BaseException:
+        print(srv.read_log())
+        raise
     finally:
         srv.stop()
         srv.cleanup()
