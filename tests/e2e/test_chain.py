@@ -186,7 +186,7 @@ def test_lru_tombstone_capacity():
         srv.cleanup()
 
 
-def test_snapkv_chain_and_replay():
+def test_snapkv_chain_and_replay(tmp_path):
     srv = Server("--sparse-method", "snapkv", "--sparse-config",
                  "sink_keep_tokens=4,recent_keep_tokens=32,decode_keep_tokens=64", "--max-model-len", "2048",
                  "--threads", "2")
@@ -219,7 +219,7 @@ def test_snapkv_chain_and_replay():
         srv.stop()
         srv.cleanup()
     # the replay benchmark against its own servers on a tiny trace
-    out = os.path.join(ROOT, "build", "replay-test.json")
+    out = str(tmp_path / "replay-test.json")
     import subprocess
     p = subprocess.run([BIN, "bench", "replay", "--generate", "--agents", "2", "--min-turns", "3", "--max-turns", "3",
                         "--system-tokens", "20", "--task-tokens", "30", "--tool-min", "20", "--tool-max", "40",
