@@ -6,6 +6,8 @@
 #   make test-gpu   CUDA op/model tests (needs a GPU; run on the GPU machine)
 #   make fuzz       the libFuzzer harnesses (tests/fuzz) under ASan + UBSan, clang;
 #                   FUZZ_SECONDS=N per harness (default 60), FUZZ_RUNS=N executions instead
+#   make soak       tests/soak/soak.py: SOAK_CLIENTS concurrent clients (default 64) on
+#                   `lethe serve` for SOAK_SECONDS (default 60); SOAK_ARGS="..." passes more
 #   make dev        dev/cuda programs: attention kernel generations side by side (nvcc)
 #   make run        start the server on the default model
 #   make clean
@@ -92,7 +94,7 @@ ifeq ($(CUDA),1)
   LIB_CUDA := $(BUILD)/liblethe_cuda.a
 endif
 
-.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build dev
+.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build dev soak
 # with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
 # and the dev/cuda programs (make dev)
 all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
@@ -155,6 +157,12 @@ test-gpu: all $(GPU_TEST_BIN)
 	@bash tests/gpu/run.sh $(BUILD)
 
 bench: all
+
+SOAK_SECONDS ?= 60
+SOAK_CLIENTS ?= 64
+SOAK_ARGS    ?=
+soak: deps model all
+	@LETHE_BUILD=$(BUILD) python3 tests/soak/soak.py --duration $(SOAK_SECONDS) --clients $(SOAK_CLIENTS) $(SOAK_ARGS)
 
 run: deps model all
 	@bash scripts/run.sh
