@@ -8,7 +8,8 @@
  * `recent_window`: physical eviction keeping only the last r =
  * recent_keep_tokens tokens of every layer: at the end of the prompt a row
  * is cut to r, during decode it grows to 2 r and is cut back to r. Every
- * other hook keeps its default (the selections read every resident slot). */
+ * other hook keeps its default (the selections read every resident slot).
+ * `plane_copy` (below) does the same for the payload-layout seam. */
 #ifndef LETHE_TESTS_SPARSE_THROWAWAY_H
 #define LETHE_TESTS_SPARSE_THROWAWAY_H
 
@@ -55,6 +56,52 @@ static const lethe_sparse_ops throwaway_recent_window = {
     .max_resident = rw_max_resident,
     .configure = rw_configure,
     .finish_step = rw_finish_step,
+};
+
+/* `plane_copy`: a COMPRESSION method whose payload is a layout of its own
+ * (backend.h lethe_kv_layout): planes "k" and "v" as the backend stores them
+ * plus a "pos" plane of one int32 per slot (the token's position, written by
+ * kv_store on a host-memory backend and checked by kv_attend), so a slot costs
+ * 2 kv_dim kv_size + 4 bytes per layer and the pool must hold exactly
+ * budget / that many slots. kv_store / kv_attend go through the backend's
+ * kv_store and attention ops, so outputs are bit-identical to dense: the
+ * proof that the engine and the model write and read a declared payload only
+ * through the method's path. */
+static bool pc_layout(const lethe_sparse_method *m, int32_t layer, lethe_kv_layout *out) {
+    if (!m->env.be) return false; /* the fake model: bookkeeping only */
+    const size_t kv = (size_t)m->env.n_kv_heads * m->env.head_dim * m->env.be->ops->kv_size;
+    *out = (lethe_kv_layout){.n_planes = 3,
+                             .planes = {{"k", kv}, {"v", kv}, {"pos", sizeof(int32_t)}}};
+    return true;
+}
+static void pc_store(lethe_sparse_method *m, int32_t layer, const void *k, const void *v,
+                     const int32_t *slots, const int32_t *pos, int32_t n) {
+    lethe_backend *be = m->env.be;
+    lethe_kv_pool *pool = m->env.pool;
+    be->ops->kv_store(be, lethe_kv_plane_buf(pool, layer, 0), lethe_kv_plane_buf(pool, layer, 1), k, v,
+                      slots, n, m->env.n_kv_heads * m->env.head_dim);
+    if (lethe_backend_has(be, LETHE_BE_HOST_MEMORY)) {
+        int32_t *tag = lethe_kv_plane_buf(pool, layer, 2);
+        for (int32_t i = 0; i < n; i++) tag[slots[i]] = pos[i];
+    }
+}
+static void pc_attend(lethe_sparse_method *m, int32_t layer, const lethe_attn_args *a) {
+    lethe_backend *be = m->env.be;
+    if (lethe_backend_has(be, LETHE_BE_HOST_MEMORY)) { /* every selected slot was stored */
+        const int32_t *tag = lethe_kv_plane_buf(m->env.pool, layer, 2);
+        for (int32_t j = 0; j < a->sel_begin[a->n_seqs]; j++) LETHE_ASSERT(tag[a->sel_slots[j]] >= 0);
+    }
+    LETHE_ASSERT(a->k_cache == lethe_kv_plane_buf(m->env.pool, layer, 0));
+    be->ops->attention(be, a);
+}
+
+static const lethe_sparse_ops throwaway_plane_copy = {
+    .name = "plane_copy",
+    .summary = "K and V in a payload layout of its own plus a position plane (a test-only method)",
+    .kind = LETHE_SPARSE_KIND_COMPRESSION,
+    .kv_layout = pc_layout,
+    .kv_store = pc_store,
+    .kv_attend = pc_attend,
 };
 
 #endif /* LETHE_TESTS_SPARSE_THROWAWAY_H */

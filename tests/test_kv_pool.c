@@ -345,6 +345,55 @@ static void test_errors(void) {
     CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_ERR_INVALID);
 }
 
+/* A declared payload layout (per layer, different planes per layer): the
+ * planes are allocated with their bytes per slot, K / V are planes 0 / 1,
+ * the token cost is their sum; bad layouts are refused with a message. */
+static void test_layouts(void) {
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 1};
+    lethe_backend *be = NULL;
+    CHECK(lethe_backend_create(&bp, &be) == LETHE_OK);
+    lethe_kv_layout L[2] = {
+        {.n_planes = 2, .planes = {{"latent", 40}, {"rope_k", 12}}},
+        {.n_planes = 3, .planes = {{"codes", 9}, {"norm", 2}, {"pos", 4}}},
+    };
+    CHECK_EQ_INT(lethe_kv_layouts_token_bytes(L, 2), 40 + 12 + 9 + 2 + 4);
+    lethe_kv_pool_params p = {.n_layers = 2, .n_kv_heads = 1, .head_dim = 4, .n_slots = 16, .be = be,
+                              .layouts = L};
+    lethe_kv_pool *pool = NULL;
+    CHECK_MSG(lethe_kv_pool_create(&p, &pool) == LETHE_OK, "%s", lethe_last_error());
+    L[0].planes[0].slot_bytes = 1; /* copied at create */
+    CHECK(lethe_kv_has_layout(pool));
+    CHECK_EQ_INT(lethe_kv_layout_of(pool, 0)->planes[0].slot_bytes, 40);
+    CHECK_EQ_INT(lethe_kv_layout_of(pool, 1)->n_planes, 3);
+    CHECK(lethe_kv_k(pool, 0) == lethe_kv_plane_buf(pool, 0, 0));
+    CHECK(lethe_kv_v(pool, 1) == lethe_kv_plane_buf(pool, 1, 1));
+    /* every plane is a buffer of n_slots x bytes (host memory on the CPU: write all of it) */
+    memset(lethe_kv_plane_buf(pool, 0, 0), 1, 16 * 40);
+    memset(lethe_kv_plane_buf(pool, 1, 2), 1, 16 * 4);
+    CHECK(lethe_kv_check(pool, NULL, 0) == LETHE_OK);
+    lethe_kv_pool_destroy(pool);
+    /* the format's own planes when none is declared */
+    p.layouts = NULL;
+    CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_OK);
+    CHECK(!lethe_kv_has_layout(pool));
+    CHECK_EQ_INT(lethe_kv_layout_of(pool, 1)->planes[1].slot_bytes, 4 * sizeof(float));
+    lethe_kv_pool_destroy(pool);
+    /* refused: no planes, an empty plane, a layout over a quantized format */
+    lethe_kv_layout bad[2] = {L[1], {.n_planes = 0}};
+    p.layouts = bad;
+    CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_ERR_INVALID && !pool);
+    CHECK(strstr(lethe_last_error(), "layer 1 layout has 0 planes"));
+    bad[1] = L[1];
+    bad[1].planes[1].slot_bytes = 0;
+    CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_ERR_INVALID);
+    CHECK(strstr(lethe_last_error(), "plane 1 (norm) has 0 bytes"));
+    bad[1] = L[1];
+    p.format = LETHE_KV_FP8_E4M3;
+    CHECK(lethe_kv_pool_create(&p, &pool) == LETHE_ERR_INVALID);
+    CHECK(strstr(lethe_last_error(), "needs the native format"));
+    lethe_backend_destroy(be);
+}
+
 int main(void) {
     TEST_RUN(test_allocator);
     TEST_RUN(test_keep_shared);
@@ -356,5 +405,6 @@ int main(void) {
     TEST_RUN(test_random_per_layer);
     TEST_RUN(test_scratch_slot);
     TEST_RUN(test_errors);
+    TEST_RUN(test_layouts);
     return 0;
 }

@@ -22,6 +22,7 @@
 #include "core/util.h"
 #include "kv/kv_pool.h"
 #include "lethe.h"
+#include "sparse_throwaway.h"
 #include "test.h"
 
 static lethe_backend *g_be;
@@ -359,6 +360,12 @@ static void test_pool_capacity(void) {
     fprintf(stderr, "    kivi 2-bit: %lld slots fit (%.2fx dense; %.2fx per token, 7/8 of the budget), %lld kept "
             "(%d running x 128)\n", (long long)fit, kr, (double)nat / (double)kt, (long long)st.kv_slots_total, (int)nb);
     CHECK(kr > 4.4 && kr < 4.6);
+    /* a method's own payload layout (sparse_throwaway.h plane_copy: K, V and an
+     * int32 position plane per layer) sizes the pool by its real bytes */
+    e = open_engine("tests/data/tiny-llama/config.json", true, "plane_copy", budget);
+    lethe_engine_get_stats(e, &st);
+    lethe_engine_destroy(e);
+    CHECK_EQ_INT(st.kv_slots_total, (int64_t)(budget / (nat + 2 * sizeof(int32_t))));
 }
 
 typedef struct gen_out {
@@ -427,6 +434,7 @@ static void test_smollm2_close_to_dense(void) {
 int main(void) {
     lethe_backend_params bp = {.device = "cpu", .n_threads = 2};
     CHECK(lethe_backend_create(&bp, &g_be) == LETHE_OK);
+    CHECK_MSG(lethe_sparse_register_extra(&throwaway_plane_copy) == LETHE_OK, "%s", lethe_last_error());
     TEST_RUN(test_store);
     TEST_RUN(test_attention);
     TEST_RUN(test_kivi_store);

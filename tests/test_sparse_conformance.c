@@ -209,6 +209,7 @@ static void test_smollm2_snapkv(void) {
 int main(void) {
     /* a method defined only in this test runs through the suite like the built-ins */
     CHECK_MSG(lethe_sparse_register_extra(&throwaway_recent_window) == LETHE_OK, "%s", lethe_last_error());
+    CHECK_MSG(lethe_sparse_register_extra(&throwaway_plane_copy) == LETHE_OK, "%s", lethe_last_error());
     TEST_RUN(test_identity_and_eviction);
     TEST_RUN(test_smollm2_snapkv);
     return 0;

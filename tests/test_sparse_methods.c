@@ -77,10 +77,13 @@ static void h_open(harness *h, const char *method, const char *cfg) {
     lethe_sparse_env env = {.pool = NULL, .be = h->be, .n_layers = NL, .n_heads = H,
                             .n_kv_heads = HK, .head_dim = D, .max_model_len = 4096};
     CHECK_MSG(lethe_sparse_create(method, cfg, &env, &h->m) == LETHE_OK, "%s", lethe_last_error());
+    lethe_kv_layout layouts[NL];
+    const bool own = lethe_sparse_kv_layouts(h->m, layouts); /* a COMPRESSION method's payload */
     lethe_kv_pool_params pp = {.n_layers = NL, .n_kv_heads = HK, .head_dim = D, .n_slots = NSLOTS,
                                .per_layer = (o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0, .be = h->be,
-                               .format = lethe_sparse_kv_format(h->m), .kivi_res_blocks = MAXR};
-    CHECK(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK);
+                               .format = lethe_sparse_kv_format(h->m), .kivi_res_blocks = MAXR,
+                               .layouts = own ? layouts : NULL};
+    CHECK_MSG(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK, "%s", lethe_last_error());
     h->m->env.pool = h->pool;
     h->chunk = 24;
 }
@@ -210,7 +213,10 @@ static void h_step(harness *h) {
         }
         sel_begin[n_seqs] = n_sel;
         const lethe_kv_quant *kvq = lethe_kv_quant_of(h->pool, l);
-        if (kvq)
+        const lethe_kv_path *path = lethe_sparse_kv_path(m); /* as the model does (arch_llama.c) */
+        if (path)
+            path->store(path->ctx, l, k, v, store, pos, n_tok);
+        else if (kvq)
             h->be->ops->kv_store_quant(h->be, kvq, lethe_kv_k(h->pool, l), lethe_kv_v(h->pool, l), k, v,
                                        store, n_tok, HK, D);
         else
@@ -219,7 +225,10 @@ static void h_step(harness *h) {
                              .v_cache = lethe_kv_v(h->pool, l), .n_tokens = n_tok, .n_seqs = n_seqs,
                              .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel,
                              .n_heads = H, .n_kv_heads = HK, .head_dim = D, .scale = 0.25f, .kvq = kvq};
-        h->be->ops->attention(h->be, &a);
+        if (path)
+            path->attend(path->ctx, l, &a);
+        else
+            h->be->ops->attention(h->be, &a);
         if (m->ops->after_attn) m->ops->after_attn(m, l, &st, want ? &a : NULL);
         if (m->ops->layer_end) m->ops->layer_end(m, l, &st);
         for (int s = 0; s < n_seqs; s++) {
@@ -744,6 +753,23 @@ static void test_registry_rules(void) {
     o.kind = LETHE_SPARSE_KIND_DENSE;
     expect_broken(&o, "only a QUANTIZATION method may");
 
+    /* payload layouts: kind, the three hooks together, no uniform plan */
+    o = (lethe_sparse_ops){.name = "latent", .summary = "x", .kind = LETHE_SPARSE_KIND_COMPRESSION};
+    expect_broken(&o, "a COMPRESSION method must provide kv_layout");
+    o.kv_layout = throwaway_plane_copy.kv_layout;
+    expect_broken(&o, "kv_layout, kv_store and kv_attend come together");
+    o.kv_store = throwaway_plane_copy.kv_store;
+    o.kv_attend = throwaway_plane_copy.kv_attend;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.flags = LETHE_SPARSE_UNIFORM;
+    expect_broken(&o, "a method with kv_layout must not be LETHE_SPARSE_UNIFORM");
+    o.flags = LETHE_SPARSE_KV_PRE_ROPE;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.kind = LETHE_SPARSE_KIND_DENSE;
+    expect_broken(&o, "only a COMPRESSION method may");
+    o = (lethe_sparse_ops){.name = "latent", .summary = "x", .flags = LETHE_SPARSE_KV_PRE_ROPE};
+    expect_broken(&o, "kv_out_proj and LETHE_SPARSE_KV_PRE_ROPE need kv_layout");
+
     o = (lethe_sparse_ops){.name = "meta", .summary = "x", .page_meta_floats = 4};
     expect_broken(&o, "page_meta_floats must be > 0 exactly when LETHE_SPARSE_PAGE_META is set");
     o.flags = LETHE_SPARSE_PAGE_META;
@@ -785,6 +811,7 @@ static void test_registry_rules(void) {
 int main(void) {
     /* a method defined only in this test runs through every generic suite below */
     CHECK_MSG(lethe_sparse_register_extra(&throwaway_recent_window) == LETHE_OK, "%s", lethe_last_error());
+    CHECK_MSG(lethe_sparse_register_extra(&throwaway_plane_copy) == LETHE_OK, "%s", lethe_last_error());
     CHECK(lethe_sparse_find("recent-window") == &throwaway_recent_window);
     TEST_RUN(test_registry_rules);
     TEST_RUN(test_registry_knobs);

@@ -98,6 +98,33 @@ typedef struct lethe_kv_quant {
     const lethe_kivi_plan *kivi;
 } lethe_kv_quant;
 
+/* ---- KV payload layouts ----
+ * What one slot of one layer holds, as a list of planes: plane i is a backend
+ * buffer [n_slots][planes[i].slot_bytes] the KV pool allocates per layer.
+ * Whoever decides the payload declares it: a sparse method (its kv_layout
+ * hook: latents, codes, norms), a model (MLA: a latent + a RoPE key per
+ * token), or the storage format (NATIVE: planes "k" and "v" of n_kv_heads x
+ * head_dim kv elements; FP8 / KIVI: codes in planes 0 / 1 plus the side
+ * arrays of lethe_kv_quant). The pool is sized by the planes' real bytes
+ * summed over layers, so a smaller payload means more slots. A payload other
+ * than the format's is written and read through a lethe_kv_path
+ * (model/model.h), never by kv_store / attention directly. */
+#define LETHE_KV_MAX_PLANES 6
+typedef struct lethe_kv_plane {
+    char name[16];               /* for messages: "k", "latent", "k_norm", ... */
+    size_t slot_bytes;           /* bytes per slot of this layer (> 0) */
+} lethe_kv_plane;
+typedef struct lethe_kv_layout {
+    int32_t n_planes;            /* 1 .. LETHE_KV_MAX_PLANES */
+    lethe_kv_plane planes[LETHE_KV_MAX_PLANES];
+} lethe_kv_layout;
+/* bytes one slot of this layer costs (sum over planes) */
+static inline size_t lethe_kv_layout_slot_bytes(const lethe_kv_layout *l) {
+    size_t b = 0;
+    for (int32_t i = 0; i < l->n_planes; i++) b += l->planes[i].slot_bytes;
+    return b;
+}
+
 /* What one layer's attention reads, for every sequence of the step.
  *
  * For sequence s the query tokens are batch rows [q_begin[s], q_begin[s+1]) and

@@ -72,8 +72,9 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
     /* real bytes per token of the method's storage format (quantized KV: more slots),
      * plus what the method keeps per slot (Quest's page bounds) */
-    size_t tok_bytes = lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size,
-                                            lethe_sparse_kv_format(e->method)) +
+    size_t tok_bytes = (e->kv_layouts ? lethe_kv_layouts_token_bytes(e->kv_layouts, c->n_layers)
+                                      : lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size,
+                                                             lethe_sparse_kv_format(e->method))) +
                        lethe_sparse_slot_overhead(e->method);
     size_t budget;
     /* device memory: the pool takes a share of what is free; host memory (and
@@ -174,7 +175,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
      * bounds the pool), then the pool it will use */
     lethe_sparse_env env = {.pool = NULL, .be = e->runner.be, .n_layers = c->n_layers,
                             .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
-                            .max_model_len = e->max_model_len};
+                            .max_model_len = e->max_model_len, .dim = c->dim, .rope = &c->rope,
+                            .model = lethe_runner_model_of(&e->runner)};
     if ((st = lethe_sparse_create(e->sparse_method, e->sparse_config, &env, &e->method)) != LETHE_OK) goto fail;
     ops = e->method->ops;
     if (lethe_sparse_min_final_chunk(e->method) > e->p.max_num_batched_tokens) {
@@ -194,6 +196,12 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                                   LETHE_MAX(LETHE_MIN(e->p.max_num_seqs, e->p.max_num_batched_tokens),
                                             e->fwd.max_bucket))) != LETHE_OK)
         goto fail;
+    /* the method's own payload (COMPRESSION methods), sized by its real bytes */
+    e->kv_layouts = lethe_xcalloc((size_t)c->n_layers, sizeof(lethe_kv_layout));
+    if (!lethe_sparse_kv_layouts(e->method, e->kv_layouts)) {
+        free(e->kv_layouts);
+        e->kv_layouts = NULL;
+    }
     if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
     const bool scratch = e->fwd.max_bucket > 0;
     lethe_kv_pool_params pp = {
@@ -201,7 +209,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         .n_slots = n_slots + scratch, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
         .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
         .be = e->runner.be, .format = lethe_sparse_kv_format(e->method), .scratch_slot = scratch,
-        .kivi_res_blocks = e->kivi_res_blocks,
+        .kivi_res_blocks = e->kivi_res_blocks, .layouts = e->kv_layouts,
     };
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
@@ -233,7 +241,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     eng_publish_stats(e);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
-             lethe_kv_format_name(pp.format), e->max_model_len,
+             e->kv_layouts ? ops->name : lethe_kv_format_name(pp.format), e->max_model_len,
              ops->name, e->pcache ? ", prefix cache " : "", e->pcache ? lethe_pcache_mode(e->pcache) : "",
              e->fwd.use_graphs ? ", CUDA-graph decode" : e->fwd.max_bucket ? ", padded decode" : "");
     *out = e;
@@ -546,6 +554,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     lethe_sparse_destroy(e->method);
     if (e->runner.destroy) e->runner.destroy(e->runner.ctx);
     lethe_kv_pool_destroy(e->pool);
+    free(e->kv_layouts);
     if (e->runner.be) lethe_backend_destroy(e->runner.be);
     lethe_tokenizer_free(e->tok);
     lethe_sampler_ws_free(&e->sws);

@@ -154,6 +154,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     out->store_slots = e->plan.store; /* staged: the new tokens' slots, the same in every layer */
     out->kvq = lethe_kv_quant_of(e->pool, layer);
     LETHE_ASSERT(!out->kvq); /* built selections live on the backend: native KV only */
+    out->path = lethe_sparse_kv_path(m);
     if (r == LETHE_SEL_FULL) {
         out->sel_begin = e->plan.rows_begin;
         out->sel_slots = e->plan.rows;
@@ -227,6 +228,7 @@ static void plan_per_seq(lethe_engine *e, int32_t layer, const void *q, lethe_la
     out->sel_begin = e->plan.sel_begin;
     out->sel_slots = e->plan.sel;
     out->kvq = lethe_kv_quant_of(e->pool, layer);
+    out->path = lethe_sparse_kv_path(m); /* the method's payload, or NULL */
     /* asked here, while the step's selections are built: after_attn then gets
      * the attention's arguments to score with (backend attn_scores) */
     e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
@@ -271,7 +273,7 @@ lethe_status eng_forward(lethe_engine *e, float *logits) {
     lethe_fwd_batch b = e->step.batch; /* padded below; methods keep seeing e->step.batch */
     lethe_layer_plan plan;
     plan_layer(e, 0, &b, NULL, &plan); /* the same in every layer */
-    LETHE_ASSERT(!plan.kvq); /* per-layer KV storage (quantized formats) is not uniform */
+    LETHE_ASSERT(!plan.kvq && !plan.path); /* per-layer KV storage (quantized formats, payloads) is not uniform */
     const int32_t S = b.n_seqs;
     const bool decode = b.n_tokens == S && b.n_logits == S;
     const int32_t bucket = decode && e->fwd.max_bucket > 0 ? lethe_graph_bucket(S, e->fwd.max_bucket) : 0;

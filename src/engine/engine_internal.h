@@ -162,6 +162,7 @@ struct lethe_engine {
     char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
     int32_t max_model_len, n_vocab;
     int32_t kivi_res_blocks;          /* KIVI residual blocks (engine.c size_pool), else 0 */
+    lethe_kv_layout *kv_layouts;      /* [n_layers] the method's payload layout, or NULL */
 
     /* the parts */
     lethe_runner runner;

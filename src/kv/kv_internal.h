@@ -26,7 +26,10 @@ struct lethe_kv_pool {
     lethe_kv_pool_params p;
     int32_t n_spaces;
     kv_space *spaces;    /* [n_spaces] */
-    void **k, **v;       /* [n_layers] backend buffers (NULL without a backend) */
+    lethe_kv_layout *layout; /* [n_layers]: declared, or the format's K / V planes */
+    bool has_layout;     /* layout was declared (params.layouts) */
+    void **plane;        /* [n_layers * LETHE_KV_MAX_PLANES] backend buffers (NULL without a backend);
+                          * K[l] = plane[l * MAX + 0], V[l] = plane[l * MAX + 1] */
     lethe_kv_quant *q;   /* [n_layers] quantized side arrays (format != NATIVE), else NULL */
     lethe_kivi_plan kplan; /* KIVI: host slot index + the step's pack plan (the method fills it) */
     /* rows: tabs[row * n_spaces + sp] */

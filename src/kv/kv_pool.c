@@ -45,6 +45,32 @@ size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_d
     return b;
 }
 
+size_t lethe_kv_layouts_token_bytes(const lethe_kv_layout *layouts, int32_t n_layers) {
+    size_t b = 0;
+    for (int32_t l = 0; l < n_layers; l++) b += lethe_kv_layout_slot_bytes(&layouts[l]);
+    return b;
+}
+
+static lethe_kv_layout format_layout(const lethe_kv_pool_params *p, size_t kv_elem_size) {
+    lethe_kv_layout L = {.n_planes = 2};
+    const size_t cb = code_bytes(p->n_kv_heads, p->head_dim, kv_elem_size, p->format);
+    snprintf(L.planes[0].name, sizeof(L.planes[0].name), "k");
+    snprintf(L.planes[1].name, sizeof(L.planes[1].name), "v");
+    L.planes[0].slot_bytes = L.planes[1].slot_bytes = cb;
+    return L;
+}
+
+static lethe_status check_layout(const lethe_kv_layout *L, int32_t layer) {
+    if (L->n_planes < 1 || L->n_planes > LETHE_KV_MAX_PLANES)
+        return lethe_errorf(LETHE_ERR_INVALID, "kv pool: layer %d layout has %d planes (1 .. %d)", layer,
+                            L->n_planes, LETHE_KV_MAX_PLANES);
+    for (int32_t i = 0; i < L->n_planes; i++)
+        if (L->planes[i].slot_bytes == 0)
+            return lethe_errorf(LETHE_ERR_INVALID, "kv pool: layer %d plane %d (%.16s) has 0 bytes per slot",
+                                layer, i, L->planes[i].name);
+    return LETHE_OK;
+}
+
 size_t lethe_kv_kivi_res_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
                                size_t kv_elem_size, lethe_kv_format format, int32_t res_blocks) {
     if (lethe_kv_format_kind(format) != LETHE_KV_KIVI) return 0;
@@ -104,6 +130,13 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
             return lethe_errorf(LETHE_ERR_INVALID, "kv pool: bad KIVI format (bits %d, group %d, head_dim %d%s)",
                                 b, G, p->head_dim, p->per_layer ? ", per-layer rows" : "");
     }
+    if (p->layouts && p->format != LETHE_KV_NATIVE)
+        return lethe_errorf(LETHE_ERR_INVALID, "kv pool: a declared payload layout needs the native format, not %s",
+                            lethe_kv_format_name(p->format));
+    for (int32_t l = 0; p->layouts && l < p->n_layers; l++) {
+        lethe_status st = check_layout(&p->layouts[l], l);
+        if (st != LETHE_OK) return st;
+    }
     if (p->format != LETHE_KV_NATIVE && p->be && !p->be->ops->kv_store_quant)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "kv pool: the %s backend has no %s KV",
                             p->be->ops->name, lethe_kv_format_name(p->format));
@@ -125,8 +158,12 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         sp->n_free = n_free;
         if (p->scratch_slot) sp->ref[p->n_slots - 1] = 1;
     }
-    pool->k = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
-    pool->v = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
+    pool->p.layouts = NULL; /* the caller's array is copied into pool->layout */
+    pool->layout = lethe_xcalloc((size_t)p->n_layers, sizeof(lethe_kv_layout));
+    for (int32_t l = 0; l < p->n_layers; l++)
+        pool->layout[l] = p->layouts ? p->layouts[l] : format_layout(p, p->be ? p->be->ops->kv_size : sizeof(float));
+    pool->has_layout = p->layouts != NULL;
+    pool->plane = lethe_xcalloc((size_t)p->n_layers * LETHE_KV_MAX_PLANES, sizeof(void *));
     if (p->be && p->format != LETHE_KV_NATIVE)
         pool->q = lethe_xcalloc((size_t)p->n_layers, sizeof(lethe_kv_quant));
     if (p->be && kind == LETHE_KV_KIVI) {
@@ -141,8 +178,12 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         size_t bytes = (size_t)p->n_slots * code_bytes(p->n_kv_heads, p->head_dim, p->be->ops->kv_size, p->format);
         size_t side = (size_t)p->n_slots * side_bytes(p->n_kv_heads, p->head_dim, p->format);
         for (int32_t l = 0; l < p->n_layers; l++) {
-            lethe_status st = p->be->ops->alloc(p->be, bytes, &pool->k[l]);
-            if (st == LETHE_OK) st = p->be->ops->alloc(p->be, bytes, &pool->v[l]);
+            lethe_status st = LETHE_OK;
+            const lethe_kv_layout *L = &pool->layout[l];
+            for (int32_t i = 0; i < L->n_planes && st == LETHE_OK; i++) {
+                bytes = (size_t)p->n_slots * L->planes[i].slot_bytes;
+                st = p->be->ops->alloc(p->be, bytes, &pool->plane[(size_t)l * LETHE_KV_MAX_PLANES + i]);
+            }
             if (st == LETHE_OK && pool->q && kind == LETHE_KV_KIVI) {
                 pool->q[l].format = p->format;
                 st = alloc_kivi(pool, &pool->q[l]);
@@ -175,8 +216,10 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
     if (!pool) return;
     if (pool->p.be) {
         for (int32_t l = 0; l < pool->p.n_layers; l++) {
-            if (pool->k && pool->k[l]) pool->p.be->ops->release(pool->p.be, pool->k[l]);
-            if (pool->v && pool->v[l]) pool->p.be->ops->release(pool->p.be, pool->v[l]);
+            for (int32_t i = 0; pool->plane && i < LETHE_KV_MAX_PLANES; i++) {
+                void *b = pool->plane[(size_t)l * LETHE_KV_MAX_PLANES + i];
+                if (b) pool->p.be->ops->release(pool->p.be, b);
+            }
             if (pool->q && pool->q[l].k_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].k_scale);
             if (pool->q && pool->q[l].v_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].v_scale);
             if (pool->q) {
@@ -188,8 +231,8 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
     }
     free(pool->q);
     free(pool->kplan.slot_aux);
-    free(pool->k);
-    free(pool->v);
+    free(pool->plane);
+    free(pool->layout);
     for (int32_t s = 0; s < pool->n_spaces && pool->spaces; s++) {
         free(pool->spaces[s].free_stack);
         free(pool->spaces[s].ref);
@@ -232,13 +275,20 @@ int64_t lethe_kv_total_free(const lethe_kv_pool *pool) {
     return t;
 }
 
-void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer) {
+void *lethe_kv_plane_buf(const lethe_kv_pool *pool, int32_t layer, int32_t i) {
     LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
-    return pool->k[layer];
+    LETHE_ASSERT(i >= 0 && i < pool->layout[layer].n_planes);
+    return pool->plane[(size_t)layer * LETHE_KV_MAX_PLANES + i];
 }
+void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer) { return lethe_kv_plane_buf(pool, layer, 0); }
 void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer) {
     LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
-    return pool->v[layer];
+    return pool->layout[layer].n_planes > 1 ? lethe_kv_plane_buf(pool, layer, 1) : NULL;
+}
+bool lethe_kv_has_layout(const lethe_kv_pool *pool) { return pool->has_layout; }
+const lethe_kv_layout *lethe_kv_layout_of(const lethe_kv_pool *pool, int32_t layer) {
+    LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
+    return &pool->layout[layer];
 }
 
 lethe_kv_format lethe_kv_format_of(const lethe_kv_pool *pool) { return pool->p.format; }

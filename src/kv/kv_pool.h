@@ -28,6 +28,11 @@
  * compaction lower valid_pages to the first page they changed; the method
  * recomputes pages [valid_pages, n_pages) and raises it.
  *
+ * Payload (backend.h lethe_kv_layout): per layer a list of planes, buffers
+ * [n_slots][bytes] declared by the sparse method or the model (latents,
+ * codes, norms); without a declared layout the storage format's planes K[l]
+ * and V[l] below. Sized by real bytes (lethe_kv_layouts_token_bytes).
+ *
  * Storage format (backend.h lethe_kv_format), chosen by the sparse method:
  * NATIVE stores the backend's kv type; FP8_E4M3 stores 1-byte codes in K[l] /
  * V[l] plus per-(slot, KV head) f32 scales (lethe_kv_quant_of). Bytes per
@@ -71,8 +76,15 @@ typedef struct lethe_kv_pool_params {
      * (engine_forward.c). n_slots includes it. */
     bool scratch_slot;
     int32_t kivi_res_blocks;  /* KIVI: residual blocks of G tokens (one per running row) */
+    /* A payload of its own (backend.h lethe_kv_layout), [n_layers], copied:
+     * the method's or the model's planes instead of the format's K / V (format
+     * must then be NATIVE). NULL = the format's planes. */
+    const lethe_kv_layout *layouts;
 } lethe_kv_pool_params;
 
+/* Bytes one token costs across all layers with payload layouts [n_layers]
+ * (the sum of every layer's planes). */
+size_t lethe_kv_layouts_token_bytes(const lethe_kv_layout *layouts, int32_t n_layers);
 /* Bytes one token costs across all layers (K and V, with the format's side
  * arrays); kv_elem_size is the backend's native kv type size. */
 size_t lethe_kv_token_bytes(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim,
@@ -103,6 +115,12 @@ int64_t lethe_kv_total_free(const lethe_kv_pool *pool); /* summed over slot spac
 void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer);
 void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer);
 lethe_kv_format lethe_kv_format_of(const lethe_kv_pool *pool);
+/* Payload planes of one layer: the layout (the declared one, or the format's
+ * K / V planes) and plane i's buffer [n_slots][slot_bytes] (NULL without a
+ * backend). lethe_kv_k / lethe_kv_v are planes 0 / 1. */
+bool lethe_kv_has_layout(const lethe_kv_pool *pool); /* a declared layout (params.layouts) */
+const lethe_kv_layout *lethe_kv_layout_of(const lethe_kv_pool *pool, int32_t layer);
+void *lethe_kv_plane_buf(const lethe_kv_pool *pool, int32_t layer, int32_t i);
 /* The layer's quantized-format descriptor for kv_store_quant / attention;
  * NULL for NATIVE (and without a backend). */
 const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer);

@@ -11,9 +11,11 @@
  *   q = xn Wq^T (+bq), k = xn Wk^T (+bk), v = xn Wv^T (+bv)
  *                                                     [n, H*hd], [n, KH*hd] x2
  *   (qwen3) q, k = rmsnorm over each head's hd values
- *   q, k = RoPE(pos)
+ *   q = RoPE(pos)
  *   plan = hooks->plan_layer(l, q)     caller picks store slots + selection
+ *   k = RoPE(pos) unless the plan's payload path stores pre-RoPE keys
  *   kv_store(k, v -> plan.store_slots); att = attention(q, plan selection)
+ *     (or the plan's lethe_kv_path: store, attend, its output projection)
  *   hooks->after_attn (optional)
  *   x += att Wo^T
  *   xn = rmsnorm(x); x += (silu(xn Wg^T) * (xn Wu^T)) Wd^T
@@ -136,7 +138,7 @@ static void llama_qkv(lethe_model *m, const lethe_layer_weights *L, const lethe_
         o->rmsnorm(be, ws->k, ws->k, L->k_norm, n * c->n_kv_heads, c->head_dim, c->rms_eps);
     }
     o->rope(be, ws->q, b->pos, n, c->n_heads, c->head_dim, &c->rope);
-    o->rope(be, ws->k, b->pos, n, c->n_kv_heads, c->head_dim, &c->rope);
+    /* k is rotated after plan_layer: a payload path may store it pre-RoPE */
 }
 
 static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
@@ -157,7 +159,12 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
         lethe_layer_plan plan = {0};
         hooks->plan_layer(hooks->ctx, l, b, ws->q, &plan);
         LETHE_ASSERT(plan.store_slots && plan.sel_begin && plan.sel_slots);
-        if (plan.kvq && plan.kvq->format != LETHE_KV_NATIVE)
+        const lethe_kv_path *path = plan.path;
+        LETHE_ASSERT(!path || !plan.kvq);
+        if (!path || !path->k_pre_rope) o->rope(be, ws->k, b->pos, n, c->n_kv_heads, c->head_dim, &c->rope);
+        if (path)
+            path->store(path->ctx, l, ws->k, ws->v, plan.store_slots, b->pos, n);
+        else if (plan.kvq && plan.kvq->format != LETHE_KV_NATIVE)
             o->kv_store_quant(be, plan.kvq, k_cache[l], v_cache[l], ws->k, ws->v, plan.store_slots, n,
                               c->n_kv_heads, c->head_dim);
         else
@@ -169,10 +176,20 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
             .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .scale = scale,
             .kvq = plan.kvq,
         };
-        o->attention(be, &args);
+        const void *wo = L->wo;
+        int32_t att_dim = q_dim;
+        if (path) {
+            path->attend(path->ctx, l, &args);
+            const void *w = path->out_proj ? path->out_proj(path->ctx, l) : NULL;
+            if (w) wo = w;
+            if (path->out_dim) att_dim = path->out_dim;
+            LETHE_ASSERT(att_dim <= q_dim); /* the att workspace holds n x q_dim */
+        } else {
+            o->attention(be, &args);
+        }
         if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &args);
 
-        o->matmul(be, ws->xn, ws->att, L->wo, n, c->dim, q_dim);
+        o->matmul(be, ws->xn, ws->att, wo, n, c->dim, att_dim);
         o->add(be, ws->x, ws->xn, (size_t)n * c->dim);
 
         o->rmsnorm(be, ws->xn, ws->x, L->ffn_norm, n, c->dim, c->rms_eps);

@@ -51,6 +51,29 @@ typedef struct lethe_fwd_batch {
     const int32_t *logit_rows;  /* [n_logits] rows whose next-token logits are wanted */
 } lethe_fwd_batch;
 
+/* How a layer whose KV payload is not the backend's K / V (a method's
+ * lethe_kv_layout, backend.h) is written and read. The model computes q, k, v
+ * as always and then, instead of kv_store / attention / its own wo:
+ *   path->store(ctx, layer, k, v, slots, pos, n)   k (pre-RoPE with
+ *       k_pre_rope, else after RoPE), v: [n, n_kv_heads * head_dim]
+ *       activations; slots = plan.store_slots, pos = the batch positions
+ *   path->attend(ctx, layer, a)   a as for attention (k_cache / v_cache =
+ *       planes 0 / 1 of the layer); writes a->out [n_tokens, out_dim]
+ *   out projection: x += a->out W^T with W = path->out_proj(ctx, layer) when
+ *       the hook exists and returns non-NULL ([dim, out_dim], e.g. values
+ *       absorbed into wo), else the layer's wo (out_dim = n_heads * head_dim).
+ * A model-declared payload (MLA) is handled by its architecture's forward
+ * itself and needs no path. */
+typedef struct lethe_kv_path {
+    void *ctx;
+    bool k_pre_rope;
+    int32_t out_dim;             /* width of attend's output rows; 0 = n_heads * head_dim */
+    void (*store)(void *ctx, int32_t layer, const void *k, const void *v, const int32_t *slots,
+                  const int32_t *pos, int32_t n);
+    void (*attend)(void *ctx, int32_t layer, const lethe_attn_args *a);
+    const void *(*out_proj)(void *ctx, int32_t layer); /* optional */
+} lethe_kv_path;
+
 /* The caller's answer for one layer (host arrays valid until the next call). */
 typedef struct lethe_layer_plan {
     const int32_t *store_slots; /* [n_tokens] cache slot receiving each new token */
@@ -59,6 +82,9 @@ typedef struct lethe_layer_plan {
     /* the layer's KV storage format (kv_pool.h); NULL = the backend's kv type.
      * Non-NULL: kv_store_quant instead of kv_store, and attention reads codes. */
     const lethe_kv_quant *kvq;
+    /* the layer's payload path (lethe_kv_path); NULL = the backend's K / V
+     * (kvq above). Non-NULL: kvq is NULL and the path stores and attends. */
+    const lethe_kv_path *path;
 } lethe_layer_plan;
 
 typedef struct lethe_fwd_hooks {

@@ -105,6 +105,9 @@ typedef struct lethe_sparse_env {
     lethe_backend *be;         /* to read q / K with act_to_host; NULL with the fake model */
     int32_t n_layers, n_heads, n_kv_heads, head_dim;
     int32_t max_model_len;
+    int32_t dim;                        /* model width (0 in tests without a model) */
+    const lethe_rope_config *rope;      /* the model's RoPE; NULL = no rotation (tests) */
+    const struct lethe_model *model;    /* the loaded model (weights), NULL without one */
 } lethe_sparse_env;
 
 typedef struct lethe_sparse_ops lethe_sparse_ops;
@@ -126,7 +129,9 @@ typedef enum lethe_sparse_kind {
     LETHE_SPARSE_KIND_DENSE = 0,
     LETHE_SPARSE_KIND_EVICTION,      /* physical: frees slots (lethe_kv_keep in finish_step) */
     LETHE_SPARSE_KIND_SELECTION,     /* logical: reads a subset, never frees a slot */
-    LETHE_SPARSE_KIND_QUANTIZATION,  /* changes what a slot stores */
+    LETHE_SPARSE_KIND_QUANTIZATION,  /* changes what a slot stores: a storage format (kv_format) */
+    LETHE_SPARSE_KIND_COMPRESSION,   /* a payload of its own (kv_layout: latents, codes) and the
+                                      * path that writes and reads it (kv_store / kv_attend) */
 } lethe_sparse_kind;
 const char *lethe_sparse_kind_name(lethe_sparse_kind k);
 
@@ -156,12 +161,16 @@ typedef struct lethe_sparse_method {
     lethe_sparse_env env;
     lethe_sparse_knobs knobs;
     void *priv;                /* method-private engine-wide state */
+    lethe_kv_path path;        /* the payload path over the kv_* hooks (lethe_sparse_kv_path) */
 } lethe_sparse_method;
 
 enum {
     LETHE_SPARSE_PER_LAYER_ROWS = 1u << 0, /* a slot space and row per layer (per-layer eviction) */
     LETHE_SPARSE_PREFIX_CACHE = 1u << 1,   /* radix prefix reuse is valid for this method */
     LETHE_SPARSE_PAGE_META = 1u << 2,      /* wants per-page metadata (page_meta_floats) */
+    /* kv_store receives keys BEFORE RoPE (kv_attend rotates what it
+     * reconstructs, at the slots' positions); only with kv_layout */
+    LETHE_SPARSE_KV_PRE_ROPE = 1u << 4,
     /* Uniform: every layer gets the same selection (shared rows), built
      * without the query, no scores, no after_attn / layer_end (registry
      * checks). The engine then builds the plan once per step (layer 0, q =
@@ -232,6 +241,24 @@ struct lethe_sparse_ops {
      * besides K and V (Quest: its page bounds); the engine adds them to the
      * per-token cost when it sizes the pool. Default 0. */
     size_t (*slot_overhead_bytes)(const lethe_sparse_method *m);
+    /* A payload of the method's own (COMPRESSION methods; backend.h
+     * lethe_kv_layout): fill layer `layer`'s planes (bytes per slot) and
+     * return true, or return false to keep the backend's K / V (no backend,
+     * a passthrough config: then for every layer). Asked after configure,
+     * before the pool exists; the pool is sized by these bytes. With a
+     * layout the model writes and reads the layer only through the three
+     * hooks below (model.h lethe_kv_path): kv_store gets the new tokens'
+     * k / v [n, n_kv_heads * head_dim] activations (pre-RoPE k with
+     * LETHE_SPARSE_KV_PRE_ROPE), their slots and positions; kv_attend gets
+     * the attention's arguments (k_cache / v_cache = planes 0 / 1) and writes
+     * a->out; kv_out_proj (optional) returns the output projection weight
+     * [dim, n_heads * head_dim] to use instead of the layer's wo (values
+     * absorbed into it), NULL = wo. Default: no layout. */
+    bool (*kv_layout)(const lethe_sparse_method *m, int32_t layer, lethe_kv_layout *out);
+    void (*kv_store)(lethe_sparse_method *m, int32_t layer, const void *k, const void *v,
+                     const int32_t *slots, const int32_t *pos, int32_t n);
+    void (*kv_attend)(lethe_sparse_method *m, int32_t layer, const lethe_attn_args *a);
+    const void *(*kv_out_proj)(lethe_sparse_method *m, int32_t layer);
     /* floats of pool page metadata per 16-entry page (kv_pool.h), > 0 exactly
      * when flags has LETHE_SPARSE_PAGE_META; default 0 */
     int32_t page_meta_floats;
@@ -352,6 +379,13 @@ lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m); /* NATIVE 
 int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                                   int32_t n_total, int32_t chunk); /* n_total without the hook */
 size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m); /* 0 without the hook */
+/* The method's payload layouts into out[env.n_layers]: true when it declares
+ * them (kv_layout answered true for layer 0; then every layer must). */
+bool lethe_sparse_kv_layouts(const lethe_sparse_method *m, lethe_kv_layout *out);
+/* The path the model writes and reads a layer through when the pool holds
+ * the method's layout (m->path over the kv_* hooks, ctx = m); NULL when the
+ * pool holds the backend's K / V (or no pool yet). Same for every layer. */
+const lethe_kv_path *lethe_sparse_kv_path(lethe_sparse_method *m);
 
 /* ---- helpers for methods (sparse_common.c) ---- */
 

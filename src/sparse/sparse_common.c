@@ -19,6 +19,7 @@ const char *lethe_sparse_kind_name(lethe_sparse_kind k) {
     case LETHE_SPARSE_KIND_EVICTION: return "eviction";
     case LETHE_SPARSE_KIND_SELECTION: return "selection";
     case LETHE_SPARSE_KIND_QUANTIZATION: return "quantization";
+    case LETHE_SPARSE_KIND_COMPRESSION: return "compression";
     }
     return "?";
 }
@@ -128,6 +129,41 @@ size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m) {
     return m && m->ops->slot_overhead_bytes ? m->ops->slot_overhead_bytes(m) : 0;
 }
 
+bool lethe_sparse_kv_layouts(const lethe_sparse_method *m, lethe_kv_layout *out) {
+    if (!m || !m->ops->kv_layout) return false;
+    memset(out, 0, sizeof(*out) * (size_t)m->env.n_layers);
+    if (!m->ops->kv_layout(m, 0, &out[0])) return false;
+    for (int32_t l = 1; l < m->env.n_layers; l++) {
+        const bool has = m->ops->kv_layout(m, l, &out[l]);
+        LETHE_ASSERT(has); /* a layout for layer 0 means one for every layer */
+    }
+    return true;
+}
+
+static void path_store(void *ctx, int32_t layer, const void *k, const void *v, const int32_t *slots,
+                       const int32_t *pos, int32_t n) {
+    lethe_sparse_method *m = ctx;
+    m->ops->kv_store(m, layer, k, v, slots, pos, n);
+}
+static void path_attend(void *ctx, int32_t layer, const lethe_attn_args *a) {
+    lethe_sparse_method *m = ctx;
+    m->ops->kv_attend(m, layer, a);
+}
+static const void *path_out_proj(void *ctx, int32_t layer) {
+    lethe_sparse_method *m = ctx;
+    return m->ops->kv_out_proj(m, layer);
+}
+
+const lethe_kv_path *lethe_sparse_kv_path(lethe_sparse_method *m) {
+    if (!m || !m->env.pool || !lethe_kv_has_layout(m->env.pool) || !m->ops->kv_layout) return NULL;
+    m->path = (lethe_kv_path){
+        .ctx = m, .k_pre_rope = (m->ops->flags & LETHE_SPARSE_KV_PRE_ROPE) != 0,
+        .store = path_store, .attend = path_attend,
+        .out_proj = m->ops->kv_out_proj ? path_out_proj : NULL,
+    };
+    return &m->path;
+}
+
 bool lethe_sparse_kv_host_ok(const lethe_sparse_method *m) {
     const lethe_backend *be = m->env.be;
     return lethe_backend_has(be, LETHE_BE_HOST_MEMORY) && be->ops->kv_size == sizeof(float);
@@ -140,6 +176,7 @@ lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m) {
 float *lethe_sparse_kv_host(const lethe_sparse_method *m, int32_t layer, bool value) {
     if (!lethe_sparse_kv_host_ok(m) || !m->env.pool) return NULL;
     if (lethe_kv_format_of(m->env.pool) != LETHE_KV_NATIVE) return NULL; /* codes, not f32 */
+    if (lethe_kv_has_layout(m->env.pool)) return NULL;                 /* the method's payload */
     return value ? lethe_kv_v(m->env.pool, layer) : lethe_kv_k(m->env.pool, layer);
 }
 

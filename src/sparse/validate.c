@@ -80,10 +80,10 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
     for (int a = 0; a < 4 && o->aliases[a]; a++)
         RULE(spelling_ok(o->aliases[a], true), "alias %d must be a non-empty word of letters, digits, "
              "'-' and '_'", a);
-    RULE((int)o->kind >= (int)LETHE_SPARSE_KIND_DENSE && (int)o->kind <= (int)LETHE_SPARSE_KIND_QUANTIZATION,
+    RULE((int)o->kind >= (int)LETHE_SPARSE_KIND_DENSE && (int)o->kind <= (int)LETHE_SPARSE_KIND_COMPRESSION,
          "kind %d is not a lethe_sparse_kind", (int)o->kind);
     const unsigned known = LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_PREFIX_CACHE |
-                           LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM;
+                           LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM | LETHE_SPARSE_KV_PRE_ROPE;
     RULE((o->flags & ~known) == 0, "flags has bits other than LETHE_SPARSE_*");
     lethe_status st = check_knobs(o);
     if (st != LETHE_OK) return st;
@@ -115,6 +115,14 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
     /* storage */
     RULE((o->kind == LETHE_SPARSE_KIND_QUANTIZATION) == (o->kv_format != NULL),
          "a QUANTIZATION method must provide kv_format, and only a QUANTIZATION method may");
+    RULE((o->kind == LETHE_SPARSE_KIND_COMPRESSION) == (o->kv_layout != NULL),
+         "a COMPRESSION method must provide kv_layout, and only a COMPRESSION method may");
+    RULE(!o->kv_layout == !o->kv_store && !o->kv_layout == !o->kv_attend,
+         "kv_layout, kv_store and kv_attend come together (the model reads a layout only through them)");
+    RULE(o->kv_layout || (!o->kv_out_proj && !(o->flags & LETHE_SPARSE_KV_PRE_ROPE)),
+         "kv_out_proj and LETHE_SPARSE_KV_PRE_ROPE need kv_layout");
+    RULE(!o->kv_layout || !uniform, "a method with kv_layout must not be LETHE_SPARSE_UNIFORM (its "
+         "layers store and attend through kv_store / kv_attend)");
     RULE(((o->flags & LETHE_SPARSE_PAGE_META) != 0) == (o->page_meta_floats > 0),
          "page_meta_floats must be > 0 exactly when LETHE_SPARSE_PAGE_META is set (it is %d)",
          o->page_meta_floats);
