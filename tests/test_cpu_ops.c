@@ -239,6 +239,7 @@ typedef struct att_case {
     int n_seqs;
     int n_prefix[4], n_new[4];
     int sparse; /* keep only some prefix entries */
+    int per_head; /* per-KV-head selections: KV head g keeps its own subset of the prefix */
 } att_case;
 
 static void run_attention_case(const att_case *c, lethe_backend *be) {
@@ -271,24 +272,42 @@ static void run_attention_case(const att_case *c, lethe_backend *be) {
         used += c->n_prefix[s] + c->n_new[s];
         sel_begin[s + 1] = n_sel_total;
     }
+    /* per-head lists (varlen per head): head g drops prefix entry e when (e + g) % 3 == 0 */
+    int32_t *hsel = lethe_xmalloc(((size_t)n_sel_total * KH + 1) * 4), hb[4 * 8 + 1];
+    int n_h = 0;
+    LETHE_ASSERT(c->n_seqs * KH <= 4 * 8);
+    for (int s = 0; s < c->n_seqs; s++)
+        for (int g = 0; g < KH; g++) {
+            hb[s * KH + g] = n_h;
+            const int n = sel_begin[s + 1] - sel_begin[s], pre = n - c->n_new[s];
+            for (int e = 0; e < n; e++)
+                if (e >= pre || (e + g) % 3 != 0) hsel[n_h++] = sel[sel_begin[s] + e];
+        }
+    hb[c->n_seqs * KH] = n_h;
     float *out = lethe_xmalloc((size_t)n_tok * H * hd * 4), *ref = lethe_xmalloc((size_t)n_tok * H * hd * 4);
     float scale = 1.0f / sqrtf((float)hd);
     lethe_attn_args a = {.out = out, .q = q, .k_cache = kc, .v_cache = vc, .n_tokens = n_tok,
                          .n_seqs = c->n_seqs, .q_begin = q_begin, .sel_begin = sel_begin,
                          .sel_slots = sel, .n_heads = H, .n_kv_heads = KH, .head_dim = hd,
                          .scale = scale};
+    if (c->per_head) a.head_sel_begin = hb, a.head_sel_slots = hsel;
     be->ops->attention(be, &a);
     /* float64 reference */
     double *sc = lethe_xmalloc((size_t)n_sel_total * 8);
     for (int s = 0; s < c->n_seqs; s++) {
-        int n_q = q_begin[s + 1] - q_begin[s], n_sel = sel_begin[s + 1] - sel_begin[s];
+        int n_q = q_begin[s + 1] - q_begin[s];
         for (int j = 0; j < n_q; j++) {
-            int row = q_begin[s] + j, lim = n_sel - n_q + j;
+            int row = q_begin[s] + j;
             for (int h = 0; h < H; h++) {
+                /* the head's list: its KV head's own entries, or the sequence's */
+                const int32_t *sl = c->per_head ? hsel + hb[s * KH + h / G] : sel + sel_begin[s];
+                const int n_sel = c->per_head ? hb[s * KH + h / G + 1] - hb[s * KH + h / G]
+                                              : sel_begin[s + 1] - sel_begin[s];
+                const int lim = n_sel - n_q + j;
                 const float *qv = q + ((size_t)row * H + h) * hd;
                 double mx = -INFINITY, sum = 0;
                 for (int e = 0; e <= lim; e++) {
-                    const float *kv = kc + (size_t)sel[sel_begin[s] + e] * kvd + (size_t)(h / G) * hd;
+                    const float *kv = kc + (size_t)sl[e] * kvd + (size_t)(h / G) * hd;
                     double d = 0;
                     for (int k = 0; k < hd; k++) d += (double)qv[k] * kv[k];
                     sc[e] = d * scale;
@@ -298,28 +317,31 @@ static void run_attention_case(const att_case *c, lethe_backend *be) {
                 for (int k = 0; k < hd; k++) {
                     double o = 0;
                     for (int e = 0; e <= lim; e++)
-                        o += exp(sc[e] - mx) / sum *
-                             vc[(size_t)sel[sel_begin[s] + e] * kvd + (size_t)(h / G) * hd + k];
+                        o += exp(sc[e] - mx) / sum * vc[(size_t)sl[e] * kvd + (size_t)(h / G) * hd + k];
                     ref[((size_t)row * H + h) * hd + k] = (float)o;
                 }
             }
         }
     }
     CHECK_CLOSE(out, ref, (size_t)n_tok * H * hd, 2e-6f, 1e-4f);
-    free(perm), free(kc), free(vc), free(q), free(sel), free(out), free(ref), free(sc);
+    free(perm), free(kc), free(vc), free(q), free(sel), free(out), free(ref), free(sc), free(hsel);
 }
 
 static void test_attention(void) {
     static const att_case cases[] = {
         /* one token, no prefix */
-        {4, 4, 64, 1, {0}, {1}, 0},
+        {4, 4, 64, 1, {0}, {1}, 0, 0},
         /* decode steps of several sequences, GQA 4 */
-        {8, 2, 64, 3, {5, 40, 1}, {1, 1, 1}, 0},
+        {8, 2, 64, 3, {5, 40, 1}, {1, 1, 1}, 0, 0},
         /* ragged prefill + prefix chunks, GQA 8, head_dim 128, > one softmax block */
-        {8, 1, 128, 4, {0, 70, 3, 33}, {9, 5, 1, 40}, 0},
+        {8, 1, 128, 4, {0, 70, 3, 33}, {9, 5, 1, 40}, 0, 0},
         /* sparse selection of the prefix, GQA 1, odd head_dim */
-        {3, 3, 20, 2, {50, 9}, {3, 7}, 1},
-        {16, 2, 64, 2, {100, 0}, {2, 66}, 1},
+        {3, 3, 20, 2, {50, 9}, {3, 7}, 1, 0},
+        {16, 2, 64, 2, {100, 0}, {2, 66}, 1, 0},
+        /* per-KV-head selections: decode, prefill after a prefix, GQA 1 odd head_dim */
+        {8, 2, 64, 3, {5, 40, 1}, {1, 1, 1}, 0, 1},
+        {8, 4, 128, 2, {70, 33}, {5, 40}, 1, 1},
+        {3, 3, 20, 2, {50, 9}, {3, 7}, 0, 1},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) {
         run_attention_case(&cases[i], g_be);

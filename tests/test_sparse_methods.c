@@ -82,7 +82,8 @@ static void h_open(harness *h, const char *method, const char *cfg) {
     lethe_kv_pool_params pp = {.n_layers = NL, .n_kv_heads = HK, .head_dim = D, .n_slots = NSLOTS,
                                .per_layer = (o->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0, .be = h->be,
                                .format = lethe_sparse_kv_format(h->m), .kivi_res_blocks = MAXR,
-                               .layouts = own ? layouts : NULL};
+                               .layouts = own ? layouts : NULL,
+                               .head_masks = (o->flags & LETHE_SPARSE_HEAD_ROWS) != 0};
     CHECK_MSG(lethe_kv_pool_create(&pp, &h->pool) == LETHE_OK, "%s", lethe_last_error());
     h->m->env.pool = h->pool;
     h->chunk = 24;

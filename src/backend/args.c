@@ -10,10 +10,16 @@ void lethe_check_attention(const lethe_attn_args *a) {
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
         LETHE_ASSERT(n_q >= 0 && a->sel_begin[s + 1] - a->sel_begin[s] >= n_q);
+        for (int32_t h = 0; a->head_sel_begin && h < a->n_kv_heads; h++) {
+            const int32_t *hb = a->head_sel_begin + (size_t)s * a->n_kv_heads + h;
+            LETHE_ASSERT(hb[1] - hb[0] >= n_q && hb[1] - hb[0] <= a->sel_begin[s + 1] - a->sel_begin[s]);
+        }
     }
+    LETHE_ASSERT(!a->head_sel_begin || (a->head_sel_begin[0] == 0 && a->head_sel_slots));
 }
 
 void lethe_check_attention_quant(const lethe_attn_args *a) {
+    LETHE_ASSERT(!a->head_sel_begin); /* per-head selections: native KV only */
     LETHE_ASSERT(a->kvq && (a->kvq->format == LETHE_KV_FP8_E4M3 ||
                             lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI));
     lethe_check_attention(a);
@@ -28,7 +34,7 @@ void lethe_check_attn_scores(const lethe_attn_scores_args *a) {
         LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
         LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
         LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
-        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM)) == 0);
+        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM | LETHE_SCORES_ROW_MAX)) == 0);
     }
 }
 

@@ -143,6 +143,15 @@ typedef struct lethe_attn_args {
     const int32_t *q_begin;      /* host [n_seqs + 1] */
     const int32_t *sel_begin;    /* host [n_seqs + 1] */
     const int32_t *sel_slots;    /* host [sel_begin[n_seqs]] */
+    /* Per-KV-head selections (varlen per head: rows with per-(layer, KV head)
+     * lengths, kv_pool.h head masks): NULL = every head reads the selection
+     * above. Otherwise KV head h of sequence s (and its query heads) reads
+     * head_sel_slots[head_sel_begin[s * n_kv_heads + h] .. [.. + 1]), same
+     * convention (ascending, the LAST n_q entries are the new tokens), each a
+     * subsequence of the sequence's selection above (which attn_scores and
+     * the methods keep reading). Native KV only. */
+    const int32_t *head_sel_begin; /* host [n_seqs * n_kv_heads + 1] */
+    const int32_t *head_sel_slots; /* host [head_sel_begin[n_seqs * n_kv_heads]] */
     int32_t n_heads, n_kv_heads, head_dim;
     float scale;                 /* usually 1/sqrt(head_dim) */
     /* ---- quantized KV (kvquant): NULL or format NATIVE = k_cache / v_cache
@@ -189,6 +198,9 @@ enum {
     LETHE_SCORES_PROB_MEAN = 3,
     LETHE_SCORES_KIND_MASK = 3,
     LETHE_SCORES_CAND_DENOM = 1 << 2, /* flag: softmax denominator over the candidates only */
+    /* flag (PROB_* modes): reduce the rows by max instead of the mean (KVzip:
+     * max over replay queries), v(h, e) = max over rows i of softmax(...)[e] */
+    LETHE_SCORES_ROW_MAX = 1 << 3,
 };
 
 /* One sequence's request; int32 fields only (a device backend stages it as an index array). */

@@ -176,7 +176,9 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     lethe_sparse_env env = {.pool = NULL, .be = e->runner.be, .n_layers = c->n_layers,
                             .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                             .max_model_len = e->max_model_len, .dim = c->dim, .rope = &c->rope,
-                            .model = lethe_runner_model_of(&e->runner)};
+                            .model = lethe_runner_model_of(&e->runner), .tok = e->tok,
+                            .aux_prefill = eng_aux_prefill, .aux_ctx = e,
+                            .max_aux_tokens = e->p.max_num_batched_tokens};
     if ((st = lethe_sparse_create(e->sparse_method, e->sparse_config, &env, &e->method)) != LETHE_OK) goto fail;
     ops = e->method->ops;
     if (lethe_sparse_min_final_chunk(e->method) > e->p.max_num_batched_tokens) {
@@ -210,6 +212,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
         .be = e->runner.be, .format = lethe_sparse_kv_format(e->method), .scratch_slot = scratch,
         .kivi_res_blocks = e->kivi_res_blocks, .layouts = e->kv_layouts,
+        .head_masks = (ops->flags & LETHE_SPARSE_HEAD_ROWS) != 0,
     };
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
@@ -571,6 +574,8 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->plan.sel_begin);
     free(e->plan.rows);
     free(e->plan.rows_begin);
+    free(e->plan.hsel);
+    free(e->plan.hsel_begin);
     free(e->fwd.gs);
     free(e->step.logits);
     eng_sample_free(e);

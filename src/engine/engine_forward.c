@@ -151,6 +151,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     const int32_t *sb = NULL, *ss = NULL;
     lethe_sel_result r = m->ops->select_layer(m, layer, &e->step.st, q, &rows, &sb, &ss);
     if (r == LETHE_SEL_PER_SEQ) return false;
+    out->head_sel_begin = out->head_sel_slots = NULL; /* shared rows: no head masks */
     out->store_slots = e->plan.store; /* staged: the new tokens' slots, the same in every layer */
     out->kvq = lethe_kv_quant_of(e->pool, layer);
     LETHE_ASSERT(!out->kvq); /* built selections live on the backend: native KV only */
@@ -183,6 +184,54 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     }
     e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
     return true;
+}
+
+/* Per-KV-head selections (rows with head masks, kv_pool.h): KV head h of
+ * sequence s reads the entries of its selection whose mask has bit h. The
+ * selection is a subsequence of the row (ascending), so one walk over the row
+ * finds each selected entry's mask. NULL head lists when every selected entry
+ * is kept by all heads (attention then takes its usual path). */
+static void plan_head_lists(lethe_engine *e, int32_t layer, lethe_layer_plan *out) {
+    const int32_t sp = lethe_kv_space_of(e->pool, layer), S = e->step.st.n_seqs;
+    const int32_t KH = e->runner.cfg.n_kv_heads;
+    const uint64_t full = lethe_kv_full_head_mask(e->pool);
+    out->head_sel_begin = out->head_sel_slots = NULL;
+    bool partial = false;
+    for (int32_t s = 0; s < S && !partial; s++) {
+        const int32_t len = lethe_kv_row_len(e->pool, sp, e->step.seqs[s].row);
+        const uint64_t *mk = lethe_kv_row_head_mask(e->pool, sp, e->step.seqs[s].row);
+        for (int32_t i = 0; i < len && !partial; i++) partial = mk[i] != full;
+    }
+    if (!partial) return;
+    const int64_t total = (int64_t)e->plan.sel_begin[S] * KH, nb = (int64_t)S * KH + 1;
+    if (total > e->plan.cap_hsel) {
+        e->plan.cap_hsel = LETHE_MAX(total, 2 * e->plan.cap_hsel);
+        e->plan.hsel = lethe_xrealloc(e->plan.hsel, (size_t)e->plan.cap_hsel * sizeof(int32_t));
+    }
+    if (nb > e->plan.cap_hsel_begin) {
+        e->plan.cap_hsel_begin = LETHE_MAX(nb, 2 * e->plan.cap_hsel_begin);
+        e->plan.hsel_begin = lethe_xrealloc(e->plan.hsel_begin, (size_t)e->plan.cap_hsel_begin * sizeof(int32_t));
+    }
+    int32_t off = 0;
+    for (int32_t s = 0; s < S; s++) {
+        const int32_t row = e->step.seqs[s].row, len = lethe_kv_row_len(e->pool, sp, row);
+        const int32_t *slots = lethe_kv_row_slots(e->pool, sp, row);
+        const uint64_t *mk = lethe_kv_row_head_mask(e->pool, sp, row);
+        const int32_t *sel = e->plan.sel + e->plan.sel_begin[s];
+        const int32_t n = e->plan.sel_begin[s + 1] - e->plan.sel_begin[s];
+        for (int32_t h = 0; h < KH; h++) {
+            e->plan.hsel_begin[s * KH + h] = off;
+            for (int32_t j = 0, i = 0; j < n; j++) {
+                while (i < len && slots[i] != sel[j]) i++;
+                LETHE_ASSERT(i < len); /* a selection is a subsequence of its row */
+                if ((mk[i] >> h) & 1u) e->plan.hsel[off++] = sel[j];
+                i++;
+            }
+        }
+    }
+    e->plan.hsel_begin[S * KH] = off;
+    out->head_sel_begin = e->plan.hsel_begin;
+    out->head_sel_slots = e->plan.hsel;
 }
 
 /* Every sequence's selection from the method (lethe_sparse_build_selection:
@@ -229,6 +278,8 @@ static void plan_per_seq(lethe_engine *e, int32_t layer, const void *q, lethe_la
     out->sel_slots = e->plan.sel;
     out->kvq = lethe_kv_quant_of(e->pool, layer);
     out->path = lethe_sparse_kv_path(m); /* the method's payload, or NULL */
+    out->head_sel_begin = out->head_sel_slots = NULL;
+    if (lethe_kv_has_head_masks(e->pool)) plan_head_lists(e, layer, out);
     /* asked here, while the step's selections are built: after_attn then gets
      * the attention's arguments to score with (backend attn_scores) */
     e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
@@ -255,6 +306,74 @@ static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b,
     if (m->ops->after_attn)
         m->ops->after_attn(m, layer, &e->step.st, e->plan.layer_scores ? a : NULL);
     if (m->ops->layer_end) m->ops->layer_end(m, layer, &e->step.st);
+}
+
+/* ---- auxiliary prefill (sparse.h lethe_sparse_aux_prefill) ----
+ * Runs inside the method's finish_step, after the step's forward: the step's
+ * batch and plan arrays are free again, but the method is iterating the
+ * step's sequences, so the aux forward gets its own one-sequence batch and
+ * view, swapped into e->step for the plan_layer / after_attn hooks and
+ * swapped back afterwards. */
+lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t *tokens, int32_t n) {
+    lethe_engine *e = ctx;
+    lethe_kv_pool *pool = e->pool;
+    if (n <= 0) return LETHE_OK;
+    const int32_t nsp = lethe_kv_n_spaces(pool), row = s->row;
+    if (lethe_kv_min_free(pool) < n)
+        return lethe_errorf(LETHE_ERR_CAPACITY,
+                            "auxiliary prefill of %d tokens: only %d free slots (the method must reserve "
+                            "them with prefill_peak_slots)", n, lethe_kv_min_free(pool));
+    int32_t *len0 = lethe_xmalloc((size_t)nsp * sizeof(int32_t)), last = -1;
+    for (int32_t sp = 0; sp < nsp; sp++) {
+        len0[sp] = lethe_kv_row_len(pool, sp, row);
+        if (len0[sp] > 0) last = LETHE_MAX(last, lethe_kv_row_pos(pool, sp, row)[len0[sp] - 1]);
+    }
+    const int32_t chunk = e->p.max_num_batched_tokens;
+    eng_ensure_caps(e, LETHE_MIN(n, chunk), 1); /* plan.store; keeps cap_seqs (>= 1 already) */
+    lethe_fwd_batch saved_b = e->step.batch; /* the step's arrays may have moved: repoint */
+    saved_b.tokens = e->step.tokens;
+    saved_b.pos = e->step.pos;
+    saved_b.logit_rows = e->step.logit_rows;
+    const lethe_sparse_step saved_st = e->step.st;
+    lethe_sparse_seq *saved_seqs = e->step.seqs;
+    int32_t *pos = lethe_xmalloc((size_t)n * sizeof(int32_t)), seq_begin[2] = {0, 0};
+    for (int32_t i = 0; i < n; i++) pos[i] = last + 1 + i;
+    lethe_sparse_seq v = *s;
+    const lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
+    for (int32_t off = 0; off < n; off += chunk) {
+        const int32_t k = LETHE_MIN(chunk, n - off);
+        const bool ok = lethe_kv_row_append(pool, row, k, pos + off);
+        LETHE_ASSERT(ok); /* n free slots were checked above */
+        v.q_row = 0;
+        v.n_new = k;
+        v.first_pos = pos[off];
+        v.is_prefill = v.is_aux = true;
+        v.is_final_chunk = false;
+        seq_begin[1] = k;
+        e->step.batch = (lethe_fwd_batch){.n_tokens = k, .tokens = tokens + off, .pos = pos + off,
+                                          .n_seqs = 1, .seq_begin = seq_begin, .n_logits = 0};
+        e->step.seqs = &v;
+        e->step.st = (lethe_sparse_step){
+            .index = saved_st.index, .n_seqs = 1, .seqs = &v, .batch = &e->step.batch};
+        e->runner.forward(e->runner.ctx, &e->step.batch, &hooks, NULL);
+        e->stats.cur.prefill_tokens_computed += k;
+    }
+    e->step.batch = saved_b;
+    e->step.st = saved_st;
+    e->step.seqs = saved_seqs;
+    /* drop the appended entries: every slot space back to its length before */
+    int32_t max0 = 0;
+    for (int32_t sp = 0; sp < nsp; sp++) max0 = LETHE_MAX(max0, len0[sp]);
+    int32_t *keep = lethe_xmalloc(((size_t)max0 + 1) * sizeof(int32_t));
+    for (int32_t sp = 0; sp < nsp; sp++) {
+        for (int32_t i = 0; i < len0[sp]; i++) keep[i] = i;
+        const int32_t layer = lethe_kv_per_layer(pool) ? sp : 0;
+        lethe_kv_keep(pool, layer, row, keep, len0[sp]);
+    }
+    free(keep);
+    free(pos);
+    free(len0);
+    return LETHE_OK;
 }
 
 /* ---- the forward ---- */

@@ -91,6 +91,9 @@ typedef struct eng_plan {
     int32_t *rows, *rows_begin;       /* [cap_rows], [cap_seqs + 1] */
     int64_t cap_rows;
     bool rows_staged;                 /* this step's forward asks select_layer */
+    /* per-KV-head selections of the current layer (head masks, engine_forward.c) */
+    int32_t *hsel, *hsel_begin;       /* [cap_hsel], [cap_hsel_begin] */
+    int64_t cap_hsel, cap_hsel_begin;
 } eng_plan;
 
 /* How the forward runs (engine_forward.c), chosen at create. */
@@ -226,6 +229,8 @@ void eng_forward_bind(lethe_engine *e);   /* at create, once the pool exists */
  * Returns the runner's step status (lethe_runner_step_status): not OK = the
  * step failed, its logits and new K/V are garbage. */
 lethe_status eng_forward(lethe_engine *e, float *logits);
+/* lethe_sparse_env.aux_prefill (ctx = the engine): sparse.h lethe_sparse_aux_prefill */
+lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t *tokens, int32_t n);
 
 /* engine_sample.c */
 lethe_status eng_sample_init(lethe_engine *e); /* at create: LETHE_SAMPLE_ON_HOST, runner->sample */

@@ -119,6 +119,12 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
                     st = lethe_errorf(LETHE_ERR_INVALID, "kv check: row %d space %d holds slot %d twice", row, sp, slot);
                     goto out;
                 }
+                if (pool->p.head_masks &&
+                    (t->hmask[i] == 0 || (t->hmask[i] & ~lethe_kv_full_head_mask(pool)))) {
+                    st = lethe_errorf(LETHE_ERR_INVALID, "kv check: row %d space %d entry %d: head mask %#llx "
+                                      "(none or unknown KV heads)", row, sp, i, (unsigned long long)t->hmask[i]);
+                    goto out;
+                }
                 mark[slot] = row * pool->n_spaces + sp + 1;
                 c.seen[sp][slot]++;
             }

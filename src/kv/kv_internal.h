@@ -9,6 +9,7 @@
 typedef struct kv_rowtab {
     int32_t *slot;       /* [cap] slot ids */
     int32_t *pos;        /* [cap] logical positions */
+    uint64_t *hmask;     /* [cap] KV heads that keep each entry (pool param head_masks), else NULL */
     int32_t len, cap;
     float *meta;         /* [meta_cap_pages * page_meta_floats] or NULL */
     int32_t meta_cap_pages;

@@ -137,6 +137,10 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         lethe_status st = check_layout(&p->layouts[l], l);
         if (st != LETHE_OK) return st;
     }
+    if (p->head_masks && (p->n_kv_heads > LETHE_KV_MAX_HEAD_MASK_HEADS || p->format != LETHE_KV_NATIVE || p->layouts))
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                            "kv pool: per-head row lengths need native KV and at most %d KV heads (%d, %s)",
+                            LETHE_KV_MAX_HEAD_MASK_HEADS, p->n_kv_heads, lethe_kv_format_name(p->format));
     if (p->format != LETHE_KV_NATIVE && p->be && !p->be->ops->kv_store_quant)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "kv pool: the %s backend has no %s KV",
                             p->be->ops->name, lethe_kv_format_name(p->format));
@@ -208,6 +212,7 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
 static void rowtab_free(kv_rowtab *t) {
     free(t->slot);
     free(t->pos);
+    free(t->hmask);
     free(t->meta);
     memset(t, 0, sizeof(*t));
 }
@@ -392,6 +397,13 @@ static void tab_reserve(kv_rowtab *t, int32_t need) {
     t->pos = lethe_xrealloc(t->pos, (size_t)cap * sizeof(int32_t));
     t->cap = cap;
 }
+/* with head masks the mask array follows the capacity */
+static void tab_reserve_pool(const lethe_kv_pool *pool, kv_rowtab *t, int32_t need) {
+    const int32_t cap0 = t->cap;
+    tab_reserve(t, need);
+    if (pool->p.head_masks && (!t->hmask || t->cap != cap0))
+        t->hmask = lethe_xrealloc(t->hmask, (size_t)LETHE_MAX(t->cap, 1) * sizeof(uint64_t));
+}
 
 static void meta_invalidate_from(kv_rowtab *t, int32_t first_entry) {
     int32_t page = first_entry / LETHE_KV_PAGE;
@@ -405,7 +417,7 @@ bool lethe_kv_row_append(lethe_kv_pool *pool, int32_t row, int32_t n, const int3
     for (int32_t sp = 0; sp < pool->n_spaces; sp++) {
         kv_rowtab *t = tab(pool, sp, row);
         kv_space *s = &pool->spaces[sp];
-        tab_reserve(t, t->len + n);
+        tab_reserve_pool(pool, t, t->len + n);
         int32_t prev = t->len ? t->pos[t->len - 1] : -1;
         meta_invalidate_from(t, t->len);
         for (int32_t i = 0; i < n; i++) {
@@ -416,6 +428,7 @@ bool lethe_kv_row_append(lethe_kv_pool *pool, int32_t row, int32_t n, const int3
             s->ref[slot] = 1;
             t->slot[t->len] = slot;
             t->pos[t->len] = pos[i];
+            if (t->hmask) t->hmask[t->len] = lethe_kv_full_head_mask(pool);
             t->len++;
         }
     }
@@ -426,11 +439,12 @@ void lethe_kv_row_attach(lethe_kv_pool *pool, int32_t row, const int32_t *slots,
                          const int32_t *pos, int32_t n) {
     for (int32_t sp = 0; sp < pool->n_spaces; sp++) {
         kv_rowtab *t = tab(pool, sp, row);
-        tab_reserve(t, t->len + n);
+        tab_reserve_pool(pool, t, t->len + n);
         int32_t prev = t->len ? t->pos[t->len - 1] : -1;
         meta_invalidate_from(t, t->len);
         for (int32_t i = 0; i < n; i++) {
             int32_t slot = slots[(size_t)sp * (size_t)n + (size_t)i];
+            if (t->hmask) t->hmask[t->len] = lethe_kv_full_head_mask(pool);
             LETHE_ASSERT(pos[i] > prev);
             prev = pos[i];
             slot_ref(pool, sp, slot);
@@ -455,6 +469,7 @@ void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_
         if (k != i && first_change < 0) first_change = i;
         t->slot[i] = t->slot[k];
         t->pos[i] = t->pos[k];
+        if (t->hmask) t->hmask[i] = t->hmask[k];
         next = k + 1;
     }
     for (int32_t d = next; d < t->len; d++) slot_unref(pool, sp, t->slot[d]);
@@ -464,6 +479,35 @@ void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_
 }
 
 /* ---- page metadata ---- */
+
+bool lethe_kv_has_head_masks(const lethe_kv_pool *pool) { return pool->p.head_masks; }
+uint64_t lethe_kv_full_head_mask(const lethe_kv_pool *pool) {
+    return pool->p.n_kv_heads >= 64 ? ~(uint64_t)0 : ((uint64_t)1 << pool->p.n_kv_heads) - 1;
+}
+const uint64_t *lethe_kv_row_head_mask(const lethe_kv_pool *pool, int32_t sp, int32_t row) {
+    const kv_rowtab *t = tab(pool, sp, row);
+    return pool->p.head_masks ? t->hmask : NULL;
+}
+int32_t lethe_kv_head_len(const lethe_kv_pool *pool, int32_t sp, int32_t row, int32_t head) {
+    const kv_rowtab *t = tab(pool, sp, row);
+    LETHE_ASSERT(head >= 0 && head < pool->p.n_kv_heads);
+    if (!pool->p.head_masks) return t->len;
+    int32_t n = 0;
+    for (int32_t i = 0; i < t->len; i++) n += (int32_t)((t->hmask[i] >> head) & 1u);
+    return n;
+}
+void lethe_kv_keep_heads(lethe_kv_pool *pool, int32_t layer, int32_t row, const uint64_t *mask) {
+    LETHE_ASSERT(pool->p.head_masks);
+    kv_rowtab *t = tab(pool, lethe_kv_space_of(pool, layer), row);
+    int32_t *keep = lethe_xmalloc(((size_t)t->len + 1) * sizeof(int32_t)), n = 0;
+    for (int32_t i = 0; i < t->len; i++) {
+        LETHE_ASSERT((mask[i] & ~t->hmask[i]) == 0); /* heads only ever drop an entry */
+        t->hmask[i] = mask[i];
+        if (mask[i]) keep[n++] = i;
+    }
+    if (n < t->len) lethe_kv_keep(pool, layer, row, keep, n);
+    free(keep);
+}
 
 int32_t lethe_kv_page_meta_floats(const lethe_kv_pool *pool) { return pool->p.page_meta_floats; }
 

@@ -33,6 +33,16 @@
  * codes, norms); without a declared layout the storage format's planes K[l]
  * and V[l] below. Sized by real bytes (lethe_kv_layouts_token_bytes).
  *
+ * Optional per-(layer, KV head) row lengths (head_masks, for per-head eviction:
+ * KVzip's pair level, per-head SnapKV / Ada-KV): every row entry carries a
+ * bit mask of the KV heads that still keep it (bit h = KV head h; all heads
+ * when appended or attached). lethe_kv_keep_heads narrows the masks; an entry
+ * no head keeps leaves the row and its slot is freed. A slot still holds all
+ * KV heads' K/V, so memory is freed per token a whole layer dropped, while
+ * attention reads per head only that head's entries (the engine builds
+ * per-head selections: lethe_attn_args.head_sel_*). Head h's row length is
+ * the number of entries with bit h (lethe_kv_head_len).
+ *
  * Storage format (backend.h lethe_kv_format), chosen by the sparse method:
  * NATIVE stores the backend's kv type; FP8_E4M3 stores 1-byte codes in K[l] /
  * V[l] plus per-(slot, KV head) f32 scales (lethe_kv_quant_of). Bytes per
@@ -80,6 +90,7 @@ typedef struct lethe_kv_pool_params {
      * the method's or the model's planes instead of the format's K / V (format
      * must then be NATIVE). NULL = the format's planes. */
     const lethe_kv_layout *layouts;
+    bool head_masks;          /* per-entry KV-head masks (above); needs n_kv_heads <= 64 */
 } lethe_kv_pool_params;
 
 /* Bytes one token costs across all layers with payload layouts [n_layers]
@@ -155,6 +166,20 @@ void lethe_kv_row_attach(lethe_kv_pool *pool, int32_t row, const int32_t *slots,
  * shared layout this changes the one row every layer reads. */
 void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_t *keep,
                    int32_t n);
+
+/* ---- per-(layer, KV head) row lengths (pool param head_masks) ---- */
+#define LETHE_KV_MAX_HEAD_MASK_HEADS 64
+bool lethe_kv_has_head_masks(const lethe_kv_pool *pool);
+/* all KV heads' bits: (1 << n_kv_heads) - 1 */
+uint64_t lethe_kv_full_head_mask(const lethe_kv_pool *pool);
+/* [row_len] masks of the row's entries in slot space sp; NULL without head masks */
+const uint64_t *lethe_kv_row_head_mask(const lethe_kv_pool *pool, int32_t sp, int32_t row);
+/* entries of the row in sp that KV head h keeps (the row length without head masks) */
+int32_t lethe_kv_head_len(const lethe_kv_pool *pool, int32_t sp, int32_t row, int32_t head);
+/* Per-head compaction of one layer's row: entry i keeps the heads mask[i]
+ * (mask[0..row_len), each a subset of the entry's current mask); entries with
+ * mask 0 leave the row (lethe_kv_keep: their slots are freed when unreferenced). */
+void lethe_kv_keep_heads(lethe_kv_pool *pool, int32_t layer, int32_t row, const uint64_t *mask);
 
 /* ---- references held outside rows (the prefix cache) ---- */
 void lethe_kv_ref(lethe_kv_pool *pool, int32_t sp, int32_t slot);

@@ -172,7 +172,8 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
         lethe_attn_args args = {
             .out = ws->att, .q = ws->q, .k_cache = k_cache[l], .v_cache = v_cache[l],
             .n_tokens = n, .n_seqs = b->n_seqs, .q_begin = b->seq_begin,
-            .sel_begin = plan.sel_begin, .sel_slots = plan.sel_slots, .n_heads = c->n_heads,
+            .sel_begin = plan.sel_begin, .sel_slots = plan.sel_slots,
+            .head_sel_begin = plan.head_sel_begin, .head_sel_slots = plan.head_sel_slots, .n_heads = c->n_heads,
             .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .scale = scale,
             .kvq = plan.kvq,
         };

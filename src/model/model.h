@@ -79,6 +79,8 @@ typedef struct lethe_layer_plan {
     const int32_t *store_slots; /* [n_tokens] cache slot receiving each new token */
     const int32_t *sel_begin;   /* [n_seqs + 1] see lethe_attn_args */
     const int32_t *sel_slots;   /* selection, last n_q(s) entries = the new tokens */
+    /* per-KV-head selections (lethe_attn_args.head_sel_*) or NULL */
+    const int32_t *head_sel_begin, *head_sel_slots;
     /* the layer's KV storage format (kv_pool.h); NULL = the backend's kv type.
      * Non-NULL: kv_store_quant instead of kv_store, and attention reads codes. */
     const lethe_kv_quant *kvq;

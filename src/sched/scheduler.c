@@ -198,6 +198,8 @@ void lethe_sched_seq_view(const lethe_req *r, int32_t n_new, int32_t q_row, leth
     out->is_prefill = r->n_computed < r->n_prefill;
     out->is_final_chunk = out->is_prefill && r->n_computed + n_new >= r->n_tokens;
     out->is_recompute = r->is_recompute;
+    out->tokens = r->tokens;
+    out->n_tokens = r->n_tokens;
 }
 
 static int32_t peak_for(const lethe_sched *s, const lethe_req *r, int32_t n_resident, int32_t n) {

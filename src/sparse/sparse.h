@@ -88,6 +88,14 @@ typedef struct lethe_sparse_seq {
     bool is_prefill;           /* the new tokens are prompt tokens */
     bool is_final_chunk;       /* this chunk completes the prompt: logits follow */
     bool is_recompute;         /* re-prefill after a preemption */
+    /* an auxiliary prefill's tokens (lethe_sparse_aux_prefill): no logits, and
+     * they leave the row when the call returns; never seen by prepare /
+     * finish_step (is_prefill is true, is_final_chunk false) */
+    bool is_aux;
+    /* the request's token ids by logical position [0, n_tokens) (prompt, then
+     * generated); valid during the hook call only */
+    const int32_t *tokens;
+    int32_t n_tokens;
 } lethe_sparse_seq;
 
 typedef struct lethe_sparse_step {
@@ -108,6 +116,16 @@ typedef struct lethe_sparse_env {
     int32_t dim;                        /* model width (0 in tests without a model) */
     const lethe_rope_config *rope;      /* the model's RoPE; NULL = no rotation (tests) */
     const struct lethe_model *model;    /* the loaded model (weights), NULL without one */
+    /* the model's tokenizer (to encode a method's fixed text, e.g. KVzip's
+     * repeat instruction); NULL with token-id-only models */
+    const struct lethe_tokenizer *tok;
+    /* Auxiliary prefill, provided by the engine (NULL where none runs, e.g. the
+     * contract test harness): lethe_sparse_aux_prefill below. max_aux_tokens:
+     * the most tokens one auxiliary forward holds (max_num_batched_tokens);
+     * longer runs are split into several forwards. */
+    lethe_status (*aux_prefill)(void *ctx, const lethe_sparse_seq *s, const int32_t *tokens, int32_t n);
+    void *aux_ctx;
+    int32_t max_aux_tokens;
 } lethe_sparse_env;
 
 typedef struct lethe_sparse_ops lethe_sparse_ops;
@@ -180,6 +198,13 @@ enum {
      * quantized KV through the per-layer forward, quest / omnikv select per
      * layer). */
     LETHE_SPARSE_UNIFORM = 1u << 3,
+    /* Per-(layer, KV head) row lengths: the pool keeps a KV-head mask per row
+     * entry (kv_pool.h head masks), the method narrows them with
+     * lethe_kv_keep_heads (finish_step), and the engine hands attention
+     * per-KV-head selections (each head reads the entries of the sequence's
+     * selection that it keeps; lethe_attn_args.head_sel_*). Needs
+     * PER_LAYER_ROWS and native KV (registry checks). */
+    LETHE_SPARSE_HEAD_ROWS = 1u << 5,
 };
 
 /* Configurations the method-generic test suites run every registered method
@@ -386,6 +411,22 @@ bool lethe_sparse_kv_layouts(const lethe_sparse_method *m, lethe_kv_layout *out)
  * the method's layout (m->path over the kv_* hooks, ctx = m); NULL when the
  * pool holds the backend's K / V (or no pool yet). Same for every layer. */
 const lethe_kv_path *lethe_sparse_kv_path(lethe_sparse_method *m);
+
+/* ---- auxiliary prefill (KVzip's context replay) ---- */
+
+/* Runs tokens[0..n) as a teacher-forced prefill of sequence s appended to its
+ * row (positions right after the row's last one), through the model in
+ * forwards of at most env.max_aux_tokens tokens, with this method's selection
+ * hooks and after_attn (seq.is_aux: the method scores the appended queries
+ * against the resident keys), no logits and no sampling; then drops the
+ * appended entries, so every layer's row returns exactly to what it was
+ * (slots freed). Only from finish_step, for a sequence of that step. The
+ * slots must have been asked for: prefill_peak_slots of the chunk (the step
+ * it runs in) includes n, so the scheduler reserved them at admission time;
+ * LETHE_ERR_CAPACITY (nothing changed) when some layer lacks n free slots,
+ * LETHE_ERR_UNSUPPORTED without an engine (env.aux_prefill NULL). */
+lethe_status lethe_sparse_aux_prefill(lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                      const int32_t *tokens, int32_t n);
 
 /* ---- helpers for methods (sparse_common.c) ---- */
 

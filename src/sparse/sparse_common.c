@@ -96,6 +96,15 @@ int32_t lethe_sparse_prefill_peak(const lethe_sparse_method *m, const lethe_spar
     return n_chunk;
 }
 
+lethe_status lethe_sparse_aux_prefill(lethe_sparse_method *m, const lethe_sparse_seq *s,
+                                      const int32_t *tokens, int32_t n) {
+    if (!m->env.aux_prefill)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "sparse method %s: no auxiliary prefill here (no engine)",
+                            m->ops->name);
+    LETHE_ASSERT(n >= 0 && s && !s->is_aux);
+    return m->env.aux_prefill(m->env.aux_ctx, s, tokens, n);
+}
+
 int32_t lethe_sparse_select_all(const lethe_sparse_method *m, int32_t layer, int32_t row,
                                 int32_t *sel, int32_t cap) {
     int32_t sp = lethe_kv_space_of(m->env.pool, layer);

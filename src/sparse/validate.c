@@ -83,7 +83,8 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
     RULE((int)o->kind >= (int)LETHE_SPARSE_KIND_DENSE && (int)o->kind <= (int)LETHE_SPARSE_KIND_COMPRESSION,
          "kind %d is not a lethe_sparse_kind", (int)o->kind);
     const unsigned known = LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_PREFIX_CACHE |
-                           LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM | LETHE_SPARSE_KV_PRE_ROPE;
+                           LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM | LETHE_SPARSE_KV_PRE_ROPE |
+                           LETHE_SPARSE_HEAD_ROWS;
     RULE((o->flags & ~known) == 0, "flags has bits other than LETHE_SPARSE_*");
     lethe_status st = check_knobs(o);
     if (st != LETHE_OK) return st;
@@ -100,6 +101,8 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "lethe_kv_keep may run)");
     RULE(!evicts || !(o->flags & LETHE_SPARSE_PREFIX_CACHE), "an EVICTION method must not set "
          "LETHE_SPARSE_PREFIX_CACHE (its KV depends on the request's history)");
+    RULE(!(o->flags & LETHE_SPARSE_HEAD_ROWS) || (per_layer && !o->kv_format && !o->kv_layout),
+         "LETHE_SPARSE_HEAD_ROWS needs LETHE_SPARSE_PER_LAYER_ROWS and native KV (no kv_format, no kv_layout)");
     /* selection */
     RULE(o->kind != LETHE_SPARSE_KIND_SELECTION || o->select_layer || o->build_decode_selection ||
              o->build_prefill_selection,

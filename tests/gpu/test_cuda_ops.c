@@ -260,6 +260,7 @@ typedef struct attn_case {
     int n_q[ATTN_MAX_SEQS];   /* queries per sequence */
     int n_sel[ATTN_MAX_SEQS]; /* selection length (>= n_q) */
     int sparse;     /* drop a random subset of the prefix */
+    int per_head;   /* per-KV-head selections (varlen per head): each head drops its own subset */
 } attn_case;
 
 static void run_attn_case(const attn_case *tc, int staged) {
@@ -298,6 +299,24 @@ static void run_attn_case(const attn_case *tc, int staged) {
         }
         sel_begin[s + 1] = n_sel_tot;
     }
+    /* per-head lists: a random subsequence of each sequence's prefix per KV
+     * head (a head may keep nothing of it), then all the new tokens */
+    int32_t *hsel = NULL, *hsel_begin = NULL;
+    if (tc->per_head) {
+        hsel = lethe_xmalloc(((size_t)n_sel_tot * KV + 1) * sizeof(int32_t));
+        hsel_begin = lethe_xmalloc(((size_t)S * KV + 1) * sizeof(int32_t));
+        int32_t off = 0;
+        for (int s = 0; s < S; s++)
+            for (int g = 0; g < KV; g++) {
+                hsel_begin[s * KV + g] = off;
+                const int32_t n = sel_begin[s + 1] - sel_begin[s], pre = n - tc->n_q[s];
+                const uint64_t keep_mod = 1 + (uint64_t)g % 3; /* heads keep different shares */
+                for (int32_t e = 0; e < n; e++)
+                    if (e >= pre || lethe_splitmix64(&g_rng) % (keep_mod + 1) != 0)
+                        hsel[off++] = sel[sel_begin[s] + e];
+            }
+        hsel_begin[S * KV] = off;
+    }
     const size_t kv_dim = (size_t)KV * D;
     float *kc = rand_bf16((size_t)n_slots * kv_dim, 1), *vc = rand_bf16((size_t)n_slots * kv_dim, 1);
     float *q = rand_bf16((size_t)T * H * D, 1);
@@ -317,12 +336,13 @@ static void run_attn_case(const attn_case *tc, int staged) {
     a.q = pq.c, a.out = po.c, a.k_cache = pk.c, a.v_cache = pv.c;
     a.n_tokens = T, a.n_seqs = S, a.q_begin = q_begin, a.sel_begin = sel_begin, a.sel_slots = sel;
     a.n_heads = H, a.n_kv_heads = KV, a.head_dim = D, a.scale = 1.0f / sqrtf((float)D);
+    a.head_sel_begin = hsel_begin, a.head_sel_slots = hsel;
     g_cpu->ops->attention(g_cpu, &a);
     a.q = pq.g, a.out = po.g, a.k_cache = pk.g, a.v_cache = pv.g;
     g_gpu->ops->attention(g_gpu, &a);
     char what[160];
-    snprintf(what, sizeof what, "attention %s (H=%d KV=%d D=%d T=%d%s)", tc->name, H, KV, D, T,
-             staged ? ", staged" : "");
+    snprintf(what, sizeof what, "attention %s (H=%d KV=%d D=%d T=%d%s%s)", tc->name, H, KV, D, T,
+             staged ? ", staged" : "", tc->per_head ? ", per-head" : "");
     compare(&pk, (size_t)n_slots * kv_dim, 1e-6, "kv_store K");
     compare(&pv, (size_t)n_slots * kv_dim, 1e-6, "kv_store V");
     double e = compare(&po, (size_t)T * H * D, 1.5e-2, what);
@@ -330,55 +350,62 @@ static void run_attn_case(const attn_case *tc, int staged) {
     fprintf(stderr, "    %-76s rel err %.2e\n", what, e);
     pair_free(&pk), pair_free(&pv), pair_free(&pq), pair_free(&pkn), pair_free(&pvn), pair_free(&po);
     free(perm), free(sel), free(store), free(kc), free(vc), free(q), free(kn), free(vn);
+    free(hsel), free(hsel_begin);
 }
 
 static void test_attention(void) {
     static const attn_case cases[] = {
-        {"decode single", 32, 8, 128, 1, {1}, {4096}, 0},
-        {"decode ragged", 32, 8, 128, 5, {1, 1, 1, 1, 1}, {1, 37, 128, 129, 5000}, 0},
-        {"decode gqa3 d64", 9, 3, 64, 3, {1, 1, 1}, {2, 300, 1025}, 0},
-        {"decode mha d96", 4, 4, 96, 2, {1, 1}, {77, 513}, 0},
-        {"decode gqa16 d256", 16, 1, 256, 2, {1, 1}, {17, 700}, 0},
-        {"decode d32", 8, 2, 32, 2, {1, 1}, {3, 260}, 0},
-        {"prefill single", 32, 8, 128, 1, {200}, {200}, 0},
-        {"prefill ragged", 8, 2, 128, 4, {1, 63, 64, 65}, {1, 63, 64, 65}, 0},
-        {"extend + decode", 8, 2, 128, 3, {1, 50, 130}, {900, 300, 130}, 0},
-        {"extend d64 gqa3", 9, 3, 64, 2, {33, 70}, {100, 500}, 0},
-        {"extend d96 (row path)", 4, 2, 96, 2, {5, 20}, {40, 20}, 0},
-        {"sparse decode", 32, 8, 128, 2, {1, 1}, {600, 2000}, 1},
-        {"sparse extend", 8, 2, 128, 2, {17, 3}, {400, 90}, 1},
-        {"mixed d64", 8, 2, 64, 3, {1, 10, 4}, {50, 10, 70}, 0},
-        {"sparse decode short", 32, 8, 128, 2, {1, 1}, {129, 300}, 1},
+        {"decode single", 32, 8, 128, 1, {1}, {4096}, 0, 0},
+        {"decode ragged", 32, 8, 128, 5, {1, 1, 1, 1, 1}, {1, 37, 128, 129, 5000}, 0, 0},
+        {"decode gqa3 d64", 9, 3, 64, 3, {1, 1, 1}, {2, 300, 1025}, 0, 0},
+        {"decode mha d96", 4, 4, 96, 2, {1, 1}, {77, 513}, 0, 0},
+        {"decode gqa16 d256", 16, 1, 256, 2, {1, 1}, {17, 700}, 0, 0},
+        {"decode d32", 8, 2, 32, 2, {1, 1}, {3, 260}, 0, 0},
+        {"prefill single", 32, 8, 128, 1, {200}, {200}, 0, 0},
+        {"prefill ragged", 8, 2, 128, 4, {1, 63, 64, 65}, {1, 63, 64, 65}, 0, 0},
+        {"extend + decode", 8, 2, 128, 3, {1, 50, 130}, {900, 300, 130}, 0, 0},
+        {"extend d64 gqa3", 9, 3, 64, 2, {33, 70}, {100, 500}, 0, 0},
+        {"extend d96 (row path)", 4, 2, 96, 2, {5, 20}, {40, 20}, 0, 0},
+        {"sparse decode", 32, 8, 128, 2, {1, 1}, {600, 2000}, 1, 0},
+        {"sparse extend", 8, 2, 128, 2, {17, 3}, {400, 90}, 1, 0},
+        {"mixed d64", 8, 2, 64, 3, {1, 10, 4}, {50, 10, 70}, 0, 0},
+        {"sparse decode short", 32, 8, 128, 2, {1, 1}, {129, 300}, 1, 0},
         /* the v2 kernels' shapes: head_dim 64/128, GQA groups 1/4/8 and > 16
          * (several head chunks), lengths off the 16/64-key tiles */
-        {"decode mha d128", 4, 4, 128, 3, {1, 1, 1}, {1, 15, 17}, 0},
-        {"decode mha d64", 6, 6, 64, 3, {1, 1, 1}, {2, 65, 1000}, 0},
-        {"decode gqa4 d64", 8, 2, 64, 2, {1, 1}, {3, 190}, 0},
-        {"decode gqa8 d64", 16, 2, 64, 4, {1, 1, 1, 1}, {16, 63, 64, 3001}, 0},
-        {"decode gqa4 d128", 16, 4, 128, 4, {1, 1, 1, 1}, {4, 257, 2049, 777}, 0},
-        {"decode gqa8 d128", 16, 2, 128, 3, {1, 1, 1}, {1, 80, 4097}, 0},
-        {"decode gqa32 d64", 64, 2, 64, 2, {1, 1}, {100, 1500}, 0},
-        {"decode gqa12 d128", 24, 2, 128, 2, {1, 1}, {31, 333}, 0},
+        {"decode mha d128", 4, 4, 128, 3, {1, 1, 1}, {1, 15, 17}, 0, 0},
+        {"decode mha d64", 6, 6, 64, 3, {1, 1, 1}, {2, 65, 1000}, 0, 0},
+        {"decode gqa4 d64", 8, 2, 64, 2, {1, 1}, {3, 190}, 0, 0},
+        {"decode gqa8 d64", 16, 2, 64, 4, {1, 1, 1, 1}, {16, 63, 64, 3001}, 0, 0},
+        {"decode gqa4 d128", 16, 4, 128, 4, {1, 1, 1, 1}, {4, 257, 2049, 777}, 0, 0},
+        {"decode gqa8 d128", 16, 2, 128, 3, {1, 1, 1}, {1, 80, 4097}, 0, 0},
+        {"decode gqa32 d64", 64, 2, 64, 2, {1, 1}, {100, 1500}, 0, 0},
+        {"decode gqa12 d128", 24, 2, 128, 2, {1, 1}, {31, 333}, 0, 0},
         /* n_kv * batch past the device's one-wave block count: one split per
          * row, written without the merge pass */
         {"decode batch-wide", 32, 8, 128, 24,
          {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
          {1, 2, 15, 16, 17, 63, 64, 65, 100, 128, 129, 255, 256, 257, 500, 1000, 1023, 1024, 1025,
-          2000, 3000, 4095, 4096, 4097}, 0},
-        {"sparse decode d64 gqa8", 16, 2, 64, 3, {1, 1, 1}, {40, 900, 5000}, 1},
-        {"prefill mha d64", 4, 4, 64, 2, {129, 1}, {129, 1}, 0},
-        {"prefill gqa4 d64", 12, 3, 64, 3, {127, 64, 3}, {127, 64, 3}, 0},
-        {"extend gqa4 d128", 16, 4, 128, 3, {70, 1, 200}, {1000, 65, 263}, 0},
-        {"sparse extend d64", 8, 1, 64, 3, {40, 1, 65}, {700, 300, 900}, 1},
+          2000, 3000, 4095, 4096, 4097}, 0, 0},
+        {"sparse decode d64 gqa8", 16, 2, 64, 3, {1, 1, 1}, {40, 900, 5000}, 1, 0},
+        {"prefill mha d64", 4, 4, 64, 2, {129, 1}, {129, 1}, 0, 0},
+        {"prefill gqa4 d64", 12, 3, 64, 3, {127, 64, 3}, {127, 64, 3}, 0, 0},
+        {"extend gqa4 d128", 16, 4, 128, 3, {70, 1, 200}, {1000, 65, 263}, 0, 0},
+        {"sparse extend d64", 8, 1, 64, 3, {40, 1, 65}, {700, 300, 900}, 1, 0},
         /* long contexts: split-K over >= 16K keys */
-        {"decode long b4", 32, 8, 128, 4, {1, 1, 1, 1}, {16384, 20000, 16385, 33000}, 0},
-        {"decode long d64", 9, 3, 64, 2, {1, 1}, {17000, 24576}, 0},
-        {"sparse decode long", 32, 8, 128, 2, {1, 1}, {30000, 16500}, 1},
-        {"extend long prefix", 8, 2, 128, 2, {130, 1}, {16500, 17000}, 0},
+        {"decode long b4", 32, 8, 128, 4, {1, 1, 1, 1}, {16384, 20000, 16385, 33000}, 0, 0},
+        {"decode long d64", 9, 3, 64, 2, {1, 1}, {17000, 24576}, 0, 0},
+        {"sparse decode long", 32, 8, 128, 2, {1, 1}, {30000, 16500}, 1, 0},
+        {"extend long prefix", 8, 2, 128, 2, {130, 1}, {16500, 17000}, 0, 0},
         /* mixed steps: v2 sends the single-query sequences to the decode
          * kernel (item list, split-K + merge by item) and the rest to prefill */
-        {"mixed decode rows", 32, 8, 128, 6, {1, 1, 100, 1, 1, 1}, {3000, 17, 600, 1, 129, 5000}, 0},
-        {"mixed decode rows d64 sparse", 9, 3, 64, 4, {1, 7, 1, 1}, {20000, 300, 65, 2}, 1},
+        {"mixed decode rows", 32, 8, 128, 6, {1, 1, 100, 1, 1, 1}, {3000, 17, 600, 1, 129, 5000}, 0, 0},
+        {"mixed decode rows d64 sparse", 9, 3, 64, 4, {1, 7, 1, 1}, {20000, 300, 65, 2}, 1, 0},
+        /* per-KV-head selections (attention_varlen.cu vs the CPU's per-head lists) */
+        {"varlen decode", 32, 8, 128, 4, {1, 1, 1, 1}, {1, 40, 700, 3000}, 0, 1},
+        {"varlen decode gqa3 d64", 9, 3, 64, 3, {1, 1, 1}, {2, 300, 1025}, 1, 1},
+        {"varlen decode d96 mha", 4, 4, 96, 2, {1, 1}, {77, 513}, 0, 1},
+        {"varlen extend + decode d256", 16, 2, 256, 3, {1, 33, 70}, {500, 200, 70}, 0, 1},
+        {"varlen prefill d32", 8, 2, 32, 2, {64, 5}, {64, 300}, 0, 1},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_attn_case(&cases[i], 0);
     run_attn_case(&cases[1], 1);
@@ -389,6 +416,7 @@ static void test_attention(void) {
     run_attn_case(&cases[7], 0);
     run_attn_case(&cases[19], 0);
     run_attn_case(&cases[27], 0);
+    run_attn_case(&cases[LETHE_ARRAY_LEN(cases) - 5], 1); /* varlen, staged arrays */
 }
 
 /* ---- attn_scores (sparse methods' reduced scores) ------------------------- */
@@ -424,6 +452,9 @@ static void run_score_case(const score_case *tc) {
         int row = 0, key = 0;
         for (int s = 0; s < S; s++) {
             int mode = kinds[(v + s) % 4] | ((v / 4 + s) % 2 ? LETHE_SCORES_CAND_DENOM : 0);
+            /* rows reduced by max (KVzip) on some probability requests */
+            if ((mode & LETHE_SCORES_KIND_MASK) != LETHE_SCORES_LOGIT_MAX && (v + 2 * s) % 3 == 0)
+                mode |= LETHE_SCORES_ROW_MAX;
             req[s] = (lethe_score_seq){.q_row = row + 1, .n_rows = tc->n_rows[s], .key_begin = key,
                                        .n_keys = tc->n_keys[s], .c0 = tc->c0[s],
                                        .c1 = tc->n_keys[s] - tc->r[s], .mode = mode};

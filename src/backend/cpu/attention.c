@@ -14,6 +14,11 @@
  * l; when the max grows, l and the output are rescaled by exp(m_old - m_new)),
  * so no scratch grows with the selection length.
  *
+ * With per-KV-head selections (head_sel_begin, backend.h) KV head g of
+ * sequence s reads its own list instead (same rules, its own n_sel): the
+ * varlen-per-head attention of per-head eviction (CUDA twin:
+ * cuda/attention_varlen.cu).
+ *
  * Work item = (sequence, KV head, tile of up to QT consecutive queries): its
  * q vectors (QT queries x the G = n_heads/n_kv_heads heads sharing the KV
  * head) share every K/V block. Per block the K rows are transposed into
@@ -292,8 +297,10 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
     t.hd = a->head_dim;
     t.hg0 = g * t.G;
     const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
-    const int32_t n_sel = a->sel_begin[s + 1] - a->sel_begin[s];
-    const int32_t *sel = a->sel_slots + a->sel_begin[s];
+    /* per-KV-head selections: this KV head's own entries (varlen per head) */
+    const int32_t *sb = a->head_sel_begin ? a->head_sel_begin + (size_t)s * a->n_kv_heads + g : a->sel_begin + s;
+    const int32_t n_sel = sb[1] - sb[0];
+    const int32_t *sel = (a->head_sel_begin ? a->head_sel_slots : a->sel_slots) + sb[0];
     qt = LETHE_MIN(qt, n_q - j0);
     t.row0 = a->q_begin[s] + j0;
     t.nv = qt * t.G;

@@ -43,6 +43,7 @@ static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *
     const int32_t c0 = sq->c0, c1 = sq->c1, nc = c1 - c0;
     const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
     const bool cand = (sq->mode & LETHE_SCORES_CAND_DENOM) != 0;
+    const bool row_max = (sq->mode & LETHE_SCORES_ROW_MAX) != 0;
     const int kvh = h / (a->n_heads / a->n_kv_heads);
     for (int32_t j = 0; j < nc; j++) v[j] = kind == LETHE_SCORES_LOGIT_MAX ? -INFINITY : 0.0f;
     for (int32_t i = 0; i < sq->n_rows; i++) {
@@ -62,9 +63,13 @@ static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *
             if (raw[e] > m) m = raw[e];
         if (m == -INFINITY) continue; /* no visible key in the denominator */
         for (int32_t e = d0; e < d1; e++) l += exp((double)raw[e] - m);
-        for (int32_t e = c0; e < vc1; e++) v[e - c0] += (float)(exp((double)raw[e] - m) / l);
+        for (int32_t e = c0; e < vc1; e++) {
+            const float p = (float)(exp((double)raw[e] - m) / l);
+            if (!row_max) v[e - c0] += p;
+            else if (p > v[e - c0]) v[e - c0] = p;
+        }
     }
-    if (kind != LETHE_SCORES_LOGIT_MAX)
+    if (kind != LETHE_SCORES_LOGIT_MAX && !row_max)
         for (int32_t j = 0; j < nc; j++) v[j] = v[j] / (float)sq->n_rows;
 }
 

@@ -8,6 +8,7 @@
  * [n_slots, n_kv_heads, D], all bf16; softmax and accumulation in fp32.
  *
  * Dispatch (lethe_cuda_attention): quantized KV goes to attention_quant.cu;
+ * per-KV-head selections (head_sel_begin) to attention_varlen.cu;
  * head_dim 64 / 128 where the v2 kernels' shared memory fits the device goes
  * to attention_v2.cu (tensor-core decode and prefill); every other shape
  * (head_dim 8..256 in steps of 8; decode and prefill/extend alike) to the
@@ -312,6 +313,10 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
         if (a->q_begin[s + 1] - a->q_begin[s] != 1) decode = false;
     if (a->n_tokens == 0) return;
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
+    if (a->head_sel_begin) { /* per-KV-head selections: attention_varlen.cu */
+        lethe_cuda_attn_varlen(c, a, d_qb);
+        return;
+    }
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
     if (lethe_cuda_attn_v2_fits(c, D)) {

@@ -143,6 +143,7 @@ __global__ void sc_values_kernel(const sc_desc *__restrict__ descs, const int32_
     const int32_t j = work[2 * blockIdx.x + 1] + threadIdx.x, nc = sd.c1 - sd.c0;
     const int h = blockIdx.y, kvh = h / (H / n_kv);
     const int kind = sd.mode & LETHE_SCORES_KIND_MASK;
+    const bool row_max = (sd.mode & LETHE_SCORES_ROW_MAX) != 0; /* rows reduced by max (KVzip) */
     const bool valid = j < nc;
     const int32_t e = sd.c0 + j;
     const bf16 *k = valid ? kc + ((size_t)slots[sd.key_begin + e] * n_kv + kvh) * D : kc;
@@ -163,12 +164,16 @@ __global__ void sc_values_kernel(const sc_desc *__restrict__ descs, const int32_
                     v = s > v ? s : v;
                 } else {
                     const float2 st = stats[sd.st_off + (int64_t)h * sd.n_rows + r0 + r];
-                    if (st.x != -INFINITY) v += expf(s - st.x) / st.y;
+                    if (st.x != -INFINITY) {
+                        const float p = expf(s - st.x) / st.y;
+                        v = row_max ? (p > v ? p : v) : v + p;
+                    }
                 }
             }
         }
     }
-    if (valid) hv[sd.hv_off + (int64_t)h * nc + j] = kind == LETHE_SCORES_LOGIT_MAX ? v : v / (float)sd.n_rows;
+    if (valid)
+        hv[sd.hv_off + (int64_t)h * nc + j] = kind == LETHE_SCORES_LOGIT_MAX || row_max ? v : v / (float)sd.n_rows;
 }
 
 /* grid: x = work item (seq, j0), y = group */
