@@ -28,7 +28,8 @@
     X(quest)                                                                                       \
     X(omnikv)                                                                                      \
     X(kivi)                                                                                        \
-    X(fp8_kv)
+    X(fp8_kv)                                                                                      \
+    X(kvzip)
 
 #define DECLARE_(n) extern const lethe_sparse_ops lethe_sparse_##n;
 #define ENTRY_(n) &lethe_sparse_##n,

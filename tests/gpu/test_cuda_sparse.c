@@ -1,5 +1,5 @@
 /* test_cuda_sparse.c - the scored sparse methods (snapkv, pyramidkv, h2o,
- * omnikv) through the real engine on the CUDA backend, so their scores come
+ * omnikv, kvzip) through the real engine on the CUDA backend, so their scores come
  * from the CUDA attn_scores op (backend/cuda/scores.cu):
  *
  *  - identity: with budgets >= the context each method's greedy tokens and
@@ -8,7 +8,8 @@
  *  - compaction: a 120-token prompt in chunks of 48 with small budgets; right
  *    after the final chunk the resident slots (summed over the per-layer slot
  *    spaces) equal what the method's budget says (snapkv s + k + r per layer,
- *    pyramidkv its per-layer schedule, h2o its decode budget), decode
+ *    pyramidkv its per-layer schedule, h2o its decode budget, kvzip its token
+ *    budget after the replay; its pair level per-head entries), decode
  *    eviction keeps every step within [budget, budget + interval), omnikv
  *    frees nothing; the engine's ownership checker (lethe_kv_check) runs
  *    after every step; the pool is empty at the end.
@@ -116,6 +117,8 @@ static void test_identity(void) {
         {"h2o", "h2o_prefill_budget=4096,h2o_decode_budget=4096,sparse_prefill_score_mode=probability,"
                 "h2o_prefill_score_window=0"},
         {"omnikv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096,omnikv_full_layers=0"},
+        {"kvzip", "kvzip_token_budget=4096"},
+        {"kvzip", "kvzip_level=pair,kvzip_ratio=1"},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) {
         fprintf(stderr, "    %s %s\n", cases[i][0], cases[i][1]);
@@ -158,6 +161,16 @@ static void test_compaction(void) {
         &lo, &hi);
     CHECK_EQ_INT(a, NPROMPT);
     CHECK_EQ_INT(lo, NPROMPT + 1);
+    /* kvzip shared: the replay (chunks of 32 + postfix 4, split into forwards of
+     * 48) leaves nothing behind, 24 prompt tokens per layer, decode appends */
+    run("kvzip", "kvzip_token_budget=24,kvzip_chunk_size=32,kvzip_postfix=4", &o, &a, &lo, &hi);
+    CHECK_EQ_INT(a, NL * 24);
+    CHECK_EQ_INT(lo, NL * 25);
+    /* kvzip pair: per-head entries (30% of them); a slot stays while some head
+     * of its layer keeps it, attention reads per KV head (attention_varlen.cu) */
+    run("kvzip", "kvzip_level=pair,kvzip_ratio=0.3,kvzip_chunk_size=64", &o, &a, &lo, &hi);
+    CHECK(a > NL * 4 && a < NL * NPROMPT);
+    CHECK_EQ_INT(lo, a + NL);
 }
 
 int main(void) {
