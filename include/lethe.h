@@ -270,6 +270,10 @@ typedef struct lethe_engine_stats {
     int64_t padded_seqs;      /* dummy sequences added to pad decode batches to buckets */
     int64_t device_selections; /* layers whose selections a method built on the backend
                                 * (select_layer: Quest, OmniKV), summed over steps */
+    /* prefix cache (src/engine/engine_prune.c) */
+    int64_t kv_slots_resident; /* slots holding KV (requests and the prefix cache), summed over spaces */
+    int64_t prune_jobs;        /* prune jobs committed */
+    int64_t prune_freed_slots; /* slots per space they freed */
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */
@@ -340,6 +344,110 @@ typedef struct lethe_engine_chain_stats {
 } lethe_engine_chain_stats;
 /* All zero outside chain mode. */
 void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out);
+
+/* ---- Prefix-cache control and pruning (radix mode; src/engine/engine_prune.c,
+ * engine_pcctl.c). Blocks are the radix cache's 16-token blocks; a path is
+ * named by its token ids from the first token. Every call here runs on the
+ * engine thread: directly in synchronous mode, else queued and run at the
+ * start of the next step (the *_submit form returns at once). ---- */
+#define LETHE_PREFIX_BLOCK 16
+#define LETHE_PRUNE_MAX_RANGES 256
+
+typedef enum lethe_prune_policy {
+    LETHE_PRUNE_SNAPKV_GLOBAL = 0, /* softmax attention of the last observation tokens before
+                                    * the largest range end, max over layers and heads */
+    LETHE_PRUNE_KVZIP_GLOBAL,      /* context reconstruction scores (needs the kvzip scorer) */
+} lethe_prune_policy;
+
+typedef enum lethe_prune_status {
+    LETHE_PRUNE_QUEUED = 0,
+    LETHE_PRUNE_COMPLETED,         /* committed: the ranges hold only the kept tokens' KV */
+    LETHE_PRUNE_BLOCKED,           /* a running request references a block of the ranges */
+    LETHE_PRUNE_FAILED,            /* not cached, already pruned, no radix cache, ... (message) */
+} lethe_prune_status;
+
+typedef struct lethe_prune_range {
+    int32_t start, end;            /* half-open token range [start, end) */
+} lethe_prune_range;
+
+typedef struct lethe_prune_params {
+    const int32_t *tokens;         /* the path: its blocks up to the largest range end must be cached */
+    int32_t n_tokens;
+    const lethe_prune_range *ranges; /* block-aligned, non-empty, non-overlapping, inside
+                                      * [0, n_tokens); any order; adjacent ranges merge */
+    int32_t n_ranges;
+    int32_t keep_tokens;           /* 0 <= keep < sum of widths: one budget shared by all ranges */
+    lethe_prune_policy policy;
+    int32_t observation_tokens;    /* snapkv_global query window (multiple of 16); 0 = 64 */
+} lethe_prune_params;
+
+typedef struct lethe_prune_range_result {
+    int32_t start, end;            /* a merged range */
+    int32_t original_tokens, retained_tokens;
+} lethe_prune_range_result;
+
+typedef struct lethe_prune_result {
+    lethe_prune_status status;
+    uint32_t prune_id;
+    lethe_prune_policy policy;
+    int64_t freed_device_slots;    /* per slot space: sum of widths - keep when completed */
+    bool quality_degraded;         /* completed: the path's KV is no longer the exact prefill */
+    int32_t n_ranges;
+    lethe_prune_range_result ranges[LETHE_PRUNE_MAX_RANGES];
+    char message[256];             /* why blocked / failed */
+} lethe_prune_result;
+
+/* Checks and merges the ranges without an engine (what the HTTP layer asks
+ * first): LETHE_ERR_INVALID with a message naming the offending range or
+ * number (lethe_engine_last_error). merged may be NULL. */
+int lethe_prune_validate(const lethe_prune_params *p, lethe_prune_range *merged, int32_t *n_merged);
+/* Runs a prune job to its end (threaded mode: waits for the engine thread). */
+int lethe_engine_prune(lethe_engine *e, const lethe_prune_params *p, lethe_prune_result *out);
+/* Queues it: validation errors come back at once; `done` runs on the engine
+ * thread with the final result (and must not call into the engine). */
+typedef void (*lethe_prune_cb)(void *user, const lethe_prune_result *r);
+int lethe_engine_prune_submit(lethe_engine *e, const lethe_prune_params *p, lethe_prune_cb done, void *user,
+                              uint32_t *prune_id);
+
+/* Token ids are in [0, vocab size). */
+int32_t lethe_engine_vocab_size(const lethe_engine *e);
+
+/* POST /v1/prefix_cache/match: how much of a prompt the radix cache holds. */
+typedef struct lethe_prefix_match {
+    bool enabled;                  /* the radix cache is active (else every count is 0) */
+    int32_t block_size;
+    int32_t prompt_tokens;
+    int32_t usable_tokens;         /* floor((prompt - 1) / 16) * 16: one token is always computed */
+    int32_t matched_tokens;        /* logical tokens of the cached blocks (<= usable) */
+    int32_t matched_blocks;
+    int32_t resident_kv_tokens;    /* slots they hold per space (< matched once pruned) */
+    int32_t live_blocks;           /* blocks in the whole cache */
+    uint64_t last_block_id;        /* 0 when nothing matched */
+} lethe_prefix_match;
+int lethe_engine_prefix_match(lethe_engine *e, const int32_t *tokens, int32_t n, lethe_prefix_match *out);
+
+typedef struct lethe_prefix_block {
+    uint64_t id, parent_id;        /* parent_id 0 for a first block */
+    int32_t start;                 /* first token: 16 * depth */
+    int32_t resident;              /* slots it holds (16 unless pruned) */
+    int32_t req_refs, n_children;
+    int32_t priority;              /* eviction priority: lower first; < 0 pinned */
+    uint32_t prune_id;             /* 0: never pruned */
+} lethe_prefix_block;
+/* The cached blocks of the path tokens[0..n) (root first), or with tokens
+ * NULL every block (by depth, then id); copies up to cap, returns how many
+ * there are (-1: no radix cache). */
+int32_t lethe_engine_prefix_inspect(lethe_engine *e, const int32_t *tokens, int32_t n, lethe_prefix_block *out,
+                                    int32_t cap);
+/* Deletes the block ending the path's full blocks (floor(n / 16) of them,
+ * all cached) and every block below it. LETHE_ERR_NOT_FOUND (not cached),
+ * LETHE_ERR_BUSY (a running request holds one), LETHE_ERR_UNSUPPORTED (no
+ * radix cache). */
+int lethe_engine_prefix_delete_subtree(lethe_engine *e, const int32_t *tokens, int32_t n, int32_t *n_deleted);
+/* Sets the eviction priority of every cached block of the path's full
+ * blocks (negative = pinned: never evicted, only deleted). */
+int lethe_engine_prefix_set_priority(lethe_engine *e, const int32_t *tokens, int32_t n, int32_t priority,
+                                     int32_t *n_blocks);
 
 #ifdef __cplusplus
 }

@@ -31,12 +31,12 @@
  * begin_turn, cancel_turn and stats may run on any thread; control says per
  * kind.
  *
- * Room for what comes next (docs/architecture.md "Prefix-cache seam" has
- * the plan): lethe_pc_match.resident < tokens already carries a prefix whose
- * physical payload is smaller than its logical length (pruned blocks, as a
- * compacted chain row is today); `control` takes new operation kinds (radix
- * match / inspect / delete_subtree / set_priority, pruning) without a new
- * engine entry point; a host tier demotes in `evict`/`drain` and restores in
+ * lethe_pc_match.resident < tokens carries a prefix whose physical payload
+ * is smaller than its logical length: pruned radix blocks, a compacted chain
+ * row. Pruning and radix control (src/engine/engine_prune.c, engine_pcctl.c)
+ * are operations of the radix tree alone and reach it through
+ * lethe_radix_cache_tree. Room for what comes next (docs/architecture.md
+ * section 5.5): a host tier demotes in `evict`/`drain` and restores in
  * `acquire`; a chain branching from a radix prefix is a third implementation
  * whose match returns the shared blocks plus its private continuation. */
 #ifndef LETHE_PREFIX_CACHE_H

@@ -28,12 +28,17 @@ struct lethe_radix_block {
     int32_t req_ref;
     int32_t n_children;
     int32_t depth;              /* 0 for a first block */
+    int32_t priority;           /* eviction priority: lower goes first; < 0 = pinned, never evicted */
+    int32_t n_res;              /* resident tokens: 16, fewer once pruned */
+    uint32_t prune_id;          /* the prune job that shrank it (0: never pruned) */
     int32_t tokens[LETHE_RADIX_BLOCK];
-    int32_t slots[];            /* [n_spaces][LETHE_RADIX_BLOCK] */
+    uint8_t offs[LETHE_RADIX_BLOCK]; /* offsets in the block of the resident tokens, ascending */
+    int32_t slots[];            /* [n_spaces][LETHE_RADIX_BLOCK], the first n_res of each used */
 };
 
 typedef struct heap_ent {
-    uint64_t key;
+    uint64_t key;               /* last_access when pushed */
+    int32_t prio;               /* priority when pushed: lower priorities go first */
     int32_t id;
     uint32_t gen;
 } heap_ent;
@@ -50,6 +55,8 @@ struct lethe_radix {
     int32_t *free_ids;
     int32_t n_free_ids;
     int32_t n_blocks, n_unref;
+    int64_t unref_slots;        /* resident slots (per space) of unreferenced blocks */
+    int64_t pinned_unref_slots; /* of those, in pinned blocks (never evicted: not reclaimable) */
     /* hash table */
     lethe_radix_block **buckets;
     uint64_t n_buckets;         /* power of two */
@@ -74,7 +81,7 @@ lethe_radix *lethe_radix_create(lethe_kv_pool *pool, uint64_t fingerprint) {
 
 static void block_free_slots(lethe_radix *r, lethe_radix_block *b) {
     for (int32_t sp = 0; sp < r->n_spaces; sp++)
-        for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++)
+        for (int32_t i = 0; i < b->n_res; i++)
             lethe_kv_unref(r->pool, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
 }
 
@@ -136,6 +143,7 @@ static void table_remove(lethe_radix *r, lethe_radix_block *b) {
 /* ---- eviction heap ---- */
 
 static bool ent_less(heap_ent a, heap_ent b) {
+    if (a.prio != b.prio) return a.prio < b.prio;
     return a.key != b.key ? a.key < b.key : a.id < b.id;
 }
 
@@ -144,7 +152,7 @@ static void heap_push(lethe_radix *r, const lethe_radix_block *b) {
         r->heap_cap = r->heap_cap ? r->heap_cap * 2 : 256;
         r->heap = lethe_xrealloc(r->heap, (size_t)r->heap_cap * sizeof(heap_ent));
     }
-    heap_ent e = {b->last_access, b->id, b->gen};
+    heap_ent e = {b->last_access, b->priority, b->id, b->gen};
     int32_t i = r->heap_len++;
     while (i > 0) {
         int32_t p = (i - 1) / 2;
@@ -175,13 +183,16 @@ static heap_ent heap_pop(lethe_radix *r) {
     return top;
 }
 
-static bool evictable(const lethe_radix_block *b) { return b->req_ref == 0 && b->n_children == 0; }
+static bool evictable(const lethe_radix_block *b) {
+    return b->req_ref == 0 && b->n_children == 0 && b->priority >= 0;
+}
 
 /* the block an entry names, if the entry is still current */
 static lethe_radix_block *ent_block(const lethe_radix *r, heap_ent e) {
     if (e.id < 0 || e.id >= r->n_ids_used) return NULL;
     lethe_radix_block *b = r->blocks[e.id];
-    if (!b || b->gen != e.gen || !evictable(b) || b->last_access != e.key) return NULL;
+    if (!b || b->gen != e.gen || !evictable(b) || b->last_access != e.key || b->priority != e.prio)
+        return NULL;
     return b;
 }
 
@@ -214,9 +225,7 @@ int32_t lethe_radix_match(const lethe_radix *r, const int32_t *tokens, int32_t n
     return k;
 }
 
-int64_t lethe_radix_reclaimable(const lethe_radix *r) {
-    return (int64_t)r->n_unref * LETHE_RADIX_BLOCK;
-}
+int64_t lethe_radix_reclaimable(const lethe_radix *r) { return r->unref_slots - r->pinned_unref_slots; }
 
 int32_t lethe_radix_count_unreferenced(lethe_radix_block *const *blocks, int32_t n) {
     int32_t c = 0;
@@ -224,24 +233,59 @@ int32_t lethe_radix_count_unreferenced(lethe_radix_block *const *blocks, int32_t
     return c;
 }
 
+int64_t lethe_radix_unreferenced_slots(lethe_radix_block *const *blocks, int32_t n) {
+    int64_t c = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (blocks[i]->req_ref == 0) c += blocks[i]->n_res;
+    return c;
+}
+
+int32_t lethe_radix_resident_tokens(lethe_radix_block *const *blocks, int32_t n) {
+    int32_t c = 0;
+    for (int32_t i = 0; i < n; i++) c += blocks[i]->n_res;
+    return c;
+}
+
+/* one more / one fewer request reference, keeping the unreferenced counters */
+static void ref_up(lethe_radix *r, lethe_radix_block *b) {
+    if (b->req_ref++ == 0) {
+        r->n_unref--;
+        r->unref_slots -= b->n_res;
+        if (b->priority < 0) r->pinned_unref_slots -= b->n_res;
+    }
+}
+
+static void ref_down(lethe_radix *r, lethe_radix_block *b) {
+    LETHE_ASSERT(b->req_ref > 0);
+    if (--b->req_ref == 0) {
+        r->n_unref++;
+        r->unref_slots += b->n_res;
+        if (b->priority < 0) r->pinned_unref_slots += b->n_res;
+        if (b->n_children == 0 && b->priority >= 0) heap_push(r, b);
+    }
+}
+
 void lethe_radix_acquire(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n, int32_t row) {
     if (n <= 0) return;
     LETHE_ASSERT(lethe_kv_row_len(r->pool, 0, row) == 0);
-    size_t nt = (size_t)n * LETHE_RADIX_BLOCK;
-    int32_t *slots = lethe_xmalloc(nt * (size_t)r->n_spaces * sizeof(int32_t));
-    int32_t *pos = lethe_xmalloc(nt * sizeof(int32_t));
+    /* only the resident tokens of pruned blocks, at their logical positions */
+    const size_t nt = (size_t)lethe_radix_resident_tokens(blocks, n);
+    int32_t *slots = lethe_xmalloc(LETHE_MAX(nt, 1) * (size_t)r->n_spaces * sizeof(int32_t));
+    int32_t *pos = lethe_xmalloc(LETHE_MAX(nt, 1) * sizeof(int32_t));
     uint64_t now = ++r->clock;
+    size_t at = 0;
     for (int32_t k = 0; k < n; k++) {
         lethe_radix_block *b = blocks[k];
         LETHE_ASSERT(b->depth == k && (k == 0 ? b->parent == NULL : b->parent == blocks[k - 1]));
-        if (b->req_ref++ == 0) r->n_unref--;
+        ref_up(r, b);
         b->last_access = now;
         for (int32_t sp = 0; sp < r->n_spaces; sp++)
-            memcpy(slots + (size_t)sp * nt + (size_t)k * LETHE_RADIX_BLOCK,
-                   b->slots + sp * LETHE_RADIX_BLOCK, LETHE_RADIX_BLOCK * sizeof(int32_t));
+            memcpy(slots + (size_t)sp * nt + at, b->slots + sp * LETHE_RADIX_BLOCK,
+                   (size_t)b->n_res * sizeof(int32_t));
+        for (int32_t i = 0; i < b->n_res; i++) pos[at + i] = k * LETHE_RADIX_BLOCK + b->offs[i];
+        at += (size_t)b->n_res;
     }
-    for (size_t i = 0; i < nt; i++) pos[i] = (int32_t)i;
-    lethe_kv_row_attach(r->pool, row, slots, pos, (int32_t)nt);
+    if (nt > 0) lethe_kv_row_attach(r->pool, row, slots, pos, (int32_t)nt);
     free(slots);
     free(pos);
 }
@@ -250,12 +294,8 @@ void lethe_radix_release(lethe_radix *r, lethe_radix_block *const *blocks, int32
     uint64_t now = ++r->clock;
     for (int32_t k = 0; k < n; k++) {
         lethe_radix_block *b = blocks[k];
-        LETHE_ASSERT(b->req_ref > 0);
         b->last_access = now;
-        if (--b->req_ref == 0) {
-            r->n_unref++;
-            if (b->n_children == 0) heap_push(r, b);
-        }
+        ref_down(r, b);
     }
     heap_compact(r);
 }
@@ -266,7 +306,7 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
     lethe_radix_block *b = lookup(r, h, parent, tokens);
     uint64_t now = ++r->clock;
     if (b) {
-        if (b->req_ref++ == 0) r->n_unref--;
+        ref_up(r, b);
         b->last_access = now;
         return b;
     }
@@ -276,6 +316,8 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
     b->depth = parent ? parent->depth + 1 : 0;
     b->req_ref = 1;
     b->last_access = now;
+    b->n_res = LETHE_RADIX_BLOCK;
+    for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) b->offs[i] = (uint8_t)i;
     memcpy(b->tokens, tokens, sizeof(b->tokens));
     for (int32_t sp = 0; sp < r->n_spaces; sp++) {
         LETHE_ASSERT(lethe_kv_row_len(r->pool, sp, row) >= first + LETHE_RADIX_BLOCK);
@@ -317,9 +359,10 @@ static void evict_one(lethe_radix *r, lethe_radix_block *b) {
     r->free_ids[r->n_free_ids++] = b->id;
     r->n_blocks--;
     r->n_unref--;
+    r->unref_slots -= b->n_res;
     lethe_radix_block *p = b->parent;
     free(b);
-    if (p && --p->n_children == 0 && p->req_ref == 0) heap_push(r, p);
+    if (p && --p->n_children == 0 && p->req_ref == 0 && p->priority >= 0) heap_push(r, p);
 }
 
 int32_t lethe_radix_evict(lethe_radix *r, int32_t want_free) {
@@ -346,7 +389,7 @@ static void holder_for_each(void *ctx, void (*visit)(void *, int32_t, int32_t), 
         const lethe_radix_block *b = r->blocks[id];
         if (!b) continue;
         for (int32_t sp = 0; sp < r->n_spaces; sp++)
-            for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) visit(vctx, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
+            for (int32_t i = 0; i < b->n_res; i++) visit(vctx, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
     }
 }
 
@@ -356,6 +399,7 @@ lethe_kv_holder lethe_radix_holder(lethe_radix *r) {
 
 lethe_status lethe_radix_check(const lethe_radix *r) {
     int32_t n_live = 0, n_unref = 0;
+    int64_t unref_slots = 0, pinned_slots = 0;
     int32_t *children = lethe_xcalloc((size_t)LETHE_MAX(r->n_ids_used, 1), sizeof(int32_t));
     lethe_status st = LETHE_OK;
     for (int32_t id = 0; id < r->n_ids_used && st == LETHE_OK; id++) {
@@ -363,7 +407,20 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
         if (!b) continue;
         n_live++;
         n_unref += b->req_ref == 0;
-        if (b->id != id || b->gen != r->gens[id] || b->req_ref < 0)
+        if (b->req_ref == 0) unref_slots += b->n_res;
+        if (b->req_ref == 0 && b->priority < 0) pinned_slots += b->n_res;
+        bool offs_ok = b->n_res >= 0 && b->n_res <= LETHE_RADIX_BLOCK;
+        for (int32_t i = 1; offs_ok && i < b->n_res; i++) offs_ok = b->offs[i] > b->offs[i - 1];
+        if (offs_ok && b->n_res > 0) offs_ok = b->offs[b->n_res - 1] < LETHE_RADIX_BLOCK;
+        if (!offs_ok)
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: %d resident offsets not ascending in [0, 16)",
+                              id, b->n_res);
+        else if (b->priority < 0 && b->parent && b->parent->priority >= 0)
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d is pinned, its parent is not", id);
+        else if (b->n_res < LETHE_RADIX_BLOCK && b->prune_id == 0)
+            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d holds %d tokens but was never pruned", id,
+                              b->n_res);
+        else if (b->id != id || b->gen != r->gens[id] || b->req_ref < 0)
             st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: bad id/generation/req_ref", id);
         else if (b->hash != block_hash(b->parent ? b->parent->hash : r->fingerprint, b->tokens))
             st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: hash does not match its chain", id);
@@ -383,7 +440,7 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
         }
         if (st == LETHE_OK && b->req_ref == 0) {
             for (int32_t sp = 0; sp < r->n_spaces && st == LETHE_OK; sp++)
-                for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) {
+                for (int32_t i = 0; i < b->n_res; i++) {
                     int32_t c = lethe_kv_refcount(r->pool, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
                     if (c != 1) {
                         st = lethe_errorf(LETHE_ERR_INVALID,
@@ -400,9 +457,13 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
             st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d counts %d children, has %d", id,
                               b->n_children, children[id]);
     }
-    if (st == LETHE_OK && (n_live != r->n_blocks || n_unref != r->n_unref))
-        st = lethe_errorf(LETHE_ERR_INVALID, "radix check: %d blocks / %d unreferenced, counters say %d / %d",
-                          n_live, n_unref, r->n_blocks, r->n_unref);
+    if (st == LETHE_OK && pinned_slots != r->pinned_unref_slots)
+        st = lethe_errorf(LETHE_ERR_INVALID, "radix check: %lld pinned unreferenced slots, the counter says %lld",
+                          (long long)pinned_slots, (long long)r->pinned_unref_slots);
+    if (st == LETHE_OK && (n_live != r->n_blocks || n_unref != r->n_unref || unref_slots != r->unref_slots))
+        st = lethe_errorf(LETHE_ERR_INVALID,
+                          "radix check: %d blocks / %d unreferenced / %lld unreferenced slots, counters say %d / %d / %lld",
+                          n_live, n_unref, (long long)unref_slots, r->n_blocks, r->n_unref, (long long)r->unref_slots);
     /* every evictable block must have a current heap entry, or it could never be evicted */
     if (st == LETHE_OK) {
         bool *has = lethe_xcalloc((size_t)LETHE_MAX(r->n_ids_used, 1), sizeof(bool));
@@ -419,4 +480,116 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
     }
     free(children);
     return st;
+}
+
+/* ---- control: inspection, priorities, deletion, pruning ---- */
+
+void lethe_radix_block_get_info(const lethe_radix_block *b, lethe_radix_block_info *out) {
+    *out = (lethe_radix_block_info){.hash = b->hash,
+                                    .parent_hash = b->parent ? b->parent->hash : 0,
+                                    .depth = b->depth,
+                                    .resident = b->n_res,
+                                    .req_refs = b->req_ref,
+                                    .n_children = b->n_children,
+                                    .priority = b->priority,
+                                    .prune_id = b->prune_id};
+    for (int32_t i = 0; i < b->n_res; i++) out->offsets[i] = b->offs[i];
+}
+
+void lethe_radix_for_each_block(const lethe_radix *r, void (*fn)(void *, const lethe_radix_block *),
+                                void *ctx) {
+    for (int32_t id = 0; id < r->n_ids_used; id++)
+        if (r->blocks[id]) fn(ctx, r->blocks[id]);
+}
+
+static void set_one(lethe_radix *r, lethe_radix_block *b, int32_t priority) {
+    if (b->req_ref == 0 && (b->priority < 0) != (priority < 0))
+        r->pinned_unref_slots += priority < 0 ? b->n_res : -b->n_res;
+    b->priority = priority;
+    /* a fresh heap entry under the new key (older entries no longer match it) */
+    if (evictable(b)) heap_push(r, b);
+}
+
+static bool is_descendant(const lethe_radix_block *b, const lethe_radix_block *root) {
+    for (; b; b = b->parent)
+        if (b == root) return true;
+    return false;
+}
+
+void lethe_radix_set_priority(lethe_radix *r, lethe_radix_block *b, int32_t priority) {
+    if (priority < 0) { /* a pinned block keeps its prefix: pinned ancestors */
+        for (lethe_radix_block *a = b->parent; a; a = a->parent)
+            if (a->priority >= 0) set_one(r, a, priority);
+    } else if (b->priority < 0) { /* unpinned: nothing below it stays pinned */
+        for (int32_t id = 0; id < r->n_ids_used; id++) {
+            lethe_radix_block *d = r->blocks[id];
+            if (d && d != b && d->priority < 0 && is_descendant(d, b)) set_one(r, d, priority);
+        }
+    }
+    set_one(r, b, priority);
+}
+
+static int cmp_depth_desc(const void *a, const void *b) {
+    const lethe_radix_block *x = *(lethe_radix_block *const *)a, *y = *(lethe_radix_block *const *)b;
+    return x->depth != y->depth ? (x->depth < y->depth ? 1 : -1) : (x->id > y->id) - (x->id < y->id);
+}
+
+int32_t lethe_radix_delete_subtree(lethe_radix *r, lethe_radix_block *root) {
+    int32_t n = 0;
+    lethe_radix_block **sub = lethe_xmalloc((size_t)LETHE_MAX(r->n_blocks, 1) * sizeof(*sub));
+    for (int32_t id = 0; id < r->n_ids_used; id++) {
+        lethe_radix_block *b = r->blocks[id];
+        if (b && is_descendant(b, root)) {
+            if (b->req_ref > 0) { /* a running request reads it: nothing is deleted */
+                free(sub);
+                return -1;
+            }
+            sub[n++] = b;
+        }
+    }
+    qsort(sub, (size_t)n, sizeof(*sub), cmp_depth_desc); /* leaves first */
+    for (int32_t i = 0; i < n; i++) {
+        if (sub[i]->priority < 0) set_one(r, sub[i], 0); /* deletion overrides a pin */
+        evict_one(r, sub[i]);
+    }
+    free(sub);
+    return n;
+}
+
+int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b, const bool keep[LETHE_RADIX_BLOCK],
+                                uint32_t prune_id) {
+    LETHE_ASSERT(b->req_ref == 0 && prune_id != 0);
+    int32_t n = 0, freed = 0;
+    for (int32_t i = 0; i < b->n_res; i++) {
+        const bool k = keep[b->offs[i]];
+        for (int32_t sp = 0; sp < r->n_spaces; sp++) {
+            int32_t *s = b->slots + sp * LETHE_RADIX_BLOCK;
+            if (k) s[n] = s[i];
+            else lethe_kv_unref(r->pool, sp, s[i]);
+        }
+        if (k) b->offs[n++] = b->offs[i];
+        else freed++;
+    }
+    r->unref_slots -= b->n_res - n;
+    if (b->priority < 0) r->pinned_unref_slots -= b->n_res - n;
+    b->n_res = n;
+    b->prune_id = prune_id;
+    return freed;
+}
+
+lethe_radix_block *lethe_radix_find(const lethe_radix *r, const int32_t *tokens, int32_t n_blocks,
+                                    lethe_radix_block **chain) {
+    lethe_radix_block *parent = NULL;
+    for (int32_t k = 0; k < n_blocks; k++) {
+        const int32_t *t = tokens + (size_t)k * LETHE_RADIX_BLOCK;
+        lethe_radix_block *b = lookup(r, block_hash(parent ? parent->hash : r->fingerprint, t), parent, t);
+        if (!b) return NULL;
+        if (chain) chain[k] = b;
+        parent = b;
+    }
+    return parent;
+}
+
+void lethe_radix_acquire_refs(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n) {
+    for (int32_t k = 0; k < n; k++) ref_up(r, blocks[k]);
 }

@@ -48,15 +48,16 @@ void lethe_radix_destroy(lethe_radix *r); /* returns every block's slots; NULL-s
 int32_t lethe_radix_match(const lethe_radix *r, const int32_t *tokens, int32_t n,
                           lethe_radix_block **out, int32_t max_blocks);
 
-/* Slots per slot space that evicting every unreferenced block would free. */
+/* Slots per slot space that evicting every unreferenced block would free
+ * (their resident slots). */
 int64_t lethe_radix_reclaimable(const lethe_radix *r);
 /* Of the chain blocks[0..n), how many are unreferenced now (acquiring them
  * makes their slots non-reclaimable: the scheduler subtracts this). */
 int32_t lethe_radix_count_unreferenced(lethe_radix_block *const *blocks, int32_t n);
 
 /* Takes request references on blocks[0..n) (a chain from the root) and
- * appends their slots to `row` at positions [0, n * 16) (the row must be
- * empty). */
+ * appends their resident slots to `row` at their logical positions in [0, n *
+ * 16) (the row must be empty). */
 void lethe_radix_acquire(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n, int32_t row);
 /* Drops request references (any order). */
 void lethe_radix_release(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n);
@@ -71,6 +72,50 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
 /* Evicts LRU unreferenced leaves until every slot space has at least
  * `want_free` free slots or nothing is left to evict. Returns blocks evicted. */
 int32_t lethe_radix_evict(lethe_radix *r, int32_t want_free);
+
+/* Resident slots per space of the unreferenced blocks among blocks[0..n). */
+int64_t lethe_radix_unreferenced_slots(lethe_radix_block *const *blocks, int32_t n);
+/* Row entries blocks[0..n) occupy once attached: 16 each, fewer when pruned. */
+int32_t lethe_radix_resident_tokens(lethe_radix_block *const *blocks, int32_t n);
+
+/* ---- control (the engine thread; prefix-cache control and pruning) ----
+ * A pruned block keeps its id, tokens and place in the tree (so the logical
+ * prefix still matches) but only `resident` of its 16 slots, at `offsets`
+ * inside the block; acquire attaches just those at their logical positions. */
+typedef struct lethe_radix_block_info {
+    uint64_t hash, parent_hash;  /* parent_hash 0 for a first block */
+    int32_t depth;               /* tokens [16 depth, 16 depth + 16) of the prefix */
+    int32_t resident;            /* slots it holds per space (16 unless pruned) */
+    int32_t req_refs, n_children;
+    int32_t priority;            /* lower evicted first; < 0 pinned */
+    uint32_t prune_id;           /* 0: never pruned */
+    uint8_t offsets[LETHE_RADIX_BLOCK]; /* [resident] */
+} lethe_radix_block_info;
+void lethe_radix_block_get_info(const lethe_radix_block *b, lethe_radix_block_info *out);
+void lethe_radix_for_each_block(const lethe_radix *r, void (*fn)(void *, const lethe_radix_block *),
+                                void *ctx);
+/* The block ending the chain tokens[0 .. 16 n_blocks) (the chain in chain[]
+ * when non-NULL), or NULL when some block of it is not cached. */
+lethe_radix_block *lethe_radix_find(const lethe_radix *r, const int32_t *tokens, int32_t n_blocks,
+                                    lethe_radix_block **chain);
+/* Eviction priority: unreferenced leaves go lowest priority first, LRU among
+ * equals; a negative priority pins the block (never evicted, not counted as
+ * reclaimable). Pins are closed under ancestors: pinning a block pins its
+ * unpinned ancestors (with the same priority), unpinning one unpins every
+ * pinned block below it. */
+void lethe_radix_set_priority(lethe_radix *r, lethe_radix_block *b, int32_t priority);
+/* Deletes b and every block below it, leaves first, freeing their slots.
+ * Returns the number deleted, or -1 (nothing deleted) when a request holds
+ * one of them. */
+int32_t lethe_radix_delete_subtree(lethe_radix *r, lethe_radix_block *b);
+/* Keeps the resident tokens whose offset o has keep[o] and frees the others'
+ * slots in every space (the block must be unreferenced). Returns the slots
+ * freed per space. */
+int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b, const bool keep[LETHE_RADIX_BLOCK],
+                                uint32_t prune_id);
+/* Request references without a row (a prune job's scoring pass holds its
+ * prefix with these); dropped with lethe_radix_release. */
+void lethe_radix_acquire_refs(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n);
 
 int32_t lethe_radix_n_blocks(const lethe_radix *r);
 int32_t lethe_radix_n_unreferenced(const lethe_radix *r);

@@ -14,6 +14,7 @@
 typedef struct radix_ref {
     lethe_radix_block **blocks;
     int32_t n, cap;
+    int32_t entries;            /* row entries blocks[0..n) occupy (fewer than 16 n when pruned) */
 } radix_ref;
 
 typedef struct radix_cache {
@@ -43,8 +44,9 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     int32_t nb = lethe_radix_match(rc->tree, s->tokens, s->n_tokens, rc->match, max_blocks);
     rc->n_match = nb;
     rc->match_id = s->id;
-    out->tokens = out->resident = nb * LETHE_RADIX_BLOCK;
-    out->pinned = (int64_t)lethe_radix_count_unreferenced(rc->match, nb) * LETHE_RADIX_BLOCK;
+    out->tokens = nb * LETHE_RADIX_BLOCK;
+    out->resident = lethe_radix_resident_tokens(rc->match, nb); /* pruned blocks: fewer */
+    out->pinned = lethe_radix_unreferenced_slots(rc->match, nb);
     out->queried = s->n_tokens;
 }
 
@@ -58,6 +60,7 @@ static void rc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const leth
     ref_reserve(ref, rc->n_match);
     memcpy(ref->blocks, rc->match, (size_t)rc->n_match * sizeof(*ref->blocks));
     ref->n = rc->n_match;
+    ref->entries = m->resident;
     lethe_radix_acquire(rc->tree, ref->blocks, ref->n, *s->row);
     *s->ref = ref;
 }
@@ -68,9 +71,12 @@ static void rc_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
     for (int32_t n = ref ? ref->n : 0; (n + 1) * LETHE_RADIX_BLOCK <= s->n_computed; n++) {
         if (!ref) *s->ref = ref = lethe_xcalloc(1, sizeof(*ref));
         ref_reserve(ref, n < 8 ? 8 : n + 1);
+        /* block n's tokens start at 16 n; its row entries after the
+         * (possibly pruned) blocks before it */
         int32_t first = n * LETHE_RADIX_BLOCK;
         lethe_radix_block *parent = n ? ref->blocks[n - 1] : NULL;
-        ref->blocks[n] = lethe_radix_insert(rc->tree, parent, s->tokens + first, *s->row, first);
+        ref->blocks[n] = lethe_radix_insert(rc->tree, parent, s->tokens + first, *s->row, ref->entries);
+        ref->entries += LETHE_RADIX_BLOCK;
         ref->n = n + 1;
     }
 }

@@ -476,6 +476,68 @@ void eng_apply_inbox(lethe_engine *e) {
     free(ids);
 }
 
+/* ---- calls on the engine thread ---- */
+
+typedef struct eng_call {
+    eng_call_fn fn;
+    void *arg;
+} eng_call;
+
+void eng_post_call(lethe_engine *e, eng_call_fn fn, void *arg) {
+    if (!e->thr.running) {
+        fn(e, arg);
+        return;
+    }
+    eng_call *c = lethe_xmalloc(sizeof(*c));
+    *c = (eng_call){fn, arg};
+    lethe_queue_call(&e->thr.inbox, c);
+}
+
+typedef struct call_wait {
+    eng_call_fn fn;
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+} call_wait;
+
+static void run_and_signal(lethe_engine *e, void *arg) {
+    call_wait *w = arg;
+    w->fn(e, w->arg);
+    pthread_mutex_lock(&w->mu);
+    w->done = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+void eng_call_wait(lethe_engine *e, eng_call_fn fn, void *arg) {
+    if (!e->thr.running) {
+        fn(e, arg);
+        return;
+    }
+    call_wait w = {.fn = fn, .arg = arg};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    eng_post_call(e, run_and_signal, &w);
+    pthread_mutex_lock(&w.mu);
+    while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+}
+
+void eng_run_calls(lethe_engine *e) {
+    void **items;
+    int32_t n;
+    lethe_queue_drain_calls(&e->thr.inbox, &items, &n);
+    for (int32_t i = 0; i < n; i++) {
+        eng_call *c = items[i];
+        c->fn(e, c->arg);
+        free(c);
+    }
+    free(items);
+}
+
 /* ---- stats, checks ---- */
 
 void eng_publish_stats(lethe_engine *e) {
@@ -485,6 +547,7 @@ void eng_publish_stats(lethe_engine *e) {
     int32_t n_sp = lethe_kv_n_spaces(e->pool);
     int64_t reclaim = lethe_pcache_reclaimable(e->pcache) * n_sp;
     s->kv_slots_used = s->kv_slots_total - lethe_kv_total_free(e->pool) - reclaim;
+    s->kv_slots_resident = s->kv_slots_total - lethe_kv_total_free(e->pool);
     s->kv_usage = s->kv_slots_total ? (double)s->kv_slots_used / (double)s->kv_slots_total : 0.0;
     const lethe_sched_stats *ss = lethe_sched_get_stats(e->sched);
     s->prefix_queries_tokens = ss->prefix_queries_tokens;
@@ -514,9 +577,12 @@ lethe_status eng_check(lethe_engine *e) {
         if (!lethe_kv_row_in_use(e->pool, r->row))
             return lethe_errorf(LETHE_ERR_INVALID, "engine check: running request %llu has no KV row",
                                 (unsigned long long)r->id);
-        if (!lethe_kv_per_layer(e->pool) && lethe_kv_row_len(e->pool, 0, r->row) != r->n_computed)
-            return lethe_errorf(LETHE_ERR_INVALID, "engine check: request %llu: row holds %d tokens, %d computed",
-                                (unsigned long long)r->id, lethe_kv_row_len(e->pool, 0, r->row), r->n_computed);
+        if (!lethe_kv_per_layer(e->pool) &&
+            lethe_kv_row_len(e->pool, 0, r->row) != r->n_computed - r->n_absent)
+            return lethe_errorf(LETHE_ERR_INVALID,
+                                "engine check: request %llu: row holds %d tokens, %d computed, %d pruned away",
+                                (unsigned long long)r->id, lethe_kv_row_len(e->pool, 0, r->row), r->n_computed,
+                                r->n_absent);
     }
     int32_t rows = 0;
     for (int32_t row = 0; row < lethe_kv_max_rows(e->pool); row++) rows += lethe_kv_row_in_use(e->pool, row);
@@ -541,6 +607,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     if (e->sched) {
         /* requests still queued or live end with ABORT so callers are released */
         if (e->reqs.buckets) eng_apply_inbox(e);
+        eng_run_calls(e); /* control calls posted before the thread stopped */
         for (uint64_t b = 0; e->reqs.buckets && b < e->reqs.n_buckets; b++)
             while (e->reqs.buckets[b]) eng_finish(e, e->reqs.buckets[b], LETHE_FINISH_ABORT, NULL);
     } else {

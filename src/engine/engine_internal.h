@@ -208,6 +208,14 @@ void eng_retire(lethe_engine *e, eng_req *q, bool ok); /* ok: finished normally 
 void eng_publish_stats(lethe_engine *e);
 lethe_status eng_check(lethe_engine *e);
 void eng_apply_inbox(lethe_engine *e);
+/* Calls on the engine thread (prefix-cache control, pruning): run now when
+ * no engine thread runs, else queued and run at the start of the next step,
+ * before anything is scheduled (no request is inside a forward then).
+ * eng_call_wait returns once fn has run. */
+typedef void (*eng_call_fn)(lethe_engine *e, void *arg);
+void eng_post_call(lethe_engine *e, eng_call_fn fn, void *arg);
+void eng_call_wait(lethe_engine *e, eng_call_fn fn, void *arg);
+void eng_run_calls(lethe_engine *e);
 
 /* engine_grammar.c */
 void eng_grammar_destroy(lethe_engine *e);

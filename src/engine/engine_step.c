@@ -180,6 +180,7 @@ static void process_token(lethe_engine *e, eng_req *q, const float *logits, int3
 static void step_schedule(lethe_engine *e, lethe_sched_out *out) {
     lethe_pcache_drain(e->pcache); /* reclaimed chains free their KV before new turns are admitted */
     eng_apply_inbox(e);
+    eng_run_calls(e); /* prefix-cache control and pruning: no request is mid-forward */
     lethe_sched_schedule(e->sched, out);
     for (int32_t i = 0; i < out->n_failed; i++) {
         eng_req *q = (eng_req *)out->failed[i];

@@ -20,6 +20,7 @@ void lethe_queue_destroy(lethe_queue *q) {
     pthread_cond_destroy(&q->cv);
     free(q->items);
     free(q->cancels);
+    free(q->calls);
     memset(q, 0, sizeof(*q));
 }
 
@@ -44,6 +45,26 @@ void lethe_queue_cancel(lethe_queue *q, uint64_t id) {
     }
     q->cancels[q->n_cancels++] = id;
     pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void lethe_queue_call(lethe_queue *q, void *item) {
+    pthread_mutex_lock(&q->mu);
+    if (q->n_calls == q->cap_calls) {
+        q->cap_calls = q->cap_calls ? 2 * q->cap_calls : 16;
+        q->calls = lethe_xrealloc(q->calls, (size_t)q->cap_calls * sizeof(void *));
+    }
+    q->calls[q->n_calls++] = item;
+    pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+}
+
+void lethe_queue_drain_calls(lethe_queue *q, void ***items, int32_t *n_items) {
+    pthread_mutex_lock(&q->mu);
+    *items = q->calls;
+    *n_items = q->n_calls;
+    q->calls = NULL;
+    q->n_calls = q->cap_calls = 0;
     pthread_mutex_unlock(&q->mu);
 }
 
@@ -78,7 +99,7 @@ void lethe_queue_drain(lethe_queue *q, void ***items, int32_t *n_items, uint64_t
 
 bool lethe_queue_wait(lethe_queue *q) {
     pthread_mutex_lock(&q->mu);
-    while (!q->stop && q->len == 0 && q->n_cancels == 0) pthread_cond_wait(&q->cv, &q->mu);
+    while (!q->stop && q->len == 0 && q->n_cancels == 0 && q->n_calls == 0) pthread_cond_wait(&q->cv, &q->mu);
     bool go = !q->stop;
     pthread_mutex_unlock(&q->mu);
     return go;
@@ -86,7 +107,7 @@ bool lethe_queue_wait(lethe_queue *q) {
 
 int32_t lethe_queue_pending(lethe_queue *q) {
     pthread_mutex_lock(&q->mu);
-    int32_t n = q->len + q->n_cancels;
+    int32_t n = q->len + q->n_cancels + q->n_calls;
     pthread_mutex_unlock(&q->mu);
     return n;
 }

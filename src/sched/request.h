@@ -35,6 +35,8 @@ typedef struct lethe_req {
     int32_t n_prompt;       /* the user's prompt length */
     int32_t n_prefill;      /* prompt tokens of the current admission (n_tokens at admission) */
     int32_t n_computed;     /* tokens whose KV is in the row */
+    int32_t n_absent;       /* of those, supplied by the prefix cache without a row entry
+                             * (pruned blocks): row length = n_computed - n_absent */
 
     /* KV */
     int32_t row;            /* KV row id, -1 when none */

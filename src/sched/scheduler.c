@@ -116,6 +116,7 @@ void lethe_sched_add(lethe_sched *s, lethe_req *r) {
     LETHE_ASSERT(r->state == LETHE_REQ_NEW && r->n_tokens >= 1);
     r->row = -1;
     r->n_computed = 0;
+    r->n_absent = 0;
     r->arrival = s->next_arrival++;
     r->state = LETHE_REQ_WAITING;
     wait_push_back(s, r);
@@ -141,6 +142,7 @@ static void free_kv(lethe_sched *s, lethe_req *r, lethe_pc_end how) {
     if (s->m && s->m->ops->request_finished && r->method_state) s->m->ops->request_finished(s->m, r->method_state);
     r->method_state = NULL;
     r->n_computed = 0;
+    r->n_absent = 0;
 }
 
 void lethe_sched_remove(lethe_sched *s, lethe_req *r, bool ok) {
@@ -359,6 +361,7 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         if (!m.resume) r->row = lethe_kv_row_alloc(s->pool);
         v = pc_seq(r);
         lethe_pcache_acquire(s->pc, &v, &m);
+        r->n_absent = hit - m.resident;
         r->is_recompute = r->admitted_once;
         if (!r->admitted_once) r->cached_tokens = hit;
         r->admitted_once = true;

@@ -47,6 +47,7 @@
 #include "server/conn.h"
 #include "server/metrics.h"
 #include "server/openai.h"
+#include "server/prefix_api.h"
 #include "server/agent.h"
 #include "server/req.h"
 #include "server/server.h"
@@ -69,6 +70,7 @@ typedef struct srv_state {
     char **keys;               /* API keys (--api-key, --api-key-file); none: no auth */
     char (*key_tenant)[24];    /* per key: "key-" + 16 hex of its SHA-256 */
     int n_keys;
+    srv_prune_jobs *prune_jobs; /* /v1/prefix_cache/prune jobs (prefix_api.c) */
 } srv_state;
 
 /* ---- responses ---- */
@@ -401,6 +403,15 @@ static void handle(void *user, const srv_request *rq, srv_response *resp) {
         if (out) return set_body(resp, 200, out, "application/json");
         return set_error(resp, &err);
     }
+    if (!strncmp(path, SRV_PREFIX_CACHE_ROUTE, strlen(SRV_PREFIX_CACHE_ROUTE))) {
+        if (!auth_ok(s, rq, &tenant)) return unauthorized(resp);
+        if (phase != PHASE_READY) return fail(resp, 503, NULL, "the model is not loaded");
+        srv_error err = {0};
+        int status = 200;
+        char *out = srv_prefix_cache_route(s->prune_jobs, &s->api, post, path, rq->body, rq->body_len, &status, &err);
+        if (out) return set_body(resp, status, out, "application/json");
+        return set_error(resp, &err);
+    }
     bool is_models = !strcmp(path, "/v1/models");
     bool is_cmpl = !strcmp(path, "/v1/completions");
     bool is_chat = !strcmp(path, "/v1/chat/completions");
@@ -608,6 +619,7 @@ int lethe_server_run(const lethe_server_config *cfg) {
     }
     srv_metrics_init(&s.metrics);
     s.served_name = served_name_of(cfg);
+    s.prune_jobs = srv_prune_jobs_new();
 
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;
@@ -679,6 +691,7 @@ int lethe_server_run(const lethe_server_config *cfg) {
     srv_http_free(s.http); /* the engine (and its callbacks) are gone */
     close(lfd);
     srv_metrics_destroy(&s.metrics);
+    srv_prune_jobs_free(s.prune_jobs); /* no engine callback can come now */
     free(s.served_name);
     free_keys(&s);
     return code;
