@@ -36,7 +36,10 @@ After the load drains it checks /metrics against the client's own counts:
   - nothing is left: requests_in_flight, running and waiting are 0, the KV in
     use (lethe:kv_cache_usage_perc) is back to its value before the load;
   - the server's RSS after the load is at most --rss-growth (5%) above its
-    RSS at the end of the warm-up (--warmup seconds, default 20% of the run).
+    RSS at the end of the warm-up (--warmup seconds, default 20% of the run),
+    beyond the KV pool pages first touched after the warm-up (the pool hands
+    out slots 0, 1, ... first, so its pages join the RSS as the high-water
+    mark of slots in use rises; idle chains hold slots until reclaimed).
 Prints a JSON report (also to --report) and exits non-zero on any failure.
 
 Usage: tests/soak/soak.py [--duration S] [--clients N] [--max-tokens N] ...
@@ -79,6 +82,8 @@ class Stats:
         self.chain_gone = 0       # 410 chain_gone: an idle chain the server reclaimed
         self.chain_resumed = 0
         self.tokens = 0           # completion tokens streamed
+        self.timeouts = 0         # accepted requests the client gave up on (counted in disconnects)
+        self.unanswered = 0       # requests given up before any answer (maybe queued, then aborted)
         self.unexpected = []      # descriptions (the first ones)
         self.n_unexpected = 0
         self.by_kind = {}
@@ -100,13 +105,14 @@ class Client:
         """Sends raw request bytes on a new connection; returns (status, headers, body bytes).
         stream_cb(chunk_bytes) -> False closes the connection early (returns status -1 body)."""
         st.conns += 1
+        self.last_status = None
         r, w = await self.open()
         try:
             w.write(raw)
             await w.drain()
             head = await r.readuntil(b"\r\n\r\n")
             lines = head.decode("latin-1").split("\r\n")
-            status = int(lines[0].split()[1])
+            status = self.last_status = int(lines[0].split()[1])
             hdr = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:] if l)}
             if hdr.get("transfer-encoding") == "chunked":
                 body = b""
@@ -276,30 +282,49 @@ class Soak:
             kind = rng.choice(kinds)
             self.st.by_kind[kind] = self.st.by_kind.get(kind, 0) + 1
             mt = rng.randint(1, a.max_tokens)
+            # a client gives up (closes the connection) after --request-timeout, and
+            # --grace seconds after the end of the load at the latest
+            limit = self.deadline + a.grace - time.time()
+            if a.request_timeout > 0:
+                limit = min(limit, a.request_timeout)
             try:
-                if kind in ("stream", "disconnect"):
-                    body = {"prompt": prompt_text(rng, a.max_prompt_words), "max_tokens": mt, "temperature": rng.choice((0, 0.8)),
-                            "stream": True, "stream_options": {"include_usage": True}}
-                    await self.stream(cl, rng, kind, body, "/v1/completions")
-                elif kind == "chat":
-                    if len(conv.get("msgs", [])) >= 6:  # a conversation of 3 turns, then a new one
-                        conv.clear()
-                    words = rng.choice([w for w in (1, 3, 8, 20, 40) if w <= a.max_prompt_words] or [1])
-                    conv.setdefault("msgs", []).append(
-                        {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))})
-                    body = {"messages": conv["msgs"], "max_tokens": mt, "temperature": 0, "stream": True,
-                            "stream_options": {"include_usage": True}}
-                    if self.chain and conv.get("id"):
-                        body["chain_id"] = conv["id"]
-                    await self.stream(cl, rng, kind, body, "/v1/chat/completions", conv)
-                elif kind == "whole":
-                    await self.whole(cl, rng, {"prompt": prompt_text(rng, a.max_prompt_words), "max_tokens": mt})
+                await asyncio.wait_for(self.action(cl, rng, kind, mt, conv), max(limit, 0.1))
+            except asyncio.TimeoutError:
+                if cl.last_status == 200:  # accepted, then closed by the client
+                    self.st.accepted += 1
+                    self.st.disconnects += 1
+                    self.st.timeouts += 1
+                elif cl.last_status is None:  # no answer yet: maybe queued in the engine
+                    self.st.unanswered += 1
                 else:
-                    await self.bad_one(cl, rng)
+                    self.st.fail(f"{kind}: timed out after status {cl.last_status}")
             except (ConnectionError, asyncio.IncompleteReadError, OSError, ValueError) as e:
                 self.st.fail(f"{kind}: {type(e).__name__}: {e}")
             if self.st.backpressure and rng.random() < 0.5:
                 await asyncio.sleep(rng.uniform(0.05, 0.5))
+
+    async def action(self, cl, rng, kind, mt, conv):
+        a = self.a
+        if kind in ("stream", "disconnect"):
+            body = {"prompt": prompt_text(rng, a.max_prompt_words), "max_tokens": mt,
+                    "temperature": rng.choice(a.temperatures), "stream": True,
+                    "stream_options": {"include_usage": True}}
+            await self.stream(cl, rng, kind, body, "/v1/completions")
+        elif kind == "chat":
+            if len(conv.get("msgs", [])) >= 6:  # a conversation of 3 turns, then a new one
+                conv.clear()
+            words = rng.choice([w for w in (1, 3, 8, 20, 40) if w <= a.max_prompt_words] or [1])
+            conv.setdefault("msgs", []).append(
+                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(words))})
+            body = {"messages": conv["msgs"], "max_tokens": mt, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            if self.chain and conv.get("id"):
+                body["chain_id"] = conv["id"]
+            await self.stream(cl, rng, kind, body, "/v1/chat/completions", conv)
+        elif kind == "whole":
+            await self.whole(cl, rng, {"prompt": prompt_text(rng, a.max_prompt_words), "max_tokens": mt})
+        else:
+            await self.bad_one(cl, rng)
 
     async def scrape(self):
         st = self.st
@@ -323,24 +348,28 @@ class Soak:
         self.deadline = t0 + a.duration
         rss = []
 
-        self.pool_full_s = None  # when an idle chain was first reclaimed: every KV slot was in use once
+        # KV high-water mark (slots in use, idle chains included, sampled every 2 s): the pool's
+        # free stack hands out slots 0, 1, ... first, so its pages are first touched (and join
+        # the RSS) as the high-water mark rises; the RSS check subtracts that
+        self.hw = []
+        self.stop_sampling = False
 
         async def sample():
-            n = 0
-            while time.time() < self.deadline + 600:
+            n, hw = 0, 0
+            while not self.stop_sampling:
                 rss.append((time.time() - t0, rss_kb(pid)))
-                n += 1
-                if self.chain and self.pool_full_s is None and n % 2 == 0 and time.time() < self.deadline:
+                if n % 2 == 0:
                     m = await self.scrape()
-                    if m.get("lethe:chain_cache_reclaimed_total", 0) > m0.get("lethe:chain_cache_reclaimed_total", 0):
-                        self.pool_full_s = time.time() - t0
+                    hw = max(hw, round(m["lethe:kv_cache_usage_perc"] * self.kv_slots))
+                    self.hw.append((time.time() - t0, hw))
+                n += 1
                 await asyncio.sleep(1.0)
 
         sampler = asyncio.ensure_future(sample())
         await asyncio.gather(*(self.client(i) for i in range(a.clients)))
         load_s = time.time() - t0
         # drain: the engine finishes or aborts what the closed connections left
-        drain_deadline = time.time() + 120
+        drain_deadline = time.time() + 600
         while True:
             m1 = await self.scrape()
             idle = (m1["lethe:requests_in_flight"] == 0 and m1["lethe:num_requests_running"] == 0
@@ -349,10 +378,18 @@ class Soak:
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
+        self.stop_sampling = True
+        await sampler  # its last scrape is counted before the final one
         m1 = await self.scrape()
-        sampler.cancel()
+        self.hw.append((time.time() - t0, max([h for _, h in self.hw] +
+                                               [round(m1["lethe:kv_cache_usage_perc"] * self.kv_slots)])))
         rss_end = rss_kb(pid)
         return m0, m1, rss, rss_end, load_s
+
+
+def parse_size(t):
+    k = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1].upper(), 1)
+    return int(float(t[:-1] if k > 1 else t) * k)
 
 
 def delta(m0, m1, key):
@@ -363,14 +400,15 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
     st = s.st
     reasons = ("stop", "length", "abort", "error")
     fin = {r: delta(m0, m1, f'lethe:request_success_total{{finished_reason="{r}"}}') for r in reasons}
-    # warm-up: the given time, and (chain mode) until the KV pool was full once: its
-    # pages are touched as slots are first written, which is not growth of the server
     warm = a.warmup if a.warmup is not None else 0.2 * a.duration
-    if s.pool_full_s is not None:
-        warm = max(warm, s.pool_full_s)
     after = [kb for t, kb in rss if t >= warm]
     rss_warm = after[0] if after else rss_end
     growth = rss_end / rss_warm - 1 if rss_warm else 0.0
+    # RSS growth beyond the KV pages first touched after the warm-up (the high-water mark's rise)
+    hw_warm = max([h for t, h in s.hw if t <= warm] or [0])
+    hw_end = s.hw[-1][1]
+    kv_touch_kb = (hw_end - hw_warm) * s.kv_slot_bytes / 1024
+    growth_net = (rss_end - rss_warm - kv_touch_kb) / rss_warm if rss_warm else 0.0
     failures = []
 
     def need(cond, what):
@@ -385,9 +423,13 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
     need(delta(m0, m1, "lethe:http_bad_requests_total") == st.http_bad,
          f"http_bad_requests_total grew by {delta(m0, m1, 'lethe:http_bad_requests_total'):.0f}, "
          f"sent {st.http_bad}")
-    need(sum(fin.values()) == st.accepted, f"finished {sum(fin.values()):.0f} (by reason {fin}) != accepted {st.accepted}")
+    # every accepted request finished once; one given up before an answer may have been queued
+    need(st.accepted <= sum(fin.values()) <= st.accepted + st.unanswered,
+         f"finished {sum(fin.values()):.0f} (by reason {fin}), accepted {st.accepted} "
+         f"(+ {st.unanswered} given up unanswered)")
     need(fin["error"] == 0, f"{fin['error']:.0f} requests finished with an error")
-    need(fin["abort"] <= st.disconnects, f"{fin['abort']:.0f} aborts but {st.disconnects} disconnects")
+    need(fin["abort"] <= st.disconnects + st.unanswered,
+         f"{fin['abort']:.0f} aborts but {st.disconnects} disconnects + {st.unanswered} unanswered")
     need(fin["stop"] + fin["length"] >= st.completed, "fewer stop+length finishes than completed requests")
     for k in ("lethe:requests_in_flight", "lethe:num_requests_running", "lethe:num_requests_waiting"):
         need(m1[k] == 0, f"{k} = {m1[k]} after the load")
@@ -398,7 +440,9 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
     need(used == resident, f"{used} KV slots in use after the load, {resident:.0f} resident in idle chains")
     if "lethe:chain_cache_active" in m1:
         need(m1["lethe:chain_cache_active"] == 0, f"{m1['lethe:chain_cache_active']} chains still active")
-    need(growth <= a.rss_growth, f"RSS grew {100 * growth:.1f}% after the warm-up ({rss_warm} -> {rss_end} kB)")
+    need(growth_net <= a.rss_growth,
+         f"RSS grew {100 * growth_net:.1f}% after the warm-up beyond first-touched KV pages "
+         f"({rss_warm} -> {rss_end} kB, KV high-water {hw_warm} -> {hw_end} slots = {kv_touch_kb:.0f} kB)")
     answered = st.accepted + st.bad + st.chain_gone
     need(st.backpressure <= a.max_503 * max(1, answered + st.backpressure),
          f"{st.backpressure} answers were 503 (more than {100 * a.max_503:.0f}%)")
@@ -407,14 +451,16 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
         "duration_s": a.duration, "load_s": round(load_s, 1), "clients": a.clients, "max_tokens": a.max_tokens,
         "prefix_cache_mode": a.prefix_cache_mode, "connections": st.conns, "requests_by_kind": st.by_kind,
         "accepted": st.accepted, "completed": st.completed, "disconnects": st.disconnects,
+        "client_timeouts": st.timeouts, "unanswered_given_up": st.unanswered,
         "bad_answered": st.bad, "http_layer_bad": st.http_bad, "backpressure_503": st.backpressure,
         "chain_resumed": st.chain_resumed, "chain_gone": st.chain_gone, "completion_tokens": st.tokens,
         "finished_by_reason": fin, "unexpected_errors": st.n_unexpected, "unexpected_first": st.unexpected,
         "kv_slots": s.kv_slots, "kv_slots_used_after": used, "chain_resident_slots_after": resident,
-        "kv_pool_full_at_s": s.pool_full_s,
+        "kv_slot_bytes": s.kv_slot_bytes, "kv_high_water_after_warmup": hw_warm, "kv_high_water_end": hw_end,
         "rss_kb_start": rss[0][1] if rss else None, "rss_kb_after_warmup": rss_warm,
         "rss_kb_peak": max(kb for _, kb in rss) if rss else None, "rss_kb_end": rss_end,
-        "rss_growth_pct": round(100 * growth, 2), "warmup_s": warm,
+        "rss_growth_pct": round(100 * growth, 2), "kv_first_touch_kb": round(kv_touch_kb),
+        "rss_growth_beyond_kv_pct": round(100 * growth_net, 2), "warmup_s": warm,
         "failures": failures,
     }
     return report
@@ -426,6 +472,9 @@ def main(argv=None):
     p.add_argument("--clients", type=int, default=64, help="concurrent clients (default 64)")
     p.add_argument("--max-tokens", type=int, default=16, help="largest max_tokens a request asks (default 16)")
     p.add_argument("--max-prompt-words", type=int, default=250, help="longest prompt, in words (default 250)")
+    p.add_argument("--temperatures", default="0,0.8", help="sampling temperatures to pick from (default 0,0.8)")
+    p.add_argument("--request-timeout", type=float, default=0, help="a client gives up after S seconds (0: never)")
+    p.add_argument("--grace", type=float, default=60, help="seconds in-flight requests get after the load (60)")
     p.add_argument("--kv-cache-bytes", default="1G", help="server --kv-cache-bytes (default 1G)")
     p.add_argument("--max-model-len", default="1024", help="server --max-model-len (default 1024)")
     p.add_argument("--warmup", type=float, default=None, help="seconds before the RSS baseline (default 20%%)")
@@ -437,6 +486,7 @@ def main(argv=None):
     p.add_argument("--report", help="write the JSON report here too")
     p.add_argument("server_args", nargs="*", help="more `lethe serve` arguments (after --)")
     a = p.parse_args(argv)
+    a.temperatures = [float(t) for t in a.temperatures.split(",")]
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -450,6 +500,10 @@ def main(argv=None):
         assert m, "no KV size in the server log"
         s.kv_slots = int(m.group(1)) * (1 if m.group(2) == "shared" else int(
             re.search(r"(\d+) layers, KV", srv.read_log()).group(1)))
+        # bytes of one slot (all layers' K and V): the budget / slots, when the budget sized the
+        # pool (not the max_num_seqs x max_model_len cap)
+        assert int(m.group(1)) < 256 * int(a.max_model_len), "--kv-cache-bytes must size the pool"
+        s.kv_slot_bytes = parse_size(a.kv_cache_bytes) // int(m.group(1))
         m0, m1, rss, rss_end, load_s = asyncio.run(s.run(srv.proc.pid))
         report = check(a, s, m0, m1, rss, rss_end, load_s)
         report["server_alive"] = srv.alive()
