@@ -74,10 +74,14 @@ static inline double rel_err(const float *a, const float *b, size_t n) {
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-#define TEST_RUN(fn)                                                                \
-    do {                                                                            \
-        fprintf(stderr, "  %s\n", #fn);                                             \
-        fn();                                                                       \
+/* LETHE_TEST_ONLY=substring runs only the tests whose name contains it (a
+ * test-runner convenience while developing; unset runs everything) */
+#define TEST_RUN(fn)                                       \
+    do {                                                   \
+        const char *only_ = getenv("LETHE_TEST_ONLY");     \
+        if (only_ && *only_ && !strstr(#fn, only_)) break; \
+        fprintf(stderr, "  %s\n", #fn);                    \
+        fn();                                              \
     } while (0)
 
 #endif /* LETHE_TEST_H */

@@ -8,6 +8,9 @@
  *    together in one ragged batch; both must match HF (top-1 at every
  *    position, ||ours - ref|| / ||ref|| <= 1e-4) and be bit-identical to each
  *    other (the engine's batch-invariance promise).
+ *  - tiny-qwen3-moe (routed experts, one dense layer): the same, plus 64 greedy
+ *    tokens decoded one at a time vs HF generate; and the same checkpoint
+ *    written as a qwen3moe GGUF with llama.cpp's names (stacked expert tensors).
  *  - SmolLM2-135M-Instruct (the default GGUF, Q4_1 dequantized): 3 chat
  *    prompts, one of 2,200 tokens, prefilled in chunks of up to 512 tokens:
  *    top-1 at every position (a mismatch is tolerated only where HF's top-2
@@ -20,10 +23,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
 #include "core/util.h"
+#include "gguf_writer.h"
+#include "model/config.h"
 #include "model/model.h"
+#include "model/safetensors.h"
 #include "test.h"
 
 /* ---- reference files ("named arrays", see gen_model_fixtures.py) --------------- */
@@ -167,9 +174,15 @@ static int32_t argmax_row(const float *l, int32_t n) {
 
 /* ---- tiny checkpoints ------------------------------------------------------------- */
 
+static void check_tiny_at(const char *family, const char *path);
 static void check_tiny(const char *family) {
-    char path[256], ref_path[256];
+    char path[256];
     snprintf(path, sizeof(path), "tests/data/tiny-%s", family);
+    check_tiny_at(family, path);
+}
+
+static void check_tiny_at(const char *family, const char *path) {
+    char ref_path[256];
     snprintf(ref_path, sizeof(ref_path), "tests/data/hf-ref/tiny-%s.bin", family);
     ref_file rf;
     ref_load(&rf, ref_path);
@@ -215,7 +228,161 @@ static void check_tiny(const char *family) {
     harness_close(&h);
 }
 
+/* greedy continuation of seq0, one token per forward reusing the KV cache, vs HF generate */
+static void check_tiny_greedy(const char *family) {
+    char path[256], ref_path[256];
+    snprintf(path, sizeof(path), "tests/data/tiny-%s", family);
+    snprintf(ref_path, sizeof(ref_path), "tests/data/hf-ref/tiny-%s.bin", family);
+    ref_file rf;
+    ref_load(&rf, ref_path);
+    const ref_array *tok_a = ref_get(&rf, "seq0.tokens"), *want = ref_get(&rf, "greedy");
+    const ref_array *gap = ref_get(&rf, "greedy_gap");
+    const int32_t T = (int32_t)tok_a->n, G = (int32_t)want->n;
+    harness h;
+    harness_open(&h, path, T + G, 160);
+    const int32_t V = h.m.cfg.n_vocab;
+    int32_t *seq = lethe_xmalloc((size_t)(T + G) * 4);
+    memcpy(seq, tok_a->data, (size_t)T * 4);
+    float *logits = lethe_xmalloc((size_t)T * V * 4);
+    const int32_t *tp = seq;
+    int32_t at = 0, len = T, base = 0;
+    run_batch(&h, 1, &tp, &at, &len, &base, logits);
+    seq[T] = argmax_row(logits + (size_t)(T - 1) * V, V);
+    for (int32_t g = 1; g < G; g++) {
+        at = T + g - 1, len = 1;
+        run_batch(&h, 1, &tp, &at, &len, &base, logits);
+        seq[T + g] = argmax_row(logits, V);
+    }
+    const int32_t *w = want->data;
+    const float *gp = gap->data;
+    for (int32_t g = 0; g < G; g++)
+        CHECK_MSG(seq[T + g] == w[g], "%s: greedy token %d is %d, HF %d (HF gap %g)", family, g,
+                  seq[T + g], w[g], gp[g]);
+    fprintf(stderr, "    %s: %d greedy tokens identical to HF\n", family, G);
+    free(seq), free(logits);
+    ref_free(&rf);
+    harness_close(&h);
+}
+
+/* ---- the same checkpoint as a GGUF file with llama.cpp's tensor names ---------------- */
+
+/* HF tensor suffix (after model.layers.<l>.) -> GGUF suffix (after blk.<l>.) */
+static const char *const g_gguf_names[][2] = {
+    {"input_layernorm.weight", "attn_norm.weight"},
+    {"self_attn.q_proj.weight", "attn_q.weight"},
+    {"self_attn.k_proj.weight", "attn_k.weight"},
+    {"self_attn.v_proj.weight", "attn_v.weight"},
+    {"self_attn.o_proj.weight", "attn_output.weight"},
+    {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+    {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+    {"post_attention_layernorm.weight", "ffn_norm.weight"},
+    {"mlp.gate.weight", "ffn_gate_inp.weight"},
+    {"mlp.gate_proj.weight", "ffn_gate.weight"},
+    {"mlp.up_proj.weight", "ffn_up.weight"},
+    {"mlp.down_proj.weight", "ffn_down.weight"},
+};
+
+/* Writes hf_dir's f32 tensors as a GGUF of architecture `arch` (qwen3moe keys,
+ * routed experts stacked into blk.<l>.ffn_{gate,up,down}_exps [E, rows, cols]),
+ * as llama.cpp's converter lays them out. Returns the file path (caller frees). */
+static char *write_moe_gguf(const char *hf_dir, const char *arch) {
+    char cp[256];
+    snprintf(cp, sizeof(cp), "%s/config.json", hf_dir);
+    lethe_model_config c;
+    CHECK_MSG(lethe_hf_config_load(cp, &c) == LETHE_OK, "%s", lethe_last_error());
+    lethe_safetensors st;
+    CHECK_MSG(lethe_st_open_dir(hf_dir, &st) == LETHE_OK, "%s", lethe_last_error());
+    gw w = {0};
+    char key[128];
+#define KEY(suffix) (snprintf(key, sizeof(key), "%s." suffix, arch), key)
+    gw_kv_str(&w, "general.architecture", arch);
+    gw_kv_u32(&w, KEY("embedding_length"), (uint32_t)c.dim);
+    gw_kv_u32(&w, KEY("block_count"), (uint32_t)c.n_layers);
+    gw_kv_u32(&w, KEY("attention.head_count"), (uint32_t)c.n_heads);
+    gw_kv_u32(&w, KEY("attention.head_count_kv"), (uint32_t)c.n_kv_heads);
+    gw_kv_u32(&w, KEY("attention.key_length"), (uint32_t)c.head_dim);
+    gw_kv_u32(&w, KEY("context_length"), (uint32_t)c.max_pos);
+    gw_kv_u32(&w, KEY("feed_forward_length"), (uint32_t)c.ffn_dim);
+    gw_kv_u32(&w, KEY("expert_count"), (uint32_t)c.n_experts);
+    gw_kv_u32(&w, KEY("expert_used_count"), (uint32_t)c.n_experts_used);
+    gw_kv_u32(&w, KEY("expert_feed_forward_length"), (uint32_t)c.moe_ffn_dim);
+    gw_kv_u32(&w, KEY("vocab_size"), (uint32_t)c.n_vocab);
+    gw_kv_f32(&w, KEY("attention.layer_norm_rms_epsilon"), c.rms_eps);
+    gw_kv_f32(&w, KEY("rope.freq_base"), c.rope.theta);
+#undef KEY
+    float **bufs = lethe_xcalloc((size_t)st.n_tensors + 3 * (size_t)c.n_layers, sizeof(float *));
+    int nb = 0;
+    const size_t E = (size_t)c.n_experts, F = (size_t)c.moe_ffn_dim, D = (size_t)c.dim;
+    for (size_t i = 0; i < st.n_tensors; i++) {
+        const lethe_st_tensor *t = &st.tensors[i];
+        char name[160] = "";
+        int l = -1, e = -1, used = 0;
+        char rest[128], proj[32];
+        if (!strcmp(t->name, "model.embed_tokens.weight"))
+            snprintf(name, sizeof(name), "token_embd.weight");
+        else if (!strcmp(t->name, "model.norm.weight"))
+            snprintf(name, sizeof(name), "output_norm.weight");
+        else if (!strcmp(t->name, "lm_head.weight")) snprintf(name, sizeof(name), "output.weight");
+        else if (sscanf(t->name, "model.layers.%d.mlp.experts.%d.%31[a-z_].weight%n", &l, &e, proj,
+                        &used) == 3) {
+            continue; /* stacked below */
+        } else if (sscanf(t->name, "model.layers.%d.%127s", &l, rest) == 2) {
+            for (size_t k = 0; k < LETHE_ARRAY_LEN(g_gguf_names); k++)
+                if (!strcmp(rest, g_gguf_names[k][0]))
+                    snprintf(name, sizeof(name), "blk.%d.%s", l, g_gguf_names[k][1]);
+        }
+        CHECK_MSG(name[0], "no GGUF name for %s", t->name);
+        float *f = bufs[nb++] = lethe_xmalloc(t->n_elems * sizeof(float));
+        CHECK(lethe_st_to_f32(&st, t, f) == LETHE_OK);
+        uint64_t ne[2] = {(uint64_t)t->shape[t->n_dims - 1],
+                          t->n_dims == 2 ? (uint64_t)t->shape[0] : 1};
+        gw_tensor_add(&w, name, 0 /* F32 */, (uint32_t)t->n_dims, ne, f,
+                      t->n_elems * sizeof(float));
+    }
+    static const char *const projs[3][2] = {
+        {"gate_proj", "ffn_gate_exps"}, {"up_proj", "ffn_up_exps"}, {"down_proj", "ffn_down_exps"}};
+    for (int32_t l = 0; l < c.n_layers; l++) {
+        if (!lethe_layer_is_moe(&c, l)) continue;
+        for (int p = 0; p < 3; p++) {
+            const uint64_t rows = p == 2 ? D : F, cols = p == 2 ? F : D;
+            float *f = bufs[nb++] = lethe_xmalloc(E * rows * cols * sizeof(float));
+            for (size_t e = 0; e < E; e++) {
+                char hn[128];
+                snprintf(hn, sizeof(hn), "model.layers.%d.mlp.experts.%zu.%s.weight", l, e,
+                         projs[p][0]);
+                const lethe_st_tensor *t = lethe_st_find(&st, hn);
+                CHECK_MSG(t && t->n_elems == rows * cols, "%s", hn);
+                CHECK(lethe_st_to_f32(&st, t, f + e * rows * cols) == LETHE_OK);
+            }
+            char gn[64];
+            snprintf(gn, sizeof(gn), "blk.%d.%s.weight", l, projs[p][1]);
+            uint64_t ne[3] = {cols, rows, E};
+            gw_tensor_add(&w, gn, 0, 3, ne, f, E * rows * cols * sizeof(float));
+        }
+    }
+    size_t n;
+    uint8_t *data = gw_build(&w, &n);
+    char *path = tmp_write(data, n, ".gguf");
+    free(data);
+    for (int i = 0; i < nb; i++) free(bufs[i]);
+    free(bufs);
+    gw_free(&w);
+    lethe_st_close(&st);
+    return path;
+}
+
+static void test_tiny_qwen3_moe_gguf(void) {
+    char *path = write_moe_gguf("tests/data/tiny-qwen3-moe", "qwen3moe");
+    check_tiny_at("qwen3-moe", path);
+    unlink(path);
+    free(path);
+}
+
 static void test_tiny_llama(void) { check_tiny("llama"); }
+static void test_tiny_qwen3_moe(void) {
+    check_tiny("qwen3-moe");
+    check_tiny_greedy("qwen3-moe");
+}
 static void test_tiny_qwen2(void) { check_tiny("qwen2"); }
 static void test_tiny_qwen3(void) { check_tiny("qwen3"); }
 
@@ -336,6 +503,8 @@ int main(void) {
     TEST_RUN(test_tiny_llama);
     TEST_RUN(test_tiny_qwen2);
     TEST_RUN(test_tiny_qwen3);
+    TEST_RUN(test_tiny_qwen3_moe);
+    TEST_RUN(test_tiny_qwen3_moe_gguf);
     TEST_RUN(test_smollm2);
     fprintf(stderr, "test_model_hf: ok\n");
     return 0;

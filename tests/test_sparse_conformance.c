@@ -1,7 +1,8 @@
 /* test_sparse_conformance.c - every registered sparse method through the real
  * engine (include/lethe.h) on the CPU backend, with the tiny Llama shape
- * (tests/data/tiny-llama, dummy weights) for every method and SmolLM2-135M for
- * one dense / snapkv pair:
+ * (tests/data/tiny-llama, dummy weights) and the tiny Qwen3-MoE shape
+ * (tests/data/tiny-qwen3-moe: routed experts, one dense layer) for every
+ * method, and SmolLM2-135M for one dense / snapkv pair:
  *
  *  - identity: with the method's test_configs.identity (budgets >= the
  *    context), greedy tokens AND the full next-token logits of every step are
@@ -31,10 +32,12 @@
  * seeded dummy weights (its checkpoint has no tokenizer, which the engine
  * needs for real weights); SMOL: the real SmolLM2 for one dense / snapkv pair */
 #define TINY "tests/data/tiny-llama/config.json"
+#define TINY_MOE "tests/data/tiny-qwen3-moe"
 #define SMOL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 enum { NPROMPT = 48, NGEN = 6, MAXV = 50000 };
 static const char *g_model = TINY;
 static bool g_tiny = true;
+static const char *g_format = "dummy"; /* of the tiny models */
 
 typedef struct run_out {
     int32_t tokens[2][NGEN];
@@ -67,7 +70,7 @@ static lethe_engine *open_engine(const char *method, const char *cfg) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
     p.model = g_model;
-    p.load_format = g_tiny ? "dummy" : "auto";
+    p.load_format = g_tiny ? g_format : "auto";
     p.seed = 7;
     p.device = "cpu";
     p.n_threads = 2;
@@ -148,7 +151,7 @@ static bool lossy_storage(const lethe_sparse_ops *ops, const char *cfg) {
     return lossy;
 }
 
-static void test_identity_and_eviction(void) {
+static void identity_and_eviction(void) {
     static run_out dense, o;
     run("dense", NULL, &dense);
     int n_lossy = 0;
@@ -189,6 +192,19 @@ static void test_identity_and_eviction(void) {
     free_out(&dense);
 }
 
+static void test_identity_and_eviction(void) { identity_and_eviction(); }
+
+/* the same over routed experts (qwen3_moe: the KV is ordinary, the FFN is not),
+ * with the checkpoint's own weights: their router is decisive, where dummy
+ * weights' near-uniform routing would let fp8_kv's small KV error flip experts */
+static void test_identity_and_eviction_moe(void) {
+    g_model = TINY_MOE;
+    g_format = "hf";
+    identity_and_eviction();
+    g_model = TINY;
+    g_format = "dummy";
+}
+
 static void test_smollm2_snapkv(void) {
     static run_out dense, o;
     g_model = SMOL;
@@ -211,6 +227,7 @@ int main(void) {
     CHECK_MSG(lethe_sparse_register_extra(&throwaway_recent_window) == LETHE_OK, "%s", lethe_last_error());
     CHECK_MSG(lethe_sparse_register_extra(&throwaway_plane_copy) == LETHE_OK, "%s", lethe_last_error());
     TEST_RUN(test_identity_and_eviction);
+    TEST_RUN(test_identity_and_eviction_moe);
     TEST_RUN(test_smollm2_snapkv);
     return 0;
 }

@@ -10,7 +10,8 @@
  *       (matmul + causal attention FLOPs / measured bf16 GEMM peak);
  *   decode tokens/s, median step time and the fraction of the memory
  *       roofline ((weight bytes + KV bytes read per step) / measured copy
- *       bandwidth, at the mean context of the decode phase).
+ *       bandwidth, at the mean context of the decode phase; MoE models count
+ *       the experts a step's tokens choose, lethe_model_params_read).
  * The ceilings are measured in the same run (ops->measure_peaks: a large
  * device copy and an 8192^3 GEMM). KV layout: contiguous slots per sequence
  * (slot = seq * capacity + position), dense selection; steps go through
@@ -77,15 +78,14 @@ static double median(double *v, int n) {
     return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0;
 }
 
-/* bytes of the matmul weights (read once per step), weight element size ws */
-static double weight_bytes(const lethe_model_config *c, double ws) {
-    double qd = (double)c->n_heads * c->head_dim, kvd = (double)c->n_kv_heads * c->head_dim;
-    double per_layer = c->dim * qd + 2 * c->dim * kvd + qd * c->dim + 3.0 * c->dim * c->ffn_dim;
-    return ws * (per_layer * c->n_layers + (double)c->n_vocab * c->dim);
+/* bytes of the matmul weights a decode step of B tokens reads (MoE: the
+ * experts they choose, lethe_model_params_read), weight element size ws */
+static double weight_bytes(const lethe_model_config *c, double ws, int32_t B) {
+    return ws * lethe_model_params_read(c, B);
 }
 
 static double matmul_flops_per_token(const lethe_model_config *c) {
-    return 2.0 * weight_bytes(c, 1.0) - 2.0 * (double)c->n_vocab * c->dim;
+    return 2.0 * lethe_model_params_per_token(c);
 }
 
 /* ---- one (batch, input, output) point --------------------------------------- */
@@ -197,7 +197,7 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     free(steps);
     pt->decode_tok_s = pt->step_ms > 0 ? B / (pt->step_ms * 1e-3) : 0;
     double mean_ctx = in + out / 2.0;
-    pt->decode_bytes = weight_bytes(c, (double)be->ops->kv_size) +
+    pt->decode_bytes = weight_bytes(c, (double)be->ops->kv_size, B) +
                        (double)B * mean_ctx * c->n_layers * 2.0 * kv_dim * be->ops->kv_size;
     pt->decode_gbs = pt->step_ms > 0 ? pt->decode_bytes / (pt->step_ms * 1e-3) * 1e-9 : 0;
     pt->decode_frac = copy_bps > 0 && pt->step_ms > 0

@@ -4,6 +4,8 @@
 
 #include <string.h>
 
+#include "backend/moe_layout.h"
+
 lethe_status lethe_backend_create(const lethe_backend_params *p, lethe_backend **out) {
     const char *dev = p->device ? p->device : "cpu";
     if (!strcmp(dev, "cpu")) return lethe_backend_cpu_create(p, out);
@@ -27,4 +29,9 @@ size_t lethe_attn_scores_out_len(const lethe_score_seq *seqs, int32_t n_seqs, in
     size_t n = 0;
     for (int32_t s = 0; s < n_seqs; s++) n += (size_t)n_groups * (size_t)(seqs[s].c1 - seqs[s].c0);
     return n;
+}
+
+size_t lethe_moe_ws_bytes(const lethe_backend *be, int32_t n, int32_t k, int32_t dim, int32_t ffn,
+                          int32_t n_experts) {
+    return lethe_moe_layout_of(be->ops->act_size, n, k, dim, ffn, n_experts).total;
 }

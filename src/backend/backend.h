@@ -257,6 +257,47 @@ static inline int32_t lethe_expand_count(const lethe_expand_seq *q, int32_t unit
     return q->head + q->n_picks * unit + (q->row_len - q->tail);
 }
 
+/* ---- mixture-of-experts FFN (ops->moe; backend/cpu/moe.c, backend/cuda/moe.cu) ----
+ * For each token t of n (x [n, dim] activations), from its router logits
+ * logits[t] ([n, n_experts] activations):
+ *   SOFTMAX (qwen3_moe):  p = softmax(logits[t]) in f32, choice = p;
+ *   SIGMOID (glm4_moe_lite, DeepSeek-V3 noaux_tc): p = sigmoid(logits[t]),
+ *       choice = p + bias (bias [n_experts] weights, NULL = 0); with n_group
+ *       > 1 only the topk_group groups (n_experts / n_group consecutive
+ *       experts each) with the largest sums of their two best choice values
+ *       compete (ties to the smaller group);
+ *   ids[t, 0..k) = the k experts of largest choice, descending (ties to the
+ *       smaller id), w[t, j] = p[ids[t, j]], divided by their sum (+ 1e-20
+ *       for SIGMOID) when norm_topk, times scale;
+ *   out[t] = sum over j = 0..k-1 in order of w[t, j] * E_ids[t,j](x[t]),
+ *       E_e(x) = W_down[e] (silu(W_gate[e] x) * W_up[e] x)
+ * with W_gate, W_up [n_experts, ffn, dim] and W_down [n_experts, dim, ffn]
+ * (weights, expert e at offset e * ffn * dim). Only the chosen experts'
+ * weights are read. ws: backend scratch of lethe_moe_ws_bytes(be, n, ...)
+ * bytes (the caller allocates it once for its largest n; the op never
+ * allocates, so a decode step with it is graph-capturable). out may not
+ * alias x. Every output row depends only on its own token (batch-invariant
+ * on the CPU). */
+typedef struct lethe_moe_args {
+    void *out;          /* [n, dim] activations, overwritten */
+    const void *x;      /* [n, dim] */
+    const void *logits; /* [n, n_experts] router logits */
+    const void *bias;   /* [n_experts] weights or NULL (SIGMOID only) */
+    const void *w_gate, *w_up, *w_down;
+    int32_t n, dim, ffn, n_experts, k;
+    int32_t scoring; /* LETHE_MOE_SOFTMAX / LETHE_MOE_SIGMOID (model/config.h) */
+    bool norm_topk;
+    float scale;
+    int32_t n_group, topk_group;
+    void *ws;
+    size_t ws_bytes;
+} lethe_moe_args;
+
+/* Scratch bytes ops->moe needs for up to n tokens (both backends: ids, weights,
+ * the expert-sorted order, gathered rows and the intermediate activations). */
+size_t lethe_moe_ws_bytes(const lethe_backend *be, int32_t n, int32_t k, int32_t dim, int32_t ffn,
+                          int32_t n_experts);
+
 /* ---- capabilities (ops->caps) ----
  * What a backend is, as bits, so that code above the backend asks for a
  * property instead of testing the backend's name (ops->name is for messages).
@@ -417,7 +458,16 @@ typedef struct lethe_backend_ops {
      * out). */
     void (*select_expand)(lethe_backend *be, int32_t *out, const int32_t *rows, const int32_t *picks,
                           const lethe_expand_seq *seqs, int32_t n_seqs, int32_t unit);
+    /* ---- mixture of experts (lethe_moe_args): routing + the chosen experts'
+     * SwiGLU FFNs + their weighted sum, asynchronous (no host sync on CUDA
+     * for n <= LETHE_MOE_SMALL_N tokens, so decode steps stay in graphs) ---- */
+    void (*moe)(lethe_backend *be, const lethe_moe_args *a);
 } lethe_backend_ops;
+
+/* most experts a model may have (routing keeps per-token arrays on the stack) */
+#define LETHE_MOE_MAX_EXPERTS 512
+/* ops->moe token count up to which the CUDA twin needs no host sync */
+#define LETHE_MOE_SMALL_N 256
 
 struct lethe_backend {
     const lethe_backend_ops *ops;

@@ -10,7 +10,7 @@
 #include "core/util.h"
 #include "model/model.h"
 
-extern const lethe_arch lethe_arch_llama; /* arch_llama.c: llama, qwen2, qwen3 */
+extern const lethe_arch lethe_arch_llama; /* arch_llama.c: llama, qwen2, qwen3, qwen3_moe */
 
 static const lethe_arch *const g_archs[] = {&lethe_arch_llama};
 
@@ -21,7 +21,7 @@ const lethe_arch *lethe_arch_find(const char *arch) {
     }
     char known[256] = "";
     for (size_t i = 0; i < LETHE_ARRAY_LEN(g_archs); i++)
-        for (int k = 0; k < 4 && g_archs[i]->names[k]; k++) {
+        for (int k = 0; k < 8 && g_archs[i]->names[k]; k++) {
             if (!strcmp(arch, g_archs[i]->names[k])) return g_archs[i];
             if (known[0]) strncat(known, ", ", sizeof(known) - strlen(known) - 1);
             strncat(known, g_archs[i]->names[k], sizeof(known) - strlen(known) - 1);

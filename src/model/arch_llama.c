@@ -1,11 +1,13 @@
-/* arch_llama.c - the Llama family forward: llama, qwen2, qwen3.
+/* arch_llama.c - the Llama family forward: llama, qwen2, qwen3, qwen3_moe.
  *
- * The three differ only in switches read from the config:
+ * They differ only in switches read from the config:
  *   qwen2: q/k/v projections carry a bias (cfg.qkv_bias);
  *   qwen3: q and k get a per-head RMSNorm over head_dim (cfg.qk_norm,
  *          weights q_norm/k_norm [head_dim]) before RoPE, and head_dim is
  *          explicit (n_heads * head_dim may differ from dim);
- *   llama: Llama 3.1 RoPE frequency scaling comes with cfg.rope.
+ *   llama: Llama 3.1 RoPE frequency scaling comes with cfg.rope;
+ *   qwen3_moe (GGUF: qwen3moe): qwen3 attention; the MLP of every layer with
+ *          lethe_layer_is_moe is routed experts (model/moe.h) instead.
  * Per layer (HF LlamaDecoderLayer order), for the n batch rows:
  *   xn = rmsnorm(x)                                   [n, dim]
  *   q = xn Wq^T (+bq), k = xn Wk^T (+bk), v = xn Wv^T (+bv)
@@ -18,7 +20,7 @@
  *     (or the plan's lethe_kv_path: store, attend, its output projection)
  *   hooks->after_attn (optional)
  *   x += att Wo^T
- *   xn = rmsnorm(x); x += (silu(xn Wg^T) * (xn Wu^T)) Wd^T
+ *   xn = rmsnorm(x); x += (silu(xn Wg^T) * (xn Wu^T)) Wd^T   (or x += MoE(xn))
  * then for the wanted rows: logits = rmsnorm(x[row]) lm_head^T, produced in
  * chunks of LOGIT_CHUNK rows so the logits buffer stays small with big vocabs.
  * With logits_out == NULL the chunks land side by side in the logits buffer
@@ -29,6 +31,7 @@
 
 #include "core/util.h"
 #include "model/model.h"
+#include "model/moe.h"
 
 #define LOGIT_CHUNK 64        /* rows per lm_head call */
 #define GQA_GROUP_MAX 32      /* backend attention limits (backend/cpu/attention.c) */
@@ -43,15 +46,25 @@ typedef struct llama_ws {
     void *gate, *up;/* [N, ffn] */
     void *rows;     /* [LOGIT_CHUNK, dim] gathered logit rows */
     void *logits;   /* [max(LOGIT_CHUNK, n_logits_dev), n_vocab] */
+    lethe_moe_bufs moe; /* qwen3_moe */
 } llama_ws;
 
 static lethe_status llama_check(const lethe_model_config *c) {
-    if (c->n_experts > 0)
+    const bool moe = !strcmp(c->arch, "qwen3_moe") || !strcmp(c->arch, "qwen3moe");
+    if (c->n_experts > 0 && !moe)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                             "%s: mixture-of-experts layers (%d experts) are not supported by the "
                             "llama family", c->arch, c->n_experts);
+    if (moe && (c->n_experts <= 0 || c->n_experts > LETHE_MOE_MAX_EXPERTS || c->n_shared_experts ||
+                c->moe_scoring != LETHE_MOE_SOFTMAX))
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                            "%s: needs 1..%d routed experts with softmax routing and no shared "
+                            "experts (got %d experts, %d shared)",
+                            c->arch, LETHE_MOE_MAX_EXPERTS, c->n_experts, c->n_shared_experts);
+    bool dense_layers = !moe;
+    for (int32_t l = 0; l < c->n_layers; l++) dense_layers |= !lethe_layer_is_moe(c, l);
     if (c->n_layers <= 0 || c->dim <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 ||
-        c->head_dim <= 0 || c->ffn_dim <= 0 || c->n_vocab <= 0)
+        c->head_dim <= 0 || (dense_layers && c->ffn_dim <= 0) || c->n_vocab <= 0)
         return lethe_errorf(LETHE_ERR_FORMAT, "%s: config has a non-positive dimension", c->arch);
     if (c->n_heads % c->n_kv_heads)
         return lethe_errorf(LETHE_ERR_FORMAT, "%s: n_heads %d is not a multiple of n_kv_heads %d",
@@ -85,6 +98,7 @@ static void llama_workspace_free(lethe_model *m) {
     void *bufs[] = {ws->x, ws->xn, ws->q, ws->k, ws->v, ws->att, ws->gate, ws->up, ws->rows, ws->logits};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(bufs); i++)
         if (bufs[i]) be->ops->release(be, bufs[i]);
+    lethe_moe_bufs_free(m, &ws->moe);
     free(ws);
     m->ws = NULL;
     m->logits_dev = NULL;
@@ -111,6 +125,11 @@ static lethe_status llama_workspace_init(lethe_model *m, int32_t n) {
             llama_workspace_free(m);
             return st; /* the backend's message names the size */
         }
+    }
+    lethe_status st = lethe_moe_bufs_alloc(m, n, &ws->moe);
+    if (st != LETHE_OK) {
+        llama_workspace_free(m);
+        return st;
     }
     m->logits_dev = ws->logits;
     return LETHE_OK;
@@ -194,6 +213,10 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
         o->add(be, ws->x, ws->xn, (size_t)n * c->dim);
 
         o->rmsnorm(be, ws->xn, ws->x, L->ffn_norm, n, c->dim, c->rms_eps);
+        if (L->exp_gate) {
+            lethe_moe_forward(m, L, &ws->moe, ws->xn, ws->x, n);
+            continue;
+        }
         o->matmul(be, ws->gate, ws->xn, L->w_gate, n, c->ffn_dim, c->dim);
         o->matmul(be, ws->up, ws->xn, L->w_up, n, c->ffn_dim, c->dim);
         o->swiglu(be, ws->gate, ws->gate, ws->up, (size_t)n * c->ffn_dim);
@@ -217,7 +240,7 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
 }
 
 const lethe_arch lethe_arch_llama = {
-    .names = {"llama", "qwen2", "qwen3", NULL},
+    .names = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3moe", NULL},
     .check = llama_check,
     .workspace_init = llama_workspace_init,
     .workspace_free = llama_workspace_free,

@@ -7,6 +7,7 @@
  * ids inside the vocabulary. Sizes are also bounded so that products such as
  * n_vocab * dim cannot overflow while allocating. Errors name the source file
  * and the field. */
+#include <math.h>
 #include <string.h>
 
 #include "model/config.h"
@@ -18,7 +19,66 @@ void lethe_model_config_init(lethe_model_config *c) {
     c->rope.scaling = LETHE_ROPE_SCALING_NONE;
     c->rope.factor = 1.0f;
     c->bos_id = -1;
+    c->moe_step = 1;
+    c->moe_scale = 1.0f;
+    c->moe_n_group = c->moe_topk_group = 1;
     for (int i = 0; i < LETHE_MAX_EOS_IDS; i++) c->eos_ids[i] = -1;
+}
+
+bool lethe_layer_is_moe(const lethe_model_config *c, int32_t l) {
+    if (c->n_experts <= 0 || l < c->moe_first_layer) return false;
+    for (int32_t i = 0; i < c->n_mlp_only; i++)
+        if (c->mlp_only[i] == l) return false;
+    return (l + 1) % c->moe_step == 0;
+}
+
+/* attention projections of one layer (MLA: the low-rank factors) */
+static double attn_params(const lethe_model_config *c) {
+    const double dim = c->dim, H = c->n_heads;
+    if (c->kv_lora_rank > 0) {
+        const double qk = c->qk_nope_dim + c->qk_rope_dim;
+        const double q = c->q_lora_rank > 0 ? dim * c->q_lora_rank + c->q_lora_rank * H * qk
+                                            : dim * H * qk;
+        return q + dim * (c->kv_lora_rank + c->qk_rope_dim) +
+               c->kv_lora_rank * H * (c->qk_nope_dim + c->v_head_dim) + H * c->v_head_dim * dim;
+    }
+    const double qd = H * c->head_dim, kvd = (double)c->n_kv_heads * c->head_dim;
+    return dim * qd + 2 * dim * kvd + qd * dim;
+}
+
+/* FFN of layer l: fixed part (dense MLP, or router + shared experts) and one expert */
+static void ffn_params(const lethe_model_config *c, int32_t l, double *fixed, double *expert) {
+    if (!lethe_layer_is_moe(c, l)) {
+        *fixed = 3.0 * c->dim * c->ffn_dim, *expert = 0;
+        return;
+    }
+    *expert = 3.0 * c->dim * c->moe_ffn_dim;
+    *fixed = (double)c->dim * c->n_experts + c->n_shared_experts * *expert;
+}
+
+double lethe_model_params_per_token(const lethe_model_config *c) {
+    double p = 0;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        double fixed, expert;
+        ffn_params(c, l, &fixed, &expert);
+        p += attn_params(c) + fixed + c->n_experts_used * expert;
+    }
+    return p;
+}
+
+double lethe_model_params_read(const lethe_model_config *c, double n_tokens) {
+    double p = (double)c->n_vocab * c->dim;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        double fixed, expert;
+        ffn_params(c, l, &fixed, &expert);
+        double used = 0;
+        if (expert > 0) {
+            const double E = c->n_experts, k = c->n_experts_used;
+            used = n_tokens <= 1 ? k : E * (1.0 - pow(1.0 - k / E, n_tokens));
+        }
+        p += attn_params(c) + fixed + used * expert;
+    }
+    return p;
 }
 
 #define SIZE_LIMIT (1 << 24) /* any single dimension: 16M */
@@ -60,6 +120,36 @@ lethe_status lethe_model_config_validate(const lethe_model_config *c, const char
                        "must be in 1..16777216");
         if (c->ffn_dim < 0 || c->ffn_dim > SIZE_LIMIT)
             return bad(source, "ffn_dim (intermediate_size)", c->ffn_dim, "out of range");
+        if (c->moe_step < 1 || c->moe_step > c->n_layers)
+            return bad(source, "decoder_sparse_step", c->moe_step, "must be in 1..n_layers");
+        if (c->moe_first_layer < 0 || c->moe_first_layer > c->n_layers)
+            return bad(source, "first_k_dense_replace", c->moe_first_layer,
+                       "must be in 0..n_layers");
+        if (c->n_shared_experts < 0 || c->n_shared_experts > 64)
+            return bad(source, "n_shared_experts", c->n_shared_experts, "must be in 0..64");
+        if (c->moe_scoring != LETHE_MOE_SOFTMAX && c->moe_scoring != LETHE_MOE_SIGMOID)
+            return bad(source, "moe scoring function", c->moe_scoring, "unknown");
+        if (!(c->moe_scale > 0.0f && c->moe_scale < 1e4f))
+            return lethe_errorf(LETHE_ERR_FORMAT,
+                                "%s: routed_scaling_factor = %g: must be in "
+                                "(0, 1e4)",
+                                source, (double)c->moe_scale);
+        if (c->moe_n_group < 1 || c->n_experts % c->moe_n_group || c->moe_topk_group < 1 ||
+            c->moe_topk_group > c->moe_n_group)
+            return lethe_errorf(LETHE_ERR_FORMAT,
+                                "%s: n_group %d / topk_group %d: n_group must "
+                                "divide n_experts %d and 1 <= topk_group <= n_group",
+                                source, c->moe_n_group, c->moe_topk_group, c->n_experts);
+        if (c->n_experts_used > c->n_experts / c->moe_n_group * c->moe_topk_group)
+            return bad(source, "n_experts_used", c->n_experts_used,
+                       "more than the experts of topk_group groups");
+        for (int32_t i = 0; i < c->n_mlp_only; i++)
+            if (c->mlp_only[i] < 0 || c->mlp_only[i] >= c->n_layers)
+                return bad(source, "mlp_only_layers", c->mlp_only[i], "not a layer index");
+        bool any_dense = c->moe_first_layer > 0 || c->n_mlp_only > 0 || c->moe_step > 1;
+        if (any_dense && c->ffn_dim <= 0)
+            return bad(source, "ffn_dim (intermediate_size)", c->ffn_dim,
+                       "must be positive: some layers are dense");
     } else if (c->ffn_dim <= 0 || c->ffn_dim > SIZE_LIMIT) {
         return bad(source, "ffn_dim (intermediate_size)", c->ffn_dim, "must be in 1..16777216");
     }

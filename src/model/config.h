@@ -30,6 +30,9 @@ typedef struct lethe_rope_config {
 
 #define LETHE_ARCH_NAME_MAX 64
 #define LETHE_MAX_EOS_IDS 8
+#define LETHE_MAX_MLP_ONLY 64
+
+enum { LETHE_MOE_SOFTMAX = 0, LETHE_MOE_SIGMOID = 1 };
 
 typedef struct lethe_model_config {
     char arch[LETHE_ARCH_NAME_MAX]; /* "llama", "qwen2", "qwen3", "qwen3_moe", ... (GGUF spelling) */
@@ -46,10 +49,30 @@ typedef struct lethe_model_config {
     bool tie_embeddings;   /* lm_head shares tok_embd */
     bool qkv_bias;         /* qwen2 */
     bool qk_norm;          /* qwen3: RMSNorm over head_dim of q and k before RoPE */
-    /* MoE (parsed for later families; 0 when dense) */
+    /* MoE (0 experts when dense). Layer l has routed experts when
+     * lethe_layer_is_moe(c, l): l >= moe_first_layer (GLM first_k_dense_replace),
+     * not in mlp_only (qwen3_moe mlp_only_layers) and (l + 1) % moe_step == 0
+     * (qwen3_moe decoder_sparse_step); the other layers run the dense MLP (ffn_dim). */
     int32_t n_experts;
     int32_t n_experts_used;
-    int32_t moe_ffn_dim;
+    int32_t moe_ffn_dim; /* one expert's intermediate size */
+    int32_t
+        n_shared_experts; /* GLM: a dense MLP of n_shared * moe_ffn_dim beside the routed ones */
+    int32_t moe_first_layer;
+    int32_t moe_step; /* >= 1 */
+    int32_t n_mlp_only;
+    int32_t mlp_only[LETHE_MAX_MLP_ONLY];
+    int32_t moe_scoring; /* LETHE_MOE_SOFTMAX (qwen3_moe) / LETHE_MOE_SIGMOID (glm, noaux_tc) */
+    bool moe_norm_topk;  /* norm_topk_prob: chosen weights divided by their sum */
+    float moe_scale;     /* routed_scaling_factor (1 when absent) */
+    int32_t moe_n_group, moe_topk_group; /* group-limited routing (1, 1: none) */
+    /* MLA (glm4_moe_lite; kv_lora_rank 0 = ordinary attention). The KV of a token
+     * is the normed latent [kv_lora_rank] + the RoPE key [qk_rope_dim] shared by
+     * all heads; q/k heads are qk_nope_dim + qk_rope_dim wide, v heads v_head_dim. */
+    int32_t q_lora_rank; /* 0: q = x Wq^T directly */
+    int32_t kv_lora_rank;
+    int32_t qk_nope_dim, qk_rope_dim, v_head_dim;
+    int32_t n_nextn_layers; /* multi-token-prediction layers after n_layers (ignored) */
     /* special tokens from generation_config.json / GGUF metadata; -1 when unknown */
     int32_t bos_id;
     int32_t eos_ids[LETHE_MAX_EOS_IDS];
@@ -58,6 +81,20 @@ typedef struct lethe_model_config {
 } lethe_model_config;
 
 void lethe_model_config_init(lethe_model_config *c); /* zero + sane defaults (-1 ids) */
+
+/* true when layer l has routed experts (see the MoE fields) */
+bool lethe_layer_is_moe(const lethe_model_config *c, int32_t l);
+
+/* Matmul weight elements one token multiplies with (attention and FFN
+ * projections of every layer; a MoE layer counts its router, its k chosen
+ * experts and the shared ones; no lm_head): FLOPs per token = 2 x this. */
+double lethe_model_params_per_token(const lethe_model_config *c);
+/* Weight elements a forward step of n_tokens reads (once each): attention and
+ * dense weights, the lm_head, and per MoE layer the experts the n tokens
+ * choose, counted as the expected number of distinct experts under uniform
+ * routing, E (1 - (1 - k / E)^n) (k at n = 1: decode at batch 1 reads only
+ * the active experts). */
+double lethe_model_params_read(const lethe_model_config *c, double n_tokens);
 
 /* Checks that every field the forward needs is present and consistent.
  * Returns LETHE_ERR_FORMAT naming `source` and the field otherwise. */

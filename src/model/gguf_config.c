@@ -51,6 +51,65 @@ static lethe_status opt_float(const lethe_gguf *g, const char *key, float *out) 
     return LETHE_OK;
 }
 
+/* optional bool key (a BOOL, or an integer 0 / 1) -> *out */
+static lethe_status opt_bool(const lethe_gguf *g, const char *key, bool *out) {
+    const lethe_gguf_kv *kv = lethe_gguf_find(g, key);
+    if (!kv) return LETHE_OK;
+    if (kv->type == LETHE_GGUF_BOOL) {
+        *out = kv->v.u64 != 0;
+        return LETHE_OK;
+    }
+    int32_t v = 0;
+    lethe_status s = opt_int(g, key, &v);
+    if (s) return s;
+    *out = v != 0;
+    return LETHE_OK;
+}
+
+/* llama.cpp's MoE and MLA keys (qwen3moe, deepseek2 which also carries GLM-4.7-Flash) */
+static lethe_status read_moe_keys(const lethe_gguf *g, lethe_model_config *c) {
+    char key[LETHE_ARCH_NAME_MAX + 64];
+#define K(suffix) (snprintf(key, sizeof(key), "%s." suffix, c->arch), key)
+    lethe_status s;
+    /* llama.cpp normalizes qwen3moe's top-k weights unconditionally */
+    c->moe_norm_topk = !strcmp(c->arch, "qwen3moe");
+    if ((s = opt_bool(g, K("expert_weights_norm"), &c->moe_norm_topk))) return s;
+    if ((s = opt_float(g, K("expert_weights_scale"), &c->moe_scale))) return s;
+    if (c->moe_scale == 0.0f) c->moe_scale = 1.0f; /* written as 0 when unused */
+    if ((s = opt_int(g, K("expert_shared_count"), &c->n_shared_experts))) return s;
+    if ((s = opt_int(g, K("leading_dense_block_count"), &c->moe_first_layer))) return s;
+    if ((s = opt_int(g, K("expert_group_count"), &c->moe_n_group))) return s;
+    if ((s = opt_int(g, K("expert_group_used_count"), &c->moe_topk_group))) return s;
+    if (c->moe_n_group <= 0) c->moe_n_group = c->moe_topk_group = 1;
+    int32_t gating = 0; /* llama.cpp: 1 softmax, 2 sigmoid */
+    if ((s = opt_int(g, K("expert_gating_func"), &gating))) return s;
+    if (gating == 2) c->moe_scoring = LETHE_MOE_SIGMOID;
+    else if (gating > 2)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                            "%s: %s = %d is not supported (1 softmax, "
+                            "2 sigmoid)",
+                            g->path, key, gating);
+    if ((s = opt_int(g, K("attention.q_lora_rank"), &c->q_lora_rank))) return s;
+    if ((s = opt_int(g, K("attention.kv_lora_rank"), &c->kv_lora_rank))) return s;
+    if (c->kv_lora_rank > 0) {
+        /* key_length = nope + rope, value_length = v head, rope.dimension_count = rope
+         * (the *_mla variants when the file splits kv_b into k_b / v_b) */
+        int32_t kl = 0, vl = 0, rd = 0;
+        if ((s = opt_int(g, K("attention.key_length"), &kl))) return s;
+        if ((s = opt_int(g, K("attention.key_length_mla"), &kl))) return s;
+        if ((s = opt_int(g, K("attention.value_length"), &vl))) return s;
+        if ((s = opt_int(g, K("attention.value_length_mla"), &vl))) return s;
+        if ((s = opt_int(g, K("rope.dimension_count"), &rd))) return s;
+        c->qk_rope_dim = rd;
+        c->qk_nope_dim = kl - rd;
+        c->v_head_dim = vl;
+        c->head_dim = rd;
+        if ((s = opt_int(g, K("nextn_predict_layers"), &c->n_nextn_layers))) return s;
+    }
+#undef K
+    return LETHE_OK;
+}
+
 static void push_eos(lethe_model_config *c, int32_t id) {
     if (id < 0) return;
     for (int i = 0; i < c->n_eos_ids; i++)
@@ -156,6 +215,7 @@ lethe_status lethe_gguf_config_load(const lethe_gguf *g, lethe_model_config *c) 
     }
     if (c->n_heads > 0 && c->dim % c->n_heads == 0) c->head_dim = c->dim / c->n_heads;
     if ((s = opt_int(g, K("attention.key_length"), &c->head_dim))) return s;
+    if ((s = read_moe_keys(g, c))) return s;
     if (c->head_dim <= 0)
         return lethe_errorf(LETHE_ERR_FORMAT, "%s: embedding_length %d is not a multiple of "
                             "head_count %d and %s is absent", g->path, c->dim, c->n_heads,
@@ -216,6 +276,22 @@ lethe_status lethe_gguf_config_load(const lethe_gguf *g, lethe_model_config *c) 
             c->n_vocab = (int32_t)emb->ne[1];
     }
 
+    /* a MoE file's layer without a router but with a dense FFN is dense (HF
+     * mlp_only_layers; llama.cpp's own files route every layer after the
+     * leading dense blocks) */
+    for (int32_t l = c->moe_first_layer; c->n_experts > 0 && l < c->n_layers; l++) {
+        char r[64], d[64];
+        snprintf(r, sizeof(r), "blk.%d.ffn_gate_inp.weight", l);
+        snprintf(d, sizeof(d), "blk.%d.ffn_gate.weight", l);
+        if (!lethe_gguf_find_tensor(g, r) && lethe_gguf_find_tensor(g, d)) {
+            if (c->n_mlp_only == LETHE_MAX_MLP_ONLY)
+                return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                                    "%s: more than %d dense layers among "
+                                    "the MoE layers",
+                                    g->path, LETHE_MAX_MLP_ONLY);
+            c->mlp_only[c->n_mlp_only++] = l;
+        }
+    }
     c->tie_embeddings = lethe_gguf_find_tensor(g, "output.weight") == NULL;
     c->qkv_bias = lethe_gguf_find_tensor(g, "blk.0.attn_q.bias") != NULL;
     c->qk_norm = lethe_gguf_find_tensor(g, "blk.0.attn_q_norm.weight") != NULL;

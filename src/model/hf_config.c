@@ -164,6 +164,65 @@ static lethe_status read_rope(const cJSON *o, const char *path, lethe_model_conf
                         path, rs_key, type);
 }
 
+/* routing details and the layers that stay dense (qwen3_moe, glm4_moe_lite),
+ * and the MLA dimensions (glm4_moe_lite) */
+static lethe_status read_moe(const cJSON *o, const char *path, lethe_model_config *c) {
+    lethe_status s;
+    if ((s = jint(o, "decoder_sparse_step", false, path, &c->moe_step))) return s;
+    if ((s = jint(o, "first_k_dense_replace", false, path, &c->moe_first_layer))) return s;
+    if ((s = jint(o, "n_shared_experts", false, path, &c->n_shared_experts))) return s;
+    if ((s = jbool(o, "norm_topk_prob", path, &c->moe_norm_topk))) return s;
+    if ((s = jfloat(o, "routed_scaling_factor", false, path, &c->moe_scale))) return s;
+    if ((s = jint(o, "n_group", false, path, &c->moe_n_group))) return s;
+    if ((s = jint(o, "topk_group", false, path, &c->moe_topk_group))) return s;
+    const cJSON *ml = get(o, "mlp_only_layers");
+    if (ml && !cJSON_IsNull(ml)) {
+        if (!cJSON_IsArray(ml))
+            return lethe_errorf(LETHE_ERR_FORMAT,
+                                "%s: key 'mlp_only_layers' must be a list of "
+                                "layer indices (got %s)",
+                                path, json_type_name(ml));
+        const cJSON *it;
+        cJSON_ArrayForEach(it, ml) {
+            if (c->n_mlp_only == LETHE_MAX_MLP_ONLY)
+                return lethe_errorf(LETHE_ERR_UNSUPPORTED, "%s: more than %d mlp_only_layers", path,
+                                    LETHE_MAX_MLP_ONLY);
+            if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
+                return lethe_errorf(LETHE_ERR_FORMAT,
+                                    "%s: key 'mlp_only_layers' must be a list "
+                                    "of integers",
+                                    path);
+            c->mlp_only[c->n_mlp_only++] = (int32_t)it->valuedouble;
+        }
+    }
+    const cJSON *sf = get(o, "scoring_func");
+    if (cJSON_IsString(sf)) {
+        if (!strcmp(sf->valuestring, "sigmoid")) c->moe_scoring = LETHE_MOE_SIGMOID;
+        else if (!strcmp(sf->valuestring, "softmax")) c->moe_scoring = LETHE_MOE_SOFTMAX;
+        else
+            return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                                "%s: scoring_func '%s' is not supported "
+                                "(supported: softmax, sigmoid)",
+                                path, sf->valuestring);
+    } else if (!strcmp(c->arch, "glm4_moe_lite") || !strcmp(c->arch, "glm4_moe") ||
+               !strcmp(c->arch, "deepseek_v3")) {
+        c->moe_scoring = LETHE_MOE_SIGMOID; /* the family's router, also without the key */
+    }
+    const cJSON *tm = get(o, "topk_method");
+    if (cJSON_IsString(tm) && strcmp(tm->valuestring, "noaux_tc") &&
+        strcmp(tm->valuestring, "greedy"))
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                            "%s: topk_method '%s' is not supported "
+                            "(supported: noaux_tc, greedy)",
+                            path, tm->valuestring);
+    if ((s = jint(o, "q_lora_rank", false, path, &c->q_lora_rank))) return s;
+    if ((s = jint(o, "kv_lora_rank", false, path, &c->kv_lora_rank))) return s;
+    if ((s = jint(o, "qk_nope_head_dim", false, path, &c->qk_nope_dim))) return s;
+    if ((s = jint(o, "qk_rope_head_dim", false, path, &c->qk_rope_dim))) return s;
+    if ((s = jint(o, "v_head_dim", false, path, &c->v_head_dim))) return s;
+    return jint(o, "num_nextn_predict_layers", false, path, &c->n_nextn_layers);
+}
+
 static lethe_status read_config(const cJSON *root, const char *path, lethe_model_config *c) {
     const cJSON *mt = get(root, "model_type");
     if (!mt) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing key 'model_type'", path);
@@ -200,12 +259,16 @@ static lethe_status read_config(const cJSON *root, const char *path, lethe_model
         return lethe_errorf(LETHE_ERR_FORMAT, "%s: hidden_size %d is not a multiple of "
                             "num_attention_heads %d and 'head_dim' is absent",
                             path, c->dim, c->n_heads);
-    /* MoE: qwen3_moe spells num_experts, deepseek/glm n_routed_experts */
+    /* MoE: qwen3_moe spells num_experts, deepseek/glm n_routed_experts, files written by
+     * transformers 5 num_local_experts */
     if ((s = jint(o, "num_experts", false, path, &c->n_experts))) return s;
     if ((s = jint(o, "n_routed_experts", false, path, &c->n_experts))) return s;
+    if ((s = jint(o, "num_local_experts", false, path, &c->n_experts)))
+        return s; /* transformers 5 */
     if ((s = jint(o, "num_experts_per_tok", false, path, &c->n_experts_used))) return s;
     if ((s = jint(o, "moe_intermediate_size", false, path, &c->moe_ffn_dim))) return s;
     if ((s = jint(o, "intermediate_size", c->n_experts == 0, path, &c->ffn_dim))) return s;
+    if ((s = read_moe(o, path, c))) return s;
     if ((s = read_rope(o, path, c))) return s;
 
     if (!strcmp(c->arch, "qwen2")) c->qkv_bias = true;

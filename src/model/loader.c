@@ -46,6 +46,8 @@ typedef struct weight_spec {
     int64_t rows, cols;     /* cols == 0: vector [rows] */
     lethe_dummy_kind kind;
     int32_t permute_heads;  /* GGUF llama Q/K: heads to un-permute (0 = none) */
+    int64_t stack;          /* > 0: experts [stack, rows, cols]; HF name has a %d for the
+                             * expert (one tensor each), GGUF one 3-D tensor */
 } weight_spec;
 
 typedef struct source {
@@ -126,11 +128,59 @@ static int add_spec(weight_spec *s, int n, void **slot, const char *gguf, const 
     return n + 1;
 }
 
+static int64_t spec_elems(const weight_spec *w) {
+    return (w->stack ? w->stack : 1) * w->rows * (w->cols ? w->cols : 1);
+}
+
+/* the feed-forward part of layer l: dense SwiGLU, or router + experts (+ shared experts) */
+static int add_ffn_specs(weight_spec *s, int n, const lethe_model_config *c, int32_t l,
+                         lethe_layer_weights *L) {
+    const int64_t dim = c->dim, E = c->n_experts, mf = c->moe_ffn_dim;
+    char g[64], h[96];
+#define F(slot, gn, hn, r, cc, kind, st)                             \
+    do {                                                             \
+        snprintf(g, sizeof(g), "blk.%d." gn, l);                     \
+        snprintf(h, sizeof(h), "model.layers.%d." hn, l);            \
+        n = add_spec(s, n, (void **)&L->slot, g, h, r, cc, kind, 0); \
+        s[n - 1].stack = st;                                         \
+    } while (0)
+    if (!lethe_layer_is_moe(c, l)) {
+        F(w_gate, "ffn_gate.weight", "mlp.gate_proj.weight", c->ffn_dim, dim, LETHE_DUMMY_MATRIX,
+          0);
+        F(w_up, "ffn_up.weight", "mlp.up_proj.weight", c->ffn_dim, dim, LETHE_DUMMY_MATRIX, 0);
+        F(w_down, "ffn_down.weight", "mlp.down_proj.weight", dim, c->ffn_dim, LETHE_DUMMY_MATRIX,
+          0);
+        return n;
+    }
+    F(router, "ffn_gate_inp.weight", "mlp.gate.weight", E, dim, LETHE_DUMMY_MATRIX, 0);
+    if (c->moe_scoring == LETHE_MOE_SIGMOID)
+        F(router_bias, "exp_probs_b.bias", "mlp.gate.e_score_correction_bias", E, 0,
+          LETHE_DUMMY_BIAS, 0);
+    /* %%d survives the first snprintf as the expert's %d */
+    F(exp_gate, "ffn_gate_exps.weight", "mlp.experts.%%d.gate_proj.weight", mf, dim,
+      LETHE_DUMMY_MATRIX, E);
+    F(exp_up, "ffn_up_exps.weight", "mlp.experts.%%d.up_proj.weight", mf, dim, LETHE_DUMMY_MATRIX,
+      E);
+    F(exp_down, "ffn_down_exps.weight", "mlp.experts.%%d.down_proj.weight", dim, mf,
+      LETHE_DUMMY_MATRIX, E);
+    if (c->n_shared_experts > 0) {
+        const int64_t sf = mf * c->n_shared_experts;
+        F(sh_gate, "ffn_gate_shexp.weight", "mlp.shared_experts.gate_proj.weight", sf, dim,
+          LETHE_DUMMY_MATRIX, 0);
+        F(sh_up, "ffn_up_shexp.weight", "mlp.shared_experts.up_proj.weight", sf, dim,
+          LETHE_DUMMY_MATRIX, 0);
+        F(sh_down, "ffn_down_shexp.weight", "mlp.shared_experts.down_proj.weight", dim, sf,
+          LETHE_DUMMY_MATRIX, 0);
+    }
+#undef F
+    return n;
+}
+
 static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
     const lethe_model_config *c = &m->cfg;
     const int64_t dim = c->dim, hd = c->head_dim, qd = (int64_t)c->n_heads * hd,
-                  kvd = (int64_t)c->n_kv_heads * hd, ff = c->ffn_dim;
-    weight_spec *s = lethe_xcalloc((size_t)c->n_layers * 14 + 3, sizeof(weight_spec));
+                  kvd = (int64_t)c->n_kv_heads * hd;
+    weight_spec *s = lethe_xcalloc((size_t)c->n_layers * 24 + 3, sizeof(weight_spec));
     int n = 0;
     n = add_spec(s, n, &m->w.tok_embd, "token_embd.weight", "model.embed_tokens.weight",
                  c->n_vocab, dim, LETHE_DUMMY_EMBED, 0);
@@ -166,9 +216,7 @@ static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
         W(wo, "attn_output.weight", "self_attn.o_proj.weight", dim, qd, LETHE_DUMMY_MATRIX, 0);
         W(ffn_norm, "ffn_norm.weight", "post_attention_layernorm.weight", dim, 0,
           LETHE_DUMMY_NORM, 0);
-        W(w_gate, "ffn_gate.weight", "mlp.gate_proj.weight", ff, dim, LETHE_DUMMY_MATRIX, 0);
-        W(w_up, "ffn_up.weight", "mlp.up_proj.weight", ff, dim, LETHE_DUMMY_MATRIX, 0);
-        W(w_down, "ffn_down.weight", "mlp.down_proj.weight", dim, ff, LETHE_DUMMY_MATRIX, 0);
+        n = add_ffn_specs(s, n, c, l, L);
 #undef W
     }
     *n_out = n;
@@ -185,8 +233,9 @@ static void shape_str(char *buf, size_t n, int nd, const int64_t *d) {
 static lethe_status shape_mismatch(const char *path, const char *name, const weight_spec *w,
                                    int nd, const int64_t *found) {
     char e[64], f[96];
-    int64_t exp[2] = {w->rows, w->cols};
-    shape_str(e, sizeof(e), w->cols ? 2 : 1, exp);
+    int64_t exp[3] = {w->stack, w->rows, w->cols};
+    const bool stacked = w->stack && nd == 3; /* a GGUF expert tensor: [experts, rows, cols] */
+    shape_str(e, sizeof(e), stacked ? 3 : w->cols ? 2 : 1, stacked ? exp : exp + 1);
     shape_str(f, sizeof(f), nd, found);
     return lethe_errorf(LETHE_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s from the "
                         "config", path, name, f, e);
@@ -204,8 +253,24 @@ static void unpermute_rows(float *dst, const float *src, int64_t rows, int64_t c
 }
 
 /* Fills buf (n = rows * max(cols,1) floats) with tensor w from the source. */
+/* stacked experts from one tensor per expert (HF) into buf [stack, rows, cols] */
+static lethe_status fetch_hf_stack(source *src, const weight_spec *w, float *buf) {
+    const uint64_t per = (uint64_t)w->rows * (uint64_t)w->cols;
+    for (int64_t e = 0; e < w->stack; e++) {
+        char name[128];
+        snprintf(name, sizeof(name), w->hf, (int)e);
+        const lethe_st_tensor *t = lethe_st_find(&src->st, name);
+        if (!t) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing tensor '%s'", src->path, name);
+        if (!(t->n_dims == 2 && t->shape[0] == w->rows && t->shape[1] == w->cols))
+            return shape_mismatch(src->path, name, w, t->n_dims, t->shape);
+        lethe_status s = lethe_st_to_f32(&src->st, t, buf + (uint64_t)e * per);
+        if (s) return s;
+    }
+    return LETHE_OK;
+}
+
 static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *tmp) {
-    uint64_t n = (uint64_t)w->rows * (uint64_t)(w->cols ? w->cols : 1);
+    uint64_t n = (uint64_t)spec_elems(w);
     if (src->fmt == LETHE_LOAD_DUMMY) {
         lethe_dummy_fill(buf, n, w->kind, w->cols ? w->cols : w->rows, src->seed, w->hf);
         return LETHE_OK;
@@ -218,8 +283,10 @@ static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *
         int64_t found[4];
         int nd = (int)t->n_dims;
         for (int i = 0; i < nd; i++) found[i] = (int64_t)t->ne[nd - 1 - i]; /* to [rows, cols] */
-        bool ok = w->cols ? (nd == 2 && found[0] == w->rows && found[1] == w->cols)
-                          : (nd == 1 && found[0] == w->rows);
+        bool ok = w->stack  ? (nd == 3 && found[0] == w->stack && found[1] == w->rows &&
+                              found[2] == w->cols)
+                  : w->cols ? (nd == 2 && found[0] == w->rows && found[1] == w->cols)
+                            : (nd == 1 && found[0] == w->rows);
         if (!ok) return shape_mismatch(src->path, w->gguf, w, nd, found);
         float *dst = w->permute_heads ? tmp : buf;
         if ((s = lethe_ggml_dequantize(t->type, t->data, dst, n))) {
@@ -236,6 +303,7 @@ static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *
         }
         return LETHE_OK;
     }
+    if (w->stack) return fetch_hf_stack(src, w, buf);
     const lethe_st_tensor *t = lethe_st_find(&src->st, w->hf);
     if (!t) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing tensor '%s'", src->path, w->hf);
     bool ok = w->cols ? (t->n_dims == 2 && t->shape[0] == w->rows && t->shape[1] == w->cols)
@@ -261,7 +329,7 @@ static lethe_status load_weights(lethe_model *m, source *src, bool show) {
     uint64_t max_n = 0, max_perm = 0;
     double total_mb = 0;
     for (int i = 0; i < n; i++) {
-        uint64_t e = (uint64_t)specs[i].rows * (uint64_t)(specs[i].cols ? specs[i].cols : 1);
+        uint64_t e = (uint64_t)spec_elems(&specs[i]);
         max_n = LETHE_MAX(max_n, e);
         if (specs[i].permute_heads) max_perm = LETHE_MAX(max_perm, e);
         total_mb += (double)e * 4 / 1e6;
@@ -275,7 +343,7 @@ static lethe_status load_weights(lethe_model *m, source *src, bool show) {
     double t0 = lethe_time_s(), last = 0, mb = 0;
     for (int i = 0; i < n && !s; i++) {
         const weight_spec *w = &specs[i];
-        size_t e = (size_t)w->rows * (size_t)(w->cols ? w->cols : 1);
+        size_t e = (size_t)spec_elems(w);
         if ((s = fetch(src, w, buf, tmp))) break;
         if ((s = m->be->ops->weight_upload(m->be, buf, e, w->slot))) break;
         mb += (double)e * 4 / 1e6;
@@ -359,8 +427,11 @@ void lethe_model_free(lethe_model *m) {
             if (g[i]) be->ops->release(be, g[i]);
         for (int32_t l = 0; m->w.layers && l < m->cfg.n_layers; l++) {
             lethe_layer_weights *L = &m->w.layers[l];
-            void *lw[] = {L->attn_norm, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv, L->q_norm,
-                          L->k_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+            void *lw[] = {L->attn_norm,   L->wq,       L->wk,     L->wv,       L->bq,
+                          L->bk,          L->bv,       L->q_norm, L->k_norm,   L->wo,
+                          L->ffn_norm,    L->w_gate,   L->w_up,   L->w_down,   L->router,
+                          L->router_bias, L->exp_gate, L->exp_up, L->exp_down, L->sh_gate,
+                          L->sh_up,       L->sh_down};
             for (size_t i = 0; i < LETHE_ARRAY_LEN(lw); i++)
                 if (lw[i]) be->ops->release(be, lw[i]);
         }

@@ -31,6 +31,13 @@ typedef struct lethe_layer_weights {
     void *ffn_norm;             /* [dim] */
     void *w_gate, *w_up;        /* [ffn_dim, dim] */
     void *w_down;               /* [dim, ffn_dim] */
+    /* MoE layers (lethe_layer_is_moe) have these instead of w_gate/w_up/w_down */
+    void *router;            /* [n_experts, dim] */
+    void *router_bias;       /* [n_experts] sigmoid routing's selection bias */
+    void *exp_gate, *exp_up; /* [n_experts, moe_ffn_dim, dim] */
+    void *exp_down;          /* [n_experts, dim, moe_ffn_dim] */
+    void *sh_gate, *sh_up;   /* shared experts [n_shared * moe_ffn_dim, dim] */
+    void *sh_down;           /* [dim, n_shared * moe_ffn_dim] */
 } lethe_layer_weights;
 
 typedef struct lethe_weights {
@@ -160,9 +167,9 @@ void lethe_model_workspace_free(lethe_model *m);
 void lethe_model_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
                          void *const *v_cache, const lethe_fwd_hooks *hooks, float *logits_out);
 
-/* Families: one file each (arch_llama.c serves llama, qwen2, qwen3). */
+/* Families: one file each (arch_llama.c serves llama, qwen2, qwen3, qwen3_moe). */
 struct lethe_arch {
-    const char *names[4];       /* GGUF/HF spellings this family serves, NULL-terminated */
+    const char *names[8]; /* GGUF/HF spellings this family serves, NULL-terminated */
     /* checks config fields the family needs; names what is unsupported otherwise */
     lethe_status (*check)(const lethe_model_config *c);
     lethe_status (*workspace_init)(lethe_model *m, int32_t n_tokens_max);

@@ -39,8 +39,22 @@ File format of tests/data/hf-ref/*.bin ("named arrays", little-endian):
      per array: u32 name_len, name (ASCII, no NUL), u32 dtype (0 = f32, 1 = i32),
                 u32 ndim, u32 shape[ndim], then prod(shape) elements.
 
-Needs: torch, transformers, gguf, safetensors, accelerate (GGUF loading).
-Run from anywhere: python3 tests/gen/gen_model_fixtures.py [tiny] [smollm2]
+1b. Tiny mixture-of-experts checkpoints (`moe`), published layouts (one tensor per
+   expert), with the same 3 sequences' logits plus `greedy` i32 [64] / `greedy_gap`
+   f32 [64] (generate() continuing seq0):
+     tests/data/tiny-qwen3-moe/  qwen3_moe: 8 experts, 2 per token, normalized top-k,
+                                 layer 1 dense (mlp_only_layers)
+     tests/data/tiny-glm4-moe-lite/  glm4_moe_lite: MLA (q/kv low rank, interleaved RoPE
+                                 key shared by the heads), sigmoid routing with a
+                                 selection bias in 2 groups (1 kept), a shared expert,
+                                 routed scaling 1.8, layer 0 dense, plus an unused
+                                 multi-token-prediction layer (num_nextn_predict_layers 1)
+
+Needs: torch, transformers (>= 5: qwen3_moe, glm4_moe_lite), gguf, safetensors,
+accelerate (GGUF loading), in tests/gen/.venv (ignored):
+  python3 -m venv tests/gen/.venv && tests/gen/.venv/bin/pip install torch transformers \
+      safetensors gguf accelerate
+Run from anywhere: tests/gen/.venv/bin/python tests/gen/gen_model_fixtures.py [tiny] [moe] [smollm2]
 """
 import json
 import os
@@ -158,6 +172,141 @@ def gen_tiny():
             print(f"  {fam}/{f}: {os.path.getsize(os.path.join(out_dir, f))} bytes")
 
 
+# ---- 1b. tiny mixture-of-experts / latent-attention checkpoints ------------------------
+
+MOE_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  max_position_embeddings=160, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+
+
+def moe_configs():
+    from transformers import Glm4MoeLiteConfig, Qwen3MoeConfig
+    return {
+        # layer 1 dense (mlp_only_layers), layers 0 and 2 routed: 8 experts, 2 per token
+        "qwen3-moe": Qwen3MoeConfig(**MOE_COMMON, num_key_value_heads=2, head_dim=32,
+                                    intermediate_size=96, moe_intermediate_size=32,
+                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                    decoder_sparse_step=1, mlp_only_layers=[1],
+                                    rope_theta=1000000.0),
+        # MLA (q_lora 32, kv_lora 32, nope 16 + rope 8 interleaved, v 16), layer 0 dense, then
+        # 8 routed experts in 2 groups (1 kept), 2 per token, 1 shared, scaling 1.8
+        "glm4-moe-lite": Glm4MoeLiteConfig(**MOE_COMMON, num_key_value_heads=4,
+                                           intermediate_size=96, moe_intermediate_size=32,
+                                           n_routed_experts=8, n_shared_experts=1,
+                                           num_experts_per_tok=2, n_group=2, topk_group=1,
+                                           routed_scaling_factor=1.8, norm_topk_prob=True,
+                                           q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                           qk_rope_head_dim=8, v_head_dim=16,
+                                           rope_interleave=True, rope_theta=10000.0),
+    }
+
+
+def redraw_moe(model, seed):
+    """O(1) activations as redraw_weights, with 3-D expert tensors [E, out, in] scaled by
+    their own fan-in, and a router with spread-out logits so that routing is decisive."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(2.0 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def split_experts(out_dir):
+    """transformers 5 saves routed experts fused ([E, 2F, D] gate_up_proj, [E, D, F]
+    down_proj); published checkpoints (Qwen3-30B-A3B, GLM-4.7-Flash) keep one tensor per
+    expert and projection (mlp.experts.<e>.{gate,up,down}_proj.weight). Rewrites the
+    file in the published layout, which transformers reads back (its conversion map)."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(out_dir, "model.safetensors")
+    t = load_file(path)
+    out = {}
+    for k, v in t.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            pre = k[: -len("gate_up_proj")]
+            f = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"] = v[e, :f].contiguous()
+                out[f"{pre}{e}.up_proj.weight"] = v[e, f:].contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            pre = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    save_file(out, path, metadata={"format": "pt"})
+
+
+def add_nextn_layer(out_dir, cfg):
+    """Published GLM-4.7-Flash checkpoints carry a multi-token-prediction layer after the
+    decoder layers (model.layers.<n_layers>.*, num_nextn_predict_layers 1) that
+    generation does not use; transformers skips it on load. Adds one (random) so the
+    loaders' handling of it is tested."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(out_dir, "model.safetensors")
+    t = load_file(path)
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    g = torch.Generator().manual_seed(77)
+    for name in ("enorm.weight", "hnorm.weight", "input_layernorm.weight"):
+        t[f"model.layers.{n}.{name}"] = torch.ones(d)
+    t[f"model.layers.{n}.eh_proj.weight"] = torch.randn(d, 2 * d, generator=g)
+    save_file(t, path, metadata={"format": "pt"})
+    c = json.load(open(os.path.join(out_dir, "config.json")))
+    c["num_nextn_predict_layers"] = 1
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def gen_moe():
+    from transformers import AutoModelForCausalLM
+    for i, (fam, cfg) in enumerate(moe_configs().items()):
+        torch.manual_seed(300 + i)
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        redraw_moe(model, 3000 + i)
+        out_dir = os.path.join(DATA, f"tiny-{fam}")
+        model.save_pretrained(out_dir, safe_serialization=True)
+        model.generation_config.save_pretrained(out_dir)
+        split_experts(out_dir)
+        if fam == "glm4-moe-lite":
+            add_nextn_layer(out_dir, cfg)
+        model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+        g = torch.Generator().manual_seed(4000 + i)
+        arrays = []
+        for s, n in enumerate((20, 45, 70)):
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g)
+            with torch.no_grad():
+                logits = model(ids).logits[0].float().numpy()
+            arrays += [(f"seq{s}.tokens", ids[0].numpy().astype(np.int32)),
+                       (f"seq{s}.logits", logits.astype(np.float32))]
+        # greedy continuation of the first sequence, EOS does not stop it
+        ids = torch.tensor(arrays[0][1][None].astype(np.int64))
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_GEN,
+                             min_new_tokens=0, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        greedy = gen.sequences[0, ids.shape[1]:]
+        assert greedy.shape[0] == N_GEN, greedy.shape
+        g2 = torch.topk(torch.stack([x[0] for x in gen.scores]).float(), 2, dim=-1).values
+        arrays += [("greedy", greedy.numpy().astype(np.int32)),
+                   ("greedy_gap", (g2[:, 0] - g2[:, 1]).numpy().astype(np.float32))]
+        print(f"{fam}: greedy min gap {float((g2[:, 0] - g2[:, 1]).min()):.2e}")
+        write_arrays(os.path.join(REF, f"tiny-{fam}.bin"), arrays)
+        for f in sorted(os.listdir(out_dir)):
+            print(f"  {fam}/{f}: {os.path.getsize(os.path.join(out_dir, f))} bytes")
+
+
 # ---- 2. SmolLM2-135M --------------------------------------------------------------
 
 def speech_prompt(tok, min_tokens=2000):
@@ -225,9 +374,11 @@ def gen_smollm2():
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["tiny", "smollm2"]
+    what = sys.argv[1:] or ["tiny", "moe", "smollm2"]
     os.makedirs(REF, exist_ok=True)
     if "tiny" in what:
         gen_tiny()
+    if "moe" in what:
+        gen_moe()
     if "smollm2" in what:
         gen_smollm2()

@@ -1,14 +1,14 @@
 /* test_cuda_model.c - the model forward on the CUDA backend, end to end.
  *
- *  1. Tiny random HF checkpoints (tests/data/tiny-{llama,qwen2,qwen3}: llama3
- *     RoPE scaling, qkv bias, q/k norm, head_dim 16) on CUDA vs the CPU
+ *  1. Tiny random HF checkpoints (tests/data/tiny-{llama,qwen2,qwen3,qwen3-moe}:
+ *     llama3 RoPE scaling, qkv bias, q/k norm, head_dim 16, routed experts) on CUDA vs the CPU
  *     backend (itself checked against transformers by test_model_hf): two
  *     sequences prefilled together in one ragged batch (one of them in two
  *     chunks, the second extending its cached prefix), then greedy decode
  *     steps of both; every logits row within bf16 error (relative error
  *     <= 3e-2) and the same argmax wherever the CPU's top-2 gap is clear.
- *  2. A dummy Llama-3.1-8B-shaped model (configs/llama-3.1-8b-instruct,
- *     random weights): greedy generation of a batch of 4 for 24 steps,
+ *  2. Dummy Llama-3.1-8B- and Qwen3-30B-A3B-shaped models (configs/, random
+ *     weights): greedy generation of a batch of 4 for 24 steps,
  *     eager decode vs CUDA-graph decode (lethe_model_forward_uniform),
  *     identical tokens and bit-identical logits; the graph path must have
  *     actually replayed.
@@ -167,6 +167,7 @@ static void test_tiny(void) {
     tiny_vs_cpu("tests/data/tiny-llama", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-qwen2", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-qwen3", cpu, gpu);
+    tiny_vs_cpu("tests/data/tiny-qwen3-moe", cpu, gpu);
     lethe_backend_destroy(gpu);
     lethe_backend_destroy(cpu);
 }
@@ -215,13 +216,12 @@ static void greedy(lethe_model *m, bool graph, int B, int steps, int32_t *out_to
     free(st), free(gs), free(lg);
 }
 
-static void test_graph_llama8b(void) {
+static void graph_vs_eager(const char *config, const char *name) {
     lethe_backend_params pg = {.device = "cuda"};
     lethe_backend *gpu;
     CHECK_MSG(lethe_backend_create(&pg, &gpu) == LETHE_OK, "%s", lethe_last_error());
     lethe_model m = {0};
-    lethe_model_load_params lp = {.path = "configs/llama-3.1-8b-instruct/config.json",
-                                  .format = LETHE_LOAD_DUMMY, .seed = 5};
+    lethe_model_load_params lp = {.path = config, .format = LETHE_LOAD_DUMMY, .seed = 5};
     CHECK_MSG(lethe_model_load(&lp, gpu, &m) == LETHE_OK, "%s", lethe_last_error());
     CHECK(lethe_model_workspace_init(&m, 256) == LETHE_OK);
     const int B = 4, steps = 24, V = m.cfg.n_vocab;
@@ -238,14 +238,24 @@ static void test_graph_llama8b(void) {
     int distinct = 0;
     for (int i = 1; i < steps * B; i++) distinct += te[i] != te[0];
     CHECK(distinct > 0); /* a real generation, not a constant */
-    fprintf(stderr, "    llama-3.1-8b dummy: %d greedy tokens identical eager vs graph\n", steps * B);
+    fprintf(stderr, "    %s dummy: %d greedy tokens identical eager vs graph\n", name, steps * B);
     free(te), free(tg), free(le), free(lgr);
     lethe_model_free(&m);
     lethe_backend_destroy(gpu);
 }
 
+static void test_graph_llama8b(void) {
+    graph_vs_eager("configs/llama-3.1-8b-instruct/config.json", "llama-3.1-8b");
+}
+
+/* routed experts (moe.cu decode path) inside the captured graph */
+static void test_graph_qwen3_30b_a3b(void) {
+    graph_vs_eager("configs/qwen3-30b-a3b/config.json", "qwen3-30b-a3b");
+}
+
 int main(void) {
     TEST_RUN(test_graph_llama8b);
+    TEST_RUN(test_graph_qwen3_30b_a3b);
     TEST_RUN(test_tiny);
     fprintf(stderr, "test_cuda_model: all passed\n");
     return 0;

@@ -138,6 +138,7 @@ static const lethe_backend_ops cpu_ops = {
     .sample = lethe_cpu_sample,
     .topk = lethe_cpu_topk,
     .select_expand = lethe_cpu_select_expand,
+    .moe = lethe_cpu_moe,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

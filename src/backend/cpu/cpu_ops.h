@@ -13,6 +13,7 @@
  *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
  *   pages.c        Quest page bounds: page_minmax, page_scores
  *   sample.c       the sample op (and the row function the host sampler uses)
+ *   moe.c          mixture-of-experts FFN: routing, expert-sorted SwiGLU, weighted sum
  *
  * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
  * and each output element is computed by the same sequence of float
@@ -71,6 +72,12 @@ void lethe_cpu_select_expand(lethe_backend *be, int32_t *out, const int32_t *row
                              const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                              int32_t unit);
 void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a);
+/* moe.c: routing + expert FFNs (backend.h lethe_moe_args); the routing of one
+ * token alone (ids, wts [k]), also the reference of the CUDA comparison test */
+void lethe_cpu_moe(lethe_backend *be, const lethe_moe_args *a);
+void lethe_cpu_moe_route_row(const float *logits, const float *bias, int32_t n_experts, int32_t k,
+                             int32_t scoring, bool norm_topk, float scale, int32_t n_group,
+                             int32_t topk_group, int32_t *ids, float *wts);
 void lethe_cpu_sample_free(lethe_cpu_ctx *c);
 
 /* RoPE inverse frequencies [head_dim/2] exactly as HF computes them in fp32

@@ -519,6 +519,8 @@ static const lethe_backend_ops cuda_ops = {
     /* device-side selection (select.cu) */
     /* .topk */ lethe_cuda_topk,
     /* .select_expand */ lethe_cuda_select_expand,
+    /* mixture of experts (moe.cu) */
+    /* .moe */ lethe_cuda_moe,
 };
 
 #define INIT_CHECK(call, what)                                                              \

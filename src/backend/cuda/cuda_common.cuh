@@ -28,7 +28,8 @@
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
  *   pages.cu         Quest page bounds: page_minmax, page_scores
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
- *   select.cu        device-side selection: segmented exact top-k, select_expand */
+ *   select.cu        device-side selection: segmented exact top-k, select_expand
+ *   moe.cu           mixture-of-experts FFN: routing, expert sort, expert GEMV / cuBLAS GEMMs */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
 #define LETHE_BACKEND_CUDA_COMMON_CUH
 
@@ -200,6 +201,7 @@ void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *scores, int32
 void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const int32_t *rows,
                               const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                               int32_t unit);
+void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a); /* moe.cu */
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
 void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);

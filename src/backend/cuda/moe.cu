@@ -1,0 +1,387 @@
+/* moe.cu - the mixture-of-experts FFN on the CUDA backend (ops->moe; the
+ * definition is in backend.h, the CPU twin backend/cpu/moe.c).
+ *
+ * bf16 activations and expert weights, fp32 routing and accumulation. The
+ * scratch (lethe_moe_args.ws) is carved as backend/moe_layout.h says.
+ *   route_kernel   one warp per token: p = softmax / sigmoid of its logits,
+ *                  (group-limited) top-k by warp argmax (ties to the smaller
+ *                  id), weights normalized and scaled -> ids, wts [n, k]
+ *   sort_kernel    one block, a thread per expert: counts, offsets, the
+ *                  active experts, and the pairs sorted by expert (stable, so
+ *                  the result does not depend on thread timing) -> perm, inv
+ * then, for n <= LETHE_MOE_SMALL_N tokens (decode; no host sync, so a graph
+ * can hold it):
+ *   gate_up_kernel grid (ffn / 8 rows, active expert): a warp streams one row
+ *                  of W_gate[e] and W_up[e] once per 8 of the expert's pairs
+ *                  and writes h = silu(x Wg^T) * (x Wu^T) [P, ffn] (bf16)
+ *   down_kernel    the same over W_down[e]: ys = h W_down[e]^T [P, dim]
+ * Only the active experts' weights are read: at batch 1 that is the k
+ * experts the token chose. For more tokens (prefill), the offsets come to
+ * the host (one sync per layer) and each active expert runs as cuBLAS GEMMs
+ * over its gathered rows (tensor cores) instead.
+ *   combine_kernel out[t] = sum_j wts[t, j] * ys[inv[t k + j]] (fp32, j ascending). */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <stdio.h>
+
+extern "C" {
+#include "backend/moe_layout.h"
+}
+
+#define ROUTE_WARPS 4
+#define MV_WARPS 8 /* output rows per block of the expert GEMV kernels */
+#define MV_TOK 8   /* pairs per pass over a weight row */
+
+/* warp argmax of v[i] over i < n with !taken[i]; ties to the smaller i; -1 if none */
+__device__ static int warp_argmax(const float *v, const unsigned char *taken, int n) {
+    const int lane = threadIdx.x % 32;
+    float best = -INFINITY;
+    int bi = -1;
+    for (int i = lane; i < n; i += 32)
+        if (!taken[i] && (bi < 0 || v[i] > best)) best = v[i], bi = i;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi >= 0 && (bi < 0 || ob > best || (ob == best && oi < bi))) best = ob, bi = oi;
+    }
+    return bi;
+}
+
+__global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    route_kernel(int32_t *__restrict__ ids, float *__restrict__ wts,
+                 const bf16 *__restrict__ logits, const bf16 *__restrict__ bias, int32_t n,
+                 int32_t E, int32_t k, int32_t scoring, int32_t norm_topk, float scale,
+                 int32_t n_group, int32_t topk_group) {
+    __shared__ float sp[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS], sc[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
+    __shared__ unsigned char taken[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int32_t t = blockIdx.x * ROUTE_WARPS + w;
+    if (t >= n) return;
+    float *p = sp[w], *ch = sc[w];
+    unsigned char *tk = taken[w];
+    const bf16 *lg = logits + (size_t)t * E;
+    if (scoring == LETHE_MOE_SOFTMAX) {
+        float mx = -INFINITY;
+        for (int e = lane; e < E; e += 32) mx = fmaxf(mx, __bfloat162float(lg[e]));
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float sum = 0.0f;
+        for (int e = lane; e < E; e += 32) {
+            p[e] = expf(__bfloat162float(lg[e]) - mx);
+            sum += p[e];
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        for (int e = lane; e < E; e += 32) ch[e] = p[e] = p[e] / sum;
+    } else {
+        for (int e = lane; e < E; e += 32) {
+            p[e] = 1.0f / (1.0f + expf(-__bfloat162float(lg[e])));
+            ch[e] = p[e] + (bias ? __bfloat162float(bias[e]) : 0.0f);
+        }
+    }
+    for (int e = lane; e < E; e += 32) tk[e] = 0;
+    __syncwarp();
+    if (n_group > 1) {
+        /* group score = sum of its two best choices; groups not kept are out */
+        if (lane == 0) {
+            const int gs = E / n_group;
+            float gscore[64];
+            unsigned char keep[64] = {0};
+            for (int g = 0; g < n_group; g++) {
+                const float *cg = ch + g * gs;
+                int a = 0, b = -1;
+                for (int i = 1; i < gs; i++) {
+                    if (cg[i] > cg[a]) b = a, a = i;
+                    else if (b < 0 || cg[i] > cg[b]) b = i;
+                }
+                gscore[g] = cg[a] + (b >= 0 ? cg[b] : 0.0f);
+            }
+            for (int i = 0; i < topk_group; i++) {
+                int best = -1;
+                for (int g = 0; g < n_group; g++)
+                    if (!keep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+                keep[best] = 1;
+            }
+            for (int e = 0; e < E; e++)
+                if (!keep[e / gs]) ch[e] = -INFINITY;
+        }
+        __syncwarp();
+    }
+    float sum = 0.0f, mine = 0.0f;
+    int my_id = 0;
+    for (int j = 0; j < k; j++) {
+        const int e = warp_argmax(ch, tk, E);
+        if (lane == 0) tk[e] = 1;
+        __syncwarp();
+        sum += p[e];
+        if (lane == j % 32 && j < 32) my_id = e, mine = p[e];
+        if (j >= 32 && lane == 0) {
+            ids[(size_t)t * k + j] = e;
+            wts[(size_t)t * k + j] = p[e];
+        }
+    }
+    const float denom = norm_topk ? sum + (scoring == LETHE_MOE_SIGMOID ? 1e-20f : 0.0f) : 1.0f;
+    if (lane < k && lane < 32) {
+        ids[(size_t)t * k + lane] = my_id;
+        wts[(size_t)t * k + lane] = mine / denom * scale;
+    }
+    if (k > 32 && lane == 0)
+        for (int j = 32; j < k; j++)
+            wts[(size_t)t * k + j] = wts[(size_t)t * k + j] / denom * scale;
+}
+
+/* one block of E (rounded up to 32) threads: thread e owns expert e */
+__global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t E,
+                            int32_t *__restrict__ counts, int32_t *__restrict__ offsets,
+                            int32_t *__restrict__ active, int32_t *__restrict__ perm,
+                            int32_t *__restrict__ inv) {
+    __shared__ int32_t chunk[2048];
+    __shared__ int32_t scan[LETHE_MOE_MAX_EXPERTS + 1], ascan[LETHE_MOE_MAX_EXPERTS + 1];
+    const int e = threadIdx.x;
+    int32_t cnt = 0;
+    for (int32_t c0 = 0; c0 < P; c0 += 2048) {
+        const int32_t m = min(2048, P - c0);
+        __syncthreads();
+        for (int32_t i = threadIdx.x; i < m; i += blockDim.x) chunk[i] = ids[c0 + i];
+        __syncthreads();
+        for (int32_t i = 0; i < m; i++) cnt += chunk[i] == e;
+    }
+    if (e < E) scan[e] = cnt, ascan[e] = cnt > 0;
+    __syncthreads();
+    if (threadIdx.x == 0) { /* E <= 512: a serial scan is a few hundred adds */
+        int32_t s = 0, a = 0;
+        for (int i = 0; i < E; i++) {
+            const int32_t c = scan[i], f = ascan[i];
+            scan[i] = s, ascan[i] = a;
+            s += c, a += f;
+        }
+        scan[E] = s, ascan[E] = a;
+        offsets[E] = s;
+        active[E] = a;
+    }
+    __syncthreads();
+    if (e < E) {
+        counts[e] = cnt;
+        offsets[e] = scan[e];
+        if (cnt) active[ascan[e]] = e;
+    }
+    int32_t at = e < E ? scan[e] : 0;
+    for (int32_t c0 = 0; c0 < P; c0 += 2048) {
+        const int32_t m = min(2048, P - c0);
+        __syncthreads();
+        for (int32_t i = threadIdx.x; i < m; i += blockDim.x) chunk[i] = ids[c0 + i];
+        __syncthreads();
+        if (e < E)
+            for (int32_t i = 0; i < m; i++)
+                if (chunk[i] == e) {
+                    perm[at] = c0 + i;
+                    inv[c0 + i] = at;
+                    at++;
+                }
+    }
+}
+
+/* acc[r] += dot(w row (uint4 vectors wr), x row of pair r) for the pairs' x rows xr[r] */
+__device__ static inline void dot8(float *acc, const uint4 wv, const uint4 *const *xr, int m,
+                                   int32_t v) {
+    const __nv_bfloat162 *w2 = (const __nv_bfloat162 *)&wv;
+#pragma unroll
+    for (int r = 0; r < MV_TOK; r++) {
+        if (r >= m) break;
+        const uint4 xv = __ldg(xr[r] + v);
+        const __nv_bfloat162 *x2 = (const __nv_bfloat162 *)&xv;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
+            acc[r] += a.x * b.x + a.y * b.y;
+        }
+    }
+}
+
+/* h[sorted pair] = silu(x Wg[e]^T) * (x Wu[e]^T) for the pairs of active expert
+ * blockIdx.y; warp = one of the ffn rows; x rows read in place (pair -> token) */
+__global__ void __launch_bounds__(MV_WARPS * 32)
+    gate_up_kernel(bf16 *__restrict__ h, const bf16 *__restrict__ x, const bf16 *__restrict__ wg,
+                   const bf16 *__restrict__ wu, const int32_t *__restrict__ offsets,
+                   const int32_t *__restrict__ active, const int32_t *__restrict__ perm, int32_t E,
+                   int32_t k, int32_t dim, int32_t ffn) {
+    if ((int32_t)blockIdx.y >= active[E]) return;
+    const int32_t e = active[blockIdx.y], o = offsets[e], m_all = offsets[e + 1] - o;
+    const int lane = threadIdx.x % 32;
+    const int32_t row = blockIdx.x * MV_WARPS + threadIdx.x / 32;
+    if (row >= ffn) return;
+    const uint4 *wgr = (const uint4 *)(wg + ((size_t)e * ffn + row) * dim);
+    const uint4 *wur = (const uint4 *)(wu + ((size_t)e * ffn + row) * dim);
+    const int32_t nv = dim / 8;
+    for (int32_t c0 = 0; c0 < m_all; c0 += MV_TOK) {
+        const int m = min(MV_TOK, m_all - c0);
+        const uint4 *xr[MV_TOK];
+#pragma unroll
+        for (int r = 0; r < MV_TOK; r++)
+            xr[r] = (const uint4 *)(x + (size_t)(perm[o + c0 + min(r, m - 1)] / k) * dim);
+        float ag[MV_TOK] = {0}, au[MV_TOK] = {0};
+#pragma unroll 4
+        for (int32_t v = lane; v < nv; v += 32) {
+            const uint4 gv = __ldg(wgr + v), uv = __ldg(wur + v);
+            dot8(ag, gv, xr, m, v);
+            dot8(au, uv, xr, m, v);
+        }
+#pragma unroll
+        for (int r = 0; r < MV_TOK; r++) {
+            if (r >= m) break;
+            float g = ag[r], u = au[r];
+            for (int q = 16; q > 0; q >>= 1) {
+                g += __shfl_xor_sync(0xffffffffu, g, q);
+                u += __shfl_xor_sync(0xffffffffu, u, q);
+            }
+            if (lane == 0)
+                h[(size_t)(o + c0 + r) * ffn + row] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+        }
+    }
+}
+
+/* ys[sorted pair] = h[sorted pair] W_down[e]^T; warp = one of the dim rows */
+__global__ void __launch_bounds__(MV_WARPS * 32)
+    down_kernel(bf16 *__restrict__ ys, const bf16 *__restrict__ h, const bf16 *__restrict__ wd,
+                const int32_t *__restrict__ offsets, const int32_t *__restrict__ active, int32_t E,
+                int32_t dim, int32_t ffn) {
+    if ((int32_t)blockIdx.y >= active[E]) return;
+    const int32_t e = active[blockIdx.y], o = offsets[e], m_all = offsets[e + 1] - o;
+    const int lane = threadIdx.x % 32;
+    const int32_t row = blockIdx.x * MV_WARPS + threadIdx.x / 32;
+    if (row >= dim) return;
+    const uint4 *wr = (const uint4 *)(wd + ((size_t)e * dim + row) * ffn);
+    const int32_t nv = ffn / 8;
+    for (int32_t c0 = 0; c0 < m_all; c0 += MV_TOK) {
+        const int m = min(MV_TOK, m_all - c0);
+        const uint4 *xr[MV_TOK];
+#pragma unroll
+        for (int r = 0; r < MV_TOK; r++)
+            xr[r] = (const uint4 *)(h + (size_t)(o + c0 + min(r, m - 1)) * ffn);
+        float acc[MV_TOK] = {0};
+#pragma unroll 4
+        for (int32_t v = lane; v < nv; v += 32) dot8(acc, __ldg(wr + v), xr, m, v);
+#pragma unroll
+        for (int r = 0; r < MV_TOK; r++) {
+            if (r >= m) break;
+            float a = acc[r];
+            for (int q = 16; q > 0; q >>= 1) a += __shfl_xor_sync(0xffffffffu, a, q);
+            if (lane == 0) ys[(size_t)(o + c0 + r) * dim + row] = __float2bfloat16(a);
+        }
+    }
+}
+
+/* xs[i] = x[perm[i] / k] (rows of dim, 8-bf16 vectors) */
+__global__ void gather_pairs_kernel(bf16 *__restrict__ xs, const bf16 *__restrict__ x,
+                                    const int32_t *__restrict__ perm, int32_t P, int32_t k,
+                                    int32_t dim) {
+    const int32_t nv = dim / 8;
+    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < (size_t)P * nv;
+         t += (size_t)gridDim.x * blockDim.x) {
+        const int32_t i = (int32_t)(t / nv), v = (int32_t)(t % nv);
+        ((uint4 *)(xs + (size_t)i * dim))[v] = ((const uint4 *)(x +
+                                                                (size_t)(perm[i] / k) * dim))[v];
+    }
+}
+
+/* out[t, d] = sum_j wts[t, j] * ys[inv[t k + j], d], j ascending, fp32 */
+__global__ void combine_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ ys,
+                               const float *__restrict__ wts, const int32_t *__restrict__ inv,
+                               int32_t n, int32_t k, int32_t dim) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)n * dim;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int32_t t = (int32_t)(i / dim), d = (int32_t)(i % dim);
+        float acc = 0.0f;
+        for (int32_t j = 0; j < k; j++)
+            acc += wts[(size_t)t * k + j] *
+                   __bfloat162float(ys[(size_t)inv[(size_t)t * k + j] * dim + d]);
+        out[i] = __float2bfloat16(acc);
+    }
+}
+
+static void gemm_check(cublasStatus_t st, const char *what, int32_t m, int32_t n, int32_t kk) {
+    if (st == CUBLAS_STATUS_SUCCESS) return;
+    char buf[128];
+    snprintf(buf, sizeof buf, "moe %s cublasGemmEx(m=%d, n=%d, k=%d)", what, m, n, kk);
+    lethe_cuda_fatal_(buf, cublasGetStatusString(st), __FILE__, __LINE__);
+}
+
+/* y[m, out] = x[m, in] W^T, W [out, in] bf16 (the matmul.cu convention) */
+static void expert_gemm(cuda_ctx *c, bf16 *y, const bf16 *x, const bf16 *w, int32_t m, int32_t out,
+                        int32_t in, const char *what) {
+    const float alpha = 1.0f, beta = 0.0f;
+    gemm_check(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, out, m, in, &alpha, w, CUDA_R_16BF,
+                            in, x, CUDA_R_16BF, in, &beta, y, CUDA_R_16BF, out, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+               what, out, m, in);
+}
+
+extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    const int32_t n = a->n, k = a->k, E = a->n_experts, dim = a->dim, ffn = a->ffn;
+    LETHE_ASSERT(n >= 0 && k > 0 && k <= E && E <= LETHE_MOE_MAX_EXPERTS && a->out != a->x);
+    LETHE_ASSERT(a->n_group >= 1 && a->n_group <= 64 && dim % 8 == 0 && ffn % 8 == 0);
+    if (!n) return;
+    const lethe_moe_layout L = lethe_moe_layout_of(sizeof(bf16), n, k, dim, ffn, E);
+    LETHE_ASSERT(a->ws && a->ws_bytes >= L.total);
+    char *ws = (char *)a->ws;
+    int32_t *ids = (int32_t *)(ws + L.ids), *counts = (int32_t *)(ws + L.counts);
+    int32_t *offsets = (int32_t *)(ws + L.offsets), *active = (int32_t *)(ws + L.active);
+    int32_t *perm = (int32_t *)(ws + L.perm), *inv = (int32_t *)(ws + L.inv);
+    float *wts = (float *)(ws + L.wts);
+    bf16 *xs = (bf16 *)(ws + L.xs), *hg = (bf16 *)(ws + L.hg), *hu = (bf16 *)(ws + L.hu);
+    bf16 *ys = (bf16 *)(ws + L.ys);
+    const int32_t P = n * k;
+
+    route_kernel<<<(unsigned)((n + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, 0,
+                   c->stream>>>(ids, wts, (const bf16 *)a->logits, (const bf16 *)a->bias, n, E, k,
+                                a->scoring, a->norm_topk, a->scale, a->n_group, a->topk_group);
+    CU_LAUNCH_CHECK();
+    sort_kernel<<<1, (unsigned)((E + 31) / 32 * 32), 0, c->stream>>>(ids, P, E, counts, offsets,
+                                                                     active, perm, inv);
+    CU_LAUNCH_CHECK();
+    const bf16 *wg = (const bf16 *)a->w_gate, *wu = (const bf16 *)a->w_up;
+    const bf16 *wd = (const bf16 *)a->w_down;
+    if (n <= LETHE_MOE_SMALL_N) {
+        const unsigned ny = (unsigned)(P < E ? P : E); /* active experts <= min(P, E) */
+        dim3 g1((unsigned)((ffn + MV_WARPS - 1) / MV_WARPS), ny);
+        gate_up_kernel<<<g1, MV_WARPS * 32, 0, c->stream>>>(hg, (const bf16 *)a->x, wg, wu, offsets,
+                                                            active, perm, E, k, dim, ffn);
+        CU_LAUNCH_CHECK();
+        dim3 g2((unsigned)((dim + MV_WARPS - 1) / MV_WARPS), ny);
+        down_kernel<<<g2, MV_WARPS * 32, 0, c->stream>>>(ys, hg, wd, offsets, active, E, dim, ffn);
+        CU_LAUNCH_CHECK();
+    } else {
+        LETHE_ASSERT(!c->capturing && "moe: more than LETHE_MOE_SMALL_N tokens in a graph");
+        void *host = NULL;
+        lethe_cuda_ring_alloc(c, (size_t)(E + 1) * sizeof(int32_t), &host);
+        int32_t *h_off = (int32_t *)host;
+        CU_CHECK(cudaMemcpyAsync(h_off, offsets, (size_t)(E + 1) * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, c->stream));
+        gather_pairs_kernel<<<lethe_cuda_blocks((size_t)P * (dim / 8), 256) <
+                                      (unsigned)c->n_sms * 16
+                                  ? lethe_cuda_blocks((size_t)P * (dim / 8), 256)
+                                  : (unsigned)c->n_sms * 16,
+                              256, 0, c->stream>>>(xs, (const bf16 *)a->x, perm, P, k, dim);
+        CU_LAUNCH_CHECK();
+        CU_CHECK(cudaStreamSynchronize(c->stream));
+        for (int32_t e = 0; e < E; e++) {
+            const int32_t o = h_off[e], m = h_off[e + 1] - o;
+            if (!m) continue;
+            expert_gemm(c, hg + (size_t)o * ffn, xs + (size_t)o * dim, wg + (size_t)e * ffn * dim,
+                        m, ffn, dim, "gate");
+            expert_gemm(c, hu + (size_t)o * ffn, xs + (size_t)o * dim, wu + (size_t)e * ffn * dim,
+                        m, ffn, dim, "up");
+        }
+        lethe_cuda_swiglu(be, hg, hg, hu, (size_t)P * ffn);
+        for (int32_t e = 0; e < E; e++) {
+            const int32_t o = h_off[e], m = h_off[e + 1] - o;
+            if (!m) continue;
+            expert_gemm(c, ys + (size_t)o * dim, hg + (size_t)o * ffn, wd + (size_t)e * dim * ffn,
+                        m, dim, ffn, "down");
+        }
+    }
+    const size_t total = (size_t)n * dim;
+    unsigned blocks = lethe_cuda_blocks(total, 256);
+    if (blocks > (unsigned)c->n_sms * 16) blocks = (unsigned)c->n_sms * 16;
+    combine_kernel<<<blocks, 256, 0, c->stream>>>((bf16 *)a->out, ys, wts, inv, n, k, dim);
+    CU_LAUNCH_CHECK();
+}
