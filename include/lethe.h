@@ -305,6 +305,8 @@ typedef enum lethe_chain_code {
 
 typedef struct lethe_chain_params {
     const char *chain_id;       /* NULL or "": create a new chain */
+    const char *new_chain_id;   /* creating: the new chain's id (a load balancer chose it, to route
+                                 * by it; lethe_chain_id_valid); NULL: the engine makes one up */
     const char *owner;          /* tenant that owns the chain (NULL = anonymous); another owner's
                                  * chain is chain_not_found; at most 71 bytes */
     bool append;                /* prompt = only the tokens appended to the chain's history */

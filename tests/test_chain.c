@@ -412,6 +412,71 @@ static void test_owners(void) {
     lethe_chain_destroy(t);
 }
 
+/* A new chain named by a load balancer (new_id): it gets that id, resumes by
+ * it; an id in use or tombstoned (for any owner) or malformed is refused
+ * before anything changes; with a chain_id the new id plays no part. */
+static void test_named_new_chain(void) {
+    CHECK(lethe_chain_id_valid("chain_0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9"));
+    CHECK(lethe_chain_id_valid("abcdefgh") && !lethe_chain_id_valid("abcdefg"));
+    CHECK(!lethe_chain_id_valid("chain_with space") && !lethe_chain_id_valid("chain_crlf\r\nX: y"));
+    CHECK(!lethe_chain_id_valid(NULL) && !lethe_chain_id_valid("chain_\xc3\xa9t\xc3\xa9"));
+    char longest[LETHE_CHAIN_ID_CAP + 1];
+    memset(longest, 'a', LETHE_CHAIN_ID_CAP - 1);
+    longest[LETHE_CHAIN_ID_CAP - 1] = 0;
+    CHECK(lethe_chain_id_valid(longest));
+    longest[LETHE_CHAIN_ID_CAP - 1] = 'a';
+    longest[LETHE_CHAIN_ID_CAP] = 0;
+    CHECK(!lethe_chain_id_valid(longest));
+
+    lethe_chain_table_params p = {.n_spaces = 1, .slots_per_space = 100};
+    lethe_chain_table *t = lethe_chain_create(&p);
+    int32_t toks[40];
+    seq(toks, 40, 1);
+    const char *named = "chain_0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9";
+    lethe_chain_begin_args a = {.new_id = named,
+                                .owner = "alice",
+                                .fingerprint = FP,
+                                .tokens = toks,
+                                .n_tokens = 10,
+                                .gen_peak = 2};
+    lethe_chain_turn tt;
+    lethe_chain_begin(t, &a, &tt);
+    CHECK_EQ_INT(tt.code, LETHE_CHAIN_OK);
+    CHECK_EQ_INT(tt.status, LETHE_CHAIN_CREATED);
+    CHECK(!strcmp(tt.id, named));
+    finish(t, &tt, 1, 11, NULL);
+    /* taken: refused for any owner, nothing created */
+    lethe_chain_begin_args b = a;
+    b.owner = "bob";
+    lethe_chain_turn bt;
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_BAD_REQUEST);
+    CHECK_STR_CONTAINS(bt.message, "already taken");
+    b.new_id = "bad id!";
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_BAD_REQUEST);
+    lethe_chain_stats st;
+    lethe_chain_get_stats(t, &st);
+    CHECK_EQ_INT(st.n_chains, 1);
+    CHECK_EQ_INT(st.n_created, 1);
+    /* resumed by that id; new_id is ignored when a chain_id is given */
+    a.chain_id = named;
+    a.new_id = "chain_ignored-when-resuming";
+    a.n_tokens = 20;
+    lethe_chain_begin(t, &a, &tt);
+    CHECK_EQ_INT(tt.code, LETHE_CHAIN_OK);
+    CHECK_EQ_INT(tt.status, LETHE_CHAIN_RESUMED);
+    CHECK(!strcmp(tt.id, named));
+    /* tombstoned: still taken */
+    lethe_chain_abandon(t, named, NULL);
+    free(tt.tokens);
+    b.new_id = named;
+    b.owner = "alice";
+    lethe_chain_begin(t, &b, &bt);
+    CHECK_EQ_INT(bt.code, LETHE_CHAIN_BAD_REQUEST);
+    lethe_chain_destroy(t);
+}
+
 int main(void) {
     lethe_chain_fingerprint("model=a,method=dense", FP);
     lethe_chain_fingerprint("model=a,method=snapkv", FP2);
@@ -423,6 +488,7 @@ int main(void) {
     test_per_space();
     test_append_messages();
     test_owners();
+    test_named_new_chain();
     printf("test_chain: ok\n");
     return 0;
 }

@@ -10,6 +10,7 @@
 #include "core/util.h"
 #include "engine/engine_internal.h"
 #include "server/chain_api.h"
+#include "server/conn.h"
 #include "test.h"
 
 static lethe_engine *mk(const char *mode) {
@@ -77,7 +78,8 @@ static void test_mode_disabled_body(void) {
     for (size_t i = 0; i < sizeof(bodies) / sizeof(bodies[0]); i++) {
         srv_gen g;
         srv_error err = {0};
-        CHECK(srv_parse_request(&api, SRV_COMPLETION, bodies[i], strlen(bodies[i]), &g, &err) != 0);
+        CHECK(srv_parse_request(&api, SRV_COMPLETION, bodies[i], strlen(bodies[i]), NULL, &g,
+                                &err) != 0);
         CHECK_EQ_INT(err.status, 400);
         char *s = srv_error_json(&err);
         cJSON *root;
@@ -93,7 +95,7 @@ static void test_mode_disabled_body(void) {
     const char *bad = "{\"prompt\": [5, 6, 7], \"temperature\": \"hot\"}";
     srv_gen g;
     srv_error err = {0};
-    CHECK(srv_parse_request(&api, SRV_COMPLETION, bad, strlen(bad), &g, &err) != 0);
+    CHECK(srv_parse_request(&api, SRV_COMPLETION, bad, strlen(bad), NULL, &g, &err) != 0);
     char *s = srv_error_json(&err);
     cJSON *root;
     const cJSON *code = cJSON_GetObjectItemCaseSensitive(error_of(s, &root), "code");
@@ -110,12 +112,13 @@ static void test_refusal_body(void) {
     const char *body = "{\"prompt\": [5, 6, 7], \"max_tokens\": 2, \"chain_id\": \"chain_nope\"}";
     srv_gen g;
     srv_error err = {0};
-    CHECK_MSG(srv_parse_request(&api, SRV_COMPLETION, body, strlen(body), &g, &err) == 0, "%s", err.message);
+    CHECK_MSG(srv_parse_request(&api, SRV_COMPLETION, body, strlen(body), NULL, &g, &err) == 0,
+              "%s", err.message);
     CHECK(g.chain && !strcmp(g.chain_id, "chain_nope"));
     CHECK_EQ_INT(srv_chain_refusal_status(&g), 0); /* nothing refused yet */
     lethe_request_params p = {.prompt = g.prompt, .n_prompt = g.n_prompt, .sampling = g.sp};
     uint64_t id = 0;
-    CHECK(srv_chain_submit(e, &p, &g, &id) == LETHE_ERR_NOT_FOUND);
+    CHECK(srv_chain_submit(&api, &p, &g, &id) == LETHE_ERR_NOT_FOUND);
     CHECK_EQ_INT(g.chain_res.code, LETHE_CHAIN_NOT_FOUND);
     CHECK_EQ_INT(srv_chain_refusal_status(&g), 404);
     char *s = srv_chain_error_json(&g);
@@ -131,10 +134,98 @@ static void test_refusal_body(void) {
     lethe_engine_destroy(e);
 }
 
+static int parse(srv_api *api, const char *body, const srv_chain_headers *h, srv_gen *g,
+                 srv_error *err) {
+    memset(err, 0, sizeof(*err));
+    return srv_parse_request(api, SRV_COMPLETION, body, strlen(body), h, g, err);
+}
+
+/* The chain headers a load balancer routes by (X-Lethe-Chain-Id,
+ * X-Lethe-New-Chain-Id), the response headers, and --replica's 410. */
+static void test_chain_headers(void) {
+    lethe_engine *e = mk("chain");
+    srv_api api = api_of(e);
+    const char *named = "chain_0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9";
+    srv_gen g;
+    srv_error err;
+    char hdr[SRV_RESPONSE_HEADERS_CAP];
+    /* a new chain takes the balancer's id; the response names it */
+    srv_chain_headers h = {.new_chain_id = named};
+    CHECK_MSG(parse(&api, "{\"prompt\": [5, 6, 7], \"max_tokens\": 2}", &h, &g, &err) == 0, "%s",
+              err.message);
+    lethe_request_params p = {.prompt = g.prompt, .n_prompt = g.n_prompt, .sampling = g.sp};
+    uint64_t id = 0;
+    CHECK_MSG(srv_chain_submit(&api, &p, &g, &id) == 0, "%s", g.chain_res.message);
+    CHECK(!strcmp(g.chain_res.chain_id, named));
+    srv_chain_headers_out(&g, hdr, sizeof(hdr));
+    char want[160];
+    snprintf(want, sizeof(want), "X-Lethe-Chain-Id: %s\r\nX-Lethe-Chain-Status: created\r\n",
+             named);
+    CHECK_MSG(!strcmp(hdr, want), "%s", hdr);
+    srv_gen_free(&g);
+    /* the same id again as a new chain: taken */
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7], \"max_tokens\": 2}", &h, &g, &err) == 0);
+    p = (lethe_request_params){.prompt = g.prompt, .n_prompt = g.n_prompt, .sampling = g.sp};
+    CHECK(srv_chain_submit(&api, &p, &g, &id) != 0);
+    CHECK_EQ_INT(srv_chain_refusal_status(&g), 400);
+    srv_gen_free(&g);
+    /* a malformed new id is a 400 before anything reaches the engine */
+    srv_chain_headers bad = {.new_chain_id = "no spaces allowed"};
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7]}", &bad, &g, &err) != 0);
+    CHECK_EQ_INT(err.status, 400);
+    CHECK(!strcmp(err.param, "X-Lethe-New-Chain-Id"));
+    /* X-Lethe-Chain-Id names the chain like the body field; both: they must agree */
+    srv_chain_headers r = {.chain_id = named, .new_chain_id = "chain_not-used-when-resuming"};
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7], \"max_tokens\": 2}", &r, &g, &err) == 0);
+    CHECK(g.chain_id && !strcmp(g.chain_id, named));
+    srv_gen_free(&g);
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7], \"chain_id\": \"chain_other-one\"}", &r, &g, &err) !=
+          0);
+    CHECK_EQ_INT(err.status, 400);
+    CHECK_STR_CONTAINS(err.message, "differ");
+    srv_chain_headers crlf = {.chain_id = "chain_x\r\nSet-Cookie: a=b"};
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7]}", &crlf, &g, &err) != 0);
+    CHECK(!strcmp(err.param, "X-Lethe-Chain-Id"));
+    /* unknown id: 404 alone, 410 chain_gone as a --replica (the chain lived elsewhere) */
+    srv_chain_headers u = {.chain_id = "chain_held-by-another-replica"};
+    for (int replica = 0; replica < 2; replica++) {
+        api.replica = replica;
+        CHECK(parse(&api, "{\"prompt\": [5, 6, 7], \"max_tokens\": 2}", &u, &g, &err) == 0);
+        p = (lethe_request_params){.prompt = g.prompt, .n_prompt = g.n_prompt, .sampling = g.sp};
+        CHECK(srv_chain_submit(&api, &p, &g, &id) == LETHE_ERR_NOT_FOUND);
+        CHECK_EQ_INT(srv_chain_refusal_status(&g), replica ? 410 : 404);
+        if (replica) CHECK_STR_CONTAINS(g.chain_res.message, "not on this replica");
+        srv_chain_headers_out(&g, hdr, sizeof(hdr));
+        CHECK_MSG(!strcmp(hdr, "X-Lethe-Chain-Id: chain_held-by-another-replica\r\n"), "%s", hdr);
+        srv_gen_free(&g);
+    }
+    /* a refused body id that is no valid id is never echoed into a header */
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7], \"max_tokens\": 2, \"chain_id\": \"a b\"}", NULL, &g,
+                &err) == 0);
+    p = (lethe_request_params){.prompt = g.prompt, .n_prompt = g.n_prompt, .sampling = g.sp};
+    CHECK(srv_chain_submit(&api, &p, &g, &id) != 0);
+    srv_chain_headers_out(&g, hdr, sizeof(hdr));
+    CHECK_EQ_INT(strlen(hdr), 0);
+    srv_gen_free(&g);
+    lethe_engine_destroy(e);
+    /* outside chain mode the balancer's new id is ignored, a chain id is chain_mode_disabled */
+    e = mk("auto");
+    api = api_of(e);
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7]}", &h, &g, &err) == 0);
+    CHECK(!g.chain);
+    srv_chain_headers_out(&g, hdr, sizeof(hdr));
+    CHECK_EQ_INT(strlen(hdr), 0);
+    srv_gen_free(&g);
+    CHECK(parse(&api, "{\"prompt\": [5, 6, 7]}", &r, &g, &err) != 0);
+    CHECK(!strcmp(err.code, "chain_mode_disabled"));
+    lethe_engine_destroy(e);
+}
+
 int main(void) {
     test_mapping();
     test_mode_disabled_body();
     test_refusal_body();
+    test_chain_headers();
     printf("test_chain_api: ok\n");
     return 0;
 }

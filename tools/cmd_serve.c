@@ -33,6 +33,16 @@ int lethe_cmd_serve(int argc, char **argv) {
                             "(only behind a proxy that authenticates and sets it)", 1, 0};
     rows[n++] = (lethe_opt){"--metrics-require-key", NULL, LETHE_OPT_BOOL, &cfg.metrics_require_key, NULL,
                             "/metrics needs an API key too", 0, 0};
+    rows[n++] = (lethe_opt){
+        "--replica",
+        NULL,
+        LETHE_OPT_BOOL,
+        &cfg.replica,
+        NULL,
+        "one replica of several behind a load balancer (docs/deploy.md): a chain id "
+        "this server does not hold answers 410 chain_gone, so clients recreate it",
+        0,
+        0};
     rows[n++] = (lethe_opt){"--max-connections", NULL, LETHE_OPT_INT, &cfg.max_connections, "N",
                             "open HTTP connections in all; more get 503", 16, 1 << 20};
     rows[n++] = (lethe_opt){"--max-connections-per-client", NULL, LETHE_OPT_INT,

@@ -129,6 +129,18 @@ int lethe_chain_new_id(char out[LETHE_CHAIN_ID_CAP]) {
     return 0;
 }
 
+bool lethe_chain_id_valid(const char *id) {
+    size_t n = id ? strlen(id) : 0;
+    if (n < 8 || n >= LETHE_CHAIN_ID_CAP) return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = id[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '_' || c == '-' || c == '.'))
+            return false;
+    }
+    return true;
+}
+
 /* ---- table ---- */
 
 lethe_chain_table *lethe_chain_create(const lethe_chain_table_params *p) {
@@ -362,6 +374,17 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
             reused = 0;
         }
     } else {
+        if (a->new_id && a->new_id[0]) { /* named by a load balancer: ids are never reused */
+            if (!lethe_chain_id_valid(a->new_id)) {
+                reject(t, out, LETHE_CHAIN_BAD_REQUEST, "invalid new chain id %.60s", a->new_id);
+                goto done;
+            }
+            if (find(t, a->new_id) || is_tomb(t, a->new_id, NULL)) {
+                reject(t, out, LETHE_CHAIN_BAD_REQUEST, "new chain id %.60s is already taken",
+                       a->new_id);
+                goto done;
+            }
+        }
         n_full = a->n_tokens;
         full = lethe_xmalloc((size_t)n_full * sizeof(int32_t));
         memcpy(full, a->tokens, (size_t)n_full * sizeof(int32_t));
@@ -391,7 +414,8 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     out->n_reclaimed = k;
     if (!r) {
         r = rec_new(t);
-        if (lethe_chain_new_id(r->id) != 0) { /* no randomness: refuse rather than guess */
+        if (a->new_id && a->new_id[0]) snprintf(r->id, sizeof(r->id), "%s", a->new_id);
+        else if (lethe_chain_new_id(r->id) != 0) { /* no randomness: refuse rather than guess */
             t->n_recs--;
             rec_free(r);
             free(need);

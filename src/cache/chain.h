@@ -76,11 +76,17 @@ void lethe_chain_digest(const int32_t *tokens, int32_t n, uint8_t out[LETHE_CHAI
 void lethe_chain_fingerprint(const char *description, uint8_t out[LETHE_CHAIN_FP_BYTES]);
 /* "chain_" + base64url(24 bytes from getrandom()); 0 on success. */
 int lethe_chain_new_id(char out[LETHE_CHAIN_ID_CAP]);
+/* An id a client or a load balancer may name a new chain with: 8 to
+ * LETHE_CHAIN_ID_CAP - 1 bytes of [A-Za-z0-9_.-] (so it is safe in a header,
+ * a log line and a label). */
+bool lethe_chain_id_valid(const char *id);
 
 /* ---- a turn ---- */
 
 typedef struct lethe_chain_begin_args {
     const char *chain_id;      /* NULL or "": create a new chain */
+    const char *new_id;        /* creating: use this id (lethe_chain_id_valid, not in use nor
+                                * tombstoned for any owner) instead of lethe_chain_new_id's */
     const char *owner;         /* tenant (NULL = ""): a chain of another owner is NOT_FOUND (and its
                                 * tombstone too), as if it did not exist */
     const uint8_t *fingerprint; /* [LETHE_CHAIN_FP_BYTES] of the engine serving the turn

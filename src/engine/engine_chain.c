@@ -80,6 +80,7 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
                   : p->sampling.max_tokens > 0 ? p->sampling.max_tokens
                                                : e->max_model_len;
     lethe_chain_begin_args a = {.chain_id = c->chain_id,
+                                .new_id = c->new_chain_id,
                                 .owner = c->owner,
                                 .tokens = p->prompt,
                                 .n_tokens = p->n_prompt,

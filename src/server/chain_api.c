@@ -10,7 +10,18 @@
  * the model already produced (its end-of-turn token when it sampled it).
  * Response fields: chain_id, chain_status (created | resumed | recreated) on
  * every response object and stream chunk; usage.prompt_tokens_details.
- * cached_tokens carries the reused tokens. Refusals are OpenAI-style error
+ * cached_tokens carries the reused tokens.
+ *
+ * Headers, for a load balancer that routes a chain's turns to the replica
+ * holding it (docs/deploy.md): the request's X-Lethe-Chain-Id is the same as
+ * the body's chain_id (both given: they must agree); X-Lethe-New-Chain-Id
+ * names the chain a request without a chain id creates (the balancer makes
+ * it up and routes the first turn by it, so the id it hashes later is the
+ * one it hashed first). Every chain response carries X-Lethe-Chain-Id and
+ * X-Lethe-Chain-Status; a refusal X-Lethe-Chain-Id of the id it refused.
+ * With --replica an id this server does not hold answers 410 chain_gone,
+ * not 404: behind a balancer it lived on another replica or before a
+ * restart, and the client recreates it. Refusals are OpenAI-style error
  * bodies whose "code" is the chain code string (chain_busy, chain_gone, ...)
  * with the matching HTTP status: the engine returns a lethe_chain_code and
  * this file alone maps it (srv_chain_http_status / srv_chain_code_name).
@@ -19,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/chain.h"
 #include "core/util.h"
 #include "server/agent.h"
 #include "server/chain_api.h"
@@ -127,7 +139,17 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
     if (id && !cJSON_IsNull(id) && !cJSON_IsString(id))
         return srv_errorf(err, 400, "chain_id", "'chain_id' must be a string or null");
     bool has_id = cJSON_IsString(id) && id->valuestring[0];
-    if ((id || as) && !chain_mode) {
+    const char *hid = g->hdr.chain_id && g->hdr.chain_id[0] ? g->hdr.chain_id : NULL;
+    if (hid && !lethe_chain_id_valid(hid))
+        return srv_errorf(err, 400, SRV_CHAIN_ID_HEADER,
+                          "the " SRV_CHAIN_ID_HEADER
+                          " header must be 8 to %d characters of [A-Za-z0-9_.-]",
+                          LETHE_CHAIN_ID_CAP - 1);
+    if (hid && has_id && strcmp(hid, id->valuestring) != 0)
+        return srv_errorf(err, 400, "chain_id",
+                          "the " SRV_CHAIN_ID_HEADER " header and 'chain_id' differ");
+    if (hid && !has_id) has_id = true, id = NULL; /* the header names the chain */
+    if ((id || hid || as) && !chain_mode) {
         srv_errorf(err, srv_chain_http_status(LETHE_CHAIN_MODE_DISABLED), "chain_id",
                    "chain_id needs the Chain Cache, but this server runs prefix-cache mode '%s'; start it "
                    "with --prefix-cache-mode chain", lethe_engine_prefix_cache_mode(api->engine));
@@ -136,7 +158,14 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
     }
     if (!chain_mode) return 0;
     g->chain = true; /* in chain mode every request continues or creates a chain */
-    if (has_id) g->chain_id = lethe_xstrdup(id->valuestring);
+    if (has_id) g->chain_id = lethe_xstrdup(hid ? hid : id->valuestring);
+    const char *nid = g->hdr.new_chain_id;
+    if (nid && !nid[0]) nid = g->hdr.new_chain_id = NULL; /* an empty header is none */
+    if (!has_id && nid && !lethe_chain_id_valid(nid))
+        return srv_errorf(err, 400, SRV_NEW_CHAIN_ID_HEADER,
+                          "the " SRV_NEW_CHAIN_ID_HEADER
+                          " header must be 8 to %d characters of [A-Za-z0-9_.-]",
+                          LETHE_CHAIN_ID_CAP - 1);
     const cJSON *msgs = kind == SRV_CHAT ? cJSON_GetObjectItemCaseSensitive(root, "messages") : NULL;
     g->n_messages = msgs ? cJSON_GetArraySize(msgs) : 0;
     if (!as) return 0;
@@ -159,10 +188,36 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
     return render_append(api, msgs, k, g->chain_id, g, err);
 }
 
-int srv_chain_submit(lethe_engine *e, const lethe_request_params *p, srv_gen *g, uint64_t *id) {
-    lethe_chain_params cp = {.chain_id = g->chain_id, .owner = g->tenant, .append = g->chain_append,
-                             .append_start = g->chain_append_start, .n_messages = g->n_messages};
-    return lethe_engine_submit_chain(e, p, &cp, &g->chain_res, id);
+int srv_chain_submit(const srv_api *api, const lethe_request_params *p, srv_gen *g, uint64_t *id) {
+    lethe_chain_params cp = {.chain_id = g->chain_id,
+                             .new_chain_id = g->chain_id ? NULL : g->hdr.new_chain_id,
+                             .owner = g->tenant,
+                             .append = g->chain_append,
+                             .append_start = g->chain_append_start,
+                             .n_messages = g->n_messages};
+    int rc = lethe_engine_submit_chain(api->engine, p, &cp, &g->chain_res, id);
+    if (rc != 0 && api->replica && g->chain_res.code == LETHE_CHAIN_NOT_FOUND) {
+        /* one replica of several: the chain lived elsewhere (or before a restart) and is lost here */
+        g->chain_res.code = LETHE_CHAIN_GONE;
+        snprintf(g->chain_res.message, sizeof(g->chain_res.message),
+                 "chain %.48s is not on this replica (another replica or an earlier run held it); "
+                 "resend the full prompt without chain_id",
+                 g->chain_id);
+        rc = LETHE_ERR_NOT_FOUND;
+    }
+    return rc;
+}
+
+void srv_chain_headers_out(const srv_gen *g, char *out, size_t cap) {
+    out[0] = 0;
+    if (!g->chain) return;
+    const char *id = g->chain_res.chain_id[0] ? g->chain_res.chain_id : g->chain_id;
+    /* a refused body id may be anything: never echo it */
+    if (!id || !lethe_chain_id_valid(id)) return;
+    if (g->chain_res.code == LETHE_CHAIN_OK && g->chain_res.status)
+        snprintf(out, cap, SRV_CHAIN_ID_HEADER ": %s\r\nX-Lethe-Chain-Status: %s\r\n", id,
+                 g->chain_res.status);
+    else snprintf(out, cap, SRV_CHAIN_ID_HEADER ": %s\r\n", id);
 }
 
 int srv_chain_refusal_status(const srv_gen *g) {
@@ -191,7 +246,7 @@ void srv_chain_annotate(const srv_gen *g, cJSON *root) {
     cJSON_AddStringToObject(root, "chain_status", g->chain_res.status);
 }
 
-void srv_chain_metrics(lethe_engine *e, const char *model, srv_buf *b) {
+void srv_chain_metrics(lethe_engine *e, const uint64_t *refused, const char *model, srv_buf *b) {
     if (!e || !lethe_engine_chain_mode(e)) return;
     lethe_engine_chain_stats s;
     lethe_engine_get_chain_stats(e, &s);
@@ -221,5 +276,16 @@ void srv_chain_metrics(lethe_engine *e, const char *model, srv_buf *b) {
         srv_buf_printf(b, "# HELP lethe:%s %s\n# TYPE lethe:%s %s\n", rows[i].name, rows[i].help, rows[i].name,
                        rows[i].type);
         srv_buf_printf(b, "lethe:%s{model_name=\"%s\"} %.17g\n", rows[i].name, model, rows[i].v);
+    }
+    /* refusals as the client saw them (with --replica an unknown id is chain_gone) */
+    srv_buf_puts(
+        b,
+        "# HELP lethe:chain_turns_refused_total Chain turns refused, by the error code answered.\n"
+        "# TYPE lethe:chain_turns_refused_total counter\n");
+    for (int c = LETHE_CHAIN_NOT_FOUND; c <= LETHE_CHAIN_ENGINE_BUSY; c++) {
+        if (c == LETHE_CHAIN_MODE_DISABLED) continue; /* a parse error, never a refused turn */
+        srv_buf_printf(b, "lethe:chain_turns_refused_total{model_name=\"%s\",code=\"%s\"} %llu\n",
+                       model, srv_chain_code_name((lethe_chain_code)c),
+                       (unsigned long long)refused[c]);
     }
 }

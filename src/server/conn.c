@@ -71,6 +71,7 @@ typedef struct conn {
     int status;
     const srv_async_ops *ops;
     void *actx;
+    char headers[256]; /* the response's header lines (static + its own) */
 } conn;
 
 typedef struct job {
@@ -560,7 +561,7 @@ static void pump(srv_http *h, conn *c, double now) {
         }
         if (done) srv_buf_puts(&c->out, "0\r\n\r\n");
     } else if (done) {
-        put_whole(c, status, ctype, NULL, tmp.data ? tmp.data : "", tmp.len);
+        put_whole(c, status, ctype, c->headers, tmp.data ? tmp.data : "", tmp.len);
     }
     srv_buf_free(&tmp);
     if (done) {
@@ -605,12 +606,14 @@ static void flush_out(srv_http *h, conn *c, double now) {
 
 static void start_response(srv_http *h, conn *c, job *j, double now) {
     srv_response *r = &j->resp;
+    snprintf(c->headers, sizeof(c->headers), "%s%.*s", r->extra_headers ? r->extra_headers : "",
+             SRV_RESPONSE_HEADERS_CAP, r->headers);
     if (r->async_ops) {
         c->was_async = true;
         c->ops = r->async_ops;
         c->actx = r->async_ctx;
         if (r->streaming) {
-            put_head(c, r->status ? r->status : 200, r->content_type, r->extra_headers, -1);
+            put_head(c, r->status ? r->status : 200, r->content_type, c->headers, -1);
             c->state = C_STREAM;
         } else {
             c->state = C_WAIT;
@@ -619,7 +622,7 @@ static void start_response(srv_http *h, conn *c, job *j, double now) {
         return;
     }
     size_t n = r->body ? (r->body_len ? r->body_len : strlen(r->body)) : 0;
-    put_whole(c, r->status, r->content_type, r->extra_headers, r->body, n);
+    put_whole(c, r->status, r->content_type, c->headers, r->body, n);
     c->state = C_WRITE;
     flush_out(h, c, now);
 }

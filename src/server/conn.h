@@ -78,12 +78,16 @@ typedef struct srv_async_ops {
     void (*destroy)(void *ctx); /* always called exactly once; writes the request's log line */
 } srv_async_ops;
 
+#define SRV_RESPONSE_HEADERS_CAP 160
+
 typedef struct srv_response {
     int status;
     const char *content_type;   /* static string */
     char *body;                 /* malloc'd (owned by the layer), may be NULL */
     size_t body_len;            /* 0: strlen(body) */
     const char *extra_headers;  /* static, "Name: value\r\n" lines, or NULL */
+    char headers[SRV_RESPONSE_HEADERS_CAP]; /* more such lines made for this response ("": none;
+                                 * the layer copies them when it takes the response) */
     /* async: non-NULL ops; streaming responses send status/content_type now
      * and the body in chunks; whole ones wait for pump to finish */
     const srv_async_ops *async_ops;

@@ -12,7 +12,8 @@
  * step).
  *
  * Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
- * POST /v1/chat/completions, POST /tokenize and /detokenize (vLLM's). All
+ * POST /v1/chat/completions, POST /tokenize and /detokenize (vLLM's),
+ * GET /v1/worker/load (running/waiting requests, KV use, chains held). All
  * but /health (and /metrics unless --metrics-require-key) need
  * "Authorization: Bearer KEY" when API keys are set. Everything except
  * /health and /metrics answers 503 until the model is loaded, and
@@ -273,7 +274,9 @@ static void handle_generate(srv_state *s, const srv_request *rq, const char *ten
     snprintf(x->method, sizeof(x->method), "%s", rq->method);
     snprintf(x->path, sizeof(x->path), "%s", rq->path);
     srv_error err = {0};
-    if (srv_parse_request(&s->api, kind, rq->body, rq->body_len, &x->g, &err) != 0) {
+    srv_chain_headers hdr = {.chain_id = srv_request_header(rq, SRV_CHAIN_ID_HEADER),
+                             .new_chain_id = srv_request_header(rq, SRV_NEW_CHAIN_ID_HEADER)};
+    if (srv_parse_request(&s->api, kind, rq->body, rq->body_len, &hdr, &x->g, &err) != 0) {
         free(x);
         set_error(resp, &err);
         return;
@@ -303,15 +306,23 @@ static void handle_generate(srv_state *s, const srv_request *rq, const char *ten
     p.user = r;
     srv_req_ref(r); /* the engine's reference, dropped by the final event */
     uint64_t id = 0;
-    int rc = g->chain ? srv_chain_submit(s->engine, &p, g, &id) : lethe_engine_submit(s->engine, &p, &id);
+    int rc = g->chain ? srv_chain_submit(&s->api, &p, g, &id)
+                      : lethe_engine_submit(s->engine, &p, &id);
+    /* X-Lethe-Chain-Id (+ status), for a load balancer and the client */
+    srv_chain_headers_out(g, resp->headers, sizeof(resp->headers));
+    g->hdr = (srv_chain_headers){0}; /* it points into the request, which ends with this call */
     if (rc != 0) {
         atomic_fetch_sub(&s->in_flight, 1);
         srv_req_set_wake(r, (srv_wake){0});
         srv_req_unref(r); /* the engine's */
         srv_req_unref(r); /* ours */
         int code = srv_chain_refusal_status(g);
-        if (code) set_body(resp, code, srv_chain_error_json(g), "application/json"); /* refused by the chain cache */
-        else submit_error(resp, rc);
+        if (code) { /* refused by the chain cache */
+            srv_metrics_chain_refused(&s->metrics, g->chain_res.code);
+            set_body(resp, code, srv_chain_error_json(g), "application/json");
+        } else {
+            submit_error(resp, rc);
+        }
         srv_gen_free(g);
         free(x);
         return;
@@ -342,7 +353,11 @@ static char *render_metrics(srv_state *s, bool ready) {
     srv_buf mb = {0};
     srv_buf_puts(&mb, text);
     free(text);
-    if (ready) srv_chain_metrics(s->engine, s->served_name, &mb); /* chain cache series */
+    if (ready) { /* chain cache series */
+        uint64_t refused[LETHE_CHAIN_ENGINE_BUSY + 1];
+        srv_metrics_chain_refusals(&s->metrics, refused);
+        srv_chain_metrics(s->engine, refused, s->served_name, &mb);
+    }
     srv_http_stats hs;
     srv_http_stats_get(s->http, &hs);
     const struct { const char *name, *type, *help, *label; double v; } rows[] = {
@@ -367,6 +382,44 @@ static char *render_metrics(srv_state *s, bool ready) {
                        rows[i].label ? "\"" : "", rows[i].v);
     }
     return mb.data;
+}
+
+/* GET /v1/worker/load: what a load balancer or an autoscaler polls. Every
+ * number is also a /metrics series, from the same source: requests_running
+ * lethe:num_requests_running, requests_waiting lethe:num_requests_waiting,
+ * requests_in_flight lethe:requests_in_flight, kv_cache_usage
+ * lethe:kv_cache_usage_perc, kv_slots_used / kv_slots_total
+ * lethe:kv_cache_used_slots / kv_cache_total_slots, chains.held / active /
+ * idle / resident_slots lethe:chain_cache_chains / _active / _idle /
+ * _resident_slots ("chains" is null outside chain mode). */
+static char *worker_load_json(srv_state *s) {
+    lethe_engine_stats st;
+    lethe_engine_get_stats(s->engine, &st);
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "object", "worker.load");
+    cJSON_AddStringToObject(root, "model", s->served_name);
+    cJSON_AddNumberToObject(root, "requests_running", st.n_running);
+    cJSON_AddNumberToObject(root, "requests_waiting", st.n_waiting);
+    cJSON_AddNumberToObject(root, "requests_in_flight", atomic_load(&s->in_flight));
+    cJSON_AddNumberToObject(root, "max_num_seqs", s->cfg->engine.max_num_seqs);
+    cJSON_AddNumberToObject(root, "kv_cache_usage", st.kv_usage);
+    cJSON_AddNumberToObject(root, "kv_slots_used", (double)st.kv_slots_used);
+    cJSON_AddNumberToObject(root, "kv_slots_total", (double)st.kv_slots_total);
+    cJSON_AddStringToObject(root, "prefix_cache_mode", lethe_engine_prefix_cache_mode(s->engine));
+    if (lethe_engine_chain_mode(s->engine)) {
+        lethe_engine_chain_stats cs;
+        lethe_engine_get_chain_stats(s->engine, &cs);
+        cJSON *c = cJSON_AddObjectToObject(root, "chains");
+        cJSON_AddNumberToObject(c, "held", cs.n_chains);
+        cJSON_AddNumberToObject(c, "active", cs.n_active);
+        cJSON_AddNumberToObject(c, "idle", cs.n_idle);
+        cJSON_AddNumberToObject(c, "resident_slots", (double)cs.resident_slots);
+    } else {
+        cJSON_AddNullToObject(root, "chains");
+    }
+    char *out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
 }
 
 /* ---- routing (a worker thread) ---- */
@@ -415,15 +468,19 @@ static void handle(void *user, const srv_request *rq, srv_response *resp) {
     bool is_models = !strcmp(path, "/v1/models");
     bool is_cmpl = !strcmp(path, "/v1/completions");
     bool is_chat = !strcmp(path, "/v1/chat/completions");
-    if (!is_models && !is_cmpl && !is_chat)
+    bool is_load = !strcmp(path, "/v1/worker/load");
+    if (!is_models && !is_cmpl && !is_chat && !is_load)
         return fail(resp, 404, NULL, "no route %s %s", rq->method, srv_clip(path, clip, sizeof(clip)));
     if (!auth_ok(s, rq, &tenant)) return unauthorized(resp);
     if (strlen(tenant) > 64)
         return fail(resp, 400, NULL, "the %s header is longer than 64 bytes", s->cfg->tenant_header);
-    if (is_models ? !get : !post) return fail(resp, 405, NULL, "use %s %s", is_models ? "GET" : "POST", path);
+    bool wants_get = is_models || is_load;
+    if (wants_get ? !get : !post)
+        return fail(resp, 405, NULL, "use %s %s", wants_get ? "GET" : "POST", path);
     if (phase != PHASE_READY)
         return fail(resp, 503, NULL, "the model is %s", phase == PHASE_LOADING ? "still loading" : "not available");
     if (is_models) return set_body(resp, 200, srv_models_json(&s->api), "application/json");
+    if (is_load) return set_body(resp, 200, worker_load_json(s), "application/json");
     handle_generate(s, rq, tenant, is_chat ? SRV_CHAT : SRV_COMPLETION, resp);
 }
 
@@ -451,6 +508,7 @@ static void *loader_main(void *arg) {
         s->api.served_name = s->served_name;
         s->api.model_path = s->cfg->engine.model;
         s->api.tool_parser = s->cfg->tool_call_parser;
+        s->api.replica = s->cfg->replica;
         s->api.max_model_len = lethe_engine_max_model_len(e);
         s->api.created = (int64_t)time(NULL);
         size_t nb = 0;

@@ -60,6 +60,19 @@ void srv_metrics_finished(srv_metrics *m, lethe_finish_reason r) {
     pthread_mutex_unlock(&m->mu);
 }
 
+void srv_metrics_chain_refused(srv_metrics *m, lethe_chain_code c) {
+    if ((int)c <= LETHE_CHAIN_OK || c > LETHE_CHAIN_ENGINE_BUSY) return;
+    pthread_mutex_lock(&m->mu);
+    m->chain_refused[c]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void srv_metrics_chain_refusals(srv_metrics *m, uint64_t *out) {
+    pthread_mutex_lock(&m->mu);
+    memcpy(out, m->chain_refused, sizeof(m->chain_refused));
+    pthread_mutex_unlock(&m->mu);
+}
+
 /* Label values are escaped per the exposition format (\\, \", \n). */
 static void put_label(srv_buf *b, const char *v) {
     for (const char *p = v; *p; p++) {
@@ -118,6 +131,10 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
               st->n_waiting);
         gauge(&b, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", model,
               st->kv_usage);
+        gauge(&b, "kv_cache_used_slots", "KV slots in use, summed over slot spaces.", model,
+              (double)st->kv_slots_used);
+        gauge(&b, "kv_cache_total_slots", "KV slots in all, summed over slot spaces.", model,
+              (double)st->kv_slots_total);
         counter(&b, "prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.", model,
                 (double)st->prefix_queries_tokens);

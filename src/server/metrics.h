@@ -29,12 +29,17 @@ typedef struct srv_metrics {
     pthread_mutex_t mu;
     srv_histogram hist[SRV_HIST_N];
     uint64_t finished[LETHE_FINISH_ERROR + 1]; /* by lethe_finish_reason */
+    uint64_t
+        chain_refused[LETHE_CHAIN_ENGINE_BUSY + 1]; /* refused chain turns, by lethe_chain_code */
 } srv_metrics;
 
 void srv_metrics_init(srv_metrics *m);
 void srv_metrics_destroy(srv_metrics *m);
 void srv_metrics_observe(srv_metrics *m, int hist, double seconds);
 void srv_metrics_finished(srv_metrics *m, lethe_finish_reason r);
+void srv_metrics_chain_refused(srv_metrics *m, lethe_chain_code c);
+/* A copy of m->chain_refused (out[LETHE_CHAIN_ENGINE_BUSY + 1]). */
+void srv_metrics_chain_refusals(srv_metrics *m, uint64_t *out);
 
 /* Prometheus text exposition (version 0.0.4), malloc'd. st may be NULL while
  * the model loads (engine gauges are then omitted). */

@@ -230,9 +230,8 @@ static int parse_messages(const srv_api *api, const cJSON *root, srv_gen *g, srv
     if (!rc && get_bool(root, "add_generation_prompt", &add_gen, err) < 0) rc = -1;
     char *rendered = NULL;
     const cJSON *cid = field(root, "chain_id"); /* the chain's memo restores dropped reasoning */
-    if (!rc)
-        rc = srv_render_chat(api, msgs, g->agent, cJSON_IsString(cid) ? cid->valuestring : NULL, add_gen,
-                             &rendered, err);
+    const char *memo_id = cJSON_IsString(cid) ? cid->valuestring : g->hdr.chain_id;
+    if (!rc) rc = srv_render_chat(api, msgs, g->agent, memo_id, add_gen, &rendered, err);
     if (!rc) rc = tokenize(api, rendered, false, "messages", g, err);
     free(rendered);
     for (size_t k = 0; k < n; k++) srv_buf_free(&texts[k]);
@@ -392,9 +391,10 @@ static void make_id(srv_gen *g) {
 }
 
 int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,
-                      srv_gen *g, srv_error *err) {
+                      const srv_chain_headers *hdr, srv_gen *g, srv_error *err) {
     memset(g, 0, sizeof(*g));
     g->kind = kind;
+    if (hdr) g->hdr = *hdr;
     g->logprobs = -1;
     lethe_sampling_default_params(&g->sp);
     make_id(g);

@@ -45,7 +45,15 @@ typedef struct srv_api {
     int64_t created;            /* server start time (unix seconds) */
     bool has_tokenizer;         /* false for dummy weights: token-id prompts only, empty text */
     const char *tool_parser;    /* --tool-call-parser: NULL/"auto" = the chat template's format */
+    bool replica;               /* --replica: an unknown chain id is 410 chain_gone, not 404 */
 } srv_api;
+
+/* Chain fields a request carries in headers, for a load balancer to route by
+ * (docs/deploy.md); pointers into the request, valid while it is handled. */
+typedef struct srv_chain_headers {
+    const char *chain_id;     /* X-Lethe-Chain-Id: same as the body's chain_id */
+    const char *new_chain_id; /* X-Lethe-New-Chain-Id: the id of a chain this request creates */
+} srv_chain_headers;
 
 typedef struct srv_agent srv_agent; /* tools, reasoning, structured output (agent.h) */
 
@@ -64,6 +72,7 @@ typedef struct srv_gen {
     /* Chain Cache (chain_api.c) */
     bool chain;                 /* submitted as a chain turn (the engine runs in chain mode) */
     char *chain_id;             /* requested id (malloc'd) or NULL: create */
+    srv_chain_headers hdr;      /* the request's chain headers (not owned) */
     bool chain_append;          /* chain_append_start given: prompt = appended tokens only */
     int32_t chain_append_start, n_messages;
     lethe_chain_result chain_res;
@@ -71,8 +80,9 @@ typedef struct srv_gen {
     srv_agent *agent;           /* chat: tools, reasoning, response_format (agent.c), or NULL */
 } srv_gen;
 
+/* hdr: the request's chain headers, or NULL */
 int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,
-                      srv_gen *g, srv_error *err);
+                      const srv_chain_headers *hdr, srv_gen *g, srv_error *err);
 void srv_gen_free(srv_gen *g);
 
 char *srv_models_json(const srv_api *api);

@@ -143,7 +143,7 @@ static int parse_selector(const srv_api *api, const cJSON *root, int32_t **token
     char *body = cJSON_PrintUnformatted(chat);
     srv_gen g;
     memset(&g, 0, sizeof(g));
-    int rc = srv_parse_request(api, SRV_CHAT, body, strlen(body), &g, err);
+    int rc = srv_parse_request(api, SRV_CHAT, body, strlen(body), NULL, &g, err);
     free(body);
     if (rc == 0) {
         *tokens = g.prompt;

@@ -35,6 +35,8 @@ typedef struct lethe_server_config {
     /* with no keys: a request header naming the tenant (set by an authenticating proxy) */
     const char *tenant_header;
     bool metrics_require_key;      /* /metrics needs a key too */
+    bool replica;                  /* one replica of several behind a balancer: an unknown chain id
+                                    * is 410 chain_gone (recreate it), not 404 (docs/deploy.md) */
     const char *served_model_name; /* NULL: the model file's base name */
     size_t max_body_bytes;         /* larger request bodies get 413; default 8 MiB */
     int32_t max_queued_requests;   /* in flight beyond max_num_seqs before 503; default 1024 */

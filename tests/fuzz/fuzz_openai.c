@@ -58,7 +58,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
     case 1: {
         srv_gen g;
         srv_kind kind = data[0] % 4 == 0 ? SRV_COMPLETION : SRV_CHAT;
-        if (srv_parse_request(&api, kind, body, len, &g, &err) == 0) {
+        if (srv_parse_request(&api, kind, body, len, NULL, &g, &err) == 0) {
             FUZZ_CHECK(g.n_prompt >= 1 && g.n_prompt < api.max_model_len);
             for (int32_t i = 0; i < g.n_prompt; i++) {
                 size_t nb = 0;
