@@ -13,8 +13,14 @@
  *
  * Client modes: "full" sends the whole conversation every turn (radix
  * prefix cache or no cache); "chain" sends chain_id + chain_append_start so
- * the server continues the conversation's resident KV (a 410 is retried once
- * as a full prompt without chain_id, as the anchor's clients do).
+ * the server continues the conversation's resident KV (the id also in the
+ * X-Lethe-Chain-Id header, which a load balancer routes by: docs/deploy.md).
+ * A 410 (the chain was reclaimed, or its replica is gone) is retried once as
+ * a full prompt without chain_id, as the anchor's clients do, and counted
+ * (chains_gone_retried). A turn that got no answer, a cut-off stream or a
+ * 502/503/504 (a replica died or is loading, the server is full) is sent
+ * again up to --retries times after a pause, and counted (turns_retried),
+ * so a replica that dies mid-run loses no turn.
  *
  * --configs method-cache,... (cache = radix | chain | nocache) starts
  * `lethe serve` per configuration (this binary), waits for /health, replays,
@@ -47,7 +53,7 @@ typedef struct rp_opts {
     const char *sparse_config;
     lethe_trace_gen_params gen;
     bool generate;
-    int32_t concurrency, port, timeout_s;
+    int32_t concurrency, port, timeout_s, retries;
     float wait_scale, max_wait;
     uint64_t seed;
 } rp_opts;
@@ -59,6 +65,7 @@ typedef struct rp_turn_rec {
     int32_t prompt_tokens, cached_tokens, completion_tokens;
     int status;                /* chain status: 0 created, 1 resumed, 2 recreated, -1 none */
     bool retried_gone;
+    int32_t retries; /* sends again after no answer / 502 / 503 / 504 / a cut-off stream */
 } rp_turn_rec;
 
 typedef struct rp_run {
@@ -173,12 +180,18 @@ static size_t on_bytes(char *p, size_t sz, size_t nm, void *u) {
     return k;
 }
 
-/* POST one streaming chat request; returns the HTTP code (0: no answer) */
-static long post_stream(const rp_run *R, const char *body, stream_ctx *c) {
+/* POST one streaming chat request (chain_id also as the X-Lethe-Chain-Id
+ * header when given); returns the HTTP code (0: no answer) */
+static long post_stream(const rp_run *R, const char *body, const char *chain_id, stream_ctx *c) {
     char url[512];
     snprintf(url, sizeof(url), "%s/v1/chat/completions", R->base);
     CURL *h = curl_easy_init();
     struct curl_slist *hd = curl_slist_append(NULL, "Content-Type: application/json");
+    if (chain_id && chain_id[0]) {
+        char line[96];
+        snprintf(line, sizeof(line), "X-Lethe-Chain-Id: %s", chain_id);
+        hd = curl_slist_append(hd, line);
+    }
     lethe_sse_init(&c->sse);
     curl_easy_setopt(h, CURLOPT_URL, url);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hd);
@@ -223,7 +236,7 @@ static void replay_agent(rp_run *R, int32_t a) {
         free(app);
         rp_turn_rec *rec = &R->recs[i];
         rec->status = -1;
-        for (int attempt = 0; attempt < 2; attempt++) {
+        for (;;) {
             cJSON *req = cJSON_CreateObject();
             cJSON_AddItemReferenceToObject(req, "messages", msgs);
             cJSON_AddNumberToObject(req, "max_tokens", R->n_forced[i]);
@@ -245,13 +258,24 @@ static void replay_agent(rp_run *R, int32_t a) {
             char *body = cJSON_PrintUnformatted(req);
             cJSON_Delete(req);
             stream_ctx c = {0};
-            long code = post_stream(R, body, &c);
+            long code = post_stream(R, body, R->chain ? chain_id : NULL, &c);
             free(body);
             double t_end = lethe_time_s();
-            if (code == 410 && R->chain && attempt == 0) { /* reclaimed: once more as a new chain */
+            if (code == 410 && R->chain && chain_id[0] &&
+                !rec->retried_gone) { /* lost: once more, new chain */
                 chain_id[0] = 0;
                 rec->retried_gone = true;
                 free(c.head.p);
+                continue;
+            }
+            bool cut = code == 200 && !c.done; /* the server went away mid-stream */
+            if ((code == 0 || code == 502 || code == 503 || code == 504 || cut) &&
+                rec->retries < R->o->retries) {
+                rec->retries++;
+                free(c.head.p);
+                double w = 0.25 * (1 << LETHE_MIN(rec->retries, 5)); /* 0.5, 1, 2, 4, 8 s */
+                struct timespec ts = {.tv_sec = (time_t)w, .tv_nsec = (long)((w - floor(w)) * 1e9)};
+                nanosleep(&ts, NULL);
                 continue;
             }
             rec->ok = code == 200 && c.done && !c.error[0] && c.got_first;
@@ -374,7 +398,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     double pf1 = metric(base, "prefill_tokens_computed_total");
     free(th);
     int64_t prompt = 0, cached = 0, completion = 0;
-    int32_t ok = 0, st[3] = {0}, gone = 0;
+    int32_t ok = 0, st[3] = {0}, gone = 0, retried = 0, retries = 0;
     double *tt = lethe_xmalloc((size_t)t->n_turns * sizeof(double));
     int32_t nt = 0;
     for (int32_t i = 0; i < t->n_turns; i++) {
@@ -386,6 +410,8 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
         completion += r->completion_tokens;
         if (r->status >= 0) st[r->status]++;
         gone += r->retried_gone;
+        retried += r->retries > 0;
+        retries += r->retries;
         if (isfinite(r->ttft)) tt[nt++] = r->ttft;
     }
     qsort(tt, (size_t)nt, sizeof(double), cmp_d);
@@ -413,11 +439,18 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     cJSON_AddNumberToObject(r, "chains_resumed", st[1]);
     cJSON_AddNumberToObject(r, "chains_recreated", st[2]);
     cJSON_AddNumberToObject(r, "chains_gone_retried", gone);
+    cJSON_AddNumberToObject(r, "turns_retried", retried);
+    cJSON_AddNumberToObject(r, "retries", retries);
     if (R.first_error[0]) cJSON_AddStringToObject(r, "first_error", R.first_error);
     cJSON_AddItemToArray(arr, r);
     printf("%-22s %8.2f s  turns %d/%d  TTFT p50 %8.1f p90 %8.1f p99 %8.1f ms  prompt %lld reused %lld computed %lld\n",
            label, wall, ok, t->n_turns, pct(tt, nt, 50) * 1e3, pct(tt, nt, 90) * 1e3, pct(tt, nt, 99) * 1e3,
            (long long)prompt, (long long)cached, (long long)(prompt - cached));
+    if (chain || retries)
+        printf("  chains created %d resumed %d recreated %d, recreated after 410: %d, turns sent "
+               "again: %d (%d "
+               "sends)\n",
+               st[0], st[1], st[2], gone, retried, retries);
     if (R.first_error[0]) printf("  first error: %s\n", R.first_error);
     fflush(stdout);
     free(tt);
@@ -498,8 +531,14 @@ static void stop_server(pid_t pid) {
 }
 
 int lethe_bench_replay(int argc, char **argv) {
-    rp_opts o = {.base_url = "http://127.0.0.1:8000", .mode = "chain", .concurrency = 0, .port = 8765,
-                 .timeout_s = 3600, .wait_scale = 1.0f, .seed = 42};
+    rp_opts o = {.base_url = "http://127.0.0.1:8000",
+                 .mode = "chain",
+                 .concurrency = 0,
+                 .port = 8765,
+                 .timeout_s = 3600,
+                 .retries = 3,
+                 .wait_scale = 1.0f,
+                 .seed = 42};
     lethe_trace_gen_default(&o.gen);
     o.max_wait = (float)o.gen.max_wait_s;
     lethe_opt rows[48];
@@ -532,6 +571,8 @@ int lethe_bench_replay(int argc, char **argv) {
     ROW("--serve-args", NULL, LETHE_OPT_STR, &o.serve_args, "\"ARGS\"", "extra `lethe serve` flags (space separated)", 1, 0);
     ROW("--port", NULL, LETHE_OPT_INT, &o.port, "N", "port of the servers --configs starts", 1, 65535);
     ROW("--timeout", NULL, LETHE_OPT_INT, &o.timeout_s, "S", "per-request timeout", 1, 86400);
+    ROW("--retries", NULL, LETHE_OPT_INT, &o.retries, "N",
+        "send a turn again up to N times after no answer, a cut-off stream or 502/503/504", 0, 100);
     ROW("--result-json", NULL, LETHE_OPT_STR, &o.result_json, "PATH", "write results as JSON", 1, 0);
 #undef ROW
     const char *pos[1];
