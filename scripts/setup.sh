@@ -4,7 +4,8 @@
 # builds xgrammar, see scripts/build-xgrammar.sh) and the PyPI packages the
 # e2e tests use.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip clang)
+pkgs=(build-essential cmake pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip clang
+      haproxy)   # haproxy: the load balancer of deploy/haproxy.cfg (tests/e2e/test_scaleout.py)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
