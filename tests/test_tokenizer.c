@@ -275,6 +275,10 @@ static void test_load_paths(void) {
     CHECK_STR_CONTAINS(lethe_last_error(), "WordPiece");
     write_file(p, "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -3}, \"merges\": []}}");
     CHECK_EQ_INT(lethe_tokenizer_from_hf(p, NULL, &t), LETHE_ERR_FORMAT);
+    /* sparse ids (found by fuzz_tokenizer_json: 12M-entry tables from a 1 KB file) */
+    write_file(p, "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 12222239}, \"merges\": []}}");
+    CHECK_EQ_INT(lethe_tokenizer_from_hf(p, NULL, &t), LETHE_ERR_FORMAT);
+    CHECK_STR_CONTAINS(lethe_last_error(), "token ids up to 12222239 for 2 tokens");
     write_file(p, "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"a\"]}, "
                   "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}}");
     CHECK_EQ_INT(lethe_tokenizer_from_hf(p, NULL, &t), LETHE_ERR_FORMAT);

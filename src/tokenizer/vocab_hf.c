@@ -187,18 +187,27 @@ static lethe_status from_json(const cJSON *j, const cJSON *cfg, const char *path
     if (!cJSON_IsObject(vocab)) return lethe_errorf(LETHE_ERR_FORMAT, "%s: model.vocab missing", path);
 
     double max_id = -1;
+    int32_t n_ids = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, vocab) {
         if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble >= (1 << 24))
             return lethe_errorf(LETHE_ERR_FORMAT, "%s: model.vocab[\"%s\"] is not a valid id", path, e->string);
         if (e->valuedouble > max_id) max_id = e->valuedouble;
+        n_ids++;
     }
     cJSON_ArrayForEach(e, added) {
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(e, "id");
         if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= (1 << 24) || !jstr(e, "content"))
             return lethe_errorf(LETHE_ERR_FORMAT, "%s: added_tokens entry without a valid id/content", path);
         if (id->valuedouble > max_id) max_id = id->valuedouble;
+        n_ids++;
     }
+    /* the token tables are indexed by id: a few tokens with a huge id would allocate and
+     * walk tables of that size (a 1 KB file, hundreds of MB and seconds); real
+     * vocabularies are dense (ids 0 .. n-1, a few holes at most) */
+    if (max_id + 1 > 2.0 * n_ids + 1024)
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: token ids up to %.0f for %d tokens: the vocabulary is not dense",
+                            path, max_id, n_ids);
     lethe_tokenizer *t;
     lethe_status st = tok_create((int32_t)max_id + 1, &t);
     if (st != LETHE_OK) return st;
