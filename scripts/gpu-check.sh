@@ -12,7 +12,8 @@
 #           is built next to this one (in the build phase, in parallel) and
 #           `lethe bench engine` (dummy Llama-3.1-8B, $BASECMP_POINTS) runs
 #           base, new, base, new; then `bench sparse --parts matched` (dense,
-#           quest, omnikv at batch 8 x ${BASECMP_SPARSE_INPUT:-8192}) once each.
+#           quest, omnikv at batch 8 x ${BASECMP_SPARSE_INPUT:-8192}) once each
+#           (BASECMP_REPS=N engine repeats, default 2; BASECMP_SPARSE=0 skips sparse).
 #           Ratios new/base per point -> $OUT/basecmp.txt. ~4-5 min.
 #
 #   dev     dev/cuda/attn_bench (built by the build phase): the attention
@@ -219,7 +220,7 @@ if has basecmp && [ -n "${base_pid:-}" ]; then
     t0=$(date +%s)
     cfg=configs/llama-3.1-8b-instruct/config.json
     pts=${BASECMP_POINTS:-1:4096:64,8:4096:64,32:512:64,64:8192:32}
-    for rep in 1 2; do
+    for rep in $(seq 1 ${BASECMP_REPS:-2}); do
         for who in base new; do
             bin=./build/lethe; [ $who = base ] && bin=$BASE_DIR/build/lethe
             $bin bench engine -m $cfg --load-format dummy --points "$pts" --attention --attn-batch 8 \
@@ -228,6 +229,7 @@ if has basecmp && [ -n "${base_pid:-}" ]; then
         done
     done
     for who in base new; do
+        [ "${BASECMP_SPARSE:-1}" = 0 ] && break
         bin=./build/lethe; [ $who = base ] && bin=$BASE_DIR/build/lethe
         $bin bench sparse -m $cfg --load-format dummy --device cuda --parts matched --budget 2048 \
             --matched-methods quest,omnikv --matched-batch 8 --matched-input ${BASECMP_SPARSE_INPUT:-8192} \
@@ -240,8 +242,8 @@ out = sys.argv[1]
 def load(n):
     p = os.path.join(out, n)
     return json.load(open(p)) if os.path.exists(p) else None
-runs = {w: [r for r in (load(f"basecmp-{w}-{i}.json") for i in (1, 2)) if r] for w in ("base", "new")}
-print("engine bench, median of 2 runs each, alternating base/new (ratio = new / base)")
+runs = {w: [r for r in (load(f"basecmp-{w}-{i}.json") for i in range(1, 9)) if r] for w in ("base", "new")}
+print(f"engine bench, median of {len(runs['new'])} runs each, alternating base/new (ratio = new / base)")
 print(f"{'point':>14} {'metric':>22} {'base':>10} {'new':>10} {'ratio':>7}")
 if runs["base"] and runs["new"]:
     for i, p in enumerate(runs["new"][0]["points"]):
