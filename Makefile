@@ -9,12 +9,16 @@
 #   make soak       tests/soak/soak.py: SOAK_CLIENTS concurrent clients (default 64) on
 #                   `lethe serve` for SOAK_SECONDS (default 60); SOAK_ARGS="..." passes more
 #   make dev        dev/cuda programs: attention kernel generations side by side (nvcc)
+#   make lib        build/liblethe.so: the public API (include/lethe.h) as a shared
+#                   library, for the Python package (python/, pip install ./python)
 #   make run        start the server on the default model
 #   make clean
 #
 # Layout: every src/**/*.c goes into build/liblethe.a; src/backend/cuda/*.cu
 # into build/liblethe_cuda.a; every tests/test_*.c is one test binary;
-# tools/*.c make the `lethe` binary. Adding a file needs no Makefile edit.
+# tools/*.c make the `lethe` binary; both archives together make
+# build/liblethe.so (objects are position independent for it). Adding a file
+# needs no Makefile edit.
 
 CC      ?= gcc
 NVCC    ?= nvcc
@@ -27,7 +31,9 @@ CUDA    ?= auto
 # unpacked from .debs on a machine where they are not installed)
 EXTRA_CFLAGS  ?=
 EXTRA_LDFLAGS ?=
-CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) \
+# -fPIC: the same objects go into the executables and build/liblethe.so;
+# -fno-semantic-interposition keeps calls between them direct (as -fPIE does)
+CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) -fPIC -fno-semantic-interposition \
                -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP $(EXTRA_CFLAGS)
 BASE_LDLIBS := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lcurl -lcrypto -lm -lpthread -fopenmp
 LDLIBS  := $(BASE_LDLIBS)
@@ -94,10 +100,10 @@ ifeq ($(CUDA),1)
   LIB_CUDA := $(BUILD)/liblethe_cuda.a
 endif
 
-.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build dev soak
+.PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build dev soak lib
 # with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
 # and the dev/cuda programs (make dev)
-all: $(BUILD)/lethe $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
+all: $(BUILD)/lethe $(BUILD)/liblethe.so $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -124,6 +130,13 @@ $(BUILD)/liblethe_cuda.a: $(CU_OBJ)
 
 $(BUILD)/lethe: $(TOOL_OBJ) $(LIB) $(LIB_CUDA)
 	$(CC) $(CFLAGS) -o $@ $(TOOL_OBJ) -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
+
+# the shared library exports include/lethe.h's functions only (src/lethe.map); the
+# Python package (python/) loads it with ctypes
+lib: $(BUILD)/liblethe.so
+$(BUILD)/liblethe.so: $(LIB) $(LIB_CUDA) src/lethe.map
+	$(CC) -shared -o $@ -Wl,--version-script=src/lethe.map -Wl,-z,defs -Wl,--whole-archive $(LIB) $(LIB_CUDA) \
+	    -Wl,--no-whole-archive $(LDLIBS)
 
 $(BUILD)/tests/%: tests/%.c $(LIB) $(LIB_CUDA) tests/test.h
 	@mkdir -p $(dir $@)

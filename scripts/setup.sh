@@ -4,7 +4,8 @@
 # builds xgrammar, see scripts/build-xgrammar.sh) and the PyPI packages the
 # e2e tests use.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip clang
+pkgs=(build-essential cmake pkg-config libcjson-dev libpcre2-dev libicu-dev libcurl4-openssl-dev libssl-dev curl python3-pip
+      python3-venv clang   # python3-venv: the Python package's fresh-venv test (tests/e2e/test_python_pkg.py)
       haproxy)   # haproxy: the load balancer of deploy/haproxy.cfg (tests/e2e/test_scaleout.py)
 missing=()
 for p in "${pkgs[@]}"; do
