@@ -223,6 +223,9 @@ fuzz-build: $(FUZZ_BIN)
 fuzz: fuzz-build model
 	@bash tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_RUNS)
 
+# the dashboard page is assembled into this object (.incbin), which -MMD does not see
+$(BUILD)/src/server/dashboard.o $(FUZZ_BUILD)/src/server/dashboard.o: src/server/dashboard.html
+
 clean:
 	rm -rf build build-asan build-fuzz
 

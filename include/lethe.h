@@ -279,6 +279,27 @@ typedef struct lethe_engine_stats {
 /* Thread-safe snapshot (updated at the end of every step). */
 void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out);
 
+/* ---- live views (the dashboard of `lethe serve`, GET / and /metrics):
+ * thread-safe snapshots, updated at the end of every step ---- */
+typedef struct lethe_kv_space_use {
+    int64_t slots_total;        /* without the scratch slot */
+    int64_t slots_used;         /* held by requests and chains */
+    int64_t slots_cached;       /* held only by the prefix cache (evictable on demand) */
+} lethe_kv_space_use;
+/* KV use of every slot space (1 shared, or one per layer with per-layer
+ * rows); copies up to cap, returns how many spaces there are. */
+int32_t lethe_engine_get_kv_spaces(lethe_engine *e, lethe_kv_space_use *out, int32_t cap);
+
+/* What attention read against what the rows held, and what the sparse
+ * method dropped; cumulative (per step: divide differences by n_steps'). */
+typedef struct lethe_engine_sparse_stats {
+    int64_t selected_slots;     /* KV entries attention read, summed over layers and sequences */
+    int64_t resident_slots;     /* entries the same rows held then (selected <= resident) */
+    int64_t evicted_slots;      /* row entries the method dropped, summed over slot spaces */
+    int64_t n_steps;
+} lethe_engine_sparse_stats;
+void lethe_engine_get_sparse_stats(lethe_engine *e, lethe_engine_sparse_stats *out);
+
 /* ---- Chain Cache (src/cache/chain_cache.c) ----
  * In chain mode a conversation keeps its (possibly compacted) KV and method
  * state between turns; a turn only prefills the tokens after the processed
@@ -346,6 +367,18 @@ typedef struct lethe_engine_chain_stats {
 } lethe_engine_chain_stats;
 /* All zero outside chain mode. */
 void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out);
+
+typedef struct lethe_chain_summary {
+    char chain_id[48];
+    bool active;                /* a turn in progress */
+    int32_t logical_tokens;     /* the chain's token history */
+    int32_t processed_tokens;   /* history tokens whose KV was computed */
+    int32_t resident_tokens;    /* KV entries resident, max over slot spaces (<= processed) */
+    int64_t resident_slots;     /* summed over slot spaces */
+} lethe_chain_summary;
+/* The chains, most recently used first (copies up to cap); returns how many
+ * there are (0 outside chain mode). Any thread. */
+int32_t lethe_engine_list_chains(lethe_engine *e, lethe_chain_summary *out, int32_t cap);
 
 /* ---- Prefix-cache control and pruning (radix mode; src/engine/engine_prune.c,
  * engine_pcctl.c). Blocks are the radix cache's 16-token blocks; a path is

@@ -253,6 +253,18 @@ static void test_lru_capacity_tombstones(void) {
     lethe_chain_finish(t, ids[0], r0.tokens, r0.n_tokens, r0.n_tokens - 1, res,
                        lethe_chain_take_payload(t, r0.id));
     free(r0.tokens);
+    /* the list: most recently used first (chain 0, then 2, then 1), with the
+     * history and resident slots of each */
+    lethe_chain_entry ent[4];
+    CHECK_EQ_INT(lethe_chain_list(t, NULL, 0), 3);
+    CHECK_EQ_INT(lethe_chain_list(t, ent, 2), 3); /* copies 2 of 3 */
+    CHECK(!strcmp(ent[0].id, ids[0]) && !strcmp(ent[1].id, ids[2]));
+    CHECK_EQ_INT(lethe_chain_list(t, ent, 4), 3);
+    CHECK(!strcmp(ent[2].id, ids[1]));
+    CHECK_EQ_INT(ent[0].info.n_history, 21);
+    CHECK_EQ_INT(ent[0].info.resident_total, 60);
+    CHECK_EQ_INT(ent[0].info.resident_max, 30);
+    CHECK_EQ_INT(ent[2].info.state, LETHE_CHAIN_IDLE);
     /* usage 90; a new chain needing 25 must reclaim exactly one: chain 1 (LRU) */
     lethe_chain_turn n1;
     begin(t, NULL, toks, 20, false, 5, &n1);

@@ -71,6 +71,8 @@ int lethe_cmd_serve(int argc, char **argv) {
     rows[n++] = (lethe_opt){"--tool-call-parser", NULL, LETHE_OPT_STR, &cfg.tool_call_parser, "NAME",
                             "how tool calls are read from the output: auto (the chat template's format), "
                             "hermes, llama3_json, glm45", 1, 0};
+    rows[n++] = (lethe_opt){"--no-ui", NULL, LETHE_OPT_BOOL, &cfg.no_ui, NULL,
+                            "no dashboard at GET / (chat playground + live panels from /metrics)", 0, 0};
     rows[n++] = (lethe_opt){"--load-delay-ms", NULL, LETHE_OPT_INT, &cfg.load_delay_ms, "MS",
                             "testing: wait before loading the model (/health stays 503)", 0,
                             600000};

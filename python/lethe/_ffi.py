@@ -168,6 +168,26 @@ class ChainStatsC(Structure):
     ]
 
 
+class KvSpaceUseC(Structure):
+    _fields_ = [("slots_total", c_int64), ("slots_used", c_int64), ("slots_cached", c_int64)]
+
+
+class SparseStatsC(Structure):
+    _fields_ = [("selected_slots", c_int64), ("resident_slots", c_int64), ("evicted_slots", c_int64),
+                ("n_steps", c_int64)]
+
+
+class ChainSummaryC(Structure):
+    _fields_ = [
+        ("chain_id", ctypes.c_char * 48),
+        ("active", c_bool),
+        ("logical_tokens", c_int32),
+        ("processed_tokens", c_int32),
+        ("resident_tokens", c_int32),
+        ("resident_slots", c_int64),
+    ]
+
+
 # struct name in lethe.h -> mirror (for the layout test)
 STRUCTS = {
     "lethe_sampling_params": SamplingParamsC,
@@ -178,6 +198,9 @@ STRUCTS = {
     "lethe_chat_options": ChatOptionsC,
     "lethe_engine_stats": EngineStatsC,
     "lethe_engine_chain_stats": ChainStatsC,
+    "lethe_kv_space_use": KvSpaceUseC,
+    "lethe_engine_sparse_stats": SparseStatsC,
+    "lethe_chain_summary": ChainSummaryC,
 }
 
 P = c_void_p  # lethe_engine *, lethe_grammar *
@@ -205,6 +228,9 @@ _PROTOS = {
     "lethe_engine_abort": (c_int, [P, c_uint64]),
     "lethe_engine_get_stats": (None, [P, POINTER(EngineStatsC)]),
     "lethe_engine_get_chain_stats": (None, [P, POINTER(ChainStatsC)]),
+    "lethe_engine_get_kv_spaces": (c_int32, [P, POINTER(KvSpaceUseC), c_int32]),
+    "lethe_engine_get_sparse_stats": (None, [P, POINTER(SparseStatsC)]),
+    "lethe_engine_list_chains": (c_int32, [P, POINTER(ChainSummaryC), c_int32]),
     "lethe_engine_chain_mode": (c_bool, [P]),
     "lethe_engine_prefix_cache_mode": (c_char_p, [P]),
 }

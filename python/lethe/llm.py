@@ -455,14 +455,33 @@ class LLM:
 
     def stats(self) -> Dict[str, Any]:
         """lethe_engine_stats as a dict (updated at the end of every step), with
-        the prefix-cache mode and, in chain mode, the Chain Cache's counters."""
+        the prefix-cache mode, "kv_spaces" (slots per slot space: one shared,
+        or one per layer), "sparse" (KV entries attention read vs the rows
+        held, entries the method evicted) and, in chain mode, "chain": the
+        Chain Cache's counters and its chains (most recently used first)."""
+        e = self._e()
         s = _ffi.EngineStatsC()
-        lib.lethe_engine_get_stats(self._e(), byref(s))
-        d = {k: getattr(s, k) for k, _ in s._fields_}
-        mode = lib.lethe_engine_prefix_cache_mode(self._e())
+        lib.lethe_engine_get_stats(e, byref(s))
+        d = _as_dict(s)
+        mode = lib.lethe_engine_prefix_cache_mode(e)
         d["prefix_cache_mode"] = mode.decode() if mode else None
-        if lib.lethe_engine_chain_mode(self._e()):
+        n = lib.lethe_engine_get_kv_spaces(e, None, 0)
+        sp = (_ffi.KvSpaceUseC * n)()
+        n = min(n, lib.lethe_engine_get_kv_spaces(e, sp, n))
+        d["kv_spaces"] = [_as_dict(x) for x in sp[:n]]
+        ss = _ffi.SparseStatsC()
+        lib.lethe_engine_get_sparse_stats(e, byref(ss))
+        d["sparse"] = _as_dict(ss)
+        if lib.lethe_engine_chain_mode(e):
             c = _ffi.ChainStatsC()
-            lib.lethe_engine_get_chain_stats(self._e(), byref(c))
-            d["chain"] = {k: getattr(c, k) for k, _ in c._fields_}
+            lib.lethe_engine_get_chain_stats(e, byref(c))
+            d["chain"] = _as_dict(c)
+            n = lib.lethe_engine_list_chains(e, None, 0)
+            cs = (_ffi.ChainSummaryC * n)()
+            n = min(n, lib.lethe_engine_list_chains(e, cs, n))
+            d["chain"]["chains"] = [dict(_as_dict(x), chain_id=x.chain_id.decode()) for x in cs[:n]]
         return d
+
+
+def _as_dict(s):
+    return {k: getattr(s, k) for k, _ in s._fields_}

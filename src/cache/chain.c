@@ -554,27 +554,50 @@ int32_t lethe_chain_drain_all(lethe_chain_table *t, void **out, int32_t cap) {
     return k;
 }
 
+/* under t->mu */
+static void rec_info(const lethe_chain_table *t, const chain_rec *r, lethe_chain_info *out) {
+    memset(out, 0, sizeof(*out));
+    out->state = r->state;
+    out->processed = r->processed;
+    out->n_history = r->n_hist;
+    out->n_messages = r->n_messages;
+    out->last_access = r->last_access;
+    for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
+        out->resident_total += r->resident[sp];
+        out->resident_max = LETHE_MAX(out->resident_max, r->resident[sp]);
+    }
+    memcpy(out->digest, r->digest, sizeof(out->digest));
+}
+
 lethe_chain_code lethe_chain_lookup(lethe_chain_table *t, const char *id, lethe_chain_info *out) {
     pthread_mutex_lock(&t->mu);
     lethe_chain_code c = LETHE_CHAIN_OK;
     chain_rec *r = find(t, id);
-    if (!r) {
-        c = is_tomb(t, id, NULL) ? LETHE_CHAIN_GONE : LETHE_CHAIN_NOT_FOUND;
-    } else if (out) {
-        memset(out, 0, sizeof(*out));
-        out->state = r->state;
-        out->processed = r->processed;
-        out->n_history = r->n_hist;
-        out->n_messages = r->n_messages;
-        out->last_access = r->last_access;
-        for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
-            out->resident_total += r->resident[sp];
-            out->resident_max = LETHE_MAX(out->resident_max, r->resident[sp]);
-        }
-        memcpy(out->digest, r->digest, sizeof(out->digest));
-    }
+    if (!r) c = is_tomb(t, id, NULL) ? LETHE_CHAIN_GONE : LETHE_CHAIN_NOT_FOUND;
+    else if (out) rec_info(t, r, out);
     pthread_mutex_unlock(&t->mu);
     return c;
+}
+
+static int by_recent_use(const void *a, const void *b) {
+    uint64_t x = ((const lethe_chain_entry *)a)->info.last_access,
+             y = ((const lethe_chain_entry *)b)->info.last_access;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int32_t lethe_chain_list(lethe_chain_table *t, lethe_chain_entry *out, int32_t cap) {
+    pthread_mutex_lock(&t->mu);
+    const int32_t n = t->n_recs;
+    lethe_chain_entry *all = n ? lethe_xmalloc((size_t)n * sizeof(*all)) : NULL;
+    for (int32_t i = 0; i < n; i++) {
+        snprintf(all[i].id, sizeof(all[i].id), "%s", t->recs[i]->id);
+        rec_info(t, t->recs[i], &all[i].info);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (n) qsort(all, (size_t)n, sizeof(*all), by_recent_use); /* the LRU clock has no ties */
+    if (out && cap > 0) memcpy(out, all, (size_t)LETHE_MIN(n, cap) * sizeof(*all));
+    free(all);
+    return n;
 }
 
 int32_t lethe_chain_history(lethe_chain_table *t, const char *id, int32_t *out, int32_t cap) {

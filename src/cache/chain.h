@@ -168,6 +168,13 @@ typedef struct lethe_chain_info {
 /* LETHE_CHAIN_OK, NOT_FOUND or GONE. */
 lethe_chain_code lethe_chain_lookup(lethe_chain_table *t, const char *id, lethe_chain_info *out);
 
+/* Every chain, most recently used first (copies up to cap); returns how many
+ * chains there are. */
+typedef struct lethe_chain_entry {
+    char id[LETHE_CHAIN_ID_CAP];
+    lethe_chain_info info;
+} lethe_chain_entry;
+int32_t lethe_chain_list(lethe_chain_table *t, lethe_chain_entry *out, int32_t cap);
 /* Copies the history (up to cap tokens); returns its length, -1 if unknown. */
 int32_t lethe_chain_history(lethe_chain_table *t, const char *id, int32_t *out, int32_t cap);
 

@@ -155,8 +155,13 @@ static void cc_cancel_turn(lethe_prefix_cache *pc, void *ref) {
 
 static lethe_status cc_control(lethe_prefix_cache *pc, lethe_pc_ctl *c) {
     chain_cache *cc = cc_of(pc);
+    if (c->kind == LETHE_PC_CTL_CHAIN_LIST) {
+        c->n_out = lethe_chain_list(cc->t, c->entries, c->cap);
+        return LETHE_OK;
+    }
     if (!c->chain_id) return LETHE_OK; /* n_out = -1: unknown */
     switch (c->kind) {
+    case LETHE_PC_CTL_CHAIN_LIST: break; /* above */
     case LETHE_PC_CTL_CHAIN_HISTORY:
         c->n_out = lethe_chain_history(cc->t, c->chain_id, c->out, c->cap);
         return LETHE_OK;

@@ -45,7 +45,7 @@ const char *lethe_pcache_mode(const lethe_prefix_cache *pc) { return pc ? pc->op
 bool lethe_pcache_takes_turns(const lethe_prefix_cache *pc) { return pc && pc->ops->begin_turn; }
 
 bool lethe_pcache_ctl_engine_thread(lethe_pc_ctl_kind kind) {
-    return kind != LETHE_PC_CTL_CHAIN_HISTORY;
+    return kind != LETHE_PC_CTL_CHAIN_HISTORY && kind != LETHE_PC_CTL_CHAIN_LIST;
 }
 
 void lethe_pcache_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_match *out) {

@@ -88,6 +88,8 @@ typedef enum lethe_pc_ctl_kind {
     LETHE_PC_CTL_CHAIN_HISTORY = 1, /* any thread: a chain's logical token history */
     LETHE_PC_CTL_CHAIN_POSITIONS,   /* engine thread: an IDLE chain's resident positions
                                      * in `layer` */
+    LETHE_PC_CTL_CHAIN_LIST,        /* any thread: every chain into `entries`, most
+                                     * recently used first (chain_id unused) */
 } lethe_pc_ctl_kind;
 
 typedef struct lethe_pc_ctl {
@@ -95,6 +97,7 @@ typedef struct lethe_pc_ctl {
     const char *chain_id;
     int32_t layer;
     int32_t *out;               /* copies up to cap values (may be NULL) */
+    lethe_chain_entry *entries; /* CHAIN_LIST: copies up to cap entries (may be NULL) */
     int32_t cap;
     int32_t n_out;              /* result: full length (-1 when the id is unknown) */
 } lethe_pc_ctl;

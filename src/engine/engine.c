@@ -241,6 +241,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->reqs.n_buckets = 1024;
     e->reqs.buckets = lethe_xcalloc(e->reqs.n_buckets, sizeof(*e->reqs.buckets));
     e->stats.cur.kv_slots_total = (int64_t)n_slots * lethe_kv_n_spaces(e->pool); /* without the scratch slot */
+    e->stats.n_spaces = lethe_kv_n_spaces(e->pool);
+    e->stats.spaces = lethe_xcalloc((size_t)e->stats.n_spaces, sizeof(*e->stats.spaces));
     eng_publish_stats(e);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
@@ -553,8 +555,19 @@ void eng_publish_stats(lethe_engine *e) {
     s->prefix_queries_tokens = ss->prefix_queries_tokens;
     s->prefix_hit_tokens = ss->prefix_hit_tokens;
     s->n_preemptions = ss->n_preemptions;
+    e->stats.sparse.evicted_slots = lethe_kv_dropped(e->pool);
+    e->stats.sparse.n_steps = s->n_steps;
+    const int64_t per_space = s->kv_slots_total / n_sp;
     pthread_mutex_lock(&e->stats.mu);
     e->stats.snap = *s;
+    e->stats.sparse_snap = e->stats.sparse;
+    const int64_t cached = reclaim / n_sp; /* the prefix cache's: the same in every space */
+    for (int32_t sp = 0; sp < n_sp && sp < e->stats.n_spaces; sp++) {
+        lethe_kv_space_use *u = &e->stats.spaces[sp];
+        *u = (lethe_kv_space_use){.slots_total = per_space,
+                                  .slots_used = per_space - lethe_kv_n_free(e->pool, sp) - cached,
+                                  .slots_cached = cached};
+    }
     pthread_mutex_unlock(&e->stats.mu);
 }
 
@@ -563,6 +576,20 @@ void lethe_engine_get_stats(lethe_engine *e, lethe_engine_stats *out) {
     *out = e->stats.snap;
     pthread_mutex_unlock(&e->stats.mu);
     out->n_waiting += lethe_queue_pending(&e->thr.inbox);
+}
+
+int32_t lethe_engine_get_kv_spaces(lethe_engine *e, lethe_kv_space_use *out, int32_t cap) {
+    pthread_mutex_lock(&e->stats.mu);
+    const int32_t n = e->stats.n_spaces;
+    if (out && cap > 0) memcpy(out, e->stats.spaces, (size_t)LETHE_MIN(n, cap) * sizeof(*out));
+    pthread_mutex_unlock(&e->stats.mu);
+    return n;
+}
+
+void lethe_engine_get_sparse_stats(lethe_engine *e, lethe_engine_sparse_stats *out) {
+    pthread_mutex_lock(&e->stats.mu);
+    *out = e->stats.sparse_snap;
+    pthread_mutex_unlock(&e->stats.mu);
 }
 
 lethe_status eng_check(lethe_engine *e) {
@@ -649,6 +676,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->step.detok_buf);
     lethe_queue_destroy(&e->thr.inbox);
     pthread_mutex_destroy(&e->stats.mu);
+    free(e->stats.spaces);
     pthread_mutex_destroy(&e->gram.mu);
     free(e->model_path);
     free(e->model_name);

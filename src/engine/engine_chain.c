@@ -172,6 +172,24 @@ int32_t lethe_engine_chain_positions(lethe_engine *e, const char *chain_id, int3
     return control(e, &c);
 }
 
+int32_t lethe_engine_list_chains(lethe_engine *e, lethe_chain_summary *out, int32_t cap) {
+    if (cap < 0) cap = 0;
+    lethe_chain_entry *ent = cap ? lethe_xmalloc((size_t)cap * sizeof(*ent)) : NULL;
+    lethe_pc_ctl c = {.kind = LETHE_PC_CTL_CHAIN_LIST, .entries = ent, .cap = cap};
+    int32_t n = e->pcache && lethe_pcache_control(e->pcache, &c) == LETHE_OK ? c.n_out : 0;
+    for (int32_t i = 0; out && i < LETHE_MIN(n, cap); i++) {
+        const lethe_chain_info *in = &ent[i].info;
+        out[i] = (lethe_chain_summary){.active = in->state == LETHE_CHAIN_ACTIVE,
+                                       .logical_tokens = in->n_history,
+                                       .processed_tokens = in->processed,
+                                       .resident_tokens = in->resident_max,
+                                       .resident_slots = in->resident_total};
+        snprintf(out[i].chain_id, sizeof(out[i].chain_id), "%s", ent[i].id);
+    }
+    free(ent);
+    return n;
+}
+
 void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out) {
     lethe_pc_stats ps;
     lethe_pcache_stats(e->pcache, &ps);

@@ -141,6 +141,14 @@ static void stage_rows(lethe_engine *e) {
 
 /* ---- the layer plan: where the new K/V go, what attention reads ---- */
 
+/* lethe_engine_sparse_stats: the entries a plan reads and the entries its
+ * rows hold; a uniform plan (asked once) stands for every layer */
+static void count_reads(lethe_engine *e, int64_t selected, int64_t resident) {
+    const int64_t layers = e->fwd.uniform ? lethe_kv_n_layers(e->pool) : 1;
+    e->stats.sparse.selected_slots += selected * layers;
+    e->stats.sparse.resident_slots += resident * layers;
+}
+
 /* The method's select_layer answer as the layer's plan (rows: the step's
  * staged full rows, stage_rows above); false: build per sequence. */
 static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q,
@@ -159,6 +167,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     if (r == LETHE_SEL_FULL) {
         out->sel_begin = e->plan.rows_begin;
         out->sel_slots = e->plan.rows;
+        count_reads(e, e->plan.rows_begin[n_seqs], e->plan.rows_begin[n_seqs]);
     } else {
         LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
         /* counts always; the contents live on the backend, readable here when
@@ -180,6 +189,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
         }
         out->sel_begin = sb;
         out->sel_slots = ss;
+        count_reads(e, sb[n_seqs], e->plan.rows_begin[n_seqs]);
         e->stats.cur.device_selections++;
     }
     e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
@@ -273,6 +283,7 @@ static void plan_per_seq(lethe_engine *e, int32_t layer, const void *q, lethe_la
         off += n;
     }
     e->plan.sel_begin[n_seqs] = off;
+    count_reads(e, off, total);
     out->store_slots = e->plan.store;
     out->sel_begin = e->plan.sel_begin;
     out->sel_slots = e->plan.sel;

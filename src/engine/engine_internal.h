@@ -146,8 +146,12 @@ typedef struct eng_grammar {
 /* Counters (engine thread) and the snapshot other threads read. */
 typedef struct eng_stats {
     lethe_engine_stats cur;
+    lethe_engine_sparse_stats sparse; /* selected / resident counted in engine_forward.c */
     pthread_mutex_t mu;
     lethe_engine_stats snap;          /* under mu */
+    lethe_engine_sparse_stats sparse_snap;
+    lethe_kv_space_use *spaces;       /* [n_spaces] */
+    int32_t n_spaces;
 } eng_stats;
 
 /* Threaded mode (engine_thread.c). The inbox is used in both modes: queued

@@ -39,6 +39,7 @@ struct lethe_kv_pool {
     int32_t max_rows;
     int32_t *free_rows;  /* stack of unused row ids */
     int32_t n_free_rows;
+    int64_t n_dropped;   /* row entries lethe_kv_keep dropped, over every space */
 };
 
 #endif /* LETHE_KV_INTERNAL_H */

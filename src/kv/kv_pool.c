@@ -274,6 +274,8 @@ int32_t lethe_kv_min_free(const lethe_kv_pool *pool) {
     return m;
 }
 
+int64_t lethe_kv_dropped(const lethe_kv_pool *pool) { return pool->n_dropped; }
+
 int64_t lethe_kv_total_free(const lethe_kv_pool *pool) {
     int64_t t = 0;
     for (int32_t s = 0; s < pool->n_spaces; s++) t += pool->spaces[s].n_free;
@@ -474,6 +476,7 @@ void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_
     }
     for (int32_t d = next; d < t->len; d++) slot_unref(pool, sp, t->slot[d]);
     if (n < t->len && first_change < 0) first_change = n;
+    pool->n_dropped += t->len - n;
     t->len = n;
     if (first_change >= 0) meta_invalidate_from(t, first_change);
 }

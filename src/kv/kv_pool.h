@@ -121,6 +121,7 @@ int32_t lethe_kv_space_of(const lethe_kv_pool *pool, int32_t layer);
 int32_t lethe_kv_n_free(const lethe_kv_pool *pool, int32_t sp);
 int32_t lethe_kv_min_free(const lethe_kv_pool *pool); /* over slot spaces */
 int64_t lethe_kv_total_free(const lethe_kv_pool *pool); /* summed over slot spaces */
+int64_t lethe_kv_dropped(const lethe_kv_pool *pool);    /* entries lethe_kv_keep dropped, cumulative */
 
 /* Backend K/V buffers of one layer (NULL without a backend). */
 void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer);

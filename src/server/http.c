@@ -46,6 +46,7 @@
 #include "server/buf.h"
 #include "server/chain_api.h"
 #include "server/conn.h"
+#include "server/dashboard.h"
 #include "server/metrics.h"
 #include "server/openai.h"
 #include "server/prefix_api.h"
@@ -358,6 +359,7 @@ static char *render_metrics(srv_state *s, bool ready) {
         srv_metrics_chain_refusals(&s->metrics, refused);
         srv_chain_metrics(s->engine, refused, s->served_name, &mb);
     }
+    if (ready) srv_dashboard_metrics(s->engine, s->served_name, &s->cfg->engine, &mb); /* dashboard.c */
     srv_http_stats hs;
     srv_http_stats_get(s->http, &hs);
     const struct { const char *name, *type, *help, *label; double v; } rows[] = {
@@ -438,6 +440,10 @@ static void handle(void *user, const srv_request *rq, srv_response *resp) {
         if (phase != PHASE_READY)
             return fail(resp, 503, NULL, "the model is %s", phase == PHASE_LOADING ? "loading" : "not available");
         return set_body(resp, 200, NULL, NULL);
+    }
+    if (!strcmp(path, "/") && !s->cfg->no_ui) { /* the dashboard (dashboard.html) */
+        if (!get) return fail(resp, 405, NULL, "use GET %s", path);
+        return set_body(resp, 200, srv_dashboard_page(), "text/html; charset=utf-8");
     }
     if (!strcmp(path, "/metrics")) {
         if (s->cfg->metrics_require_key && !auth_ok(s, rq, &tenant)) return unauthorized(resp);

@@ -50,6 +50,7 @@ typedef struct lethe_server_config {
     float idle_timeout_s;          /* idle keep-alive connections close after (default 30) */
     float write_timeout_s;         /* a client reading nothing this long is dropped (default 60) */
     const char *tool_call_parser;  /* NULL / "auto": the chat template's; "hermes", "llama3_json", "glm45" */
+    bool no_ui;                    /* no dashboard at GET / (404) */
 } lethe_server_config;
 
 void lethe_server_default_config(lethe_server_config *c);

@@ -171,6 +171,8 @@ def test_stats_and_early_stream_exit(llm):
     st = llm.stats()
     assert st["kv_slots_used"] == 0 and st["n_requests_finished"] >= before["n_requests_finished"] + 3
     assert st["generation_tokens_total"] > before["generation_tokens_total"] and st["prefix_cache_mode"] == "radix"
+    assert len(st["kv_spaces"]) == 1 and st["kv_spaces"][0]["slots_used"] == 0  # one shared pool
+    assert st["sparse"]["selected_slots"] == st["sparse"]["resident_slots"] > 0  # dense reads everything
 
 
 def test_sparse_method_and_chain_stats():
@@ -180,7 +182,13 @@ def test_sparse_method_and_chain_stats():
                                                                                     ignore_eos=True))[0]
         assert len(o.outputs[0].token_ids) == 20
         st = m.stats()
-        assert st["prefix_cache_mode"] == "chain" and "chain" in st and st["n_steps"] > 0
+        assert st["prefix_cache_mode"] == "chain" and st["n_steps"] > 0
+        # per-layer rows: one slot space per layer; the method evicted (2 (4 + 8) < prompt + 20)
+        assert len(st["kv_spaces"]) == 30 and all(s["slots_total"] > 0 for s in st["kv_spaces"])
+        assert st["sparse"]["evicted_slots"] > 0 and st["sparse"]["n_steps"] == st["n_steps"]
+        assert 0 < st["sparse"]["selected_slots"] <= st["sparse"]["resident_slots"]
+        # generate() runs outside chain turns: the Chain Cache holds no chain
+        assert st["chain"]["n_chains"] == 0 and st["chain"]["chains"] == []
 
 
 def test_errors(llm):

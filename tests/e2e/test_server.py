@@ -407,7 +407,8 @@ def test_unknown_model_and_route(srv, client):
     err_of(post(srv, "/v1/chat/completions", {"model": "gpt-17", "messages": [
         {"role": "user", "content": "hi"}]}), 404, "model")
     err_of(requests.get(srv.url + "/v1/nothing", timeout=10), 404)
-    err_of(requests.get(srv.url + "/", timeout=10), 404)
+    err_of(requests.get(srv.url + "/index.html", timeout=10), 404)
+    err_of(requests.post(srv.url + "/", timeout=10), 405)  # GET / is the dashboard (test_dashboard.py)
     err_of(requests.get(srv.url + "/v1/completions", timeout=10), 405)
 
 
