@@ -1,7 +1,7 @@
 """PEP 517 build backend of the lethe Python package (in-tree, stdlib only).
 
-build_wheel packs python/lethe/*.py and the engine's shared library into a
-platform wheel. The library is $LETHE_LIBRARY when set, else
+build_wheel packs python/lethe/*.py, the engine's shared library and
+include/lethe.h (its types) into a platform wheel. The library is $LETHE_LIBRARY when set, else
 <repo>/$LETHE_BUILD/liblethe.so (LETHE_BUILD defaults to "build", as in the
 Makefile); when that file is missing it runs `make lib` in the repository
 (the compiler `make` already uses, nothing else)."""
@@ -50,6 +50,9 @@ def _files():
                 out.append((f"{NAME}/{f}", fh.read()))
     with open(_library(), "rb") as fh:
         out.append((f"{NAME}/liblethe.so", fh.read()))
+    # the header the library was built with: lethe/_ffi.py reads its structures
+    with open(os.path.join(REPO, "include", "lethe.h"), "rb") as fh:
+        out.append((f"{NAME}/lethe.h", fh.read()))
     return out
 
 

@@ -1,207 +1,123 @@
-"""ctypes mirror of include/lethe.h and the loaded shared library.
+"""The library's types, read from include/lethe.h, and the loaded library.
 
-The structures below copy lethe.h field by field (same order, same C types);
-tests/python/test_abi.py compiles a C program that prints every field's
-offsetof and every struct's sizeof and compares them with these classes, so
-a header change that is not mirrored here fails the suite.
+The structures are built at import from the header's own definitions (the
+package ships the lethe.h its library was built with), so a field added to
+a struct in C is a field here with no edit; tests/e2e/test_python_pkg.py
+compiles a C program that prints every field's offsetof and every struct's
+sizeof and compares them with the classes built here. The reader handles
+what lethe.h uses: typedef'd structs and enums, scalar / pointer / array
+fields (sizes are numbers or #defines), several names in one declaration,
+one function-pointer typedef (lethe_event_cb).
 
 The library is $LETHE_LIBRARY when set, else the liblethe.so the package
 was installed with (python/lethe_build.py copies build/liblethe.so, which
-`make` builds, into the wheel)."""
+`make` builds, into the wheel); the header is $LETHE_HEADER, else the
+package's lethe.h, else include/lethe.h of the source tree it sits in."""
 import ctypes
 import os
-from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char_p, c_double, c_float, c_int, c_int32, c_int64,
-                    c_size_t, c_uint64, c_void_p)
+import re
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_float, c_int, c_int32,
+                    c_int64, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p)
 
-MAX_STOP = 8
-MAX_TOP_LOGPROBS = 20
-
-# lethe_status
-OK = 0
-STATUS_NAMES = ["ok", "invalid", "io", "format", "unsupported", "nomem", "backend", "capacity", "not_found", "busy"]
-
-# lethe_finish_reason
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = range(5)
-FINISH_NAMES = {FINISH_NONE: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort",
-                FINISH_ERROR: "error"}
-
-# lethe_grammar_kind
-GRAMMAR_JSON_SCHEMA, GRAMMAR_JSON_OBJECT, GRAMMAR_EBNF, GRAMMAR_REGEX, GRAMMAR_STRUCTURAL_TAG = range(5)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class SamplingParamsC(Structure):
-    _fields_ = [
-        ("temperature", c_float),
-        ("top_k", c_int32),
-        ("top_p", c_float),
-        ("min_p", c_float),
-        ("repetition_penalty", c_float),
-        ("presence_penalty", c_float),
-        ("frequency_penalty", c_float),
-        ("seed", c_uint64),
-        ("has_seed", c_bool),
-        ("max_tokens", c_int32),
-        ("ignore_eos", c_bool),
-        ("stop", c_char_p * MAX_STOP),
-        ("stop_token_ids", c_int32 * MAX_STOP),
-        ("n_stop_token_ids", c_int32),
-        ("logprobs", c_int32),
-    ]
+def header_path():
+    for p in (os.environ.get("LETHE_HEADER"), os.path.join(HERE, "lethe.h"),
+              os.path.join(HERE, "..", "..", "include", "lethe.h")):
+        if p and os.path.exists(p):
+            return os.path.abspath(p)
+    raise ImportError("lethe: lethe.h not found (set LETHE_HEADER, or reinstall the package)")
 
 
-class TopLogprobC(Structure):
-    _fields_ = [("token", c_int32), ("logprob", c_float)]
+_SCALARS = {"int32_t": c_int32, "int64_t": c_int64, "uint64_t": c_uint64, "uint32_t": c_uint32,
+            "uint8_t": c_uint8, "double": c_double, "float": c_float, "bool": c_bool, "size_t": c_size_t,
+            "char": c_char, "int": c_int}
 
 
-class EventC(Structure):
-    _fields_ = [
-        ("request_id", c_uint64),
-        ("n_tokens", c_int32),
-        ("token", c_int32),
-        ("text", c_char_p),
-        ("logprob", c_float),
-        ("n_top", c_int32),
-        ("top", POINTER(TopLogprobC)),
-        ("finished", c_bool),
-        ("finish_reason", c_int),
-        ("error", c_char_p),
-        ("error_internal", c_bool),
-        ("prompt_tokens", c_int32),
-        ("completion_tokens", c_int32),
-        ("cached_tokens", c_int32),
-        ("ttft_s", c_double),
-        ("logits", POINTER(c_float)),
-        ("n_vocab", c_int32),
-    ]
+def _read_header(path):
+    """(#define constants, enums {name: {member: value}}, structs {name: Structure class})."""
+    text = open(path).read()
+    defines = {m[0]: int(m[1]) for m in re.findall(r"^#define\s+(\w+)\s+(\d+)\s*$", text, re.M)}
+    code = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    code = re.sub(r"//[^\n]*", " ", code)
+    enums, structs, types = {}, {}, dict(_SCALARS)
+    types["lethe_event_cb"] = None  # filled once lethe_event exists
+    for m in re.finditer(r"typedef\s+enum\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", code, re.S):
+        vals, nxt = {}, 0
+        for item in m[2].split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, _, val = (x.strip() for x in item.partition("="))
+            nxt = (int(val, 0) if re.fullmatch(r"-?(0x)?[0-9a-fA-F]+", val) else vals[val]) if val else nxt
+            vals[name] = nxt
+            nxt += 1
+        enums[m[3]] = vals
+        types[m[3]] = c_int
+    for m in re.finditer(r"typedef\s+struct\s+(\w+)\s+(\w+)\s*;", code):  # opaque handles
+        types[m[2]] = "opaque"
+    for m in re.finditer(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", code, re.S):
+        fields = []
+        for decl in m[2].split(";"):
+            decl = " ".join(decl.replace("*", " * ").split())
+            if not decl:
+                continue
+            words = [w for w in decl.split(" ") if w not in ("const", "struct", "unsigned")]
+            base, rest = words[0], " ".join(words[1:])
+            for d in rest.split(","):
+                d = d.replace(" ", "")
+                dm = re.fullmatch(r"(\**)(\w+)(?:\[(\w+)\])?", d)
+                assert dm, f"lethe.h: cannot read the field '{decl}' of {m[3]}"
+                stars, name, dim = dm.groups()
+                t = _field_type(base, len(stars), types, m[3])
+                if dim:
+                    t = t * (int(dim) if dim.isdigit() else defines[dim])
+                fields.append((name, t))
+        cls = type(m[3], (Structure,), {"_fields_": fields})
+        structs[m[3]] = types[m[3]] = cls
+        if m[3] == "lethe_event":
+            types["lethe_event_cb"] = CFUNCTYPE(None, c_void_p, POINTER(cls))
+    return defines, enums, structs, types
 
 
-EVENT_CB = CFUNCTYPE(None, c_void_p, POINTER(EventC))
+def _field_type(base, n_stars, types, owner):
+    if base not in types and base != "void":
+        raise ImportError(f"lethe.h: unknown type {base} in {owner}")
+    t = types.get(base)
+    if n_stars == 0:
+        assert t not in (None, "opaque"), f"lethe.h: {base} by value in {owner}"
+        return t
+    if n_stars == 1 and base == "char":
+        return c_char_p
+    if base == "void" or t == "opaque" or n_stars > 1:
+        return c_void_p
+    return POINTER(t)
 
 
-class RequestParamsC(Structure):
-    _fields_ = [
-        ("prompt", POINTER(c_int32)),
-        ("n_prompt", c_int32),
-        ("sampling", SamplingParamsC),
-        ("cb", EVENT_CB),
-        ("user", c_void_p),
-        ("forced", POINTER(c_int32)),
-        ("n_forced", c_int32),
-        ("want_logits", c_bool),
-        ("grammar", c_void_p),
-    ]
+DEFINES, ENUMS, STRUCTS, _TYPES = _read_header(header_path())
+MAX_STOP = DEFINES["LETHE_MAX_STOP"]
+MAX_TOP_LOGPROBS = DEFINES["LETHE_MAX_TOP_LOGPROBS"]
 
+OK = ENUMS["lethe_status"]["LETHE_OK"]
+STATUS_NAMES = {v: k[len("LETHE_ERR_"):].lower() if k.startswith("LETHE_ERR_") else "ok"
+                for k, v in ENUMS["lethe_status"].items()}
+FINISH = ENUMS["lethe_finish_reason"]
+FINISH_NAMES = {v: (None if k == "LETHE_FINISH_NONE" else k[len("LETHE_FINISH_"):].lower())
+                for k, v in FINISH.items()}
+GRAMMAR = {k[len("LETHE_GRAMMAR_"):].lower(): v for k, v in ENUMS["lethe_grammar_kind"].items()}
 
-class EngineParamsC(Structure):
-    _fields_ = [
-        ("model", c_char_p),
-        ("load_format", c_char_p),
-        ("seed", c_uint64),
-        ("device", c_char_p),
-        ("n_threads", c_int32),
-        ("max_model_len", c_int32),
-        ("max_num_seqs", c_int32),
-        ("max_num_batched_tokens", c_int32),
-        ("kv_cache_bytes", c_size_t),
-        ("gpu_memory_utilization", c_float),
-        ("enable_prefix_caching", c_bool),
-        ("sparse_method", c_char_p),
-        ("sparse_config", c_char_p),
-        ("check_invariants", c_bool),
-        ("progress", c_bool),
-        ("split_prefill_decode", c_bool),
-        ("prefix_cache_mode", c_char_p),
-        ("tokenizer", c_char_p),
-        ("enforce_eager", c_bool),
-        ("pad_decode_batches", c_bool),
-    ]
-
-
-class ChatOptionsC(Structure):
-    _fields_ = [
-        ("add_generation_prompt", c_bool),
-        ("tools_json", c_char_p),
-        ("kwargs_json", c_char_p),
-        ("preserve_thinking", c_bool),
-    ]
-
-
-class EngineStatsC(Structure):
-    _fields_ = [
-        ("n_running", c_int32),
-        ("n_waiting", c_int32),
-        ("kv_slots_total", c_int64),
-        ("kv_slots_used", c_int64),
-        ("kv_usage", c_double),
-        ("prefix_queries_tokens", c_int64),
-        ("prefix_hit_tokens", c_int64),
-        ("prompt_tokens_total", c_int64),
-        ("generation_tokens_total", c_int64),
-        ("prefill_tokens_computed", c_int64),
-        ("n_preemptions", c_int64),
-        ("n_steps", c_int64),
-        ("n_requests_finished", c_int64),
-        ("graph_replays", c_int64),
-        ("graph_captures", c_int64),
-        ("eager_steps", c_int64),
-        ("padded_seqs", c_int64),
-        ("device_selections", c_int64),
-    ]
-
-
-class ChainStatsC(Structure):
-    _fields_ = [
-        ("n_chains", c_int32),
-        ("n_active", c_int32),
-        ("n_idle", c_int32),
-        ("n_tombstones", c_int32),
-        ("n_created", c_int64),
-        ("n_resumed", c_int64),
-        ("n_recreated", c_int64),
-        ("n_reclaimed", c_int64),
-        ("n_invalidated", c_int64),
-        ("n_rejected", c_int64),
-        ("n_capacity_rejected", c_int64),
-        ("reused_tokens", c_int64),
-        ("prompt_tokens", c_int64),
-        ("resident_slots", c_int64),
-    ]
-
-
-class KvSpaceUseC(Structure):
-    _fields_ = [("slots_total", c_int64), ("slots_used", c_int64), ("slots_cached", c_int64)]
-
-
-class SparseStatsC(Structure):
-    _fields_ = [("selected_slots", c_int64), ("resident_slots", c_int64), ("evicted_slots", c_int64),
-                ("n_steps", c_int64)]
-
-
-class ChainSummaryC(Structure):
-    _fields_ = [
-        ("chain_id", ctypes.c_char * 48),
-        ("active", c_bool),
-        ("logical_tokens", c_int32),
-        ("processed_tokens", c_int32),
-        ("resident_tokens", c_int32),
-        ("resident_slots", c_int64),
-    ]
-
-
-# struct name in lethe.h -> mirror (for the layout test)
-STRUCTS = {
-    "lethe_sampling_params": SamplingParamsC,
-    "lethe_top_logprob": TopLogprobC,
-    "lethe_event": EventC,
-    "lethe_request_params": RequestParamsC,
-    "lethe_engine_params": EngineParamsC,
-    "lethe_chat_options": ChatOptionsC,
-    "lethe_engine_stats": EngineStatsC,
-    "lethe_engine_chain_stats": ChainStatsC,
-    "lethe_kv_space_use": KvSpaceUseC,
-    "lethe_engine_sparse_stats": SparseStatsC,
-    "lethe_chain_summary": ChainSummaryC,
-}
+SamplingParamsC = STRUCTS["lethe_sampling_params"]
+EventC = STRUCTS["lethe_event"]
+RequestParamsC = STRUCTS["lethe_request_params"]
+EngineParamsC = STRUCTS["lethe_engine_params"]
+ChatOptionsC = STRUCTS["lethe_chat_options"]
+EngineStatsC = STRUCTS["lethe_engine_stats"]
+ChainStatsC = STRUCTS["lethe_engine_chain_stats"]
+KvSpaceUseC = STRUCTS["lethe_kv_space_use"]
+SparseStatsC = STRUCTS["lethe_engine_sparse_stats"]
+ChainSummaryC = STRUCTS["lethe_chain_summary"]
+EVENT_CB = _TYPES["lethe_event_cb"]
 
 P = c_void_p  # lethe_engine *, lethe_grammar *
 # name: (restype, argtypes)
@@ -237,10 +153,7 @@ _PROTOS = {
 
 
 def library_path():
-    env = os.environ.get("LETHE_LIBRARY")
-    if env:
-        return env
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "liblethe.so")
+    return os.environ.get("LETHE_LIBRARY") or os.path.join(HERE, "liblethe.so")
 
 
 def _load():

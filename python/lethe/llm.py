@@ -23,7 +23,7 @@ class LetheError(RuntimeError):
     """A refusal from the engine: status is lethe_status' name ("invalid", "capacity", ...)."""
 
     def __init__(self, status: int, message: str):
-        self.status = _ffi.STATUS_NAMES[status] if 0 <= status < len(_ffi.STATUS_NAMES) else str(status)
+        self.status = _ffi.STATUS_NAMES.get(status, str(status))
         super().__init__(message or self.status)
 
 
@@ -52,9 +52,7 @@ class StructuredOutputsParams:
             raise ValueError("StructuredOutputsParams: give exactly one of json, json_object, regex, grammar, "
                              f"structural_tag (got {[k for k, _ in given] or 'none'})")
         k, v = given[0]
-        kind = {"json": _ffi.GRAMMAR_JSON_SCHEMA, "json_object": _ffi.GRAMMAR_JSON_OBJECT,
-                "regex": _ffi.GRAMMAR_REGEX, "grammar": _ffi.GRAMMAR_EBNF,
-                "structural_tag": _ffi.GRAMMAR_STRUCTURAL_TAG}[k]
+        kind = _ffi.GRAMMAR[{"json": "json_schema", "grammar": "ebnf"}.get(k, k)]
         text = "" if k == "json_object" else (v if isinstance(v, str) else json.dumps(v))
         return kind, text
 
