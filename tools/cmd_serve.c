@@ -80,7 +80,8 @@ int lethe_cmd_serve(int argc, char **argv) {
     int n_pos = 0;
     int rc = lethe_opts_parse(rows, n, argc, argv, "lethe serve [MODEL] [options]",
                               "Serves a model over an OpenAI-compatible HTTP API: /v1/completions, "
-                              "/v1/chat/completions,\n/v1/models, /health, /metrics (Prometheus).\n\n"
+                              "/v1/chat/completions,\n/v1/models, /health, /metrics (Prometheus), and a "
+                              "dashboard at / (--no-ui: off).\n\n"
                               "Request fields besides OpenAI's (docs/serving.md has each with examples):\n"
                               "  sampling     top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids\n"
                               "  chat         tools, tool_choice (auto|none|required|{function}), "
@@ -91,8 +92,13 @@ int lethe_cmd_serve(int argc, char **argv) {
                               "  output       response_format {text|json_object|json_schema|grammar} "
                               "(enforced while sampling);\n"
                               "               reasoning_content and tool_calls in messages and stream deltas\n"
-                              "  chain cache  chain_id, chain_append_start (--prefix-cache-mode chain)\n"
-                              "  replay       forced_token_ids",
+                              "  chain cache  chain_id, chain_append_start (--prefix-cache-mode chain); "
+                              "responses carry\n"
+                              "               chain_id and chain_status (created|resumed|recreated)\n"
+                              "  replay       forced_token_ids\n"
+                              "  sparse       none per request: the method and its knobs are the server's "
+                              "(--sparse-method,\n"
+                              "               --sparse-config); unknown fields are ignored",
                               pos, &n_pos, 1);
     if (rc != 0) return rc > 0 ? 0 : 2;
     if (n_pos == 1) cfg.engine.model = pos[0];
