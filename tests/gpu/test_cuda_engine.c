@@ -15,8 +15,17 @@
  * the graph engine replayed graphs (stats.graph_replays > 0, padded_seqs >
  * 0), the eager ones never did. Also prints the largest logits difference
  * graphs vs eager (unpadded): cuBLAS may pick another kernel for 13 rows than
- * for 16, so those logits may differ in the last bf16 bits. */
+ * for 16, so those logits may differ in the last bf16 bits.
+ *
+ * Structured output on the device: the same model with the Llama-3 tokenizer
+ * ($LETHE_TEST_TOKENIZER, else .deb/tokenizers/llama3 or
+ * ../shared/data/tokenizers/llama3), 8 sampled requests (temperature 1,
+ * seeds) under a JSON-schema grammar, run once with the token masks applied
+ * by the CUDA sample op and once with LETHE_SAMPLE_ON_HOST=1 (the host twin
+ * on the same logits): identical tokens, every output a complete JSON object
+ * of the schema (finish STOP). */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -136,8 +145,118 @@ static void test_graph_vs_eager(void) {
         for (int i = 0; i < MAXB; i++) free(g_graph[b][i].logits), free(g_eager[b][i].logits), free(g_pad[b][i].logits);
 }
 
+#define GR_N 8
+#define GR_GEN 64
+typedef struct gr_rec {
+    int32_t tok[GR_GEN];
+    char text[1024];
+    int32_t n;
+    size_t n_text;
+    lethe_finish_reason fin;
+} gr_rec;
+
+static void gr_ev(void *user, const lethe_event *ev) {
+    gr_rec *r = user;
+    if (ev->n_tokens) {
+        CHECK(r->n < GR_GEN);
+        r->tok[r->n++] = ev->token;
+    }
+    size_t t = ev->text ? strlen(ev->text) : 0;
+    CHECK(r->n_text + t < sizeof(r->text));
+    memcpy(r->text + r->n_text, ev->text, t);
+    r->n_text += t;
+    r->text[r->n_text] = '\0';
+    if (ev->finished) r->fin = ev->finish_reason;
+}
+
+static const char *tokenizer_dir(void) {
+    static const char *const dirs[] = {".deb/tokenizers/llama3", "../shared/data/tokenizers/llama3",
+                                       "/work/shared/data/tokenizers/llama3"};
+    const char *env = getenv("LETHE_TEST_TOKENIZER");
+    if (env && *env) return env;
+    for (size_t i = 0; i < sizeof(dirs) / sizeof(dirs[0]); i++) {
+        char p[512];
+        snprintf(p, sizeof(p), "%s/tokenizer.json", dirs[i]);
+        FILE *f = fopen(p, "rb");
+        if (f) return fclose(f), dirs[i];
+    }
+    return NULL;
+}
+
+static void run_grammar(bool on_host, gr_rec out[GR_N]) {
+    const char *tok = tokenizer_dir();
+    CHECK_MSG(tok, "no Llama-3 tokenizer: set LETHE_TEST_TOKENIZER or carry .deb/tokenizers/llama3");
+    if (on_host) setenv("LETHE_SAMPLE_ON_HOST", "1", 1);
+    else unsetenv("LETHE_SAMPLE_ON_HOST");
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = "configs/llama-3.1-8b-instruct/config.json";
+    p.load_format = "dummy";
+    p.tokenizer = tok;
+    p.seed = 5;
+    p.device = "cuda";
+    p.max_model_len = 256;
+    p.max_num_seqs = 16;
+    p.gpu_memory_utilization = 0.5f;
+    p.enforce_eager = true;
+    lethe_engine *e = NULL;
+    CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
+    unsetenv("LETHE_SAMPLE_ON_HOST");
+    static const char schema[] = "{\"type\": \"object\", \"properties\": {"
+                                 "\"k\": {\"enum\": [\"red\", \"green\", \"blue\"]}, "
+                                 "\"n\": {\"type\": \"integer\", \"minimum\": 0, \"maximum\": 999}, "
+                                 "\"ok\": {\"type\": \"boolean\"}}, "
+                                 "\"required\": [\"k\", \"n\", \"ok\"], \"additionalProperties\": false}";
+    lethe_grammar *g = NULL;
+    CHECK_MSG(lethe_engine_compile_grammar(e, LETHE_GRAMMAR_JSON_SCHEMA, schema, &g) == 0, "%s",
+              lethe_engine_last_error());
+    uint64_t rng = 7;
+    for (int i = 0; i < GR_N; i++) {
+        int32_t prompt[32];
+        const int32_t n = 4 + i;
+        for (int32_t j = 0; j < n; j++) prompt[j] = (int32_t)(lethe_splitmix64(&rng) % 128000);
+        lethe_request_params rp = {0};
+        lethe_sampling_default_params(&rp.sampling);
+        rp.sampling.temperature = 1.0f;
+        rp.sampling.seed = 100 + (uint64_t)i, rp.sampling.has_seed = true;
+        rp.sampling.max_tokens = GR_GEN;
+        rp.prompt = prompt;
+        rp.n_prompt = n;
+        rp.grammar = g;
+        rp.cb = gr_ev;
+        rp.user = &out[i];
+        uint64_t id;
+        CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
+    }
+    lethe_grammar_free(g); /* each request holds its own reference */
+    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
+    lethe_engine_destroy(e);
+}
+
+static gr_rec g_gr_dev[GR_N], g_gr_host[GR_N];
+
+static void test_grammar_device_vs_host(void) {
+    run_grammar(false, g_gr_dev);
+    run_grammar(true, g_gr_host);
+    for (int i = 0; i < GR_N; i++) {
+        const gr_rec *d = &g_gr_dev[i], *h = &g_gr_host[i];
+        CHECK_MSG(d->fin == LETHE_FINISH_STOP, "request %d did not finish its JSON: %s", i, d->text);
+        CHECK_EQ_INT(d->n, h->n);
+        for (int32_t t = 0; t < d->n; t++)
+            CHECK_MSG(d->tok[t] == h->tok[t], "request %d token %d: device mask %d, host %d", i, t, d->tok[t],
+                      h->tok[t]);
+        CHECK(!strcmp(d->text, h->text));
+        /* the schema's object, keys in order, compact separators */
+        CHECK_MSG(!strncmp(d->text, "{\"k\": \"", 7) && strstr(d->text, "\", \"n\": ") &&
+                      strstr(d->text, ", \"ok\": ") && d->text[d->n_text - 1] == '}',
+                  "request %d: %s", i, d->text);
+        fprintf(stderr, "    grammar request %d: %d tokens, %s\n", i, d->n, d->text);
+    }
+}
+
 int main(void) {
     TEST_RUN(test_graph_vs_eager);
+    TEST_RUN(test_grammar_device_vs_host);
     fprintf(stderr, "test_cuda_engine: all passed\n");
     return 0;
 }
