@@ -101,14 +101,14 @@ find_ncu() { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-com
 
 BASE_DIR=/tmp/lethe-base
 if has basecmp; then
-    base_tar=${BASE_TAR:-$(ls .deb/base-*.tar 2>/dev/null | head -1)}
+    base_tar=${BASE_TAR:-$(ls .deb/base-*.tar* 2>/dev/null | head -1)}
     rm -rf "$BASE_DIR"; mkdir -p "$BASE_DIR"
     if [ -f "$base_tar" ]; then
         tar xf "$base_tar" -C "$BASE_DIR"
         (cd "$BASE_DIR" && make -j8 CUDA=1 build/lethe >"$OUT/base-build.log" 2>&1; echo "rc=$?" >>"$OUT/base-build.log") &
         base_pid=$!
     else
-        log "basecmp: no .deb/base-*.tar"
+        log "basecmp: no .deb/base-*.tar*"
     fi
 fi
 if has build; then
