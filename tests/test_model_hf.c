@@ -11,6 +11,9 @@
  *  - tiny-qwen3-moe (routed experts, one dense layer): the same, plus 64 greedy
  *    tokens decoded one at a time vs HF generate; and the same checkpoint
  *    written as a qwen3moe GGUF with llama.cpp's names (stacked expert tensors).
+ *  - tiny-glm4-moe-lite (latent attention, sigmoid group routing, a shared
+ *    expert, an unused multi-token-prediction layer): the same three checks,
+ *    the GGUF as llama.cpp's deepseek2.
  *  - SmolLM2-135M-Instruct (the default GGUF, Q4_1 dequantized): 3 chat
  *    prompts, one of 2,200 tokens, prefilled in chunks of up to 512 tokens:
  *    top-1 at every position (a mismatch is tolerated only where HF's top-2
@@ -280,11 +283,23 @@ static const char *const g_gguf_names[][2] = {
     {"mlp.gate_proj.weight", "ffn_gate.weight"},
     {"mlp.up_proj.weight", "ffn_up.weight"},
     {"mlp.down_proj.weight", "ffn_down.weight"},
+    {"self_attn.q_a_proj.weight", "attn_q_a.weight"},
+    {"self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"},
+    {"self_attn.q_b_proj.weight", "attn_q_b.weight"},
+    {"self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"},
+    {"self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"},
+    {"self_attn.kv_b_proj.weight", "attn_kv_b.weight"},
+    {"mlp.gate.e_score_correction_bias", "exp_probs_b.bias"},
+    {"mlp.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"},
+    {"mlp.shared_experts.up_proj.weight", "ffn_up_shexp.weight"},
+    {"mlp.shared_experts.down_proj.weight", "ffn_down_shexp.weight"},
 };
 
-/* Writes hf_dir's f32 tensors as a GGUF of architecture `arch` (qwen3moe keys,
- * routed experts stacked into blk.<l>.ffn_{gate,up,down}_exps [E, rows, cols]),
- * as llama.cpp's converter lays them out. Returns the file path (caller frees). */
+/* Writes hf_dir's f32 tensors as a GGUF of architecture `arch` (qwen3moe, or
+ * deepseek2 for glm4_moe_lite with its MLA and routing keys), routed experts
+ * stacked into blk.<l>.ffn_{gate,up,down}_exps [E, rows, cols], as llama.cpp's
+ * converter lays them out; tensors of layers past n_layers (multi-token
+ * prediction) are left out. Returns the file path (caller frees). */
 static char *write_moe_gguf(const char *hf_dir, const char *arch) {
     char cp[256];
     snprintf(cp, sizeof(cp), "%s/config.json", hf_dir);
@@ -299,8 +314,10 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
     gw_kv_u32(&w, KEY("embedding_length"), (uint32_t)c.dim);
     gw_kv_u32(&w, KEY("block_count"), (uint32_t)c.n_layers);
     gw_kv_u32(&w, KEY("attention.head_count"), (uint32_t)c.n_heads);
-    gw_kv_u32(&w, KEY("attention.head_count_kv"), (uint32_t)c.n_kv_heads);
-    gw_kv_u32(&w, KEY("attention.key_length"), (uint32_t)c.head_dim);
+    if (c.kv_lora_rank == 0) { /* MLA spells its own below (head_dim is the latent slot) */
+        gw_kv_u32(&w, KEY("attention.head_count_kv"), (uint32_t)c.n_kv_heads);
+        gw_kv_u32(&w, KEY("attention.key_length"), (uint32_t)c.head_dim);
+    }
     gw_kv_u32(&w, KEY("context_length"), (uint32_t)c.max_pos);
     gw_kv_u32(&w, KEY("feed_forward_length"), (uint32_t)c.ffn_dim);
     gw_kv_u32(&w, KEY("expert_count"), (uint32_t)c.n_experts);
@@ -309,6 +326,22 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
     gw_kv_u32(&w, KEY("vocab_size"), (uint32_t)c.n_vocab);
     gw_kv_f32(&w, KEY("attention.layer_norm_rms_epsilon"), c.rms_eps);
     gw_kv_f32(&w, KEY("rope.freq_base"), c.rope.theta);
+    if (c.kv_lora_rank > 0) {
+        gw_kv_u32(&w, KEY("attention.q_lora_rank"), (uint32_t)c.q_lora_rank);
+        gw_kv_u32(&w, KEY("attention.kv_lora_rank"), (uint32_t)c.kv_lora_rank);
+        gw_kv_u32(&w, KEY("attention.key_length"), (uint32_t)(c.qk_nope_dim + c.qk_rope_dim));
+        gw_kv_u32(&w, KEY("attention.value_length"), (uint32_t)c.v_head_dim);
+        gw_kv_u32(&w, KEY("rope.dimension_count"), (uint32_t)c.qk_rope_dim);
+        gw_kv_u32(&w, KEY("attention.head_count_kv"), (uint32_t)c.n_heads);
+        gw_kv_u32(&w, KEY("expert_shared_count"), (uint32_t)c.n_shared_experts);
+        gw_kv_u32(&w, KEY("leading_dense_block_count"), (uint32_t)c.moe_first_layer);
+        gw_kv_f32(&w, KEY("expert_weights_scale"), c.moe_scale);
+        gw_kv_bool(&w, KEY("expert_weights_norm"), c.moe_norm_topk);
+        gw_kv_u32(&w, KEY("expert_gating_func"), c.moe_scoring == LETHE_MOE_SIGMOID ? 2 : 1);
+        gw_kv_u32(&w, KEY("expert_group_count"), (uint32_t)c.moe_n_group);
+        gw_kv_u32(&w, KEY("expert_group_used_count"), (uint32_t)c.moe_topk_group);
+        gw_kv_u32(&w, KEY("nextn_predict_layers"), (uint32_t)c.n_nextn_layers);
+    }
 #undef KEY
     float **bufs = lethe_xcalloc((size_t)st.n_tensors + 3 * (size_t)c.n_layers, sizeof(float *));
     int nb = 0;
@@ -327,6 +360,7 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
                         &used) == 3) {
             continue; /* stacked below */
         } else if (sscanf(t->name, "model.layers.%d.%127s", &l, rest) == 2) {
+            if (l >= c.n_layers) continue; /* multi-token prediction: not for generation */
             for (size_t k = 0; k < LETHE_ARRAY_LEN(g_gguf_names); k++)
                 if (!strcmp(rest, g_gguf_names[k][0]))
                     snprintf(name, sizeof(name), "blk.%d.%s", l, g_gguf_names[k][1]);
@@ -374,6 +408,18 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
 static void test_tiny_qwen3_moe_gguf(void) {
     char *path = write_moe_gguf("tests/data/tiny-qwen3-moe", "qwen3moe");
     check_tiny_at("qwen3-moe", path);
+    unlink(path);
+    free(path);
+}
+
+static void test_tiny_glm4_moe_lite(void) {
+    check_tiny("glm4-moe-lite");
+    check_tiny_greedy("glm4-moe-lite");
+}
+
+static void test_tiny_glm4_moe_lite_gguf(void) {
+    char *path = write_moe_gguf("tests/data/tiny-glm4-moe-lite", "deepseek2");
+    check_tiny_at("glm4-moe-lite", path);
     unlink(path);
     free(path);
 }
@@ -505,6 +551,8 @@ int main(void) {
     TEST_RUN(test_tiny_qwen3);
     TEST_RUN(test_tiny_qwen3_moe);
     TEST_RUN(test_tiny_qwen3_moe_gguf);
+    TEST_RUN(test_tiny_glm4_moe_lite);
+    TEST_RUN(test_tiny_glm4_moe_lite_gguf);
     TEST_RUN(test_smollm2);
     fprintf(stderr, "test_model_hf: ok\n");
     return 0;

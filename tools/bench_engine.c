@@ -103,12 +103,13 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     lethe_backend *be = m->be;
     const int32_t cap = in + out, kv_dim = c->n_kv_heads * c->head_dim;
     const size_t kv_bytes = (size_t)B * cap * kv_dim * be->ops->kv_size;
+    const bool k_only = lethe_kv_k_only(c); /* latent KV: one row per token, no V */
     void **kc = lethe_xcalloc((size_t)c->n_layers, sizeof(void *));
     void **vc = lethe_xcalloc((size_t)c->n_layers, sizeof(void *));
     lethe_status st = LETHE_OK;
     for (int l = 0; l < c->n_layers && st == LETHE_OK; l++) {
         st = be->ops->alloc(be, kv_bytes, &kc[l]);
-        if (st == LETHE_OK) st = be->ops->alloc(be, kv_bytes, &vc[l]);
+        if (st == LETHE_OK && !k_only) st = be->ops->alloc(be, kv_bytes, &vc[l]);
     }
     const int32_t maxb = o->max_batched;
     const int32_t n_buf = LETHE_MAX(maxb, B);
@@ -159,7 +160,10 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     }
     pt->prefill_s = lethe_time_s() - t0;
     pt->prefill_tok_s = (double)B * in / pt->prefill_s;
-    double attn_flops = 4.0 * c->n_layers * c->n_heads * c->head_dim * ((double)in * (in + 1) / 2);
+    /* q.k and p.v per (query, key) pair and head; latent attention: k over the
+     * latent + RoPE key, v over the latent (the absorbed form the model runs) */
+    const double kv_w = k_only ? (double)c->head_dim + c->kv_lora_rank : 2.0 * c->head_dim;
+    double attn_flops = 2.0 * c->n_layers * c->n_heads * kv_w * ((double)in * (in + 1) / 2);
     double flops = (double)B * (in * matmul_flops_per_token(c) + attn_flops) +
                    2.0 * B * (double)c->n_vocab * c->dim;
     pt->prefill_tflops = flops / pt->prefill_s * 1e-12;
@@ -198,7 +202,8 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     pt->decode_tok_s = pt->step_ms > 0 ? B / (pt->step_ms * 1e-3) : 0;
     double mean_ctx = in + out / 2.0;
     pt->decode_bytes = weight_bytes(c, (double)be->ops->kv_size, B) +
-                       (double)B * mean_ctx * c->n_layers * 2.0 * kv_dim * be->ops->kv_size;
+                       (double)B * mean_ctx * c->n_layers * (k_only ? 1.0 : 2.0) * kv_dim *
+                           be->ops->kv_size;
     pt->decode_gbs = pt->step_ms > 0 ? pt->decode_bytes / (pt->step_ms * 1e-3) * 1e-9 : 0;
     pt->decode_frac = copy_bps > 0 && pt->step_ms > 0
                           ? pt->decode_bytes / copy_bps / (pt->step_ms * 1e-3) : 0;
@@ -535,13 +540,18 @@ int lethe_bench_engine(int argc, char **argv) {
                 cJSON_AddNumberToObject(e, "graph_captures", (double)pt.captures);
                 cJSON_AddItemToArray(pts, e);
             }
-    if (o.attention) {
-        cJSON_AddItemToObject(root, "attention", attention_sweep(be, &m.cfg, abs_, nab, actx, nac,
-                                                                 copy_bps, o.reps, o.profile));
-        cJSON_AddItemToObject(root, "prefill_attention", prefill_attention_sweep(
-                                                             be, &m.cfg, apf, napf, gemm_fps,
-                                                             o.reps, o.profile));
-    }
+            if (o.attention && lethe_kv_k_only(&m.cfg)) {
+                printf("--attention: the attention-only sweeps time K / V heads; %s has latent KV "
+                       "(its attention is part of the decode points above)\n",
+                       m.cfg.arch);
+            } else if (o.attention) {
+                cJSON_AddItemToObject(
+                    root, "attention",
+                    attention_sweep(be, &m.cfg, abs_, nab, actx, nac, copy_bps, o.reps, o.profile));
+                cJSON_AddItemToObject(
+                    root, "prefill_attention",
+                    prefill_attention_sweep(be, &m.cfg, apf, napf, gemm_fps, o.reps, o.profile));
+            }
 out:
     if (o.json) {
         char *txt = cJSON_Print(root);

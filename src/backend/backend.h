@@ -158,6 +158,10 @@ typedef struct lethe_attn_args {
      * hold the backend's kv type; otherwise they hold that format's codes and
      * kvq its side arrays. Read by attention_quant.{c,cu}. ---- */
     const lethe_kv_quant *kvq;
+    /* latent KV (multi-head latent attention): v_cache == NULL, n_kv_heads 1,
+     * and V of a slot is the first v_dim of its head_dim K values; out is
+     * [n_tokens, n_heads, v_dim]. 0 with a v_cache. (cpu/mla.c, cuda/mla.cu) */
+    int32_t v_dim;
 } lethe_attn_args;
 
 /* ---- attention scores for sparse methods (ops->attn_scores) ----
@@ -462,6 +466,20 @@ typedef struct lethe_backend_ops {
      * SwiGLU FFNs + their weighted sum, asynchronous (no host sync on CUDA
      * for n <= LETHE_MOE_SMALL_N tokens, so decode steps stay in graphs) ---- */
     void (*moe)(lethe_backend *be, const lethe_moe_args *a);
+    /* ---- multi-head latent attention (cpu/mla.c, cuda/mla.cu) ----
+     * matmul_heads: y[t, h, o] = sum_i W[h][o, i] x[t, h, i] for t < n, h <
+     * n_heads, with W [n_heads, out, in] weights and strided activations:
+     * x[t, h, i] at x + t x_ld + h x_hs + i, y[t, h, o] at y + t y_ld + h y_hs + o
+     * (elements; x_hs may be 0: every head reads the same row). */
+    void (*matmul_heads)(lethe_backend *be, void *y, int32_t y_ld, int32_t y_hs, const void *x,
+                         int32_t x_ld, int32_t x_hs, const void *w, int32_t n, int32_t n_heads,
+                         int32_t out, int32_t in);
+    /* copy_block: dst[d_r, dst_off + c] = src[r, c] for r < n_rows, c < width, rows of
+     * dst_ld / src_ld elements, d_r = rows[r] (host index array, e.g. cache slots)
+     * or r when rows is NULL; activations or native KV (same element type). */
+    void (*copy_block)(lethe_backend *be, void *dst, int32_t dst_ld, int32_t dst_off,
+                       const int32_t *rows, const void *src, int32_t src_ld, int32_t n_rows,
+                       int32_t width);
 } lethe_backend_ops;
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */

@@ -67,6 +67,40 @@ static const char *base_name(const char *path) {
 
 /* ---- construction ---- */
 
+/* A method that cannot apply to the model's KV refuses before it is created,
+ * naming both: latent KV (one row of latent + RoPE key per token, no V: the
+ * model's payload) has no per-head K / V for the quantization methods (KIVI's
+ * per-channel key groups, FP8's per-head scales), no per-KV-head rows, nor a
+ * place for a compression method's own payload; and the CUDA score / page
+ * kernels take head_dim <= 256. */
+static lethe_status eng_check_kv_layout(lethe_engine *e) {
+    const lethe_model_config *c = &e->runner.cfg;
+    const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method);
+    if (!lethe_kv_k_only(c) || !ops) return LETHE_OK; /* unknown names: lethe_sparse_create says */
+    const char *model = e->model_path ? e->model_path : c->arch;
+    if (ops->kind == LETHE_SPARSE_KIND_QUANTIZATION || ops->kind == LETHE_SPARSE_KIND_COMPRESSION)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                            "model %s (%s, latent KV: one %d-wide row per token, no V) cannot use "
+                            "method %s: it %s separate K and V heads",
+                            model, c->arch, c->head_dim, ops->name,
+                            ops->kind == LETHE_SPARSE_KIND_QUANTIZATION ? "quantizes"
+                                                                        : "compresses");
+    if (ops->flags & LETHE_SPARSE_HEAD_ROWS)
+        return lethe_errorf(
+            LETHE_ERR_UNSUPPORTED,
+            "model %s (%s, latent KV: one %d-wide row per token shared by all heads) "
+            "cannot use method %s: it keeps per-KV-head rows",
+            model, c->arch, c->head_dim, ops->name);
+    const bool scores = ops->needs_scores || ops->select_layer;
+    if (scores && !lethe_backend_has(e->runner.be, LETHE_BE_HOST_MEMORY) && c->head_dim > 256)
+        return lethe_errorf(
+            LETHE_ERR_UNSUPPORTED,
+            "model %s (%s, latent KV of head_dim %d) cannot use method %s on the %s "
+            "backend: its score kernels take head_dim <= 256",
+            model, c->arch, c->head_dim, ops->name, e->runner.be->ops->name);
+    return LETHE_OK;
+}
+
 static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     const lethe_model_config *c = &e->runner.cfg;
     size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
@@ -179,6 +213,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                             .model = lethe_runner_model_of(&e->runner), .tok = e->tok,
                             .aux_prefill = eng_aux_prefill, .aux_ctx = e,
                             .max_aux_tokens = e->p.max_num_batched_tokens};
+    if ((st = eng_check_kv_layout(e)) != LETHE_OK) goto fail;
     if ((st = lethe_sparse_create(e->sparse_method, e->sparse_config, &env, &e->method)) != LETHE_OK) goto fail;
     ops = e->method->ops;
     if (lethe_sparse_min_final_chunk(e->method) > e->p.max_num_batched_tokens) {
@@ -200,7 +235,17 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         goto fail;
     /* the method's own payload (COMPRESSION methods), sized by its real bytes */
     e->kv_layouts = lethe_xcalloc((size_t)c->n_layers, sizeof(lethe_kv_layout));
-    if (!lethe_sparse_kv_layouts(e->method, e->kv_layouts)) {
+    if (lethe_kv_k_only(c)) {
+        /* or the model's: latent attention keeps one plane per layer, the
+         * latent + RoPE key row (model/config.h), read by its forward */
+        const size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
+        for (int32_t l = 0; l < c->n_layers; l++) {
+            lethe_kv_layout *L = &e->kv_layouts[l];
+            L->n_planes = 1;
+            snprintf(L->planes[0].name, sizeof(L->planes[0].name), "latent");
+            L->planes[0].slot_bytes = (size_t)c->n_kv_heads * c->head_dim * kv_size;
+        }
+    } else if (!lethe_sparse_kv_layouts(e->method, e->kv_layouts)) {
         free(e->kv_layouts);
         e->kv_layouts = NULL;
     }

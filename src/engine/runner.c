@@ -27,7 +27,8 @@ static lethe_status mr_bind(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max
     for (int32_t l = 0; l < L; l++) {
         mr->k[l] = lethe_kv_k(pool, l);
         mr->v[l] = lethe_kv_v(pool, l);
-        LETHE_ASSERT(mr->k[l] && mr->v[l]);
+        /* a latent-KV model (lethe_kv_k_only) has no V buffers */
+        LETHE_ASSERT(mr->k[l] && (mr->v[l] || lethe_kv_k_only(&mr->model.cfg)));
     }
     (void)n_tokens_max; /* the workspace was sized by mr_workspace */
     return LETHE_OK;

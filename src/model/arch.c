@@ -11,8 +11,9 @@
 #include "model/model.h"
 
 extern const lethe_arch lethe_arch_llama; /* arch_llama.c: llama, qwen2, qwen3, qwen3_moe */
+extern const lethe_arch lethe_arch_mla;   /* arch_mla.c: glm4_moe_lite (deepseek2) */
 
-static const lethe_arch *const g_archs[] = {&lethe_arch_llama};
+static const lethe_arch *const g_archs[] = {&lethe_arch_llama, &lethe_arch_mla};
 
 const lethe_arch *lethe_arch_find(const char *arch) {
     if (!arch || !arch[0]) {

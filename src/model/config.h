@@ -40,6 +40,8 @@ typedef struct lethe_model_config {
     int32_t dim;           /* hidden size */
     int32_t n_layers;
     int32_t n_heads;
+    /* the KV slot geometry: n_kv_heads x head_dim per K (and V) row; latent
+     * attention (kv_lora_rank > 0) stores 1 x (kv_lora_rank + qk_rope_dim) and no V */
     int32_t n_kv_heads;
     int32_t head_dim;      /* usually dim / n_heads; Qwen3 sets it explicitly */
     int32_t ffn_dim;       /* intermediate size of the dense MLP */
@@ -73,6 +75,7 @@ typedef struct lethe_model_config {
     int32_t kv_lora_rank;
     int32_t qk_nope_dim, qk_rope_dim, v_head_dim;
     int32_t n_nextn_layers; /* multi-token-prediction layers after n_layers (ignored) */
+    bool rope_interleave;   /* the checkpoint's RoPE pairs are (2j, 2j+1) (MLA) */
     /* special tokens from generation_config.json / GGUF metadata; -1 when unknown */
     int32_t bos_id;
     int32_t eos_ids[LETHE_MAX_EOS_IDS];
@@ -81,6 +84,9 @@ typedef struct lethe_model_config {
 } lethe_model_config;
 
 void lethe_model_config_init(lethe_model_config *c); /* zero + sane defaults (-1 ids) */
+
+/* the KV of a slot is one K row (latent attention), no V buffer */
+static inline bool lethe_kv_k_only(const lethe_model_config *c) { return c->kv_lora_rank > 0; }
 
 /* true when layer l has routed experts (see the MoE fields) */
 bool lethe_layer_is_moe(const lethe_model_config *c, int32_t l);

@@ -103,7 +103,9 @@ static lethe_status read_moe_keys(const lethe_gguf *g, lethe_model_config *c) {
         c->qk_rope_dim = rd;
         c->qk_nope_dim = kl - rd;
         c->v_head_dim = vl;
-        c->head_dim = rd;
+        c->n_kv_heads = 1; /* latent KV: one slot row of latent + RoPE key */
+        c->head_dim = c->kv_lora_rank + rd;
+        c->rope_interleave = true; /* llama.cpp keeps the checkpoint's interleaved pairs */
         if ((s = opt_int(g, K("nextn_predict_layers"), &c->n_nextn_layers))) return s;
     }
 #undef K

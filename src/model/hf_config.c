@@ -220,7 +220,40 @@ static lethe_status read_moe(const cJSON *o, const char *path, lethe_model_confi
     if ((s = jint(o, "qk_nope_head_dim", false, path, &c->qk_nope_dim))) return s;
     if ((s = jint(o, "qk_rope_head_dim", false, path, &c->qk_rope_dim))) return s;
     if ((s = jint(o, "v_head_dim", false, path, &c->v_head_dim))) return s;
-    return jint(o, "num_nextn_predict_layers", false, path, &c->n_nextn_layers);
+    if ((s = jint(o, "num_nextn_predict_layers", false, path, &c->n_nextn_layers))) return s;
+    const bool glm = !strcmp(c->arch, "glm4_moe_lite");
+    c->rope_interleave = glm; /* transformers' default for the family */
+    if ((s = jbool(o, "rope_interleave", path, &c->rope_interleave))) return s;
+    /* glm4_moe_lite: mlp_layer_types (transformers 5) lists dense / sparse per layer;
+     * without it the first layer is dense (first_k_dense_replace of the published file) */
+    const cJSON *lt = get(o, "mlp_layer_types");
+    if (cJSON_IsArray(lt)) {
+        int32_t l = 0;
+        const cJSON *it;
+        c->moe_first_layer = 0;
+        cJSON_ArrayForEach(it, lt) {
+            if (!cJSON_IsString(it) ||
+                (strcmp(it->valuestring, "dense") && strcmp(it->valuestring, "sparse")))
+                return lethe_errorf(LETHE_ERR_FORMAT,
+                                    "%s: mlp_layer_types[%d] must be \"dense\" "
+                                    "or \"sparse\"",
+                                    path, l);
+            if (!strcmp(it->valuestring, "dense")) {
+                if (c->n_mlp_only == LETHE_MAX_MLP_ONLY)
+                    return lethe_errorf(LETHE_ERR_UNSUPPORTED, "%s: more than %d dense layers",
+                                        path, LETHE_MAX_MLP_ONLY);
+                c->mlp_only[c->n_mlp_only++] = l;
+            }
+            l++;
+        }
+    } else if (glm && !get(o, "first_k_dense_replace")) {
+        c->moe_first_layer = 1;
+    }
+    if (c->kv_lora_rank > 0) { /* latent KV: one slot row of latent + RoPE key */
+        c->n_kv_heads = 1;
+        c->head_dim = c->kv_lora_rank + c->qk_rope_dim;
+    }
+    return LETHE_OK;
 }
 
 static lethe_status read_config(const cJSON *root, const char *path, lethe_model_config *c) {

@@ -48,6 +48,14 @@ typedef struct weight_spec {
     int32_t permute_heads;  /* GGUF llama Q/K: heads to un-permute (0 = none) */
     int64_t stack;          /* > 0: experts [stack, rows, cols]; HF name has a %d for the
                              * expert (one tensor each), GGUF one 3-D tensor */
+    /* part of a larger tensor [src_rows, src_cols] (src_rows 0: the whole tensor):
+     * from each block of sel_block rows, rows [sel_off, sel_off + sel_len), in order;
+     * sel_unperm: those rows are interleaved RoPE pairs, put into rotate-half order;
+     * sel_transpose: each taken [sel_len, src_cols] block is stored transposed
+     * (rows = blocks * src_cols, cols = sel_len) */
+    int64_t src_rows, src_cols;
+    int32_t sel_block, sel_off, sel_len;
+    bool sel_unperm, sel_transpose;
 } weight_spec;
 
 typedef struct source {
@@ -176,6 +184,64 @@ static int add_ffn_specs(weight_spec *s, int n, const lethe_model_config *c, int
     return n;
 }
 
+/* a selection of rows of a source tensor (weight_spec) */
+static int add_sel(weight_spec *s, int n, void **slot, const char *gguf, const char *hf,
+                   int64_t src_rows, int64_t src_cols, int32_t block, int32_t off, int32_t len,
+                   bool unperm, bool transpose) {
+    const int64_t blocks = src_rows / block;
+    n = add_spec(s, n, slot, gguf, hf, transpose ? blocks * src_cols : blocks * len,
+                 transpose ? len : src_cols, LETHE_DUMMY_MATRIX, 0);
+    weight_spec *w = &s[n - 1];
+    w->src_rows = src_rows, w->src_cols = src_cols;
+    w->sel_block = block, w->sel_off = off, w->sel_len = len;
+    w->sel_unperm = unperm, w->sel_transpose = transpose;
+    return n;
+}
+
+/* latent attention (arch_mla.c): q / kv low-rank factors split into their
+ * no-RoPE and RoPE rows, kv_b split per head into W_kb^T and W_vb */
+static int add_mla_specs(weight_spec *s, int n, const lethe_model_config *c, int32_t l,
+                         lethe_layer_weights *L) {
+    const int64_t dim = c->dim, H = c->n_heads, C = c->kv_lora_rank, R = c->qk_rope_dim;
+    const int64_t Nd = c->qk_nope_dim, Vd = c->v_head_dim, qk = Nd + R;
+    const int64_t q_in = c->q_lora_rank > 0 ? c->q_lora_rank : dim;
+    char g[64], h[96];
+#define NM(gn, hn) \
+    (snprintf(g, sizeof(g), "blk.%d." gn, l), snprintf(h, sizeof(h), "model.layers.%d." hn, l))
+    NM("attn_norm.weight", "input_layernorm.weight");
+    n = add_spec(s, n, &L->attn_norm, g, h, dim, 0, LETHE_DUMMY_NORM, 0);
+    if (c->q_lora_rank > 0) {
+        NM("attn_q_a.weight", "self_attn.q_a_proj.weight");
+        n = add_spec(s, n, &L->q_a, g, h, c->q_lora_rank, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight");
+        n = add_spec(s, n, &L->q_a_norm, g, h, c->q_lora_rank, 0, LETHE_DUMMY_NORM, 0);
+        NM("attn_q_b.weight", "self_attn.q_b_proj.weight");
+    } else {
+        NM("attn_q.weight", "self_attn.q_proj.weight");
+    }
+    n = add_sel(s, n, &L->q_b_nope, g, h, H * qk, q_in, (int32_t)qk, 0, (int32_t)Nd, false, false);
+    n = add_sel(s, n, &L->q_b_pe, g, h, H * qk, q_in, (int32_t)qk, (int32_t)Nd, (int32_t)R,
+                c->rope_interleave, false);
+    NM("attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight");
+    n = add_sel(s, n, &L->kv_a_lat, g, h, C + R, dim, (int32_t)(C + R), 0, (int32_t)C, false,
+                false);
+    n = add_sel(s, n, &L->kv_a_pe, g, h, C + R, dim, (int32_t)(C + R), (int32_t)C, (int32_t)R,
+                c->rope_interleave, false);
+    NM("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight");
+    n = add_spec(s, n, &L->kv_a_norm, g, h, C, 0, LETHE_DUMMY_NORM, 0);
+    NM("attn_kv_b.weight", "self_attn.kv_b_proj.weight");
+    n = add_sel(s, n, &L->w_kbt, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), 0, (int32_t)Nd, false,
+                true);
+    n = add_sel(s, n, &L->w_vb, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), (int32_t)Nd,
+                (int32_t)Vd, false, false);
+    NM("attn_output.weight", "self_attn.o_proj.weight");
+    n = add_spec(s, n, &L->wo, g, h, dim, H * Vd, LETHE_DUMMY_MATRIX, 0);
+    NM("ffn_norm.weight", "post_attention_layernorm.weight");
+    n = add_spec(s, n, &L->ffn_norm, g, h, dim, 0, LETHE_DUMMY_NORM, 0);
+#undef NM
+    return add_ffn_specs(s, n, c, l, L);
+}
+
 static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
     const lethe_model_config *c = &m->cfg;
     const int64_t dim = c->dim, hd = c->head_dim, qd = (int64_t)c->n_heads * hd,
@@ -191,6 +257,10 @@ static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
                      LETHE_DUMMY_MATRIX, 0);
     for (int32_t l = 0; l < c->n_layers; l++) {
         lethe_layer_weights *L = &m->w.layers[l];
+        if (c->kv_lora_rank > 0) {
+            n = add_mla_specs(s, n, c, l, L);
+            continue;
+        }
         char g[64], h[96];
 #define W(slot, gn, hn, r, cc, kind, perm)                                         \
     do {                                                                           \
@@ -269,8 +339,33 @@ static lethe_status fetch_hf_stack(source *src, const weight_spec *w, float *buf
     return LETHE_OK;
 }
 
+static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *tmp);
+
+/* the selected rows of w's source tensor (fetched whole into tmp) into buf */
+static lethe_status fetch_sel(source *src, const weight_spec *w, float *buf, float *tmp) {
+    weight_spec whole = *w;
+    whole.rows = w->src_rows, whole.cols = w->src_cols;
+    whole.src_rows = 0, whole.permute_heads = 0;
+    lethe_status s = fetch(src, &whole, tmp, NULL);
+    if (s) return s;
+    const int64_t blocks = w->src_rows / w->sel_block, cols = w->src_cols, len = w->sel_len;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t i = 0; i < len; i++) {
+            /* interleaved pairs (2j, 2j+1) -> rows j and len/2 + j */
+            const int64_t from = w->sel_unperm ? (i < len / 2 ? 2 * i : 2 * (i - len / 2) + 1) : i;
+            const float *row = tmp + (b * w->sel_block + w->sel_off + from) * cols;
+            if (!w->sel_transpose) {
+                memcpy(buf + (b * len + i) * cols, row, (size_t)cols * sizeof(float));
+                continue;
+            }
+            for (int64_t j = 0; j < cols; j++) buf[(b * cols + j) * len + i] = row[j];
+        }
+    return LETHE_OK;
+}
+
 static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *tmp) {
     uint64_t n = (uint64_t)spec_elems(w);
+    if (w->src_rows && src->fmt != LETHE_LOAD_DUMMY) return fetch_sel(src, w, buf, tmp);
     if (src->fmt == LETHE_LOAD_DUMMY) {
         lethe_dummy_fill(buf, n, w->kind, w->cols ? w->cols : w->rows, src->seed, w->hf);
         return LETHE_OK;
@@ -332,6 +427,8 @@ static lethe_status load_weights(lethe_model *m, source *src, bool show) {
         uint64_t e = (uint64_t)spec_elems(&specs[i]);
         max_n = LETHE_MAX(max_n, e);
         if (specs[i].permute_heads) max_perm = LETHE_MAX(max_perm, e);
+        if (specs[i].src_rows)
+            max_perm = LETHE_MAX(max_perm, (uint64_t)specs[i].src_rows * specs[i].src_cols);
         total_mb += (double)e * 4 / 1e6;
     }
     float *buf = malloc(max_n * sizeof(float));
@@ -427,11 +524,13 @@ void lethe_model_free(lethe_model *m) {
             if (g[i]) be->ops->release(be, g[i]);
         for (int32_t l = 0; m->w.layers && l < m->cfg.n_layers; l++) {
             lethe_layer_weights *L = &m->w.layers[l];
-            void *lw[] = {L->attn_norm,   L->wq,       L->wk,     L->wv,       L->bq,
-                          L->bk,          L->bv,       L->q_norm, L->k_norm,   L->wo,
-                          L->ffn_norm,    L->w_gate,   L->w_up,   L->w_down,   L->router,
-                          L->router_bias, L->exp_gate, L->exp_up, L->exp_down, L->sh_gate,
-                          L->sh_up,       L->sh_down};
+            void *lw[] = {L->attn_norm,   L->wq,       L->wk,      L->wv,        L->bq,
+                          L->bk,          L->bv,       L->q_norm,  L->k_norm,    L->wo,
+                          L->ffn_norm,    L->w_gate,   L->w_up,    L->w_down,    L->router,
+                          L->router_bias, L->exp_gate, L->exp_up,  L->exp_down,  L->sh_gate,
+                          L->sh_up,       L->sh_down,  L->q_a,     L->q_a_norm,  L->q_b_nope,
+                          L->q_b_pe,      L->kv_a_lat, L->kv_a_pe, L->kv_a_norm, L->w_kbt,
+                          L->w_vb};
             for (size_t i = 0; i < LETHE_ARRAY_LEN(lw); i++)
                 if (lw[i]) be->ops->release(be, lw[i]);
         }

@@ -38,6 +38,14 @@ typedef struct lethe_layer_weights {
     void *exp_down;          /* [n_experts, dim, moe_ffn_dim] */
     void *sh_gate, *sh_up;   /* shared experts [n_shared * moe_ffn_dim, dim] */
     void *sh_down;           /* [dim, n_shared * moe_ffn_dim] */
+    /* latent attention (arch_mla.c; H heads, C kv_lora_rank, R / Nd / Vd rope /
+     * nope / v head dims) instead of wq / wk / wv */
+    void *q_a, *q_a_norm;     /* [q_lora, dim], [q_lora] (q_lora_rank > 0) */
+    void *q_b_nope, *q_b_pe;  /* [H * Nd, q_in], [H * R, q_in] (q_in = q_lora or dim) */
+    void *kv_a_lat, *kv_a_pe; /* [C, dim], [R, dim] */
+    void *kv_a_norm;          /* [C] */
+    void *w_kbt;              /* [H, C, Nd]: W_kb[h]^T, absorbs the key into the query */
+    void *w_vb;               /* [H, Vd, C] */
 } lethe_layer_weights;
 
 typedef struct lethe_weights {

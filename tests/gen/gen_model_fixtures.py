@@ -201,7 +201,15 @@ def moe_configs():
     }
 
 
-def redraw_moe(model, seed):
+# router weight std (x 1/sqrt(hidden)) and selection-bias std per tiny MoE family:
+# spread out so that routing is decisive. GLM's sigmoid router saturates with larger
+# logits; its selection bias separates the experts instead, which keeps transformers'
+# own bf16 run within 2e-2 of fp32 on the rows tests/gpu/test_hf_logits.py compares
+# (with bias 0.1 a near-tie flipped experts there: 0.6)
+ROUTER = {"qwen3-moe": (2.0, 0.1), "glm4-moe-lite": (1.0, 1.0)}
+
+
+def redraw_moe(model, seed, router=2.0, bias=0.1):
     """O(1) activations as redraw_weights, with 3-D expert tensors [E, out, in] scaled by
     their own fan-in, and a router with spread-out logits so that routing is decisive."""
     g = torch.Generator().manual_seed(seed)
@@ -214,12 +222,12 @@ def redraw_moe(model, seed):
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("mlp.gate.weight"):
-                p.copy_(2.0 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+                p.copy_(router * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+                b.copy_(bias * torch.randn(b.shape, generator=g))
 
 
 def split_experts(out_dir):
@@ -274,7 +282,7 @@ def gen_moe():
         torch.manual_seed(300 + i)
         cfg._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        redraw_moe(model, 3000 + i)
+        redraw_moe(model, 3000 + i, *ROUTER[fam])
         out_dir = os.path.join(DATA, f"tiny-{fam}")
         model.save_pretrained(out_dir, safe_serialization=True)
         model.generation_config.save_pretrained(out_dir)

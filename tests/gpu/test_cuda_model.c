@@ -1,13 +1,14 @@
 /* test_cuda_model.c - the model forward on the CUDA backend, end to end.
  *
- *  1. Tiny random HF checkpoints (tests/data/tiny-{llama,qwen2,qwen3,qwen3-moe}:
- *     llama3 RoPE scaling, qkv bias, q/k norm, head_dim 16, routed experts) on CUDA vs the CPU
+ *  1. Tiny random HF checkpoints (tests/data/tiny-{llama,qwen2,qwen3,qwen3-moe,
+ *     glm4-moe-lite}: llama3 RoPE scaling, qkv bias, q/k norm, head_dim 16, routed
+ *     experts, latent attention) on CUDA vs the CPU
  *     backend (itself checked against transformers by test_model_hf): two
  *     sequences prefilled together in one ragged batch (one of them in two
  *     chunks, the second extending its cached prefix), then greedy decode
  *     steps of both; every logits row within bf16 error (relative error
  *     <= 3e-2) and the same argmax wherever the CPU's top-2 gap is clear.
- *  2. Dummy Llama-3.1-8B- and Qwen3-30B-A3B-shaped models (configs/, random
+ *  2. Dummy Llama-3.1-8B-, Qwen3-30B-A3B- and GLM-4.7-Flash-shaped models (configs/, random
  *     weights): greedy generation of a batch of 4 for 24 steps,
  *     eager decode vs CUDA-graph decode (lethe_model_forward_uniform),
  *     identical tokens and bit-identical logits; the graph path must have
@@ -168,6 +169,7 @@ static void test_tiny(void) {
     tiny_vs_cpu("tests/data/tiny-qwen2", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-qwen3", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-qwen3-moe", cpu, gpu);
+    tiny_vs_cpu("tests/data/tiny-glm4-moe-lite", cpu, gpu);
     lethe_backend_destroy(gpu);
     lethe_backend_destroy(cpu);
 }
@@ -253,9 +255,15 @@ static void test_graph_qwen3_30b_a3b(void) {
     graph_vs_eager("configs/qwen3-30b-a3b/config.json", "qwen3-30b-a3b");
 }
 
+/* latent attention (mla.cu) + shared / group-routed experts inside the graph */
+static void test_graph_glm_4_7_flash(void) {
+    graph_vs_eager("configs/glm-4.7-flash/config.json", "glm-4.7-flash");
+}
+
 int main(void) {
     TEST_RUN(test_graph_llama8b);
     TEST_RUN(test_graph_qwen3_30b_a3b);
+    TEST_RUN(test_graph_glm_4_7_flash);
     TEST_RUN(test_tiny);
     fprintf(stderr, "test_cuda_model: all passed\n");
     return 0;

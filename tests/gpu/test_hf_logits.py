@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """test_hf_logits.py BUILD - lethe on CUDA vs HF transformers on CUDA, logits of
 the tiny random checkpoints (tests/data/tiny-llama, tiny-qwen2, tiny-qwen3,
-tiny-qwen3-moe: llama3 RoPE scaling, qkv bias, q/k norm with head_dim != hidden /
-heads, routed experts with a dense layer).
+tiny-qwen3-moe, tiny-glm4-moe-lite: llama3 RoPE scaling, qkv bias, q/k norm with
+head_dim != hidden / heads, routed experts with a dense layer, latent attention).
 
 Per model, 4 random token sequences of lengths 7, 23, 50 and 90 (a ragged
 batch): transformers (fp32 weights and activations, eager attention, on the
@@ -34,7 +34,7 @@ import tempfile
 import numpy as np
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-glm4-moe-lite"]
 LENGTHS = [7, 23, 50, 90]
 REL_MAX = 3e-2
 

@@ -347,6 +347,10 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
 }
 
 void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
+    if (!a->v_cache) { /* latent KV: mla.c */
+        lethe_cpu_attention_latent(be, a);
+        return;
+    }
     if (a->kvq && a->kvq->format != LETHE_KV_NATIVE) { /* quantized KV: attention_quant.c */
         lethe_cpu_attention_quant(be, a);
         return;

@@ -139,6 +139,8 @@ static const lethe_backend_ops cpu_ops = {
     .topk = lethe_cpu_topk,
     .select_expand = lethe_cpu_select_expand,
     .moe = lethe_cpu_moe,
+    .matmul_heads = lethe_cpu_matmul_heads,
+    .copy_block = lethe_cpu_copy_block,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

@@ -14,6 +14,7 @@
  *   pages.c        Quest page bounds: page_minmax, page_scores
  *   sample.c       the sample op (and the row function the host sampler uses)
  *   moe.c          mixture-of-experts FFN: routing, expert-sorted SwiGLU, weighted sum
+ *   mla.c          latent attention: per-head matmul, column-block copy, latent-V attention
  *
  * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
  * and each output element is computed by the same sequence of float
@@ -75,6 +76,15 @@ void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a);
 /* moe.c: routing + expert FFNs (backend.h lethe_moe_args); the routing of one
  * token alone (ids, wts [k]), also the reference of the CUDA comparison test */
 void lethe_cpu_moe(lethe_backend *be, const lethe_moe_args *a);
+/* mla.c: latent attention (backend.h); attention_latent is reached through
+ * lethe_cpu_attention when v_cache is NULL */
+void lethe_cpu_matmul_heads(lethe_backend *be, void *y, int32_t y_ld, int32_t y_hs, const void *x,
+                            int32_t x_ld, int32_t x_hs, const void *w, int32_t n, int32_t n_heads,
+                            int32_t out, int32_t in);
+void lethe_cpu_copy_block(lethe_backend *be, void *dst, int32_t dst_ld, int32_t dst_off,
+                          const int32_t *rows, const void *src, int32_t src_ld, int32_t n_rows,
+                          int32_t width);
+void lethe_cpu_attention_latent(lethe_backend *be, const lethe_attn_args *a);
 void lethe_cpu_moe_route_row(const float *logits, const float *bias, int32_t n_experts, int32_t k,
                              int32_t scoring, bool norm_topk, float scale, int32_t n_group,
                              int32_t topk_group, int32_t *ids, float *wts);

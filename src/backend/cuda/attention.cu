@@ -300,6 +300,10 @@ void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const in
 }
 
 extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a) {
+    if (!a->v_cache) { /* latent KV: mla.cu */
+        lethe_cuda_attention_latent(be, a);
+        return;
+    }
     if (a->kvq && a->kvq->format != LETHE_KV_NATIVE) { /* quantized KV: attention_quant.cu */
         lethe_cuda_attention_quant(be, a);
         return;

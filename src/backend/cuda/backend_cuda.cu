@@ -521,6 +521,9 @@ static const lethe_backend_ops cuda_ops = {
     /* .select_expand */ lethe_cuda_select_expand,
     /* mixture of experts (moe.cu) */
     /* .moe */ lethe_cuda_moe,
+    /* latent attention (mla.cu) */
+    /* .matmul_heads */ lethe_cuda_matmul_heads,
+    /* .copy_block */ lethe_cuda_copy_block,
 };
 
 #define INIT_CHECK(call, what)                                                              \

@@ -29,7 +29,8 @@
  *   pages.cu         Quest page bounds: page_minmax, page_scores
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
  *   select.cu        device-side selection: segmented exact top-k, select_expand
- *   moe.cu           mixture-of-experts FFN: routing, expert sort, expert GEMV / cuBLAS GEMMs */
+ *   moe.cu           mixture-of-experts FFN: routing, expert sort, expert GEMV / cuBLAS GEMMs
+ *   mla.cu           latent attention: per-head batched GEMM, block copy, latent-V split-K */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
 #define LETHE_BACKEND_CUDA_COMMON_CUH
 
@@ -202,6 +203,14 @@ void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const int32_t *ro
                               const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                               int32_t unit);
 void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a); /* moe.cu */
+/* mla.cu: latent attention */
+void lethe_cuda_matmul_heads(lethe_backend *be, void *y, int32_t y_ld, int32_t y_hs, const void *x,
+                             int32_t x_ld, int32_t x_hs, const void *w, int32_t n, int32_t n_heads,
+                             int32_t out, int32_t in);
+void lethe_cuda_copy_block(lethe_backend *be, void *dst, int32_t dst_ld, int32_t dst_off,
+                           const int32_t *rows, const void *src, int32_t src_ld, int32_t n_rows,
+                           int32_t width);
+void lethe_cuda_attention_latent(lethe_backend *be, const lethe_attn_args *a);
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
 void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);
