@@ -36,7 +36,8 @@ After the load drains it checks /metrics against the client's own counts:
   - nothing is left: requests_in_flight, running and waiting are 0, the KV in
     use (lethe:kv_cache_usage_perc) is back to its value before the load;
   - the server's RSS after the load is at most --rss-growth (5%) above its
-    RSS at the end of the warm-up (--warmup seconds, default 20% of the run),
+    RSS at the end of the warm-up (--warmup seconds, default 20% of the run,
+    and not before the engine first ran its peak number of requests),
     beyond the KV pool pages first touched after the warm-up (the pool hands
     out slots 0, 1, ... first, so its pages join the RSS as the high-water
     mark of slots in use rises; idle chains hold slots until reclaimed).
@@ -354,6 +355,8 @@ class Soak:
         self.hw = []
         self.stop_sampling = False
 
+        self.running = []  # (t, requests running in the engine)
+
         async def sample():
             n, hw = 0, 0
             while not self.stop_sampling:
@@ -362,6 +365,7 @@ class Soak:
                     m = await self.scrape()
                     hw = max(hw, round(m["lethe:kv_cache_usage_perc"] * self.kv_slots))
                     self.hw.append((time.time() - t0, hw))
+                    self.running.append((time.time() - t0, m["lethe:num_requests_running"]))
                 n += 1
                 await asyncio.sleep(1.0)
 
@@ -400,7 +404,12 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
     st = s.st
     reasons = ("stop", "length", "abort", "error")
     fin = {r: delta(m0, m1, f'lethe:request_success_total{{finished_reason="{r}"}}') for r in reasons}
+    # warm-up: --warmup seconds (default 20% of the run) and until the engine first ran
+    # as many requests as it ever did (per-request buffers at peak concurrency)
     warm = a.warmup if a.warmup is not None else 0.2 * a.duration
+    peak_running = max([r for _, r in s.running] or [0])
+    t_peak = next((t for t, r in s.running if r == peak_running), 0.0)
+    warm = max(warm, t_peak)
     after = [kb for t, kb in rss if t >= warm]
     rss_warm = after[0] if after else rss_end
     growth = rss_end / rss_warm - 1 if rss_warm else 0.0
@@ -460,7 +469,12 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
         "rss_kb_start": rss[0][1] if rss else None, "rss_kb_after_warmup": rss_warm,
         "rss_kb_peak": max(kb for _, kb in rss) if rss else None, "rss_kb_end": rss_end,
         "rss_growth_pct": round(100 * growth, 2), "kv_first_touch_kb": round(kv_touch_kb),
-        "rss_growth_beyond_kv_pct": round(100 * growth_net, 2), "warmup_s": warm,
+        "rss_growth_beyond_kv_pct": round(100 * growth_net, 2), "warmup_s": round(warm, 1),
+        "peak_running": peak_running,
+        # every 10th sample: (s, RSS kB), (s, KV high-water slots), (s, running)
+        "series_rss_kb": [(round(t), kb) for t, kb in rss[::10]],
+        "series_kv_high_water": [(round(t), h) for t, h in s.hw[::5]],
+        "series_running": [(round(t), r) for t, r in s.running[::5]],
         "failures": failures,
     }
     return report
