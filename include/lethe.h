@@ -125,6 +125,17 @@ int lethe_engine_compile_grammar(lethe_engine *e, lethe_grammar_kind kind, const
                                  lethe_grammar **out);
 void lethe_grammar_free(lethe_grammar *g); /* drops one reference; NULL-safe */
 
+/* A half-open token range [start, end) of a prompt. */
+typedef struct lethe_token_range {
+    int32_t start, end;
+} lethe_token_range;
+
+/* Retention hint "prunable": tokens [start, end) may be pruned to keep_ratio. */
+typedef struct lethe_retention_range {
+    int32_t start, end;
+    float keep_ratio; /* [0, 1] */
+} lethe_retention_range;
+
 typedef struct lethe_request_params {
     const int32_t *prompt;      /* token ids (copied at submit) */
     int32_t n_prompt;
@@ -144,6 +155,17 @@ typedef struct lethe_request_params {
      * end tokens only once the grammar is complete. Not with forced tokens
      * or ignore_eos. The request takes its own reference at submit. */
     lethe_grammar *grammar;
+    /* Retention hints (chat "retention", docs/serving.md), prompt token
+     * ranges, copied at submit. Pinned tokens are kept by every eviction
+     * method, by prefix-cache pruning and in a chain's compacted row (one
+     * protected mask per KV row: kv_protect.c). Prunable ranges: with the
+     * radix cache, the engine prunes their cached blocks to keep_ratio once
+     * the request has finished (snapkv_global, in the background); elsewhere
+     * they are kept as normal tokens. */
+    const lethe_token_range *pinned;
+    int32_t n_pinned;
+    const lethe_retention_range *prunable;
+    int32_t n_prunable;
 } lethe_request_params;
 
 typedef struct lethe_engine_params {
@@ -271,8 +293,9 @@ typedef struct lethe_engine_stats {
     int64_t device_selections; /* layers whose selections a method built on the backend
                                 * (select_layer: Quest, OmniKV), summed over steps */
     /* prefix cache (src/engine/engine_prune.c) */
-    int64_t kv_slots_resident; /* slots holding KV (requests and the prefix cache), summed over spaces */
-    int64_t prune_jobs;        /* prune jobs committed */
+    int64_t
+        kv_slots_resident; /* slots holding KV (requests and the prefix cache), summed over spaces */
+    int64_t prune_jobs;    /* prune jobs committed */
     int64_t prune_freed_slots; /* slots per space they freed */
 } lethe_engine_stats;
 
@@ -396,28 +419,26 @@ typedef enum lethe_prune_policy {
 
 typedef enum lethe_prune_status {
     LETHE_PRUNE_QUEUED = 0,
-    LETHE_PRUNE_COMPLETED,         /* committed: the ranges hold only the kept tokens' KV */
-    LETHE_PRUNE_BLOCKED,           /* a running request references a block of the ranges */
-    LETHE_PRUNE_FAILED,            /* not cached, already pruned, no radix cache, ... (message) */
+    LETHE_PRUNE_COMPLETED, /* committed: the ranges hold only the kept tokens' KV */
+    LETHE_PRUNE_BLOCKED,   /* a running request references a block of the ranges */
+    LETHE_PRUNE_FAILED,    /* not cached, already pruned, no radix cache, ... (message) */
 } lethe_prune_status;
 
-typedef struct lethe_prune_range {
-    int32_t start, end;            /* half-open token range [start, end) */
-} lethe_prune_range;
+typedef lethe_token_range lethe_prune_range; /* half-open token range [start, end) */
 
 typedef struct lethe_prune_params {
-    const int32_t *tokens;         /* the path: its blocks up to the largest range end must be cached */
+    const int32_t *tokens; /* the path: its blocks up to the largest range end must be cached */
     int32_t n_tokens;
-    const lethe_prune_range *ranges; /* block-aligned, non-empty, non-overlapping, inside
+    const lethe_token_range *ranges; /* block-aligned, non-empty, non-overlapping, inside
                                       * [0, n_tokens); any order; adjacent ranges merge */
     int32_t n_ranges;
-    int32_t keep_tokens;           /* 0 <= keep < sum of widths: one budget shared by all ranges */
+    int32_t keep_tokens; /* 0 <= keep < sum of widths: one budget shared by all ranges */
     lethe_prune_policy policy;
-    int32_t observation_tokens;    /* snapkv_global query window (multiple of 16); 0 = 64 */
+    int32_t observation_tokens; /* snapkv_global query window (multiple of 16); 0 = 64 */
 } lethe_prune_params;
 
 typedef struct lethe_prune_range_result {
-    int32_t start, end;            /* a merged range */
+    int32_t start, end; /* a merged range */
     int32_t original_tokens, retained_tokens;
 } lethe_prune_range_result;
 
@@ -425,11 +446,11 @@ typedef struct lethe_prune_result {
     lethe_prune_status status;
     uint32_t prune_id;
     lethe_prune_policy policy;
-    int64_t freed_device_slots;    /* per slot space: sum of widths - keep when completed */
-    bool quality_degraded;         /* completed: the path's KV is no longer the exact prefill */
+    int64_t freed_device_slots; /* per slot space: sum of widths - keep when completed */
+    bool quality_degraded;      /* completed: the path's KV is no longer the exact prefill */
     int32_t n_ranges;
     lethe_prune_range_result ranges[LETHE_PRUNE_MAX_RANGES];
-    char message[256];             /* why blocked / failed */
+    char message[256]; /* why blocked / failed */
 } lethe_prune_result;
 
 /* Checks and merges the ranges without an engine (what the HTTP layer asks
@@ -441,48 +462,50 @@ int lethe_engine_prune(lethe_engine *e, const lethe_prune_params *p, lethe_prune
 /* Queues it: validation errors come back at once; `done` runs on the engine
  * thread with the final result (and must not call into the engine). */
 typedef void (*lethe_prune_cb)(void *user, const lethe_prune_result *r);
-int lethe_engine_prune_submit(lethe_engine *e, const lethe_prune_params *p, lethe_prune_cb done, void *user,
-                              uint32_t *prune_id);
+int lethe_engine_prune_submit(lethe_engine *e, const lethe_prune_params *p, lethe_prune_cb done,
+                              void *user, uint32_t *prune_id);
 
 /* Token ids are in [0, vocab size). */
 int32_t lethe_engine_vocab_size(const lethe_engine *e);
 
 /* POST /v1/prefix_cache/match: how much of a prompt the radix cache holds. */
 typedef struct lethe_prefix_match {
-    bool enabled;                  /* the radix cache is active (else every count is 0) */
+    bool enabled; /* the radix cache is active (else every count is 0) */
     int32_t block_size;
     int32_t prompt_tokens;
-    int32_t usable_tokens;         /* floor((prompt - 1) / 16) * 16: one token is always computed */
-    int32_t matched_tokens;        /* logical tokens of the cached blocks (<= usable) */
+    int32_t usable_tokens;  /* floor((prompt - 1) / 16) * 16: one token is always computed */
+    int32_t matched_tokens; /* logical tokens of the cached blocks (<= usable) */
     int32_t matched_blocks;
-    int32_t resident_kv_tokens;    /* slots they hold per space (< matched once pruned) */
-    int32_t live_blocks;           /* blocks in the whole cache */
-    uint64_t last_block_id;        /* 0 when nothing matched */
+    int32_t resident_kv_tokens; /* slots they hold per space (< matched once pruned) */
+    int32_t live_blocks;        /* blocks in the whole cache */
+    uint64_t last_block_id;     /* 0 when nothing matched */
 } lethe_prefix_match;
-int lethe_engine_prefix_match(lethe_engine *e, const int32_t *tokens, int32_t n, lethe_prefix_match *out);
+int lethe_engine_prefix_match(lethe_engine *e, const int32_t *tokens, int32_t n,
+                              lethe_prefix_match *out);
 
 typedef struct lethe_prefix_block {
-    uint64_t id, parent_id;        /* parent_id 0 for a first block */
-    int32_t start;                 /* first token: 16 * depth */
-    int32_t resident;              /* slots it holds (16 unless pruned) */
+    uint64_t id, parent_id; /* parent_id 0 for a first block */
+    int32_t start;          /* first token: 16 * depth */
+    int32_t resident;       /* slots it holds (16 unless pruned) */
     int32_t req_refs, n_children;
-    int32_t priority;              /* eviction priority: lower first; < 0 pinned */
-    uint32_t prune_id;             /* 0: never pruned */
+    int32_t priority;  /* eviction priority: lower first; < 0 pinned */
+    uint32_t prune_id; /* 0: never pruned */
 } lethe_prefix_block;
 /* The cached blocks of the path tokens[0..n) (root first), or with tokens
  * NULL every block (by depth, then id); copies up to cap, returns how many
  * there are (-1: no radix cache). */
-int32_t lethe_engine_prefix_inspect(lethe_engine *e, const int32_t *tokens, int32_t n, lethe_prefix_block *out,
-                                    int32_t cap);
+int32_t lethe_engine_prefix_inspect(lethe_engine *e, const int32_t *tokens, int32_t n,
+                                    lethe_prefix_block *out, int32_t cap);
 /* Deletes the block ending the path's full blocks (floor(n / 16) of them,
  * all cached) and every block below it. LETHE_ERR_NOT_FOUND (not cached),
  * LETHE_ERR_BUSY (a running request holds one), LETHE_ERR_UNSUPPORTED (no
  * radix cache). */
-int lethe_engine_prefix_delete_subtree(lethe_engine *e, const int32_t *tokens, int32_t n, int32_t *n_deleted);
+int lethe_engine_prefix_delete_subtree(lethe_engine *e, const int32_t *tokens, int32_t n,
+                                       int32_t *n_deleted);
 /* Sets the eviction priority of every cached block of the path's full
  * blocks (negative = pinned: never evicted, only deleted). */
-int lethe_engine_prefix_set_priority(lethe_engine *e, const int32_t *tokens, int32_t n, int32_t priority,
-                                     int32_t *n_blocks);
+int lethe_engine_prefix_set_priority(lethe_engine *e, const int32_t *tokens, int32_t n,
+                                     int32_t priority, int32_t *n_blocks);
 
 #ifdef __cplusplus
 }

@@ -27,15 +27,17 @@ static lethe_status rw_configure(lethe_sparse_method *m) {
 
 static void rw_finish_step(lethe_sparse_method *m, const lethe_sparse_step *st) {
     const int32_t r = m->knobs.recent_keep_tokens;
-    int32_t *keep = lethe_xmalloc((size_t)r * sizeof(int32_t));
+    int32_t *keep = NULL;
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
         for (int32_t l = 0; l < m->env.n_layers; l++) {
             const int32_t L = lethe_sparse_row_len(m, l, q->row);
             const bool cut = q->is_prefill ? q->is_final_chunk && L > r : L >= 2 * r;
             if (!cut) continue;
-            for (int32_t j = 0; j < r; j++) keep[j] = L - r + j; /* the last r entries */
-            lethe_kv_keep(m->env.pool, l, q->row, keep, r);
+            /* the last r entries (and any retention-pinned ones: the shared keep-set builder) */
+            keep = lethe_xrealloc(keep, (size_t)L * sizeof(int32_t));
+            const int32_t n = lethe_sparse_keep_set(m, l, q->row, NULL, 0, r, 0, keep);
+            lethe_kv_keep(m->env.pool, l, q->row, keep, n);
         }
     }
     free(keep);

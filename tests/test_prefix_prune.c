@@ -12,7 +12,9 @@
  *  - threaded mode: lethe_engine_prune waits for the engine thread,
  *    lethe_engine_prune_submit calls back;
  *  - radix control: inspect, set_eviction_priority (pinned blocks survive
- *    eviction pressure and are not counted as reclaimable), delete_subtree. */
+ *    eviction pressure and are not counted as reclaimable), delete_subtree;
+ *  - retention hints: pinned tokens are recorded on the blocks and kept by
+ *    pruning; prunable ranges are pruned after the request. */
 #include <pthread.h>
 #include <string.h>
 #include <unistd.h>
@@ -85,10 +87,15 @@ static void check_ok(lethe_engine *e) {
     CHECK_MSG(st == LETHE_OK, "%s", lethe_engine_last_error());
 }
 
-static lethe_prune_params params(const int32_t *t, int32_t n, const lethe_prune_range *r, int32_t nr,
-                                 int32_t keep, int32_t obs) {
-    return (lethe_prune_params){.tokens = t, .n_tokens = n, .ranges = r, .n_ranges = nr, .keep_tokens = keep,
-                                .policy = LETHE_PRUNE_SNAPKV_GLOBAL, .observation_tokens = obs};
+static lethe_prune_params params(const int32_t *t, int32_t n, const lethe_prune_range *r,
+                                 int32_t nr, int32_t keep, int32_t obs) {
+    return (lethe_prune_params){.tokens = t,
+                                .n_tokens = n,
+                                .ranges = r,
+                                .n_ranges = nr,
+                                .keep_tokens = keep,
+                                .policy = LETHE_PRUNE_SNAPKV_GLOBAL,
+                                .observation_tokens = obs};
 }
 
 static void expect_invalid(const lethe_prune_params *p, const char *needle) {
@@ -161,14 +168,15 @@ static void test_commit_and_reuse(void) {
     CHECK_EQ_INT(res.freed_device_slots, 48 - 24);
     CHECK(res.quality_degraded && res.prune_id != 0);
     CHECK_EQ_INT(res.n_ranges, 2);
-    CHECK(res.ranges[0].start == 16 && res.ranges[0].end == 48 && res.ranges[0].original_tokens == 32);
+    CHECK(res.ranges[0].start == 16 && res.ranges[0].end == 48 &&
+          res.ranges[0].original_tokens == 32);
     CHECK_EQ_INT(res.ranges[0].retained_tokens, 8);
     CHECK_EQ_INT(res.ranges[1].retained_tokens, 16);
     check_ok(e);
     lethe_prefix_match m2;
     CHECK_EQ_INT(lethe_engine_prefix_match(e, t, 97, &m2), LETHE_OK);
-    CHECK_EQ_INT(m2.matched_tokens, 96);                 /* logical route unchanged */
-    CHECK_EQ_INT(m2.resident_kv_tokens, 96 - 24);        /* physical payload smaller */
+    CHECK_EQ_INT(m2.matched_tokens, 96);          /* logical route unchanged */
+    CHECK_EQ_INT(m2.resident_kv_tokens, 96 - 24); /* physical payload smaller */
     CHECK(m2.last_block_id == m.last_block_id);
     lethe_engine_stats s1;
     lethe_engine_get_stats(e, &s1);
@@ -216,6 +224,20 @@ static void test_commit_and_reuse(void) {
     CHECK_EQ_INT(lethe_engine_prefix_match(e, t, 124, &m2), LETHE_OK);
     CHECK_EQ_INT(m2.matched_tokens, 112);
     CHECK_EQ_INT(m2.resident_kv_tokens, 112 - 24);
+
+    /* kvzip_global: the reconstruction replay scores [48, 64) (no window to protect) */
+    lethe_prune_range kz = {48, 64};
+    p = params(t, 124, &kz, 1, 5, 0);
+    p.policy = LETHE_PRUNE_KVZIP_GLOBAL;
+    CHECK_EQ_INT(lethe_engine_prune(e, &p, &res), LETHE_OK);
+    CHECK_MSG(res.status == LETHE_PRUNE_COMPLETED, "%s", res.message);
+    CHECK_EQ_INT(res.freed_device_slots, 11);
+    CHECK_EQ_INT(res.ranges[0].retained_tokens, 5);
+    lethe_radix_block_info b3;
+    lethe_radix_block_get_info(chain[3], &b3);
+    CHECK_EQ_INT(b3.resident, 5);
+    CHECK(b3.offsets[4] != 4); /* from the scores, not the order */
+    check_ok(e);
 
     /* not cached: a path nobody computed */
     int32_t u[64];
@@ -322,7 +344,8 @@ static void test_threaded(void) {
 
 static void test_control(void) {
     /* a pool of ~200 slots: two 96-token paths do not fit together with a third */
-    lethe_engine *e = mk(200 * 512, "radix"); /* 512 B per token: 2 layers x K,V x 2 heads x 16 x f32 */
+    lethe_engine *e = mk(200 * 512,
+                         "radix"); /* 512 B per token: 2 layers x K,V x 2 heads x 16 x f32 */
     lethe_engine_stats s;
     lethe_engine_get_stats(e, &s);
     int32_t a[128], b[128], c[128];
@@ -378,12 +401,93 @@ static void test_control(void) {
     lethe_engine_destroy(e);
 }
 
+static void submit_hinted(lethe_engine *e, const int32_t *t, int32_t n,
+                          const lethe_token_range *pin, int32_t n_pin,
+                          const lethe_retention_range *pr, int32_t n_pr, out *o) {
+    lethe_request_params rp = {0};
+    lethe_sampling_default_params(&rp.sampling);
+    rp.sampling.temperature = 0;
+    rp.sampling.max_tokens = 1;
+    rp.prompt = t;
+    rp.n_prompt = n;
+    rp.cb = on_event;
+    rp.user = o;
+    rp.pinned = pin;
+    rp.n_pinned = n_pin;
+    rp.prunable = pr;
+    rp.n_prunable = n_pr;
+    memset(o, 0, sizeof(*o));
+    int st = lethe_engine_add_request(e, &rp, NULL);
+    CHECK_MSG(st == 0, "%s", lethe_engine_last_error());
+}
+
+/* retention hints: pinned tokens survive pruning; prunable ranges are pruned
+ * after the request; bad ranges are refused */
+static void test_retention(void) {
+    lethe_engine *e = mk(8 << 20, "radix");
+    int32_t t[128];
+    prompt_of(t, 128, 8);
+    out o;
+    lethe_token_range bad = {90, 100};
+    lethe_request_params rp = {.prompt = t, .n_prompt = 97, .pinned = &bad, .n_pinned = 1};
+    lethe_sampling_default_params(&rp.sampling);
+    CHECK_EQ_INT(lethe_engine_add_request(e, &rp, NULL), LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_engine_last_error(),
+                       "pinned range [90, 100) is empty or outside the 97-token prompt");
+
+    const lethe_token_range pin = {16, 32};
+    submit_hinted(e, t, 97, &pin, 1, NULL, 0, &o);
+    drain(e);
+    lethe_radix_block *chain[6];
+    CHECK(lethe_radix_find(lethe_radix_cache_tree(e->pcache), t, 6, chain));
+    lethe_radix_block_info bi;
+    lethe_radix_block_get_info(chain[1], &bi);
+    CHECK_EQ_INT(bi.pin, 0xffff); /* block [16, 32) remembers its pins */
+    lethe_radix_block_get_info(chain[2], &bi);
+    CHECK_EQ_INT(bi.pin, 0);
+    /* [16, 48): 16 pinned + the 16-token window are protected */
+    lethe_prune_range r = {16, 48};
+    lethe_prune_params p = params(t, 97, &r, 1, 20, 16);
+    lethe_prune_result res;
+    CHECK_EQ_INT(lethe_engine_prune(e, &p, &res), LETHE_OK);
+    CHECK_EQ_INT(res.status, LETHE_PRUNE_FAILED);
+    CHECK_STR_CONTAINS(res.message,
+                       "below the 32 protected tokens inside the ranges (16 retention-pinned");
+    lethe_prune_range r2 = {0, 48};
+    p = params(t, 97, &r2, 1, 36, 16);
+    CHECK_EQ_INT(lethe_engine_prune(e, &p, &res), LETHE_OK);
+    CHECK_MSG(res.status == LETHE_PRUNE_COMPLETED, "%s", res.message);
+    lethe_radix_block_get_info(chain[1], &bi);
+    CHECK_EQ_INT(bi.resident, 16); /* every pinned token kept */
+    lethe_radix_block_info b0;
+    lethe_radix_block_get_info(chain[0], &b0);
+    CHECK_EQ_INT(b0.resident, 4); /* the 4 unprotected tokens of the budget went to block 0 */
+    check_ok(e);
+
+    /* prunable: pruned to the ratio once the request is done (a queued job) */
+    int32_t u[128];
+    prompt_of(u, 128, 11);
+    const lethe_retention_range pr = {16, 80, 0.25f};
+    submit_hinted(e, u, 97, NULL, 0, &pr, 1, &o);
+    drain(e); /* the request, then the step that runs the job */
+    lethe_prefix_match m;
+    CHECK_EQ_INT(lethe_engine_prefix_match(e, u, 97, &m), LETHE_OK);
+    CHECK_EQ_INT(m.matched_tokens, 96);
+    CHECK_EQ_INT(m.resident_kv_tokens, 96 - (64 - 16));
+    lethe_engine_stats s;
+    lethe_engine_get_stats(e, &s);
+    CHECK_EQ_INT(s.prune_jobs, 2);
+    check_ok(e);
+    lethe_engine_destroy(e);
+}
+
 int main(void) {
     test_validation();
     test_commit_and_reuse();
     test_blocked();
     test_threaded();
     test_control();
+    test_retention();
     printf("test_prefix_prune: ok\n");
     return 0;
 }

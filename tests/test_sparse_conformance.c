@@ -15,7 +15,11 @@
  *  - with test_configs.small, eviction methods keep fewer KV slots resident
  *    than dense (per slot space; slots really return to the pool), selection
  *    methods keep as many and build their selections with select_layer; in
- *    every run a third request is aborted mid-prefill and the pool ends empty.
+ *    every run a third request is aborted mid-prefill and the pool ends empty;
+ *  - retention pins: every eviction method with test_configs.small, in chain
+ *    mode, keeps a pinned range of the prompt in every layer of the chain's
+ *    compacted row while it evicts other tokens (the engine's checker also
+ *    verifies the pins after every step, lethe_kv_keep asserts them).
  * The suite iterates the registry, including a throwaway method registered
  * here (sparse_throwaway.h): a new method needs no edit in this file.
  * Per-method algorithm properties are in test_sparse_methods.c. */
@@ -253,6 +257,73 @@ static void test_identity_and_eviction_mla(void) {
     g_refusals = false;
 }
 
+/* a pinned range [PIN0, PIN1) survives every eviction method and the Chain Cache */
+enum { PIN0 = 8, PIN1 = 24 };
+static void test_pinned_every_eviction_method(void) {
+    int n_methods = 0;
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const lethe_sparse_ops *ops = lethe_sparse_method_at(i);
+        if (ops->kind != LETHE_SPARSE_KIND_EVICTION || !ops->test_configs.small) continue;
+        fprintf(stderr, "    %s (pinned)\n", ops->name);
+        lethe_engine_params p;
+        lethe_engine_default_params(&p);
+        p.model = g_model;
+        p.load_format = "dummy";
+        p.seed = 7;
+        p.device = "cpu";
+        p.n_threads = 2;
+        p.max_model_len = 128;
+        p.max_num_batched_tokens = 40;
+        p.enable_prefix_caching = true;
+        p.prefix_cache_mode = "chain";
+        p.kv_cache_bytes = (size_t)96 << 20;
+        p.sparse_method = ops->name;
+        p.sparse_config = ops->test_configs.small;
+        p.check_invariants = true;
+        lethe_engine *e = NULL;
+        CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s: %s", ops->name, lethe_engine_last_error());
+        int32_t ids[NPROMPT];
+        prompt(0, ids);
+        run_out o = {0};
+        cb_ctx cc = {&o, 0};
+        const lethe_token_range pin = {PIN0, PIN1};
+        lethe_request_params rp = {.prompt = ids,
+                                   .n_prompt = NPROMPT,
+                                   .cb = on_event,
+                                   .user = &cc,
+                                   .want_logits = true,
+                                   .pinned = &pin,
+                                   .n_pinned = 1};
+        lethe_sampling_default_params(&rp.sampling);
+        rp.sampling.temperature = 0;
+        rp.sampling.max_tokens = NGEN;
+        rp.sampling.ignore_eos = true;
+        lethe_chain_params cp = {0};
+        lethe_chain_result cr;
+        CHECK_MSG(lethe_engine_add_request_chain(e, &rp, &cp, &cr, NULL) == 0, "%s: %s", ops->name,
+                  lethe_engine_last_error());
+        while (lethe_engine_has_work(e))
+            CHECK_MSG(lethe_engine_step(e) == 0, "%s: %s", ops->name, lethe_engine_last_error());
+        CHECK_EQ_INT(o.n[0], NGEN);
+        bool evicted = false;
+        for (int32_t layer = 0; layer < 2; layer++) {
+            int32_t pos[256];
+            int32_t n = lethe_engine_chain_positions(e, cr.chain_id, layer, pos, 256);
+            CHECK_MSG(n > 0 && n <= 256, "%s: chain positions %d", ops->name, n);
+            evicted |= n < NPROMPT + NGEN - 1;
+            int32_t found = 0;
+            for (int32_t k = 0; k < n; k++) found += pos[k] >= PIN0 && pos[k] < PIN1;
+            CHECK_MSG(found == PIN1 - PIN0, "%s layer %d: %d of %d pinned positions kept",
+                      ops->name, layer, found, PIN1 - PIN0);
+        }
+        CHECK_MSG(evicted, "%s: nothing was evicted", ops->name);
+        free_out(&o);
+        lethe_engine_destroy(e);
+        n_methods++;
+    }
+    CHECK(n_methods >= 4); /* streamingllm, snapkv, pyramidkv, h2o (+ the throwaway) */
+}
+
 static void test_smollm2_snapkv(void) {
     static run_out dense, o;
     g_model = SMOL;
@@ -277,6 +348,7 @@ int main(void) {
     TEST_RUN(test_identity_and_eviction);
     TEST_RUN(test_identity_and_eviction_moe);
     TEST_RUN(test_identity_and_eviction_mla);
+    TEST_RUN(test_pinned_every_eviction_method);
     TEST_RUN(test_smollm2_snapkv);
     return 0;
 }

@@ -27,7 +27,22 @@
  * stops it; without --configs one replay runs against --base-url.
  * Reported per configuration: end-to-end time, per-turn TTFT percentiles,
  * prompt tokens, tokens reused (usage.prompt_tokens_details.cached_tokens)
- * vs computed, chain statuses, and the server's prefill counter delta. */
+ * vs computed, chain statuses, the server's prefill counter delta, and the
+ * resident KV (lethe:kv_resident_slots sampled every 0.25 s: mean, peak).
+ *
+ * Tool-result pruning (anchor §9.4, client side), cache "radix+prune" in
+ * --configs (or --prune-lag N against --base-url in full mode): tool bodies
+ * are role "tool" messages, and in generated traces the tool outputs (the
+ * "user" message of every turn after the first). After each model turn
+ * with lag N, the (N+1)-th most recent tool body is pruned once: its token
+ * span is found by rendering the conversation up to it through /tokenize
+ * (messages [0, k) and [0, k] without the generation prompt: the body lies
+ * in between), shrunk by 8 tokens at each end (the template's role and
+ * end-of-turn tokens and any token that could straddle the body's edge) and
+ * aligned inward to the 16-token block; keep = floor(width x
+ * --prune-keep-ratio); the path is the last request's prompt tokens. The
+ * client checks freed == width - keep and that match's resident KV dropped
+ * by freed (prune_checks_failed counts violations). */
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
 #include <fcntl.h>
@@ -56,6 +71,9 @@ typedef struct rp_opts {
     int32_t concurrency, port, timeout_s, retries;
     float wait_scale, max_wait;
     uint64_t seed;
+    int32_t prune_lag; /* 0: no pruning client */
+    float prune_keep_ratio;
+    const char *prune_policy;
 } rp_opts;
 
 /* one turn's outcome */
@@ -76,9 +94,19 @@ typedef struct rp_run {
     int32_t *n_forced;
     rp_turn_rec *recs;         /* [n_turns] */
     bool chain;
+    bool prune; /* the tool-result pruning client runs */
     pthread_mutex_t mu;
     int32_t next_agent;
     char first_error[512];
+    /* pruning client (under mu) */
+    int32_t prune_jobs, prune_completed, prune_blocked, prune_failed, prune_skipped,
+        prune_checks_failed;
+    int64_t prune_freed;
+    double prune_wait_s;
+    /* resident KV sampler */
+    volatile bool sampling;
+    double resident_sum, resident_peak;
+    int64_t n_resident;
 } rp_run;
 
 /* ---- HTTP ---- */
@@ -217,11 +245,156 @@ static void note_error(rp_run *R, const char *fmt, const char *a, long code, con
     pthread_mutex_unlock(&R->mu);
 }
 
+/* ---- the tool-result pruning client ---- */
+
+#define PRUNE_MARGIN 8
+#define PRUNE_BLOCK 16
+
+/* token ids of messages[0, n) through /tokenize (NULL on failure) */
+static int32_t *tokenize_msgs(const rp_run *R, const cJSON *msgs, int32_t n, bool gen_prompt,
+                              int32_t *n_out) {
+    cJSON *b = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(b, "messages");
+    int32_t k = 0;
+    for (const cJSON *m = msgs->child; m && k < n; m = m->next, k++)
+        cJSON_AddItemToArray(arr, cJSON_Duplicate(m, 1));
+    cJSON_AddBoolToObject(b, "add_generation_prompt", gen_prompt);
+    char *body = cJSON_PrintUnformatted(b);
+    cJSON_Delete(b);
+    long code;
+    char *res = http(R->base, "/tokenize", body, &code, 120);
+    free(body);
+    cJSON *j = res && code == 200 ? cJSON_Parse(res) : NULL;
+    free(res);
+    const cJSON *toks = j ? cJSON_GetObjectItemCaseSensitive(j, "tokens") : NULL;
+    int32_t *t = NULL;
+    *n_out = 0;
+    if (cJSON_IsArray(toks)) {
+        *n_out = cJSON_GetArraySize(toks);
+        t = lethe_xmalloc((size_t)LETHE_MAX(*n_out, 1) * sizeof(int32_t));
+        int32_t i = 0;
+        const cJSON *x;
+        cJSON_ArrayForEach(x, toks) t[i++] = (int32_t)x->valuedouble;
+    }
+    cJSON_Delete(j);
+    return t;
+}
+
+static int32_t match_resident(const rp_run *R, const char *ids_json) {
+    char *body = lethe_xmalloc(strlen(ids_json) + 32);
+    sprintf(body, "{\"token_ids\":%s}", ids_json);
+    long code;
+    char *res = http(R->base, "/v1/prefix_cache/match", body, &code, 60);
+    free(body);
+    cJSON *j = res && code == 200 ? cJSON_Parse(res) : NULL;
+    free(res);
+    const cJSON *v = j ? cJSON_GetObjectItemCaseSensitive(j, "resident_kv_tokens") : NULL;
+    int32_t r = cJSON_IsNumber(v) ? (int32_t)v->valuedouble : -1;
+    cJSON_Delete(j);
+    return r;
+}
+
+/* prunes message k of msgs (a tool body); n_prompt_msgs: the messages of the
+ * last request, whose prompt tokens name the path */
+static void prune_body(rp_run *R, const char *agent, const cJSON *msgs, int32_t k,
+                       int32_t n_prompt_msgs) {
+    int32_t n0 = 0, n1 = 0, np = 0;
+    int32_t *t0 = tokenize_msgs(R, msgs, k, false, &n0);
+    int32_t *t1 = tokenize_msgs(R, msgs, k + 1, false, &n1);
+    int32_t *path = tokenize_msgs(R, msgs, n_prompt_msgs, true, &np);
+    free(t0);
+    free(t1);
+    const int32_t B = PRUNE_BLOCK;
+    const int32_t s = (n0 + PRUNE_MARGIN + B - 1) / B * B, e = (n1 - PRUNE_MARGIN) / B * B;
+    const int32_t keep = e > s ? (int32_t)floor((double)(e - s) * R->o->prune_keep_ratio) : 0;
+    const int32_t obs = LETHE_MIN(64, keep / B * B);
+    if (!path || e - s < 2 * B || obs < B || e > np) {
+        pthread_mutex_lock(&R->mu);
+        R->prune_skipped++;
+        pthread_mutex_unlock(&R->mu);
+        free(path);
+        return;
+    }
+    cJSON *ids = cJSON_CreateIntArray(path, np);
+    char *ids_json = cJSON_PrintUnformatted(ids);
+    cJSON_Delete(ids);
+    free(path);
+    const double t0s = lethe_time_s();
+    const int32_t before = match_resident(R, ids_json);
+    char *body = lethe_xmalloc(strlen(ids_json) + 256);
+    sprintf(body,
+            "{\"token_ids\":%s,\"ranges\":[[%d,%d]],\"keep_tokens\":%d,\"policy\":\"%s\","
+            "\"observation_tokens\":%d}",
+            ids_json, s, e, keep, R->o->prune_policy, obs);
+    long code;
+    char *res = http(R->base, "/v1/prefix_cache/prune", body, &code, 60);
+    free(body);
+    cJSON *j = res && code == 202 ? cJSON_Parse(res) : NULL;
+    const cJSON *pid = j ? cJSON_GetObjectItemCaseSensitive(j, "prune_id") : NULL;
+    char path_get[96] = "";
+    if (cJSON_IsString(pid))
+        snprintf(path_get, sizeof(path_get), "/v1/prefix_cache/prune/%s", pid->valuestring);
+    if (!path_get[0])
+        note_error(R, "agent %s: prune: HTTP %ld: %s", agent, code, res ? res : "no response");
+    cJSON_Delete(j);
+    free(res);
+    const char *status = "failed";
+    int64_t freed = -1;
+    bool degraded = false;
+    cJSON *done = NULL;
+    for (int i = 0; path_get[0] && i < 200000; i++) {
+        char *g = http(R->base, path_get, NULL, &code, 60);
+        cJSON *x = g && code == 200 ? cJSON_Parse(g) : NULL;
+        free(g);
+        const cJSON *st = x ? cJSON_GetObjectItemCaseSensitive(x, "status") : NULL;
+        if (!cJSON_IsString(st)) {
+            cJSON_Delete(x);
+            break;
+        }
+        if (strcmp(st->valuestring, "queued")) {
+            done = x;
+            status = cJSON_GetObjectItemCaseSensitive(x, "status")->valuestring;
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(x, "freed_device_slots");
+            if (cJSON_IsNumber(f)) freed = (int64_t)f->valuedouble;
+            degraded = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(x, "quality_degraded"));
+            break;
+        }
+        cJSON_Delete(x);
+        usleep(2000);
+    }
+    const bool completed = !strcmp(status, "completed");
+    const int32_t after = completed ? match_resident(R, ids_json) : before;
+    const double dt = lethe_time_s() - t0s;
+    bool check = !completed || (freed == (e - s) - keep && degraded && before - after == freed);
+    pthread_mutex_lock(&R->mu);
+    R->prune_jobs++;
+    R->prune_wait_s += dt;
+    if (completed) R->prune_completed++, R->prune_freed += freed;
+    else if (!strcmp(status, "blocked")) R->prune_blocked++;
+    else R->prune_failed++;
+    if (!check) R->prune_checks_failed++;
+    pthread_mutex_unlock(&R->mu);
+    if (!strcmp(status, "failed") && done) {
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(done, "message");
+        note_error(R, "agent %s: prune failed (%ld): %s", agent, 0L,
+                   cJSON_IsString(m) ? m->valuestring : "?");
+    }
+    cJSON_Delete(done);
+    free(ids_json);
+}
+
+/* tool bodies: role "tool", or the tool output of a generated turn after the first */
+static bool is_tool_body(const lethe_trace_turn *u, const char *role, int32_t turn_index) {
+    if (!strcmp(role, "tool")) return true;
+    return u->n_msgs == 0 && turn_index > 0 && !strcmp(role, "user");
+}
+
 static void replay_agent(rp_run *R, int32_t a) {
     const lethe_trace *t = R->t;
     cJSON *msgs = cJSON_CreateArray();
     char chain_id[64] = "";
     int32_t covered = 0; /* messages the chain has seen (incl. its last reply) */
+    int32_t *tools = NULL, n_tools = 0, pruned_upto = -1; /* tool-body message indices */
     for (int32_t i = t->agent_first[a]; i < t->agent_first[a + 1]; i++) {
         const lethe_trace_turn *u = &t->turns[i];
         int32_t n_app = 0;
@@ -230,6 +403,10 @@ static void replay_agent(rp_run *R, int32_t a) {
             cJSON *m = cJSON_CreateObject();
             cJSON_AddStringToObject(m, "role", app[k].role);
             cJSON_AddStringToObject(m, "content", app[k].content);
+            if (is_tool_body(u, app[k].role, i - t->agent_first[a])) {
+                tools = lethe_xrealloc(tools, (size_t)(n_tools + 1) * sizeof(int32_t));
+                tools[n_tools++] = cJSON_GetArraySize(msgs);
+            }
             cJSON_AddItemToArray(msgs, m);
             lethe_trace_msg_free(&app[k]);
         }
@@ -295,6 +472,7 @@ static void replay_agent(rp_run *R, int32_t a) {
             break;
         }
         if (!rec->ok) break; /* the conversation cannot continue */
+        const int32_t n_prompt_msgs = cJSON_GetArraySize(msgs);
         char *out = lethe_trace_turn_output(t, u, R->o->seed);
         cJSON *m = cJSON_CreateObject();
         cJSON_AddStringToObject(m, "role", "assistant");
@@ -302,12 +480,19 @@ static void replay_agent(rp_run *R, int32_t a) {
         cJSON_AddItemToArray(msgs, m);
         free(out);
         covered = cJSON_GetArraySize(msgs);
+        /* lag policy: the (lag + 1)-th most recent tool body, once */
+        if (R->prune && n_tools > R->o->prune_lag &&
+            tools[n_tools - R->o->prune_lag - 1] > pruned_upto) {
+            pruned_upto = tools[n_tools - R->o->prune_lag - 1];
+            prune_body(R, t->agent_names[a], msgs, pruned_upto, n_prompt_msgs);
+        }
         double w = u->wait_s * R->o->wait_scale;
         if (w > 0 && i + 1 < t->agent_first[a + 1]) {
             struct timespec ts = {.tv_sec = (time_t)w, .tv_nsec = (long)((w - floor(w)) * 1e9)};
             nanosleep(&ts, NULL);
         }
     }
+    free(tools);
     cJSON_Delete(msgs);
 }
 
@@ -380,10 +565,27 @@ static double metric(const char *base, const char *name) {
     return v;
 }
 
+/* resident KV every 0.25 s while the replay runs */
+static void *sampler(void *arg) {
+    rp_run *R = arg;
+    while (R->sampling) {
+        double v = metric(R->base, "kv_resident_slots");
+        if (isfinite(v)) {
+            pthread_mutex_lock(&R->mu);
+            R->resident_sum += v;
+            R->resident_peak = LETHE_MAX(R->resident_peak, v);
+            R->n_resident++;
+            pthread_mutex_unlock(&R->mu);
+        }
+        usleep(250000);
+    }
+    return NULL;
+}
+
 /* one replay against a running server; adds a result object to arr */
-static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base, const char *label, bool chain,
-                       cJSON *arr) {
-    rp_run R = {.o = o, .t = t, .chain = chain};
+static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base, const char *label,
+                       bool chain, bool prune, cJSON *arr) {
+    rp_run R = {.o = o, .t = t, .chain = chain, .prune = prune};
     snprintf(R.base, sizeof(R.base), "%s", base);
     pthread_mutex_init(&R.mu, NULL);
     if (tokenize_outputs(&R) != 0) return -1;
@@ -392,9 +594,14 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     int32_t C = o->concurrency > 0 ? LETHE_MIN(o->concurrency, t->n_agents) : t->n_agents;
     pthread_t *th = lethe_xmalloc((size_t)C * sizeof(pthread_t));
     double t0 = lethe_time_s();
+    pthread_t samp;
+    R.sampling = true;
+    pthread_create(&samp, NULL, sampler, &R);
     for (int32_t i = 0; i < C; i++) pthread_create(&th[i], NULL, worker, &R);
     for (int32_t i = 0; i < C; i++) pthread_join(th[i], NULL);
     double wall = lethe_time_s() - t0;
+    R.sampling = false;
+    pthread_join(samp, NULL);
     double pf1 = metric(base, "prefill_tokens_computed_total");
     free(th);
     int64_t prompt = 0, cached = 0, completion = 0;
@@ -419,7 +626,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     for (int32_t i = 0; i < nt; i++) mean += tt[i] / nt;
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "config", label);
-    cJSON_AddStringToObject(r, "client_mode", chain ? "chain" : "full");
+    cJSON_AddStringToObject(r, "client_mode", chain ? "chain" : prune ? "full+prune" : "full");
     cJSON_AddNumberToObject(r, "agents", t->n_agents);
     cJSON_AddNumberToObject(r, "turns", t->n_turns);
     cJSON_AddNumberToObject(r, "turns_ok", ok);
@@ -441,6 +648,23 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     cJSON_AddNumberToObject(r, "chains_gone_retried", gone);
     cJSON_AddNumberToObject(r, "turns_retried", retried);
     cJSON_AddNumberToObject(r, "retries", retries);
+    const double res_mean = R.n_resident ? R.resident_sum / (double)R.n_resident : NAN;
+    cJSON_AddNumberToObject(r, "resident_kv_slots_mean", res_mean);
+    cJSON_AddNumberToObject(r, "resident_kv_slots_peak", R.n_resident ? R.resident_peak : NAN);
+    if (prune) {
+        cJSON *pr = cJSON_AddObjectToObject(r, "pruning");
+        cJSON_AddNumberToObject(pr, "lag", o->prune_lag);
+        cJSON_AddNumberToObject(pr, "keep_ratio", o->prune_keep_ratio);
+        cJSON_AddStringToObject(pr, "policy", o->prune_policy);
+        cJSON_AddNumberToObject(pr, "jobs", R.prune_jobs);
+        cJSON_AddNumberToObject(pr, "completed", R.prune_completed);
+        cJSON_AddNumberToObject(pr, "blocked", R.prune_blocked);
+        cJSON_AddNumberToObject(pr, "failed", R.prune_failed);
+        cJSON_AddNumberToObject(pr, "skipped_short", R.prune_skipped);
+        cJSON_AddNumberToObject(pr, "checks_failed", R.prune_checks_failed);
+        cJSON_AddNumberToObject(pr, "freed_slots", (double)R.prune_freed);
+        cJSON_AddNumberToObject(pr, "client_prune_time_s", R.prune_wait_s);
+    }
     if (R.first_error[0]) cJSON_AddStringToObject(r, "first_error", R.first_error);
     cJSON_AddItemToArray(arr, r);
     printf("%-22s %8.2f s  turns %d/%d  TTFT p50 %8.1f p90 %8.1f p99 %8.1f ms  prompt %lld reused %lld computed %lld\n",
@@ -451,6 +675,14 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
                "again: %d (%d "
                "sends)\n",
                st[0], st[1], st[2], gone, retried, retries);
+    printf("%-22s resident KV slots mean %.0f peak %.0f\n", "", res_mean,
+           R.n_resident ? R.resident_peak : NAN);
+    if (prune)
+        printf("%-22s prune jobs %d: completed %d blocked %d failed %d (skipped %d short), freed "
+               "%lld slots, "
+               "checks failed %d, client time %.2f s\n",
+               "", R.prune_jobs, R.prune_completed, R.prune_blocked, R.prune_failed,
+               R.prune_skipped, (long long)R.prune_freed, R.prune_checks_failed, R.prune_wait_s);
     if (R.first_error[0]) printf("  first error: %s\n", R.first_error);
     fflush(stdout);
     free(tt);
@@ -459,7 +691,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     free(R.n_forced);
     free(R.recs);
     pthread_mutex_destroy(&R.mu);
-    return ok == t->n_turns ? 0 : 1;
+    return ok == t->n_turns && R.prune_checks_failed == 0 ? 0 : 1;
 }
 
 /* ---- server per configuration ---- */
@@ -538,10 +770,14 @@ int lethe_bench_replay(int argc, char **argv) {
                  .timeout_s = 3600,
                  .retries = 3,
                  .wait_scale = 1.0f,
-                 .seed = 42};
+                 .seed = 42,
+                 .prune_lag = 4,
+                 .prune_keep_ratio = 0.2f,
+                 .prune_policy = "snapkv_global"};
+    bool prune_flag = false;
     lethe_trace_gen_default(&o.gen);
     o.max_wait = (float)o.gen.max_wait_s;
-    lethe_opt rows[48];
+    lethe_opt rows[56];
     int n = 0;
 #define ROW(...) rows[n++] = (lethe_opt){__VA_ARGS__}
     ROW("--trace", NULL, LETHE_OPT_STR, &o.trace_path, "JSONL", "trace to replay (see src/bench/trace.h)", 1, 0);
@@ -574,6 +810,16 @@ int lethe_bench_replay(int argc, char **argv) {
     ROW("--retries", NULL, LETHE_OPT_INT, &o.retries, "N",
         "send a turn again up to N times after no answer, a cut-off stream or 502/503/504", 0, 100);
     ROW("--result-json", NULL, LETHE_OPT_STR, &o.result_json, "PATH", "write results as JSON", 1, 0);
+    ROW("--prune", NULL, LETHE_OPT_BOOL, &prune_flag, NULL,
+        "run the tool-result pruning client (full mode against --base-url; "
+        "with --configs use the cache radix+prune)",
+        1, 0);
+    ROW("--prune-lag", NULL, LETHE_OPT_INT, &o.prune_lag, "N",
+        "prune the (N+1)-th most recent tool body after each turn", 0, 100000);
+    ROW("--prune-keep-ratio", NULL, LETHE_OPT_FLOAT, &o.prune_keep_ratio, "R",
+        "keep this fraction of a pruned body", 0, 1);
+    ROW("--prune-policy", NULL, LETHE_OPT_STR, &o.prune_policy, "P", "snapkv_global | kvzip_global",
+        1, 0);
 #undef ROW
     const char *pos[1];
     int n_pos = 0;
@@ -630,6 +876,10 @@ int lethe_bench_replay(int argc, char **argv) {
     if (o.model) cJSON_AddStringToObject(res, "model", o.model);
     if (o.sparse_config) cJSON_AddStringToObject(res, "sparse_config", o.sparse_config);
     if (o.serve_args) cJSON_AddStringToObject(res, "serve_args", o.serve_args);
+    cJSON *pc = cJSON_AddObjectToObject(res, "prune_client");
+    cJSON_AddNumberToObject(pc, "lag", o.prune_lag);
+    cJSON_AddNumberToObject(pc, "keep_ratio", o.prune_keep_ratio);
+    cJSON_AddStringToObject(pc, "policy", o.prune_policy);
     cJSON *tr = cJSON_AddObjectToObject(res, "trace");
     cJSON_AddStringToObject(tr, "source", o.trace_path ? o.trace_path : "generated");
     cJSON_AddNumberToObject(tr, "agents", t.n_agents);
@@ -656,7 +906,15 @@ int lethe_bench_replay(int argc, char **argv) {
             fprintf(stderr, "lethe bench replay: --mode %s: expected chain or full\n", o.mode);
             rc = 2;
         } else {
-            rc = replay_once(&o, &t, o.base_url, o.mode, !strcmp(o.mode, "chain"), arr) < 0 ? 2 : rc;
+            if (prune_flag && strcmp(o.mode, "full")) {
+                fprintf(stderr, "lethe bench replay: --prune needs --mode full (a radix server)\n");
+                rc = 2;
+            } else {
+                rc = replay_once(&o, &t, o.base_url, o.mode, !strcmp(o.mode, "chain"), prune_flag,
+                                 arr) < 0
+                         ? 2
+                         : rc;
+            }
         }
     } else {
         if (!o.model) {
@@ -668,15 +926,20 @@ int lethe_bench_replay(int argc, char **argv) {
         snprintf(base, sizeof(base), "http://127.0.0.1:%d", o.port);
         for (char *save = NULL, *c = rc ? NULL : strtok_r(list, ",", &save); c; c = strtok_r(NULL, ",", &save)) {
             char *dash = strrchr(c, '-');
-            if (!dash || (strcmp(dash + 1, "radix") && strcmp(dash + 1, "chain") && strcmp(dash + 1, "nocache"))) {
-                fprintf(stderr, "lethe bench replay: --configs entry '%s': expected METHOD-radix|chain|nocache\n", c);
+            if (!dash || (strcmp(dash + 1, "radix") && strcmp(dash + 1, "chain") &&
+                          strcmp(dash + 1, "nocache") && strcmp(dash + 1, "radix+prune"))) {
+                fprintf(stderr,
+                        "lethe bench replay: --configs entry '%s': expected "
+                        "METHOD-radix|radix+prune|chain|nocache\n",
+                        c);
                 rc = 2;
                 break;
             }
             *dash = 0;
-            const char *method = c, *cache = dash + 1;
+            const bool prune = !strcmp(dash + 1, "radix+prune");
+            const char *method = c, *cache = prune ? "radix" : dash + 1;
             char label[96];
-            snprintf(label, sizeof(label), "%s-%s", method, cache);
+            snprintf(label, sizeof(label), "%s-%s", method, dash + 1);
             pid_t pid = start_server(&o, method, cache);
             if (pid < 0 || !wait_healthy(base, pid, 600)) {
                 fprintf(stderr, "lethe bench replay: the server for %s did not become healthy\n", label);
@@ -684,7 +947,7 @@ int lethe_bench_replay(int argc, char **argv) {
                 rc = 2;
                 break;
             }
-            int r = replay_once(&o, &t, base, label, !strcmp(cache, "chain"), arr);
+            int r = replay_once(&o, &t, base, label, !strcmp(cache, "chain"), prune, arr);
             stop_server(pid);
             if (r < 0) { rc = 2; break; }
             if (r > 0) rc = 1;

@@ -36,7 +36,7 @@
  * row. Pruning and radix control (src/engine/engine_prune.c, engine_pcctl.c)
  * are operations of the radix tree alone and reach it through
  * lethe_radix_cache_tree. Room for what comes next (docs/architecture.md
- * section 5.5): a host tier demotes in `evict`/`drain` and restores in
+ * section 5.6): a host tier demotes in `evict`/`drain` and restores in
  * `acquire`; a chain branching from a radix prefix is a third implementation
  * whose match returns the shared blocks plus its private continuation. */
 #ifndef LETHE_PREFIX_CACHE_H

@@ -28,17 +28,18 @@ struct lethe_radix_block {
     int32_t req_ref;
     int32_t n_children;
     int32_t depth;              /* 0 for a first block */
-    int32_t priority;           /* eviction priority: lower goes first; < 0 = pinned, never evicted */
-    int32_t n_res;              /* resident tokens: 16, fewer once pruned */
-    uint32_t prune_id;          /* the prune job that shrank it (0: never pruned) */
+    int32_t priority;  /* eviction priority: lower goes first; < 0 = pinned, never evicted */
+    int32_t n_res;     /* resident tokens: 16, fewer once pruned */
+    uint32_t prune_id; /* the prune job that shrank it (0: never pruned) */
+    uint32_t pin;      /* bit o: token o is retention-pinned (pruning keeps it) */
     int32_t tokens[LETHE_RADIX_BLOCK];
     uint8_t offs[LETHE_RADIX_BLOCK]; /* offsets in the block of the resident tokens, ascending */
-    int32_t slots[];            /* [n_spaces][LETHE_RADIX_BLOCK], the first n_res of each used */
+    int32_t slots[]; /* [n_spaces][LETHE_RADIX_BLOCK], the first n_res of each used */
 };
 
 typedef struct heap_ent {
-    uint64_t key;               /* last_access when pushed */
-    int32_t prio;               /* priority when pushed: lower priorities go first */
+    uint64_t key; /* last_access when pushed */
+    int32_t prio; /* priority when pushed: lower priorities go first */
     int32_t id;
     uint32_t gen;
 } heap_ent;
@@ -225,7 +226,9 @@ int32_t lethe_radix_match(const lethe_radix *r, const int32_t *tokens, int32_t n
     return k;
 }
 
-int64_t lethe_radix_reclaimable(const lethe_radix *r) { return r->unref_slots - r->pinned_unref_slots; }
+int64_t lethe_radix_reclaimable(const lethe_radix *r) {
+    return r->unref_slots - r->pinned_unref_slots;
+}
 
 int32_t lethe_radix_count_unreferenced(lethe_radix_block *const *blocks, int32_t n) {
     int32_t c = 0;
@@ -305,9 +308,15 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
     uint64_t h = block_hash(parent ? parent->hash : r->fingerprint, tokens);
     lethe_radix_block *b = lookup(r, h, parent, tokens);
     uint64_t now = ++r->clock;
+    uint32_t pin = 0; /* the row's protected positions inside this block */
+    for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++)
+        if (lethe_kv_pos_protected(r->pool, row,
+                                   (parent ? parent->depth + 1 : 0) * LETHE_RADIX_BLOCK + i))
+            pin |= 1u << i;
     if (b) {
         ref_up(r, b);
         b->last_access = now;
+        b->pin |= pin; /* pins are hints about content: any request's count */
         return b;
     }
     b = lethe_xcalloc(1, sizeof(*b) + sizeof(int32_t) * (size_t)r->n_spaces * LETHE_RADIX_BLOCK);
@@ -317,6 +326,7 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
     b->req_ref = 1;
     b->last_access = now;
     b->n_res = LETHE_RADIX_BLOCK;
+    b->pin = pin;
     for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) b->offs[i] = (uint8_t)i;
     memcpy(b->tokens, tokens, sizeof(b->tokens));
     for (int32_t sp = 0; sp < r->n_spaces; sp++) {
@@ -389,7 +399,8 @@ static void holder_for_each(void *ctx, void (*visit)(void *, int32_t, int32_t), 
         const lethe_radix_block *b = r->blocks[id];
         if (!b) continue;
         for (int32_t sp = 0; sp < r->n_spaces; sp++)
-            for (int32_t i = 0; i < b->n_res; i++) visit(vctx, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
+            for (int32_t i = 0; i < b->n_res; i++)
+                visit(vctx, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
     }
 }
 
@@ -413,12 +424,15 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
         for (int32_t i = 1; offs_ok && i < b->n_res; i++) offs_ok = b->offs[i] > b->offs[i - 1];
         if (offs_ok && b->n_res > 0) offs_ok = b->offs[b->n_res - 1] < LETHE_RADIX_BLOCK;
         if (!offs_ok)
-            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: %d resident offsets not ascending in [0, 16)",
+            st = lethe_errorf(LETHE_ERR_INVALID,
+                              "radix check: block %d: %d resident offsets not ascending in [0, 16)",
                               id, b->n_res);
         else if (b->priority < 0 && b->parent && b->parent->priority >= 0)
-            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d is pinned, its parent is not", id);
+            st = lethe_errorf(LETHE_ERR_INVALID,
+                              "radix check: block %d is pinned, its parent is not", id);
         else if (b->n_res < LETHE_RADIX_BLOCK && b->prune_id == 0)
-            st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d holds %d tokens but was never pruned", id,
+            st = lethe_errorf(LETHE_ERR_INVALID,
+                              "radix check: block %d holds %d tokens but was never pruned", id,
                               b->n_res);
         else if (b->id != id || b->gen != r->gens[id] || b->req_ref < 0)
             st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d: bad id/generation/req_ref", id);
@@ -458,12 +472,16 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
                               b->n_children, children[id]);
     }
     if (st == LETHE_OK && pinned_slots != r->pinned_unref_slots)
-        st = lethe_errorf(LETHE_ERR_INVALID, "radix check: %lld pinned unreferenced slots, the counter says %lld",
-                          (long long)pinned_slots, (long long)r->pinned_unref_slots);
-    if (st == LETHE_OK && (n_live != r->n_blocks || n_unref != r->n_unref || unref_slots != r->unref_slots))
         st = lethe_errorf(LETHE_ERR_INVALID,
-                          "radix check: %d blocks / %d unreferenced / %lld unreferenced slots, counters say %d / %d / %lld",
-                          n_live, n_unref, (long long)unref_slots, r->n_blocks, r->n_unref, (long long)r->unref_slots);
+                          "radix check: %lld pinned unreferenced slots, the counter says %lld",
+                          (long long)pinned_slots, (long long)r->pinned_unref_slots);
+    if (st == LETHE_OK &&
+        (n_live != r->n_blocks || n_unref != r->n_unref || unref_slots != r->unref_slots))
+        st = lethe_errorf(LETHE_ERR_INVALID,
+                          "radix check: %d blocks / %d unreferenced / %lld unreferenced slots, "
+                          "counters say %d / %d / %lld",
+                          n_live, n_unref, (long long)unref_slots, r->n_blocks, r->n_unref,
+                          (long long)r->unref_slots);
     /* every evictable block must have a current heap entry, or it could never be evicted */
     if (st == LETHE_OK) {
         bool *has = lethe_xcalloc((size_t)LETHE_MAX(r->n_ids_used, 1), sizeof(bool));
@@ -492,7 +510,8 @@ void lethe_radix_block_get_info(const lethe_radix_block *b, lethe_radix_block_in
                                     .req_refs = b->req_ref,
                                     .n_children = b->n_children,
                                     .priority = b->priority,
-                                    .prune_id = b->prune_id};
+                                    .prune_id = b->prune_id,
+                                    .pin = b->pin};
     for (int32_t i = 0; i < b->n_res; i++) out->offsets[i] = b->offs[i];
 }
 
@@ -530,8 +549,10 @@ void lethe_radix_set_priority(lethe_radix *r, lethe_radix_block *b, int32_t prio
 }
 
 static int cmp_depth_desc(const void *a, const void *b) {
-    const lethe_radix_block *x = *(lethe_radix_block *const *)a, *y = *(lethe_radix_block *const *)b;
-    return x->depth != y->depth ? (x->depth < y->depth ? 1 : -1) : (x->id > y->id) - (x->id < y->id);
+    const lethe_radix_block *x = *(lethe_radix_block *const *)a,
+                            *y = *(lethe_radix_block *const *)b;
+    return x->depth != y->depth ? (x->depth < y->depth ? 1 : -1)
+                                : (x->id > y->id) - (x->id < y->id);
 }
 
 int32_t lethe_radix_delete_subtree(lethe_radix *r, lethe_radix_block *root) {
@@ -556,9 +577,10 @@ int32_t lethe_radix_delete_subtree(lethe_radix *r, lethe_radix_block *root) {
     return n;
 }
 
-int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b, const bool keep[LETHE_RADIX_BLOCK],
-                                uint32_t prune_id) {
+int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b,
+                                const bool keep[LETHE_RADIX_BLOCK], uint32_t prune_id) {
     LETHE_ASSERT(b->req_ref == 0 && prune_id != 0);
+    for (int32_t o = 0; o < LETHE_RADIX_BLOCK; o++) LETHE_ASSERT(!(b->pin >> o & 1) || keep[o]);
     int32_t n = 0, freed = 0;
     for (int32_t i = 0; i < b->n_res; i++) {
         const bool k = keep[b->offs[i]];
@@ -582,7 +604,8 @@ lethe_radix_block *lethe_radix_find(const lethe_radix *r, const int32_t *tokens,
     lethe_radix_block *parent = NULL;
     for (int32_t k = 0; k < n_blocks; k++) {
         const int32_t *t = tokens + (size_t)k * LETHE_RADIX_BLOCK;
-        lethe_radix_block *b = lookup(r, block_hash(parent ? parent->hash : r->fingerprint, t), parent, t);
+        lethe_radix_block *b = lookup(r, block_hash(parent ? parent->hash : r->fingerprint, t),
+                                      parent, t);
         if (!b) return NULL;
         if (chain) chain[k] = b;
         parent = b;

@@ -83,12 +83,13 @@ int32_t lethe_radix_resident_tokens(lethe_radix_block *const *blocks, int32_t n)
  * prefix still matches) but only `resident` of its 16 slots, at `offsets`
  * inside the block; acquire attaches just those at their logical positions. */
 typedef struct lethe_radix_block_info {
-    uint64_t hash, parent_hash;  /* parent_hash 0 for a first block */
-    int32_t depth;               /* tokens [16 depth, 16 depth + 16) of the prefix */
-    int32_t resident;            /* slots it holds per space (16 unless pruned) */
+    uint64_t hash, parent_hash; /* parent_hash 0 for a first block */
+    int32_t depth;              /* tokens [16 depth, 16 depth + 16) of the prefix */
+    int32_t resident;           /* slots it holds per space (16 unless pruned) */
     int32_t req_refs, n_children;
-    int32_t priority;            /* lower evicted first; < 0 pinned */
-    uint32_t prune_id;           /* 0: never pruned */
+    int32_t priority;  /* lower evicted first; < 0 pinned */
+    uint32_t prune_id; /* 0: never pruned */
+    uint32_t pin;      /* bit o: token o retention-pinned (a publishing row protected it) */
     uint8_t offsets[LETHE_RADIX_BLOCK]; /* [resident] */
 } lethe_radix_block_info;
 void lethe_radix_block_get_info(const lethe_radix_block *b, lethe_radix_block_info *out);
@@ -109,10 +110,10 @@ void lethe_radix_set_priority(lethe_radix *r, lethe_radix_block *b, int32_t prio
  * one of them. */
 int32_t lethe_radix_delete_subtree(lethe_radix *r, lethe_radix_block *b);
 /* Keeps the resident tokens whose offset o has keep[o] and frees the others'
- * slots in every space (the block must be unreferenced). Returns the slots
- * freed per space. */
-int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b, const bool keep[LETHE_RADIX_BLOCK],
-                                uint32_t prune_id);
+ * slots in every space (the block must be unreferenced; pinned tokens must be
+ * kept). Returns the slots freed per space. */
+int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b,
+                                const bool keep[LETHE_RADIX_BLOCK], uint32_t prune_id);
 /* Request references without a row (a prune job's scoring pass holds its
  * prefix with these); dropped with lethe_radix_release. */
 void lethe_radix_acquire_refs(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n);

@@ -14,7 +14,7 @@
 typedef struct radix_ref {
     lethe_radix_block **blocks;
     int32_t n, cap;
-    int32_t entries;            /* row entries blocks[0..n) occupy (fewer than 16 n when pruned) */
+    int32_t entries; /* row entries blocks[0..n) occupy (fewer than 16 n when pruned) */
 } radix_ref;
 
 typedef struct radix_cache {
@@ -75,7 +75,8 @@ static void rc_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
          * (possibly pruned) blocks before it */
         int32_t first = n * LETHE_RADIX_BLOCK;
         lethe_radix_block *parent = n ? ref->blocks[n - 1] : NULL;
-        ref->blocks[n] = lethe_radix_insert(rc->tree, parent, s->tokens + first, *s->row, ref->entries);
+        ref->blocks[n] = lethe_radix_insert(rc->tree, parent, s->tokens + first, *s->row,
+                                            ref->entries);
         ref->entries += LETHE_RADIX_BLOCK;
         ref->n = n + 1;
     }

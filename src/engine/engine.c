@@ -365,6 +365,26 @@ lethe_status eng_validate(const lethe_engine *e, const lethe_request_params *p) 
         if (p->forced[i] < 0 || p->forced[i] >= e->n_vocab)
             return lethe_errorf(LETHE_ERR_INVALID, "request: forced token %d at index %d is outside the vocabulary",
                                 p->forced[i], i);
+    if (p->n_pinned < 0 || p->n_pinned > 4096 || (p->n_pinned > 0 && !p->pinned) ||
+        p->n_prunable < 0 || p->n_prunable > 4096 || (p->n_prunable > 0 && !p->prunable))
+        return lethe_errorf(LETHE_ERR_INVALID,
+                            "request: retention ranges: %d pinned, %d prunable (at most 4096 each)",
+                            p->n_pinned, p->n_prunable);
+    for (int32_t i = 0; i < p->n_pinned + p->n_prunable; i++) {
+        const bool pin = i < p->n_pinned;
+        const int32_t a = pin ? p->pinned[i].start : p->prunable[i - p->n_pinned].start;
+        const int32_t b = pin ? p->pinned[i].end : p->prunable[i - p->n_pinned].end;
+        if (a < 0 || a >= b || b > p->n_prompt)
+            return lethe_errorf(
+                LETHE_ERR_INVALID,
+                "request: %s range [%d, %d) is empty or outside the %d-token prompt",
+                pin ? "pinned" : "prunable", a, b, p->n_prompt);
+        if (!pin && !(p->prunable[i - p->n_pinned].keep_ratio >= 0 &&
+                      p->prunable[i - p->n_pinned].keep_ratio <= 1))
+            return lethe_errorf(LETHE_ERR_INVALID,
+                                "request: prunable range [%d, %d): keep_ratio outside [0, 1]", a,
+                                b);
+    }
     return LETHE_OK;
 }
 
@@ -389,6 +409,19 @@ eng_req *eng_req_new(lethe_engine *e, const lethe_request_params *p) {
         q->n_forced = p->n_forced;
     }
     q->want_logits = p->want_logits;
+    if (p->n_pinned > 0) {
+        q->r.pinned = lethe_xmalloc((size_t)p->n_pinned * 2 * sizeof(int32_t));
+        for (int32_t i = 0; i < p->n_pinned; i++) {
+            q->r.pinned[2 * i] = p->pinned[i].start;
+            q->r.pinned[2 * i + 1] = p->pinned[i].end;
+        }
+        q->r.n_pinned = p->n_pinned;
+    }
+    if (p->n_prunable > 0) {
+        q->prunable = lethe_xmalloc((size_t)p->n_prunable * sizeof(*q->prunable));
+        memcpy(q->prunable, p->prunable, (size_t)p->n_prunable * sizeof(*q->prunable));
+        q->n_prunable = p->n_prunable;
+    }
     if (p->grammar) {
         lethe_status gs = lethe_gmatcher_create(p->grammar, &q->gm);
         LETHE_ASSERT(gs == LETHE_OK && "a grammar matcher (allocation)");
@@ -411,6 +444,8 @@ void eng_req_free(eng_req *q) {
     free(q->r.tokens);
     for (int i = 0; i < LETHE_MAX_STOP; i++) free(q->stop_copy[i]);
     free(q->forced);
+    free(q->r.pinned);
+    free(q->prunable);
     lethe_gmatcher_free(q->gm);
     lethe_stopstr_free(&q->stop);
     free(q);
@@ -470,6 +505,7 @@ void eng_fail_internal(lethe_engine *e, eng_req *q, const char *error) {
 /* Out of the scheduler (KV freed) and the id table; the caller frees q. */
 void eng_retire(lethe_engine *e, eng_req *q, bool ok) {
     if (q->r.state != LETHE_REQ_FINISHED) lethe_sched_remove(e->sched, &q->r, ok);
+    if (ok && q->n_prunable > 0) eng_prune_hints(e, q); /* its blocks are unreferenced now */
     table_remove(e, q);
     e->stats.cur.n_requests_finished++;
 }
@@ -530,14 +566,15 @@ typedef struct eng_call {
     void *arg;
 } eng_call;
 
-void eng_post_call(lethe_engine *e, eng_call_fn fn, void *arg) {
-    if (!e->thr.running) {
-        fn(e, arg);
-        return;
-    }
+void eng_post_call_later(lethe_engine *e, eng_call_fn fn, void *arg) {
     eng_call *c = lethe_xmalloc(sizeof(*c));
     *c = (eng_call){fn, arg};
     lethe_queue_call(&e->thr.inbox, c);
+}
+
+void eng_post_call(lethe_engine *e, eng_call_fn fn, void *arg) {
+    if (!e->thr.running) fn(e, arg);
+    else eng_post_call_later(e, fn, arg);
 }
 
 typedef struct call_wait {
@@ -649,12 +686,19 @@ lethe_status eng_check(lethe_engine *e) {
         if (!lethe_kv_row_in_use(e->pool, r->row))
             return lethe_errorf(LETHE_ERR_INVALID, "engine check: running request %llu has no KV row",
                                 (unsigned long long)r->id);
+        const int32_t lost = lethe_kv_row_missing_protected(e->pool, r->row, r->protect_from,
+                                                            r->n_computed);
+        if (lost >= 0)
+            return lethe_errorf(LETHE_ERR_INVALID,
+                                "engine check: request %llu: pinned position %d is not in its row",
+                                (unsigned long long)r->id, lost);
         if (!lethe_kv_per_layer(e->pool) &&
             lethe_kv_row_len(e->pool, 0, r->row) != r->n_computed - r->n_absent)
-            return lethe_errorf(LETHE_ERR_INVALID,
-                                "engine check: request %llu: row holds %d tokens, %d computed, %d pruned away",
-                                (unsigned long long)r->id, lethe_kv_row_len(e->pool, 0, r->row), r->n_computed,
-                                r->n_absent);
+            return lethe_errorf(
+                LETHE_ERR_INVALID,
+                "engine check: request %llu: row holds %d tokens, %d computed, %d pruned away",
+                (unsigned long long)r->id, lethe_kv_row_len(e->pool, 0, r->row), r->n_computed,
+                r->n_absent);
     }
     int32_t rows = 0;
     for (int32_t row = 0; row < lethe_kv_max_rows(e->pool); row++) rows += lethe_kv_row_in_use(e->pool, row);

@@ -53,6 +53,9 @@ typedef struct eng_req {
     bool has_ttft;
     struct eng_req *hnext;            /* id table chain */
     struct lethe_gmatcher *gm;        /* structured output: the request's grammar state, or NULL */
+    lethe_retention_range
+        *prunable; /* retention hints: pruned after the request (engine_prune.c) */
+    int32_t n_prunable;
 } eng_req;
 
 /* Live requests by id (engine.c): chained hash table, power-of-two buckets. */
@@ -220,6 +223,10 @@ typedef void (*eng_call_fn)(lethe_engine *e, void *arg);
 void eng_post_call(lethe_engine *e, eng_call_fn fn, void *arg);
 void eng_call_wait(lethe_engine *e, eng_call_fn fn, void *arg);
 void eng_run_calls(lethe_engine *e);
+/* queued even in synchronous mode: runs at the start of the next step */
+void eng_post_call_later(lethe_engine *e, eng_call_fn fn, void *arg);
+/* engine_prune.c: the finished request's prunable retention hints as a prune job */
+void eng_prune_hints(lethe_engine *e, const eng_req *q);
 
 /* engine_grammar.c */
 void eng_grammar_destroy(lethe_engine *e);

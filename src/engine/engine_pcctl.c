@@ -17,7 +17,7 @@ typedef struct ctl_call {
     lethe_prefix_match *match;
     lethe_prefix_block *out;
     int32_t cap;
-    int32_t result;                  /* count, or -1 */
+    int32_t result; /* count, or -1 */
     lethe_status st;
     char msg[256];
 } ctl_call;
@@ -66,8 +66,10 @@ static void do_match(lethe_engine *e, void *arg) {
     free(chain);
 }
 
-int lethe_engine_prefix_match(lethe_engine *e, const int32_t *tokens, int32_t n, lethe_prefix_match *out) {
-    if (n < 0 || (n > 0 && !tokens)) return lethe_errorf(LETHE_ERR_INVALID, "prefix match: no tokens");
+int lethe_engine_prefix_match(lethe_engine *e, const int32_t *tokens, int32_t n,
+                              lethe_prefix_match *out) {
+    if (n < 0 || (n > 0 && !tokens))
+        return lethe_errorf(LETHE_ERR_INVALID, "prefix match: no tokens");
     ctl_call c = {.tokens = tokens, .n = n, .match = out};
     eng_call_wait(e, do_match, &c);
     return ctl_finish(&c);
@@ -101,7 +103,8 @@ static void do_inspect(lethe_engine *e, void *arg) {
     }
     if (c->tokens) { /* the path's cached blocks */
         const int32_t max_blocks = c->n / LETHE_PREFIX_BLOCK;
-        lethe_radix_block **chain = lethe_xmalloc((size_t)LETHE_MAX(max_blocks, 1) * sizeof(*chain));
+        lethe_radix_block **chain = lethe_xmalloc((size_t)LETHE_MAX(max_blocks, 1) *
+                                                  sizeof(*chain));
         int32_t nb = 0;
         while (nb < max_blocks && lethe_radix_find(tree, c->tokens, nb + 1, chain)) nb++;
         for (int32_t i = 0; i < nb && i < c->cap; i++) block_out(chain[i], &c->out[i]);
@@ -118,15 +121,16 @@ static void do_inspect(lethe_engine *e, void *arg) {
     free(k.all);
 }
 
-int32_t lethe_engine_prefix_inspect(lethe_engine *e, const int32_t *tokens, int32_t n, lethe_prefix_block *out,
-                                    int32_t cap) {
+int32_t lethe_engine_prefix_inspect(lethe_engine *e, const int32_t *tokens, int32_t n,
+                                    lethe_prefix_block *out, int32_t cap) {
     ctl_call c = {.tokens = tokens, .n = n, .out = out, .cap = out ? cap : 0};
     eng_call_wait(e, do_inspect, &c);
     return c.result;
 }
 
 /* the path's full blocks, all cached: chain[] and their count, or a failure */
-static int32_t path_blocks(lethe_engine *e, ctl_call *c, lethe_radix **tree, lethe_radix_block ***chain) {
+static int32_t path_blocks(lethe_engine *e, ctl_call *c, lethe_radix **tree,
+                           lethe_radix_block ***chain) {
     *tree = lethe_radix_cache_tree(e->pcache);
     if (!*tree) {
         ctl_fail(c, LETHE_ERR_UNSUPPORTED, "prefix-cache control needs the radix prefix cache");
@@ -155,12 +159,14 @@ static void do_delete(lethe_engine *e, void *arg) {
     const int32_t nb = path_blocks(e, c, &tree, &chain);
     if (nb < 0) return;
     c->result = lethe_radix_delete_subtree(tree, chain[nb - 1]);
-    if (c->result < 0) ctl_fail(c, LETHE_ERR_BUSY, "a running request holds a block of the subtree");
+    if (c->result < 0)
+        ctl_fail(c, LETHE_ERR_BUSY, "a running request holds a block of the subtree");
     free(chain);
     eng_publish_stats(e);
 }
 
-int lethe_engine_prefix_delete_subtree(lethe_engine *e, const int32_t *tokens, int32_t n, int32_t *n_deleted) {
+int lethe_engine_prefix_delete_subtree(lethe_engine *e, const int32_t *tokens, int32_t n,
+                                       int32_t *n_deleted) {
     if (n <= 0 || !tokens) return lethe_errorf(LETHE_ERR_INVALID, "delete_subtree: no tokens");
     ctl_call c = {.tokens = tokens, .n = n};
     eng_call_wait(e, do_delete, &c);
@@ -179,9 +185,10 @@ static void do_priority(lethe_engine *e, void *arg) {
     free(chain);
 }
 
-int lethe_engine_prefix_set_priority(lethe_engine *e, const int32_t *tokens, int32_t n, int32_t priority,
-                                     int32_t *n_blocks) {
-    if (n <= 0 || !tokens) return lethe_errorf(LETHE_ERR_INVALID, "set_eviction_priority: no tokens");
+int lethe_engine_prefix_set_priority(lethe_engine *e, const int32_t *tokens, int32_t n,
+                                     int32_t priority, int32_t *n_blocks) {
+    if (n <= 0 || !tokens)
+        return lethe_errorf(LETHE_ERR_INVALID, "set_eviction_priority: no tokens");
     ctl_call c = {.tokens = tokens, .n = n, .priority = priority};
     eng_call_wait(e, do_priority, &c);
     if (n_blocks) *n_blocks = c.st == LETHE_OK ? c.result : 0;

@@ -99,7 +99,8 @@ void lethe_queue_drain(lethe_queue *q, void ***items, int32_t *n_items, uint64_t
 
 bool lethe_queue_wait(lethe_queue *q) {
     pthread_mutex_lock(&q->mu);
-    while (!q->stop && q->len == 0 && q->n_cancels == 0 && q->n_calls == 0) pthread_cond_wait(&q->cv, &q->mu);
+    while (!q->stop && q->len == 0 && q->n_cancels == 0 && q->n_calls == 0)
+        pthread_cond_wait(&q->cv, &q->mu);
     bool go = !q->stop;
     pthread_mutex_unlock(&q->mu);
     return go;

@@ -23,7 +23,7 @@ typedef struct lethe_queue {
     int32_t cap, head, len;
     uint64_t *cancels;     /* pending cancel ids */
     int32_t n_cancels, cap_cancels;
-    void **calls;          /* pending engine-thread calls (never refused) */
+    void **calls; /* pending engine-thread calls (never refused) */
     int32_t n_calls, cap_calls;
     bool stop;             /* wakes a waiting engine thread for shutdown */
 } lethe_queue;

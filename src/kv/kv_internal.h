@@ -40,6 +40,12 @@ struct lethe_kv_pool {
     int32_t *free_rows;  /* stack of unused row ids */
     int32_t n_free_rows;
     int64_t n_dropped;   /* row entries lethe_kv_keep dropped, over every space */
+    struct kv_prot **prot; /* [n_prot] per row: protected positions (kv_protect.c), NULL = none */
+    int32_t n_prot;
 };
+
+/* kv_protect.c: a released row drops its protection; destroy frees the table */
+void lethe_kv_row_unprotect(lethe_kv_pool *pool, int32_t row);
+void lethe_kv_protect_free(lethe_kv_pool *pool);
 
 #endif /* LETHE_KV_INTERNAL_H */

@@ -219,6 +219,7 @@ static void rowtab_free(kv_rowtab *t) {
 
 void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
     if (!pool) return;
+    lethe_kv_protect_free(pool);
     if (pool->p.be) {
         for (int32_t l = 0; l < pool->p.n_layers; l++) {
             for (int32_t i = 0; pool->plane && i < LETHE_KV_MAX_PLANES; i++) {
@@ -372,6 +373,7 @@ void lethe_kv_row_release(lethe_kv_pool *pool, int32_t row) {
         t->len = 0;
         t->meta_valid = 0;
     }
+    lethe_kv_row_unprotect(pool, row);
     pool->row_used[row] = false;
     pool->free_rows[pool->n_free_rows++] = row;
 }
@@ -464,17 +466,27 @@ void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_
     LETHE_ASSERT(n >= 0 && n <= t->len);
     /* keep[] ascending, so entry keep[i] >= i: compacting in place is safe. */
     int32_t next = 0, first_change = -1;
+    const int32_t *prot = NULL;
+    const bool guarded = lethe_kv_row_protected(pool, row, &prot) > 0;
     for (int32_t i = 0; i < n; i++) {
         int32_t k = keep[i];
         LETHE_ASSERT(k >= next && k < t->len);
-        for (int32_t d = next; d < k; d++) slot_unref(pool, sp, t->slot[d]);
+        for (int32_t d = next; d < k; d++) {
+            /* the one rule of the protected mask: nothing drops a pinned entry
+             * (methods build their keep sets with lethe_sparse_keep_set) */
+            LETHE_ASSERT(!guarded || !lethe_kv_pos_protected(pool, row, t->pos[d]));
+            slot_unref(pool, sp, t->slot[d]);
+        }
         if (k != i && first_change < 0) first_change = i;
         t->slot[i] = t->slot[k];
         t->pos[i] = t->pos[k];
         if (t->hmask) t->hmask[i] = t->hmask[k];
         next = k + 1;
     }
-    for (int32_t d = next; d < t->len; d++) slot_unref(pool, sp, t->slot[d]);
+    for (int32_t d = next; d < t->len; d++) {
+        LETHE_ASSERT(!guarded || !lethe_kv_pos_protected(pool, row, t->pos[d]));
+        slot_unref(pool, sp, t->slot[d]);
+    }
     if (n < t->len && first_change < 0) first_change = n;
     pool->n_dropped += t->len - n;
     t->len = n;
@@ -505,6 +517,8 @@ void lethe_kv_keep_heads(lethe_kv_pool *pool, int32_t layer, int32_t row, const 
     int32_t *keep = lethe_xmalloc(((size_t)t->len + 1) * sizeof(int32_t)), n = 0;
     for (int32_t i = 0; i < t->len; i++) {
         LETHE_ASSERT((mask[i] & ~t->hmask[i]) == 0); /* heads only ever drop an entry */
+        /* a retention-pinned entry keeps every head (kv_protect.c) */
+        LETHE_ASSERT(mask[i] == t->hmask[i] || !lethe_kv_pos_protected(pool, row, t->pos[i]));
         t->hmask[i] = mask[i];
         if (mask[i]) keep[n++] = i;
     }

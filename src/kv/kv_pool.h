@@ -187,6 +187,21 @@ void lethe_kv_ref(lethe_kv_pool *pool, int32_t sp, int32_t slot);
 void lethe_kv_unref(lethe_kv_pool *pool, int32_t sp, int32_t slot);
 int32_t lethe_kv_refcount(const lethe_kv_pool *pool, int32_t sp, int32_t slot);
 
+/* ---- protected positions (retention pins; kv_protect.c) ----
+ * Per row, logical positions no method, pruning or compaction may drop:
+ * ranges[2 i], ranges[2 i + 1] = [start, end). They belong to the row (all
+ * slot spaces), accumulate over protect calls and go with the row. */
+void lethe_kv_row_protect(lethe_kv_pool *pool, int32_t row, const int32_t *ranges, int32_t n);
+/* the row's merged ranges (sorted, disjoint); returns how many */
+int32_t lethe_kv_row_protected(const lethe_kv_pool *pool, int32_t row, const int32_t **ranges);
+bool lethe_kv_pos_protected(const lethe_kv_pool *pool, int32_t row, int32_t pos);
+/* mask[i] = 1 when entry i of the row in slot space sp is protected ([row len]);
+ * returns how many are */
+int32_t lethe_kv_row_pin_mask(const lethe_kv_pool *pool, int32_t sp, int32_t row, uint8_t *mask);
+/* the first protected position in [from, limit) missing from the row in some space, or -1 */
+int32_t lethe_kv_row_missing_protected(const lethe_kv_pool *pool, int32_t row, int32_t from,
+                                       int32_t limit);
+
 /* ---- optional per-page metadata ---- */
 int32_t lethe_kv_page_meta_floats(const lethe_kv_pool *pool);
 /* metadata of page `page` of the row in slot space sp: [page_meta_floats] */

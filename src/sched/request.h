@@ -37,6 +37,10 @@ typedef struct lethe_req {
     int32_t n_computed;     /* tokens whose KV is in the row */
     int32_t n_absent;       /* of those, supplied by the prefix cache without a row entry
                              * (pruned blocks): row length = n_computed - n_absent */
+    int32_t *pinned;        /* [2 n_pinned] retention-pinned position ranges (start, end),
+                             * protected in the row at admission (lethe_kv_row_protect) */
+    int32_t n_pinned;
+    int32_t protect_from; /* pins below this came with a shared prefix (not checked) */
 
     /* KV */
     int32_t row;            /* KV row id, -1 when none */

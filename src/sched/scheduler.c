@@ -362,6 +362,10 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         v = pc_seq(r);
         lethe_pcache_acquire(s->pc, &v, &m);
         r->n_absent = hit - m.resident;
+        /* retention pins: the row's protected mask (a resumed chain row keeps its earlier ones);
+         * shared radix blocks below the hit are not this request's to keep */
+        if (r->n_pinned > 0) lethe_kv_row_protect(s->pool, r->row, r->pinned, r->n_pinned);
+        r->protect_from = m.resume ? 0 : hit;
         r->is_recompute = r->admitted_once;
         if (!r->admitted_once) r->cached_tokens = hit;
         r->admitted_once = true;

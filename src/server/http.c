@@ -302,6 +302,10 @@ static void handle_generate(srv_state *s, const srv_request *rq, const char *ten
     p.sampling = g->sp;
     p.forced = g->forced;
     p.n_forced = g->n_forced;
+    p.pinned = g->pinned;
+    p.n_pinned = g->n_pinned;
+    p.prunable = g->prunable;
+    p.n_prunable = g->n_prunable;
     p.grammar = g->agent ? g->agent->grammar : NULL; /* the engine takes its own reference */
     p.cb = srv_req_on_event;
     p.user = r;
@@ -467,7 +471,8 @@ static void handle(void *user, const srv_request *rq, srv_response *resp) {
         if (phase != PHASE_READY) return fail(resp, 503, NULL, "the model is not loaded");
         srv_error err = {0};
         int status = 200;
-        char *out = srv_prefix_cache_route(s->prune_jobs, &s->api, post, path, rq->body, rq->body_len, &status, &err);
+        char *out = srv_prefix_cache_route(s->prune_jobs, &s->api, post, path, rq->body,
+                                           rq->body_len, &status, &err);
         if (out) return set_body(resp, status, out, "application/json");
         return set_error(resp, &err);
     }

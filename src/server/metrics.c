@@ -153,6 +153,15 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
         counter(&b, "engine_failed_steps_total",
                 "Engine steps whose model forward failed; their requests ended with HTTP 500.",
                 model, (double)st->n_failed_steps);
+        gauge(
+            &b, "kv_resident_slots",
+            "KV slots holding KV (running requests and the prefix cache), summed over slot spaces.",
+            model, (double)st->kv_slots_resident);
+        counter(&b, "prefix_cache_prune_jobs_total", "Prefix-cache prune jobs committed.", model,
+                (double)st->prune_jobs);
+        counter(&b, "prefix_cache_pruned_slots_total",
+                "KV slots per slot space freed by prefix-cache pruning.", model,
+                (double)st->prune_freed_slots);
     }
     pthread_mutex_lock(&m->mu);
     static const char *const reasons[] = {"none", "stop", "length", "abort", "error"};

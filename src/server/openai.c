@@ -233,6 +233,9 @@ static int parse_messages(const srv_api *api, const cJSON *root, srv_gen *g, srv
     const char *memo_id = cJSON_IsString(cid) ? cid->valuestring : g->hdr.chain_id;
     if (!rc) rc = srv_render_chat(api, msgs, g->agent, memo_id, add_gen, &rendered, err);
     if (!rc) rc = tokenize(api, rendered, false, "messages", g, err);
+    if (!rc)
+        rc = srv_retention_parse(api, msgs, g->agent, cJSON_IsString(cid) ? cid->valuestring : NULL,
+                                 g, err);
     free(rendered);
     for (size_t k = 0; k < n; k++) srv_buf_free(&texts[k]);
     free(texts);
@@ -442,6 +445,11 @@ int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_
     if (kind == SRV_CHAT ? parse_messages(api, root, g, err) : parse_prompt(api, root, g, err))
         goto out;
     if (srv_chain_parse(api, root, kind, g, err)) goto out; /* chain_id, chain_append_start */
+    if (g->chain_append && (g->n_pinned || g->n_prunable)) {
+        srv_errorf(err, 400, "chain_append_start",
+                   "retention hints need the whole conversation (not chain_append_start)");
+        goto out;
+    }
     int32_t mml = api->max_model_len;
     if (g->n_prompt >= mml) {
         srv_errorf(err, 400, kind == SRV_CHAT ? "messages" : "prompt",
@@ -474,6 +482,11 @@ void srv_gen_free(srv_gen *g) {
     g->chain_id = NULL;
     free(g->forced);
     g->forced = NULL;
+    free(g->pinned);
+    g->pinned = NULL;
+    free(g->prunable);
+    g->prunable = NULL;
+    g->n_pinned = g->n_prunable = 0;
     for (int i = 0; i < LETHE_MAX_STOP; i++) {
         free(g->stops[i]);
         g->stops[i] = NULL;

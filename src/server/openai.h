@@ -78,12 +78,21 @@ typedef struct srv_gen {
     lethe_chain_result chain_res;
     const char *tenant;         /* owner of the chains this request creates or resumes (not owned) */
     srv_agent *agent;           /* chat: tools, reasoning, response_format (agent.c), or NULL */
+    /* chat retention hints (retention.c): message token spans, malloc'd */
+    lethe_token_range *pinned;
+    int32_t n_pinned;
+    lethe_retention_range *prunable;
+    int32_t n_prunable;
 } srv_gen;
 
 /* hdr: the request's chain headers, or NULL */
 int srv_parse_request(const srv_api *api, srv_kind kind, const char *body, size_t len,
                       const srv_chain_headers *hdr, srv_gen *g, srv_error *err);
 void srv_gen_free(srv_gen *g);
+/* retention.c: messages' "retention" hints as token ranges of g->prompt
+ * (the whole conversation's tokens); 0, or -1 with *err */
+int srv_retention_parse(const srv_api *api, const cJSON *msgs, const srv_agent *a,
+                        const char *chain_id, srv_gen *g, srv_error *err);
 
 char *srv_models_json(const srv_api *api);
 /* POST /tokenize and /detokenize (vLLM extensions); NULL + *err on bad input. */

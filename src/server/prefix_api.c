@@ -24,13 +24,13 @@
 
 typedef struct prune_rec {
     uint32_t id;
-    lethe_prune_result res;     /* status QUEUED until the callback */
+    lethe_prune_result res; /* status QUEUED until the callback */
 } prune_rec;
 
 struct srv_prune_jobs {
     pthread_mutex_t mu;
-    prune_rec *recs;            /* ring of SRV_PRUNE_KEEP */
-    int64_t n;                  /* jobs ever recorded */
+    prune_rec *recs; /* ring of SRV_PRUNE_KEEP */
+    int64_t n;       /* jobs ever recorded */
 };
 
 srv_prune_jobs *srv_prune_jobs_new(void) {
@@ -92,11 +92,12 @@ static const char *policy_name(lethe_prune_policy p) {
 
 /* ---- the selector ---- */
 
-static int int_field(const cJSON *root, const char *name, int32_t lo, int32_t hi, int32_t *out, srv_error *err) {
+static int int_field(const cJSON *root, const char *name, int32_t lo, int32_t hi, int32_t *out,
+                     srv_error *err) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
     if (!v || cJSON_IsNull(v)) return 0;
-    if (!cJSON_IsNumber(v) || v->valuedouble != (double)(int64_t)v->valuedouble || v->valuedouble < lo ||
-        v->valuedouble > hi)
+    if (!cJSON_IsNumber(v) || v->valuedouble != (double)(int64_t)v->valuedouble ||
+        v->valuedouble < lo || v->valuedouble > hi)
         return srv_errorf(err, 400, name, "'%s' must be an integer in [%d, %d]", name, lo, hi);
     *out = (int32_t)v->valuedouble;
     return 1;
@@ -104,7 +105,8 @@ static int int_field(const cJSON *root, const char *name, int32_t lo, int32_t hi
 
 /* Fills *tokens from exactly one of token_ids / text / chat; returns 1, 0
  * (none given), or -1 with *err. */
-static int parse_selector(const srv_api *api, const cJSON *root, int32_t **tokens, int32_t *n, srv_error *err) {
+static int parse_selector(const srv_api *api, const cJSON *root, int32_t **tokens, int32_t *n,
+                          srv_error *err) {
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(root, "token_ids");
     const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text");
     const cJSON *chat = cJSON_GetObjectItemCaseSensitive(root, "chat");
@@ -112,19 +114,22 @@ static int parse_selector(const srv_api *api, const cJSON *root, int32_t **token
     *tokens = NULL;
     *n = 0;
     if (given == 0) return 0;
-    if (given > 1) return srv_errorf(err, 400, NULL, "give exactly one of 'token_ids', 'text' and 'chat'");
+    if (given > 1)
+        return srv_errorf(err, 400, NULL, "give exactly one of 'token_ids', 'text' and 'chat'");
     if (ids) {
         if (!cJSON_IsArray(ids) || cJSON_GetArraySize(ids) == 0)
-            return srv_errorf(err, 400, "token_ids", "'token_ids' must be a non-empty array of token ids");
+            return srv_errorf(err, 400, "token_ids",
+                              "'token_ids' must be a non-empty array of token ids");
         const int32_t cnt = cJSON_GetArraySize(ids);
         int32_t *t = lethe_xmalloc((size_t)cnt * sizeof(int32_t));
         int32_t k = 0;
         const int32_t vocab = lethe_engine_vocab_size(api->engine);
         for (const cJSON *x = ids->child; x; x = x->next, k++) {
-            if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int64_t)x->valuedouble || x->valuedouble < 0 ||
-                x->valuedouble >= vocab) {
+            if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int64_t)x->valuedouble ||
+                x->valuedouble < 0 || x->valuedouble >= vocab) {
                 free(t);
-                return srv_errorf(err, 400, "token_ids", "token_ids[%d] is not a token id in [0, %d)", k, vocab);
+                return srv_errorf(err, 400, "token_ids",
+                                  "token_ids[%d] is not a token id in [0, %d)", k, vocab);
             }
             t[k] = (int32_t)x->valuedouble;
         }
@@ -134,12 +139,14 @@ static int parse_selector(const srv_api *api, const cJSON *root, int32_t **token
     }
     if (text) {
         if (!cJSON_IsString(text)) return srv_errorf(err, 400, "text", "'text' must be a string");
-        if (lethe_engine_tokenize(api->engine, text->valuestring, lethe_engine_adds_bos(api->engine), true, tokens,
-                                  n) != 0)
-            return srv_errorf(err, 400, "text", "cannot tokenize 'text': %s", lethe_engine_last_error());
+        if (lethe_engine_tokenize(api->engine, text->valuestring,
+                                  lethe_engine_adds_bos(api->engine), true, tokens, n) != 0)
+            return srv_errorf(err, 400, "text", "cannot tokenize 'text': %s",
+                              lethe_engine_last_error());
         return 1;
     }
-    if (!cJSON_IsObject(chat)) return srv_errorf(err, 400, "chat", "'chat' must be a chat completion request");
+    if (!cJSON_IsObject(chat))
+        return srv_errorf(err, 400, "chat", "'chat' must be a chat completion request");
     char *body = cJSON_PrintUnformatted(chat);
     srv_gen g;
     memset(&g, 0, sizeof(g));
@@ -164,22 +171,27 @@ static int parse_ranges(const cJSON *root, lethe_prune_range *r, int32_t *n, srv
     const int has_e = int_field(root, "range_end", INT32_MIN, INT32_MAX, &e, err);
     if (has_e < 0) return -1;
     if (ranges && (has_s || has_e))
-        return srv_errorf(err, 400, "ranges", "give 'ranges' or 'range_start' / 'range_end', not both");
+        return srv_errorf(err, 400, "ranges",
+                          "give 'ranges' or 'range_start' / 'range_end', not both");
     if (!ranges) {
         if (!has_s || !has_e)
-            return srv_errorf(err, 400, "ranges", "give 'ranges': [[start, end], ...] or 'range_start' and 'range_end'");
+            return srv_errorf(
+                err, 400, "ranges",
+                "give 'ranges': [[start, end], ...] or 'range_start' and 'range_end'");
         r[0] = (lethe_prune_range){s, e};
         *n = 1;
         return 0;
     }
     if (!cJSON_IsArray(ranges) || cJSON_GetArraySize(ranges) == 0 ||
         cJSON_GetArraySize(ranges) > LETHE_PRUNE_MAX_RANGES)
-        return srv_errorf(err, 400, "ranges", "'ranges' must be 1 to %d [start, end] pairs", LETHE_PRUNE_MAX_RANGES);
+        return srv_errorf(err, 400, "ranges", "'ranges' must be 1 to %d [start, end] pairs",
+                          LETHE_PRUNE_MAX_RANGES);
     int32_t k = 0;
     for (const cJSON *x = ranges->child; x; x = x->next, k++) {
         const cJSON *a = cJSON_GetArrayItem(x, 0), *b = cJSON_GetArrayItem(x, 1);
-        if (!cJSON_IsArray(x) || cJSON_GetArraySize(x) != 2 || !cJSON_IsNumber(a) || !cJSON_IsNumber(b) ||
-            a->valuedouble != (double)(int32_t)a->valuedouble || b->valuedouble != (double)(int32_t)b->valuedouble)
+        if (!cJSON_IsArray(x) || cJSON_GetArraySize(x) != 2 || !cJSON_IsNumber(a) ||
+            !cJSON_IsNumber(b) || a->valuedouble != (double)(int32_t)a->valuedouble ||
+            b->valuedouble != (double)(int32_t)b->valuedouble)
             return srv_errorf(err, 400, "ranges", "ranges[%d] must be [start, end] (integers)", k);
         r[k] = (lethe_prune_range){(int32_t)a->valuedouble, (int32_t)b->valuedouble};
     }
@@ -187,21 +199,24 @@ static int parse_ranges(const cJSON *root, lethe_prune_range *r, int32_t *n, srv
     return 0;
 }
 
-static char *prune_post(srv_prune_jobs *jobs, const srv_api *api, const cJSON *root, srv_error *err) {
+static char *prune_post(srv_prune_jobs *jobs, const srv_api *api, const cJSON *root,
+                        srv_error *err) {
     lethe_prune_params p = {.policy = LETHE_PRUNE_SNAPKV_GLOBAL};
     lethe_prune_range ranges[LETHE_PRUNE_MAX_RANGES];
     const cJSON *pol = cJSON_GetObjectItemCaseSensitive(root, "policy");
     if (pol) {
-        if (!cJSON_IsString(pol) ||
-            (strcmp(pol->valuestring, "snapkv_global") && strcmp(pol->valuestring, "kvzip_global"))) {
-            srv_errorf(err, 400, "policy", "'policy' must be \"snapkv_global\" or \"kvzip_global\"");
+        if (!cJSON_IsString(pol) || (strcmp(pol->valuestring, "snapkv_global") &&
+                                     strcmp(pol->valuestring, "kvzip_global"))) {
+            srv_errorf(err, 400, "policy",
+                       "'policy' must be \"snapkv_global\" or \"kvzip_global\"");
             return NULL;
         }
         if (!strcmp(pol->valuestring, "kvzip_global")) p.policy = LETHE_PRUNE_KVZIP_GLOBAL;
     }
     const cJSON *rec = cJSON_GetObjectItemCaseSensitive(root, "allow_recompress");
     if (rec && !cJSON_IsFalse(rec)) {
-        srv_errorf(err, 400, "allow_recompress", "'allow_recompress' is reserved: pruned ranges are not recompressed");
+        srv_errorf(err, 400, "allow_recompress",
+                   "'allow_recompress' is reserved: pruned ranges are not recompressed");
         return NULL;
     }
     const cJSON *keep = cJSON_GetObjectItemCaseSensitive(root, "keep_tokens");
@@ -210,12 +225,14 @@ static char *prune_post(srv_prune_jobs *jobs, const srv_api *api, const cJSON *r
         return NULL;
     }
     if (int_field(root, "keep_tokens", INT32_MIN, INT32_MAX, &p.keep_tokens, err) < 0) return NULL;
-    if (int_field(root, "observation_tokens", 0, 1 << 20, &p.observation_tokens, err) < 0) return NULL;
+    if (int_field(root, "observation_tokens", 0, 1 << 20, &p.observation_tokens, err) < 0)
+        return NULL;
     if (parse_ranges(root, ranges, &p.n_ranges, err) < 0) return NULL;
     p.ranges = ranges;
     int32_t *tokens = NULL;
     int sel = parse_selector(api, root, &tokens, &p.n_tokens, err);
-    if (sel == 0) srv_errorf(err, 400, NULL, "give the path: one of 'token_ids', 'text' and 'chat'");
+    if (sel == 0)
+        srv_errorf(err, 400, NULL, "give the path: one of 'token_ids', 'text' and 'chat'");
     if (sel <= 0) return NULL;
     p.tokens = tokens;
     if (lethe_prune_validate(&p, NULL, NULL) != LETHE_OK) {
@@ -314,7 +331,8 @@ static char *match_post(const srv_api *api, const int32_t *t, int32_t n, srv_err
     cJSON_AddNumberToObject(o, "matched_tokens", m.matched_tokens);
     cJSON_AddNumberToObject(o, "matched_blocks", m.matched_blocks);
     cJSON_AddNumberToObject(o, "resident_kv_tokens", m.resident_kv_tokens);
-    cJSON_AddNumberToObject(o, "match_ratio", m.usable_tokens ? (double)m.matched_tokens / m.usable_tokens : 0.0);
+    cJSON_AddNumberToObject(o, "match_ratio",
+                            m.usable_tokens ? (double)m.matched_tokens / m.usable_tokens : 0.0);
     char h[17];
     hex_id(m.last_block_id, h);
     if (m.matched_blocks) cJSON_AddStringToObject(o, "last_block_id", h);
@@ -391,7 +409,8 @@ char *srv_prefix_cache_route(srv_prune_jobs *jobs, const srv_api *api, bool post
         }
         return prune_get(jobs, sub + 6, err);
     }
-    static const char *const routes[] = {"prune", "match", "inspect", "delete_subtree", "set_eviction_priority"};
+    static const char *const routes[] = {"prune", "match", "inspect", "delete_subtree",
+                                         "set_eviction_priority"};
     int k = -1;
     for (int i = 0; i < 5; i++)
         if (!strcmp(sub, routes[i])) k = i;

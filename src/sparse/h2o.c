@@ -185,8 +185,9 @@ static void h2o_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
             lethe_rowvec_resize(&hs->acc[l], L, 0.0f);
             int32_t recent = LETHE_MIN(B, LETHE_MAX(1, (int32_t)floorf((float)B * p->recent_ratio)));
             keep = lethe_xrealloc(keep, (size_t)L * sizeof(*keep));
-            int32_t n = lethe_keep_sink_recent_topk(hs->acc[l].v, NULL, L, 0, recent, B - recent, keep);
-            LETHE_ASSERT(n == B);
+            int32_t n = lethe_sparse_keep_set(m, l, q->row, hs->acc[l].v, 0, recent, B - recent,
+                                              keep);
+            LETHE_ASSERT(n >= B); /* more when pinned tokens outnumber the budget */
             lethe_kv_keep(m->env.pool, l, q->row, keep, n);
             lethe_rowvec_keep(&hs->acc[l], keep, n);
         }

@@ -329,8 +329,10 @@ static void select_shared(lethe_sparse_method *m, const lethe_sparse_seq *q, con
         const int32_t *pos = lethe_kv_row_pos(m->env.pool, lethe_kv_space_of(m->env.pool, l),
                                               q->row);
         int32_t k = 0;
-        for (int32_t i = 0; i < p->cur.len0[l]; i++)
-            if (kept[ctx_index(ctx, n, pos[i])]) keep[k++] = i;
+        for (int32_t i = 0; i < p->cur.len0[l]; i++) /* retention-pinned entries stay too */
+            if (kept[ctx_index(ctx, n, pos[i])] ||
+                lethe_kv_pos_protected(m->env.pool, q->row, pos[i]))
+                keep[k++] = i;
         lethe_kv_keep(m->env.pool, l, q->row, keep, k);
     }
     free(keep);
@@ -375,7 +377,11 @@ static void select_pair(lethe_sparse_method *m, const lethe_sparse_seq *q, const
         const int32_t *pos = lethe_kv_row_pos(m->env.pool, sp, q->row);
         const uint64_t *mk = lethe_kv_row_head_mask(m->env.pool, sp, q->row);
         mask = lethe_xrealloc(mask, ((size_t)L + 1) * sizeof(uint64_t));
-        for (int32_t i = 0; i < L; i++) mask[i] = ctx_index(ctx, n, pos[i]) < s ? mk[i] : 0;
+        for (int32_t i = 0; i < L; i++) /* sink and retention-pinned entries keep every head */
+            mask[i] = ctx_index(ctx, n, pos[i]) < s ||
+                              lethe_kv_pos_protected(m->env.pool, q->row, pos[i])
+                          ? mk[i]
+                          : 0;
         for (; t < nt && top[t] < off + (int64_t)KH * L; t++) {
             const int64_t e = top[t] - off;
             mask[e % L] |= (uint64_t)1 << (e / L);

@@ -158,8 +158,8 @@ static void compact(lethe_sparse_method *m, const lethe_sparse_seq *q, int32_t l
     if (p->pool_kernel > 1 && c1 > c0) /* pool the middle candidates only */
         lethe_pool1d(sv->v + c0, c1 - c0, p->pool_kernel, LETHE_REDUCE_MAX, ranked + c0);
     int32_t *keep = lethe_xmalloc((size_t)L * sizeof(int32_t));
-    int32_t n = lethe_keep_sink_recent_topk(ranked, NULL, L, s, r, B - s - r, keep);
-    LETHE_ASSERT(n == B);
+    int32_t n = lethe_sparse_keep_set(m, layer, q->row, ranked, s, r, B - s - r, keep);
+    LETHE_ASSERT(n >= B); /* more when pinned tokens outnumber the budget */
     lethe_kv_keep(m->env.pool, layer, q->row, keep, n);
     lethe_rowvec_keep(sv, keep, n);
     for (int32_t j = 0; j < n; j++) sv->v[j] = -INFINITY; /* decode eviction restarts its evidence */

@@ -483,6 +483,16 @@ static inline int32_t lethe_sparse_row_len(const lethe_sparse_method *m, int32_t
     return lethe_kv_row_len(m->env.pool, lethe_kv_space_of(m->env.pool, layer), row);
 }
 
+/* The keep set of an eviction: sink [0, s), recent [L - r, L) and the top-k
+ * of the middle by scores (lethe_keep_sink_recent_topk), with the row's
+ * protected entries (retention pins: lethe_kv_row_protect) forced in. Every
+ * eviction method builds its keep set here, so no method can drop a pinned
+ * token; pinned middle entries count against k, and the result holds more
+ * than s + k + r entries when they outnumber k. keep: capacity L (the row's
+ * length in the layer). Returns the count. */
+int32_t lethe_sparse_keep_set(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                              const float *scores, int32_t s, int32_t r, int32_t k, int32_t *keep);
+
 /* A float vector aligned with a request's row entries in one layer (per-token
  * scores that must follow compaction). */
 typedef struct lethe_rowvec {

@@ -304,3 +304,22 @@ lethe_status lethe_rowvecs_load(lethe_rowvec *r, int32_t n_vecs, const void *buf
 bad:
     return lethe_errorf(LETHE_ERR_FORMAT, "sparse state snapshot: truncated or malformed (%zu bytes)", n);
 }
+
+int32_t lethe_sparse_keep_set(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                              const float *scores, int32_t s, int32_t r, int32_t k, int32_t *keep) {
+    lethe_kv_pool *pool = m->env.pool;
+    const int32_t sp = lethe_kv_space_of(pool, layer);
+    const int32_t L = lethe_kv_row_len(pool, sp, row);
+    const int32_t *prot = NULL;
+    uint8_t *pin = NULL;
+    if (lethe_kv_row_protected(pool, row, &prot) > 0) {
+        pin = lethe_xmalloc((size_t)LETHE_MAX(L, 1));
+        if (lethe_kv_row_pin_mask(pool, sp, row, pin) == 0) {
+            free(pin);
+            pin = NULL;
+        }
+    }
+    int32_t n = lethe_keep_sink_recent_topk(scores, pin, L, s, r, k, keep);
+    free(pin);
+    return n;
+}

@@ -30,8 +30,8 @@ static void sl_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
             int32_t L = lethe_sparse_row_len(m, l, q->row);
             if (sl_after(m, L, q->is_prefill, q->is_final_chunk) == L) continue;
             keep = lethe_xrealloc(keep, (size_t)L * sizeof(*keep));
-            int32_t n = lethe_keep_sink_recent_topk(NULL, NULL, L, m->knobs.sink_keep_tokens,
-                                                    m->knobs.recent_keep_tokens, 0, keep);
+            int32_t n = lethe_sparse_keep_set(m, l, q->row, NULL, m->knobs.sink_keep_tokens,
+                                              m->knobs.recent_keep_tokens, 0, keep);
             lethe_kv_keep(m->env.pool, l, q->row, keep, n);
         }
     }

@@ -11,6 +11,7 @@ SmolLM2-135M, CPU, dense + radix, behind --api-key):
 - inspect, set_eviction_priority, delete_subtree.
 """
 import os
+import re
 import threading
 import time
 
@@ -173,3 +174,55 @@ def test_priority_and_delete(srv):
     assert r.status_code == 200 and r.json()["deleted_blocks"] >= nb - 1
     m = post(srv, "match", {"token_ids": toks}).json()
     assert m["matched_tokens"] == 16
+
+
+def test_retention_hints(srv):
+    body = " ".join(f"row {i}: value={i * 13 % 97} status={'ok' if i % 3 else 'late'}" for i in range(30))
+    msgs = [
+        {"role": "system", "content": "You answer from the tool output."},
+        {"role": "user", "content": "Fetch the table.", "retention": "pin"},
+        {"role": "assistant", "content": "Fetching."},
+        {"role": "tool", "content": body, "retention": {"prunable": 0.25}},
+        {"role": "user", "content": "Which rows are late?", "retention": "normal"},
+    ]
+    r = requests.post(srv.url + "/v1/chat/completions", headers=H, timeout=300,
+                      json={"messages": msgs, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    toks = tokens_of(srv, [{k: v for k, v in m.items() if k != "retention"} for m in msgs])
+    # the prunable tool message was pruned after the request (a queued job)
+    for _ in range(1200):  # the job's scoring pass takes seconds on a loaded CPU
+        m = post(srv, "match", {"token_ids": toks}).json()
+        if m["resident_kv_tokens"] < m["matched_tokens"]:
+            break
+        time.sleep(0.1)
+    assert m["resident_kv_tokens"] < m["matched_tokens"], m
+    # the pinned user message: its tokens are kept by a prune that covers it
+    blocks = post(srv, "inspect", {"token_ids": toks}).json()["blocks"]
+    assert any(b["quality_degraded"] for b in blocks)
+    r = post(srv, "prune", {"token_ids": toks, "ranges": [[0, 32]], "keep_tokens": 16, "observation_tokens": 16})
+    job = wait_job(srv, r.json()["prune_id"])
+    assert job["status"] == "failed", job
+    n_pinned = int(re.search(r"\((\d+) retention-pinned", job["message"]).group(1))
+    assert 0 < n_pinned < 16, job
+    # bad hints
+    bad = [dict(msgs[0]), {"role": "user", "content": "x", "retention": "forever"}]
+    r = requests.post(srv.url + "/v1/chat/completions", headers=H, timeout=60,
+                      json={"messages": bad, "max_tokens": 1})
+    assert r.status_code == 400 and "messages[1].retention" in r.json()["error"]["message"]
+    bad[1]["retention"] = {"prunable": 1.5}
+    r = requests.post(srv.url + "/v1/chat/completions", headers=H, timeout=60,
+                      json={"messages": bad, "max_tokens": 1})
+    assert r.status_code == 400
+
+
+def test_kvzip_global(srv):
+    msgs = [{"role": "user", "content": "Summarize: " + " ".join(f"item{i} costs {i * 7 % 50} dollars"
+                                                              for i in range(40))}]
+    requests.post(srv.url + "/v1/chat/completions", headers=H, timeout=300,
+                  json={"messages": msgs, "max_tokens": 1, "temperature": 0})
+    toks = tokens_of(srv, msgs)
+    r = post(srv, "prune", {"token_ids": toks, "ranges": [[32, 96]], "keep_tokens": 16, "policy": "kvzip_global"})
+    assert r.status_code == 202 and r.json()["policy"] == "kvzip_global"
+    job = wait_job(srv, r.json()["prune_id"])
+    assert job["status"] == "completed", job
+    assert job["freed_device_slots"] == 48 and job["ranges"][0]["retained_tokens"] == 16
