@@ -290,7 +290,9 @@ static void test_identity(void) {
         CHECK_EQ_INT(tr.n, dense.n);
         if (lossy) {
             double e = rel_err(&tr.out[0][0][0], &dense.out[0][0][0], (size_t)tr.n * NL * H * D);
-            CHECK_MSG(e > 0 && e < 0.05, "%s rel err %g", o->name, e);
+            const double tol = o->test_configs.lossy_rel_err > 0 ? o->test_configs.lossy_rel_err : 0.05;
+            fprintf(stderr, "      lossy: rel err %.4f (bound %.2f)\n", e, tol);
+            CHECK_MSG(e > 0 && e < tol, "%s rel err %g", o->name, e);
             n_lossy++;
         } else {
             CHECK_MSG(memcmp(tr.out, dense.out, sizeof(tr.out[0]) * (size_t)tr.n) == 0,
@@ -346,7 +348,9 @@ static void test_lifecycle_all(void) {
     for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
         const char *name = lethe_sparse_method_at(i)->name;
         fprintf(stderr, "    %s\n", name);
-        lifecycle(name, NULL); /* defaults: budgets > context, nothing evicted */
+        /* budgets > context, nothing evicted: the identity config (the defaults for
+         * most methods; a method that needs an artifact names a built-in one) */
+        lifecycle(name, lethe_sparse_method_at(i)->test_configs.identity);
         const char *small = lethe_sparse_method_at(i)->test_configs.small;
         if (small) lifecycle(name, small); /* budgets that evict / select */
     }
@@ -662,8 +666,16 @@ static void test_registry_knobs(void) {
         CHECK_MSG(lethe_sparse_validate(o) == LETHE_OK, "%s", lethe_last_error());
         const char *cfgs[3] = {NULL, o->test_configs.identity, o->test_configs.small};
         for (int c = 0; c < 3; c++) {
-            CHECK_MSG(lethe_sparse_create(o->name, cfgs[c], &env, &m) == LETHE_OK, "%s %s: %s", o->name,
-                      cfgs[c] ? cfgs[c] : "", lethe_last_error());
+            if (c > 0 && !cfgs[c]) continue; /* that config is the defaults */
+            const lethe_status st = lethe_sparse_create(o->name, cfgs[c], &env, &m);
+            if (c == 0 && st != LETHE_OK && o->test_configs.identity && o->n_knob_table > 0) {
+                /* a method that needs an artifact (palu's factors) refuses its
+                 * defaults with a message naming the knob to set */
+                CHECK_EQ_INT(st, LETHE_ERR_INVALID);
+                CHECK_STR_CONTAINS(lethe_last_error(), o->knob_table[0].name);
+                continue;
+            }
+            CHECK_MSG(st == LETHE_OK, "%s %s: %s", o->name, cfgs[c] ? cfgs[c] : "", lethe_last_error());
             lethe_sparse_destroy(m);
         }
     }

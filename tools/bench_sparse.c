@@ -67,6 +67,7 @@ typedef struct sb_opts {
     int32_t matched_batch, matched_input, matched_output;
     uint64_t seed;
     bool no_graph, no_progress;
+    const char *method_config[LETHE_MAX_STOP]; /* "METHOD:K=V,K=V" extra knobs of one method */
 } sb_opts;
 
 /* ---- engine runs ---------------------------------------------------------------- */
@@ -284,10 +285,16 @@ static int parse_ints(const char *s, int32_t *out, int cap, const char *flag) {
 }
 
 static void knobs_for(const sb_opts *o, const char *method, char *out, size_t cap) {
-    if (!strcmp(method, "dense")) out[0] = 0;
-    else
-        snprintf(out, cap, "sink_keep_tokens=%d,recent_keep_tokens=%d,decode_keep_tokens=%d", o->sink, o->recent,
-                 o->budget - o->sink - o->recent);
+    if (!strcmp(method, "dense")) {
+        out[0] = 0;
+        return;
+    }
+    size_t n = (size_t)snprintf(out, cap, "sink_keep_tokens=%d,recent_keep_tokens=%d,decode_keep_tokens=%d",
+                                o->sink, o->recent, o->budget - o->sink - o->recent);
+    const size_t ml = strlen(method);
+    for (int i = 0; i < LETHE_MAX_STOP && o->method_config[i] && n < cap; i++) /* --method-config M:K=V,... */
+        if (!strncmp(o->method_config[i], method, ml) && o->method_config[i][ml] == ':')
+            n += (size_t)snprintf(out + n, cap - n, ",%s", o->method_config[i] + ml + 1);
 }
 
 static lethe_engine *make_engine(const sb_opts *o, const char *method, int32_t max_model_len, char *knobs,
@@ -490,7 +497,7 @@ static int part_matched(const sb_opts *o, cJSON *root) {
     char *save = NULL;
     for (char *m = strtok_r(list, ",", &save); m; m = strtok_r(NULL, ",", &save)) {
         if (!m[0] || (strcmp(m, "dense") == 0 && cJSON_GetArraySize(rows) > 0)) continue;
-        char knobs[256], err[512];
+        char knobs[1024], err[512];
         cJSON *row = cJSON_CreateObject();
         cJSON_AddItemToArray(rows, row);
         cJSON_AddStringToObject(row, "method", m);
@@ -509,6 +516,11 @@ static int part_matched(const sb_opts *o, cJSON *root) {
         lethe_engine_layout lo;
         lethe_engine_get_layout(e, &lo);
         cJSON_AddNumberToObject(row, "pool_slots_per_layer", lo.kv_slots_per_layer);
+        /* capacity of a payload: KV bytes per token over all layers, tokens per GiB of KV */
+        cJSON_AddNumberToObject(row, "kv_token_bytes", (double)lo.kv_token_bytes);
+        cJSON_AddNumberToObject(row, "tokens_per_gib", lo.kv_token_bytes ? 1073741824.0 / lo.kv_token_bytes : 0);
+        printf("%-10s | KV %zu B per token, %.0f tokens per GiB, pool %d slots per layer\n", m, lo.kv_token_bytes,
+               lo.kv_token_bytes ? 1073741824.0 / lo.kv_token_bytes : 0.0, lo.kv_slots_per_layer);
         sb_run r;
         int er = engine_run(e, m, B, L, max_tokens, o->seed, false, !o->no_progress, &r);
         lethe_engine_destroy(e);
@@ -583,6 +595,8 @@ int lethe_bench_sparse(int argc, char **argv) {
     ROW("--matched-output", NULL, LETHE_OPT_INT, &o.matched_output, "N",
         "matched part: decode steps with the whole batch decoding", 1, 1 << 20);
     ROW("--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "prompt token seed", 1, 0);
+    ROW("--method-config", NULL, LETHE_OPT_STRLIST, o.method_config, "M:K=V,..",
+        "extra knobs of method M, e.g. palu:palu_factors=DIR or turboquant:turboquant_bits=2 (repeatable)", 1, 0);
     ROW("--no-graph", NULL, LETHE_OPT_BOOL, &o.no_graph, NULL, "synthetic decode without CUDA graphs", 1, 0);
     ROW("--no-progress", NULL, LETHE_OPT_BOOL, &o.no_progress, NULL, "no progress line on stderr", 1, 0);
     ROW("--json", NULL, LETHE_OPT_STR, &o.json, "PATH", "write results as JSON (schema lethe-bench-sparse/1)", 1, 0);

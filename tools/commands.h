@@ -7,6 +7,7 @@ int lethe_cmd_serve(int argc, char **argv);    /* cmd_serve.c: OpenAI-compatible
 int lethe_cmd_bench(int argc, char **argv);    /* cmd_bench.c: engine / replay / serve benchmarks */
 int lethe_cmd_eval(int argc, char **argv);     /* cmd_eval.c: long-context quality suite */
 int lethe_cmd_methods(int argc, char **argv);  /* cmd_methods.c: list sparse methods and knobs */
+int lethe_cmd_fit(int argc, char **argv);      /* cmd_fit.c: fit a method's assets (palu factors) */
 
 /* `lethe bench <kind>`: cmd_bench.c dispatches; one file per kind. */
 int lethe_bench_engine(int argc, char **argv); /* bench_engine.c: offline throughput vs roofline */

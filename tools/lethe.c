@@ -17,6 +17,7 @@ static const subcommand g_cmds[] = {
     {"bench", lethe_cmd_bench, "benchmarks: engine throughput vs roofline, agent-trace replay, serving"},
     {"eval", lethe_cmd_eval, "long-context quality of sparse methods against dense"},
     {"methods", lethe_cmd_methods, "list the sparse methods and their knobs"},
+    {"fit", lethe_cmd_fit, "fit a sparse method's assets from the model (palu factors)"},
 };
 
 static void usage(FILE *f) {

@@ -21,7 +21,11 @@ void lethe_check_attention(const lethe_attn_args *a) {
 void lethe_check_attention_quant(const lethe_attn_args *a) {
     LETHE_ASSERT(!a->head_sel_begin); /* per-head selections: native KV only */
     LETHE_ASSERT(a->kvq && (a->kvq->format == LETHE_KV_FP8_E4M3 ||
-                            lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI));
+                            lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI ||
+                            lethe_kv_format_kind(a->kvq->format) == LETHE_KV_TURBOQUANT));
+    if (lethe_kv_format_kind(a->kvq->format) == LETHE_KV_TURBOQUANT)
+        LETHE_ASSERT(a->kvq->tq && a->kvq->k_norm && a->kvq->v_norm && a->head_dim % 8 == 0 &&
+                     a->head_dim <= 256);
     lethe_check_attention(a);
 }
 

@@ -45,11 +45,16 @@ typedef struct lethe_sample_args lethe_sample_args; /* backend/sample.h */
  *             (src/backend/kv_codec.h), plus k_scale / v_scale: f32
  *             [n_slots, n_kv_heads] (amax / 448 of that token's head vector;
  *             x^ = e4m3(code) * scale). Backend memory, like the caches.
- *   KIVI      packed 2/4/8-bit codes + group params + full-precision residual (below). */
+ *   KIVI      packed 2/4/8-bit codes + group params + full-precision residual (below).
+ *   TURBOQUANT  packed b-bit Lloyd-Max codes of the rotated unit vector per
+ *             (slot, KV head) [n_slots][n_kv_heads][head_dim b / 8] in k_cache /
+ *             v_cache, fp16 norms k_norm / v_norm [n_slots, n_kv_heads], and
+ *             the shared tables tq (rotation, codebook; src/backend/tq_codec.h). */
 typedef enum lethe_kv_format {
     LETHE_KV_NATIVE = 0,
     LETHE_KV_FP8_E4M3 = 1,
     LETHE_KV_KIVI = 2,           /* kind; bits and group size ride in the value, see below */
+    LETHE_KV_TURBOQUANT = 3,     /* kind; bits and rotation seed ride in the value */
     LETHE_KV_FORMAT_INT_ = 0x7fffffff, /* keeps the enum int-sized (KIVI packs fields) */
 } lethe_kv_format;
 
@@ -72,6 +77,11 @@ typedef enum lethe_kv_format {
 static inline lethe_kv_format lethe_kv_format_kind(lethe_kv_format f) { return (lethe_kv_format)(f & 0xFF); }
 static inline int32_t lethe_kv_kivi_bits(lethe_kv_format f) { return (int32_t)((f >> 8) & 0xFF); }
 static inline int32_t lethe_kv_kivi_group(lethe_kv_format f) { return (int32_t)((f >> 16) & 0x7FFF); }
+/* TURBOQUANT: LETHE_KV_TQ_FORMAT(b, seed), b in {2, 3, 4}, seed < 2^15 */
+#define LETHE_KV_TQ_FORMAT(bits, seed) \
+    ((lethe_kv_format)(LETHE_KV_TURBOQUANT | ((bits) << 8) | ((seed) << 16)))
+static inline int32_t lethe_kv_tq_bits(lethe_kv_format f) { return (int32_t)((f >> 8) & 0xFF); }
+static inline int32_t lethe_kv_tq_seed(lethe_kv_format f) { return (int32_t)((f >> 16) & 0x7FFF); }
 
 /* What kv_store_quant does for KIVI this step (host memory, written by the
  * method in its prepare hook before the forward, same for every layer):
@@ -96,7 +106,17 @@ typedef struct lethe_kv_quant {
     void *v_param, *k_group, *k_res, *v_res;
     int32_t n_groups, n_res;
     const lethe_kivi_plan *kivi;
+    /* TURBOQUANT (backend memory): fp16 norms [n_slots, n_kv_heads]; tables
+     * f32 [rot: hd x hd][rot^T: hd x hd][centroids: 16][bounds: 16] (rot[i][j]
+     * row-major; rot^T for coalesced device reads), shared by all layers */
+    void *k_norm, *v_norm;
+    const float *tq;
 } lethe_kv_quant;
+/* offsets (floats) of the TURBOQUANT tables in lethe_kv_quant.tq */
+static inline size_t lethe_tq_off_rot_t(int32_t hd) { return (size_t)hd * hd; }
+static inline size_t lethe_tq_off_centroids(int32_t hd) { return 2u * (size_t)hd * hd; }
+static inline size_t lethe_tq_off_bounds(int32_t hd) { return 2u * (size_t)hd * hd + 16u; }
+static inline size_t lethe_tq_tables_floats(int32_t hd) { return 2u * (size_t)hd * hd + 32u; }
 
 /* ---- KV payload layouts ----
  * What one slot of one layer holds, as a list of planes: plane i is a backend
@@ -480,6 +500,9 @@ typedef struct lethe_backend_ops {
     void (*copy_block)(lethe_backend *be, void *dst, int32_t dst_ld, int32_t dst_off,
                        const int32_t *rows, const void *src, int32_t src_ld, int32_t n_rows,
                        int32_t width);
+    /* raw bytes host -> backend memory (tables that must keep their exact
+     * values: TurboQuant's f32 rotation and codebook); synchronous, init time */
+    void (*copy_from_host)(lethe_backend *be, void *dst, const void *src, size_t n_bytes);
 } lethe_backend_ops;
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */

@@ -32,6 +32,7 @@ struct lethe_kv_pool {
     void **plane;        /* [n_layers * LETHE_KV_MAX_PLANES] backend buffers (NULL without a backend);
                           * K[l] = plane[l * MAX + 0], V[l] = plane[l * MAX + 1] */
     lethe_kv_quant *q;   /* [n_layers] quantized side arrays (format != NATIVE), else NULL */
+    float *tq_tables;    /* TURBOQUANT: backend f32 tables every layer's q.tq points at */
     lethe_kivi_plan kplan; /* KIVI: host slot index + the step's pack plan (the method fills it) */
     /* rows: tabs[row * n_spaces + sp] */
     kv_rowtab *tabs;

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/tq_codec.h"
 #include "core/util.h"
 
 /* bytes of one slot of one layer's K (or V) buffer, and of its per-slot side
@@ -25,6 +26,7 @@ static size_t code_bytes(int32_t n_kv_heads, int32_t head_dim, size_t kv_elem_si
     switch (lethe_kv_format_kind(f)) {
     case LETHE_KV_FP8_E4M3: return n;
     case LETHE_KV_KIVI: return (n * (size_t)lethe_kv_kivi_bits(f) + 7) / 8;
+    case LETHE_KV_TURBOQUANT: return (size_t)n_kv_heads * lethe_tq_code_bytes(head_dim, lethe_kv_tq_bits(f));
     default: return n * kv_elem_size;
     }
 }
@@ -33,6 +35,7 @@ static size_t side_bytes(int32_t n_kv_heads, int32_t head_dim, lethe_kv_format f
     case LETHE_KV_FP8_E4M3: return (size_t)n_kv_heads * sizeof(float);
     case LETHE_KV_KIVI: /* (V params 8 C / G + K table 8 C / G) / 2 */
         return 8u * (size_t)n_kv_heads * (size_t)head_dim / (size_t)lethe_kv_kivi_group(f);
+    case LETHE_KV_TURBOQUANT: return (size_t)n_kv_heads * sizeof(uint16_t); /* fp16 norm */
     default: return 0;
     }
 }
@@ -89,9 +92,34 @@ const char *lethe_kv_format_name(lethe_kv_format f) {
         case 8: return "kivi8";
         }
         return "kivi?";
+    case LETHE_KV_TURBOQUANT:
+        switch (lethe_kv_tq_bits(f)) {
+        case 2: return "turboquant2";
+        case 3: return "turboquant3";
+        case 4: return "turboquant4";
+        }
+        return "turboquant?";
     default: break;
     }
     return "?";
+}
+
+/* TurboQuant's rotation and codebook (tq_codec.c), once per pool, shared by every layer */
+static lethe_status upload_tq_tables(lethe_kv_pool *pool) {
+    const lethe_kv_pool_params *p = &pool->p;
+    const int32_t hd = p->head_dim, b = lethe_kv_tq_bits(p->format);
+    const size_t n = lethe_tq_tables_floats(hd);
+    float *t = lethe_xcalloc(n, sizeof(float));
+    lethe_tq_rotation((uint64_t)lethe_kv_tq_seed(p->format), hd, t);
+    for (int32_t i = 0; i < hd; i++)
+        for (int32_t j = 0; j < hd; j++) t[lethe_tq_off_rot_t(hd) + (size_t)j * hd + i] = t[(size_t)i * hd + j];
+    lethe_tq_codebook(b, hd, t + lethe_tq_off_centroids(hd), t + lethe_tq_off_bounds(hd));
+    void *dev = NULL;
+    lethe_status st = p->be->ops->alloc(p->be, n * sizeof(float), &dev);
+    if (st == LETHE_OK) p->be->ops->copy_from_host(p->be, dev, t, n * sizeof(float));
+    free(t);
+    pool->tq_tables = dev;
+    return st;
 }
 
 static lethe_status alloc_kivi(lethe_kv_pool *pool, lethe_kv_quant *q) {
@@ -122,13 +150,23 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
     if (p->page_meta_floats < 0)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: page_meta_floats < 0");
     const lethe_kv_format kind = lethe_kv_format_kind(p->format);
-    if (kind != LETHE_KV_NATIVE && kind != LETHE_KV_FP8_E4M3 && kind != LETHE_KV_KIVI)
+    if (kind != LETHE_KV_NATIVE && kind != LETHE_KV_FP8_E4M3 && kind != LETHE_KV_KIVI && kind != LETHE_KV_TURBOQUANT)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: unknown KV format %d", (int)p->format);
     if (kind == LETHE_KV_KIVI) {
         const int32_t b = lethe_kv_kivi_bits(p->format), G = lethe_kv_kivi_group(p->format);
         if ((b != 2 && b != 4 && b != 8) || G <= 0 || p->head_dim % G || (G * b) % 8 || p->per_layer)
             return lethe_errorf(LETHE_ERR_INVALID, "kv pool: bad KIVI format (bits %d, group %d, head_dim %d%s)",
                                 b, G, p->head_dim, p->per_layer ? ", per-layer rows" : "");
+    }
+    if (kind == LETHE_KV_TURBOQUANT) {
+        const int32_t b = lethe_kv_tq_bits(p->format);
+        if (b < 2 || b > LETHE_TQ_BITS_MAX || p->head_dim % 8 || p->head_dim > LETHE_TQ_HEAD_DIM_MAX)
+            return lethe_errorf(LETHE_ERR_INVALID, "kv pool: bad TurboQuant format (bits %d, head_dim %d: "
+                                "needs 2..4 bits and a head_dim multiple of 8 up to %d)",
+                                b, p->head_dim, LETHE_TQ_HEAD_DIM_MAX);
+        if (p->be && !p->be->ops->copy_from_host)
+            return lethe_errorf(LETHE_ERR_UNSUPPORTED, "kv pool: the %s backend cannot upload TurboQuant tables",
+                                p->be->ops->name);
     }
     if (p->layouts && p->format != LETHE_KV_NATIVE)
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: a declared payload layout needs the native format, not %s",
@@ -191,6 +229,12 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
             if (st == LETHE_OK && pool->q && kind == LETHE_KV_KIVI) {
                 pool->q[l].format = p->format;
                 st = alloc_kivi(pool, &pool->q[l]);
+            } else if (st == LETHE_OK && pool->q && kind == LETHE_KV_TURBOQUANT) {
+                pool->q[l].format = p->format;
+                if (!pool->tq_tables) st = upload_tq_tables(pool);
+                pool->q[l].tq = pool->tq_tables;
+                if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].k_norm);
+                if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].v_norm);
             } else if (st == LETHE_OK && pool->q) {
                 pool->q[l].format = p->format;
                 st = p->be->ops->alloc(p->be, side, &pool->q[l].k_scale);
@@ -229,12 +273,14 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
             if (pool->q && pool->q[l].k_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].k_scale);
             if (pool->q && pool->q[l].v_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].v_scale);
             if (pool->q) {
-                void *kv[4] = {pool->q[l].v_param, pool->q[l].k_group, pool->q[l].k_res, pool->q[l].v_res};
-                for (int i = 0; i < 4; i++)
+                void *kv[6] = {pool->q[l].v_param, pool->q[l].k_group, pool->q[l].k_res, pool->q[l].v_res,
+                               pool->q[l].k_norm, pool->q[l].v_norm};
+                for (int i = 0; i < 6; i++)
                     if (kv[i]) pool->p.be->ops->release(pool->p.be, kv[i]);
             }
         }
     }
+    if (pool->tq_tables) pool->p.be->ops->release(pool->p.be, pool->tq_tables);
     free(pool->q);
     free(pool->kplan.slot_aux);
     free(pool->plane);

@@ -53,6 +53,8 @@
  *             the slot's share of the K group table, host slot index; backend.h)
  *             plus a fixed full-precision residual of kivi_res_blocks * G tokens
  *             (lethe_kv_kivi_res_bytes), one block per running request
+ *   TURBOQUANT b  2 * n_layers * n_kv_heads * (head_dim * b / 8 + 2)   (codes,
+ *             fp16 norm; plus one copy of the rotation / codebook tables)
  * so the same memory budget holds kv_size * hd / (hd + 4) times the slots
  * (CUDA bf16, hd 128: 1.94x; CPU f32: 3.88x) with FP8, and with KIVI 2-bit,
  * G 32 at KH 8, hd 128: 4096 / 1028 = 3.98x against bf16. */

@@ -28,6 +28,8 @@
     X(quest)                                                                                       \
     X(omnikv)                                                                                      \
     X(kivi)                                                                                        \
+    X(turboquant)                                                                                  \
+    X(palu)                                                                                        \
     X(fp8_kv)                                                                                      \
     X(kvzip)
 

@@ -168,7 +168,7 @@ typedef struct lethe_sparse_knob {
 /* Values of a method's knob table (kept in the method's priv). */
 typedef struct lethe_knob_values {
     double num[LETHE_SPARSE_MAX_KNOBS];    /* INT / FLOAT / BOOL (0/1) */
-    char str[LETHE_SPARSE_MAX_KNOBS][64];  /* STR values (and the text of every value) */
+    char str[LETHE_SPARSE_MAX_KNOBS][512]; /* STR values (and the text of every value; paths) */
 } lethe_knob_values;
 
 /* bits of lethe_sparse_ops.shared_knobs: which shared knobs a method reads */
@@ -217,6 +217,11 @@ typedef struct lethe_sparse_test_configs {
      * what dense reads, so outputs are bit-identical to dense (close to it
      * when the method's kv_format stores lossy codes). NULL = the defaults. */
     const char *identity;
+    /* bound on the relative error of the identity run vs dense when the
+     * storage is lossy (outputs of the methods suite, logits of the
+     * conformance suite); 0 = 0.05. TurboQuant's 4-bit codes have an MSE of
+     * ~0.9% per unit vector, ~10% relative error per vector. */
+    double lossy_rel_err;
     /* the identity config still builds selections with select_layer (every
      * page / token selected), so the identity run also proves that path */
     bool identity_on_backend;

@@ -42,7 +42,7 @@ def test_every_registered_method_is_listed_whole():
     assert methods and methods[0]["name"] == "dense"
     spellings = set()
     for m in methods:
-        assert m["kind"] in ("dense", "eviction", "selection", "quantization"), m
+        assert m["kind"] in ("dense", "eviction", "selection", "quantization", "compression"), m
         assert m["summary"].strip(), m
         names = [k["name"] for k in m["knobs"]]
         assert len(names) == len(set(names)), m["name"]

@@ -87,6 +87,10 @@ void lethe_cpu_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, void
         kivi_store(kvq, k_cache, v_cache, k, v, slots, n, n_kv_heads * head_dim);
         return;
     }
+    if (kvq && lethe_kv_format_kind(kvq->format) == LETHE_KV_TURBOQUANT) {
+        lethe_cpu_kv_store_tq(be, kvq, k_cache, v_cache, k, v, slots, n, n_kv_heads, head_dim);
+        return;
+    }
     LETHE_ASSERT(kvq && kvq->format == LETHE_KV_FP8_E4M3);
     const size_t kv_dim = (size_t)n_kv_heads * (size_t)head_dim;
     uint8_t *kc = k_cache, *vc = v_cache;
@@ -251,6 +255,10 @@ static void qattend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int
 }
 
 void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
+    if (a->kvq && lethe_kv_format_kind(a->kvq->format) == LETHE_KV_TURBOQUANT) {
+        lethe_cpu_attention_tq(be, a);
+        return;
+    }
     lethe_check_attention_quant(a);
     LETHE_ASSERT(a->n_heads / a->n_kv_heads <= QA_GROUP_MAX);
     LETHE_ASSERT(a->head_dim > 0 && a->head_dim <= QA_HEAD_DIM_MAX);

@@ -98,6 +98,10 @@ static lethe_status cpu_measure_peaks(lethe_backend *be, double *copy_bps, doubl
     return LETHE_OK;
 }
 
+static void cpu_copy_from_host(lethe_backend *be, void *dst, const void *src, size_t n_bytes) {
+    memcpy(dst, src, n_bytes);
+}
+
 static const lethe_backend_ops cpu_ops = {
     .name = "cpu",
     .caps = LETHE_BE_HOST_MEMORY,
@@ -141,6 +145,7 @@ static const lethe_backend_ops cpu_ops = {
     .moe = lethe_cpu_moe,
     .matmul_heads = lethe_cpu_matmul_heads,
     .copy_block = lethe_cpu_copy_block,
+    .copy_from_host = cpu_copy_from_host,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

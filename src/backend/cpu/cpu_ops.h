@@ -8,7 +8,8 @@
  *   norm.c         rmsnorm
  *   rope.c         rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
  *   attention.c    kv_store + attention over a slot selection
- *   attention_quant.c  the same over quantized KV (FP8 E4M3 codes + scales)
+ *   attention_quant.c  the same over quantized KV (FP8 E4M3 codes + scales, KIVI)
+ *   attention_tq.c the same over TurboQuant KV (rotated codebook codes + norms)
  *   scores.c       attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
  *   pages.c        Quest page bounds: page_minmax, page_scores
@@ -51,6 +52,11 @@ void lethe_cpu_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, void
                               void *v_cache, const void *k, const void *v, const int32_t *slots,
                               int32_t n, int32_t n_kv_heads, int32_t head_dim);
 void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a);
+/* attention_tq.c: TurboQuant KV (dispatched from the two above) */
+void lethe_cpu_kv_store_tq(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
+                           void *v_cache, const void *k, const void *v, const int32_t *slots,
+                           int32_t n, int32_t n_kv_heads, int32_t head_dim);
+void lethe_cpu_attention_tq(lethe_backend *be, const lethe_attn_args *a);
 void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a);
 void lethe_cpu_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
                      int32_t n, int32_t dim);

@@ -281,6 +281,10 @@ extern "C" void lethe_cuda_kv_store_quant(lethe_backend *be, const lethe_kv_quan
                                           const void *v, const int32_t *slots, int32_t n,
                                           int32_t n_kv_heads, int32_t head_dim) {
     cuda_ctx *c = cuda_ctx_of(be);
+    if (kvq && lethe_kv_format_kind(kvq->format) == LETHE_KV_TURBOQUANT) {
+        lethe_cuda_kv_store_tq(be, kvq, k_cache, v_cache, k, v, slots, n, n_kv_heads, head_dim);
+        return;
+    }
     if (kvq && lethe_kv_format_kind(kvq->format) == LETHE_KV_KIVI) {
         kivi_store(c, kvq, (uint8_t *)k_cache, (uint8_t *)v_cache, (const bf16 *)k, (const bf16 *)v, slots, n,
                    n_kv_heads * head_dim);
@@ -600,6 +604,10 @@ static void launch_qsplit(cuda_ctx *c, const lethe_attn_args *a, const int32_t *
 }
 
 extern "C" void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
+    if (a->kvq && lethe_kv_format_kind(a->kvq->format) == LETHE_KV_TURBOQUANT) {
+        lethe_cuda_attention_tq(be, a);
+        return;
+    }
     cuda_ctx *c = cuda_ctx_of(be);
     const bool kivi = a->kvq && lethe_kv_format_kind(a->kvq->format) == LETHE_KV_KIVI;
     lethe_check_attention_quant(a);

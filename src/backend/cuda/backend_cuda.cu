@@ -468,6 +468,8 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->f32_h) cudaFreeHost(c->f32_h);
         if (c->attn_ws) cudaFree(c->attn_ws);
         if (c->qattn_ws) cudaFree(c->qattn_ws);
+        if (c->tq_ws) cudaFree(c->tq_ws);
+        free(c->tq_iota);
         if (c->sample_ws) cudaFree(c->sample_ws);
         if (c->scores_d) cudaFree(c->scores_d);
         if (c->cublas_ws) cudaFree(c->cublas_ws);
@@ -476,6 +478,12 @@ static void cuda_destroy(lethe_backend *be) {
         free(c);
     }
     free(be);
+}
+
+static void cuda_copy_from_host(lethe_backend *be, void *dst, const void *src, size_t n_bytes) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    CU_CHECK(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, c->stream));
+    CU_CHECK(cudaStreamSynchronize(c->stream));
 }
 
 static const lethe_backend_ops cuda_ops = {
@@ -524,6 +532,7 @@ static const lethe_backend_ops cuda_ops = {
     /* latent attention (mla.cu) */
     /* .matmul_heads */ lethe_cuda_matmul_heads,
     /* .copy_block */ lethe_cuda_copy_block,
+    /* .copy_from_host */ cuda_copy_from_host,
 };
 
 #define INIT_CHECK(call, what)                                                              \

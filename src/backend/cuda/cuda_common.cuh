@@ -23,7 +23,8 @@
  *   rope.cu          rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
  *   attention.cu     dispatch, generic split-K flash attention (any head_dim), LSE merge
  *   attention_v2.cu  v2: mma.sync + cp.async decode and prefill (head_dim 64/128)
- *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3)
+ *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3, KIVI)
+ *   attention_tq.cu  kv_store + attention over TurboQuant KV (rotated codebook codes)
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
  *   pages.cu         Quest page bounds: page_minmax, page_scores
@@ -126,6 +127,13 @@ typedef struct cuda_ctx {
     float *qattn_ws;
     size_t qattn_ws_cap;         /* bytes */
 
+    /* TurboQuant prefill scratch (attention_tq.cu): dequantized K / V of a
+     * step's selection, bf16, and the host identity selection */
+    void *tq_ws;
+    size_t tq_ws_cap;            /* bytes */
+    int32_t *tq_iota;
+    size_t tq_iota_n;
+
     /* attn_scores scratch (scores.cu), fp32 */
     float *scores_d;
     size_t scores_cap;           /* bytes */
@@ -187,6 +195,11 @@ void lethe_cuda_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, voi
                                void *v_cache, const void *k, const void *v, const int32_t *slots,
                                int32_t n, int32_t n_kv_heads, int32_t head_dim);
 void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a);
+/* attention_tq.cu: TurboQuant KV (dispatched from the two above) */
+void lethe_cuda_kv_store_tq(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
+                            void *v_cache, const void *k, const void *v, const int32_t *slots,
+                            int32_t n, int32_t n_kv_heads, int32_t head_dim);
+void lethe_cuda_attention_tq(lethe_backend *be, const lethe_attn_args *a);
 /* Quest page bounds (pages.cu) */
 void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
                             const int32_t *page_ids, const int32_t *slot_begin,

@@ -1,0 +1,184 @@
+/* cmd_fit.c - `lethe fit <method> MODEL ...`: fits the offline assets a
+ * sparse method needs from the model's own weights and a calibration text,
+ * so no checkpoint made elsewhere is required. One file per method
+ * (fit_<method>.c); this file dispatches and holds what they share: the
+ * model on a backend (CPU by default, --device cuda for big models), the calibration tokens, and a forward over them
+ * that hands every layer's pre-RoPE k and v to a callback. */
+#include "fit.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "commands.h"
+#include "core/util.h"
+
+/* ---- calibration text ---- */
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* the text of FILE, or of every *.txt in DIR (sorted by name), concatenated */
+static lethe_status read_calib(const char *path, lethe_sbuf *out) {
+    DIR *d = opendir(path);
+    if (!d) {
+        char *t = NULL;
+        size_t n = 0;
+        if (lethe_read_file(path, &t, &n) != LETHE_OK)
+            return lethe_errorf(LETHE_ERR_IO, "--calib %s: %s", path, lethe_last_error());
+        lethe_sbuf_add(out, t, n);
+        lethe_sbuf_add(out, "\n\n", 2);
+        free(t);
+        return LETHE_OK;
+    }
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        const size_t len = strlen(e->d_name);
+        if (len < 5 || strcmp(e->d_name + len - 4, ".txt")) continue;
+        if (n == cap) names = lethe_xrealloc(names, (cap = cap ? 2 * cap : 64) * sizeof(char *));
+        names[n++] = lethe_xstrdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, n, sizeof(char *), cmp_str);
+    lethe_status st = n ? LETHE_OK : lethe_errorf(LETHE_ERR_IO, "--calib %s: no .txt files", path);
+    for (size_t i = 0; i < n; i++) {
+        char full[4096];
+        snprintf(full, sizeof(full), "%s/%s", path, names[i]);
+        if (st == LETHE_OK) st = read_calib(full, out);
+        free(names[i]);
+    }
+    free(names);
+    return st;
+}
+
+lethe_status lethe_fit_open(const lethe_fit_params *fp, lethe_fit_ctx *c) {
+    memset(c, 0, sizeof(*c));
+    lethe_backend_params bp = {.device = fp->device ? fp->device : "cpu", .n_threads = fp->threads};
+    lethe_status st = lethe_backend_create(&bp, &c->be);
+    if (st != LETHE_OK) return st;
+    lethe_model_load_params lp = {.path = fp->model, .format = LETHE_LOAD_AUTO, .seed = fp->seed};
+    if (fp->load_format && (st = lethe_load_format_parse(fp->load_format, &lp.format)) != LETHE_OK) return st;
+    if ((st = lethe_model_load(&lp, c->be, &c->model)) != LETHE_OK) return st;
+    c->loaded = true;
+    if ((st = lethe_model_workspace_init(&c->model, fp->seq_len)) != LETHE_OK) return st;
+    if ((st = lethe_tokenizer_load(fp->tokenizer ? fp->tokenizer : fp->model, &c->tok)) != LETHE_OK)
+        return lethe_errorf(st, "lethe fit: the calibration text needs the model's tokenizer: %s", lethe_last_error());
+    lethe_sbuf text = {0};
+    for (int i = 0; i < fp->n_calib && st == LETHE_OK; i++) st = read_calib(fp->calib[i], &text);
+    if (st == LETHE_OK && !text.n) st = lethe_errorf(LETHE_ERR_INVALID, "lethe fit: no calibration text (--calib)");
+    if (st == LETHE_OK) st = lethe_tokenize(c->tok, text.s, text.n, false, false, &c->ids, &c->n_ids);
+    free(text.s);
+    if (st != LETHE_OK) return st;
+    const int64_t want = (int64_t)fp->samples * fp->seq_len;
+    if (c->n_ids < fp->seq_len)
+        return lethe_errorf(LETHE_ERR_INVALID, "lethe fit: %d calibration tokens, fewer than --seq-len %d", c->n_ids,
+                            fp->seq_len);
+    c->n_samples = (int32_t)LETHE_MIN((int64_t)fp->samples, c->n_ids / fp->seq_len);
+    if (c->n_samples * (int64_t)fp->seq_len < want)
+        fprintf(stderr, "lethe fit: %d calibration tokens: %d samples of %d (asked %d)\n", c->n_ids, c->n_samples,
+                fp->seq_len, fp->samples);
+    return LETHE_OK;
+}
+
+void lethe_fit_close(lethe_fit_ctx *c) {
+    if (c->loaded) lethe_model_free(&c->model);
+    if (c->tok) lethe_tokenizer_free(c->tok);
+    free(c->ids);
+    lethe_backend_destroy(c->be);
+    memset(c, 0, sizeof(*c));
+}
+
+/* ---- the forward: dense attention over a private cache, k / v to the callback ---- */
+
+typedef struct fwd_ctx {
+    lethe_fit_ctx *c;
+    const lethe_fit_params *fp;
+    lethe_fit_kv_fn fn;
+    void *user;
+    int32_t T;
+    int32_t *slots, sel_begin[2];
+    void **kc, **vc; /* [n_layers] caches [T, kv_dim] */
+    float *hk, *hv;  /* host copies [T, kv_dim] */
+    void *krot;      /* backend copy of k to rotate */
+    lethe_kv_path path;
+} fwd_ctx;
+
+static void fwd_store(void *ctx, int32_t layer, const void *k, const void *v, const int32_t *slots,
+                      const int32_t *pos, int32_t n) {
+    fwd_ctx *f = ctx;
+    lethe_backend *be = f->c->be;
+    const lethe_model_config *cfg = &f->c->model.cfg;
+    const size_t kvd = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    be->ops->act_to_host(be, f->hk, k, (size_t)n * kvd);
+    be->ops->act_to_host(be, f->hv, v, (size_t)n * kvd);
+    f->fn(f->user, layer, f->hk, f->hv, n);
+    be->ops->act_from_host(be, f->krot, f->hk, (size_t)n * kvd); /* the model's RoPE, then the cache */
+    be->ops->rope(be, f->krot, pos, n, cfg->n_kv_heads, cfg->head_dim, &cfg->rope);
+    be->ops->kv_store(be, f->kc[layer], f->vc[layer], f->krot, v, slots, n, (int32_t)kvd);
+}
+
+static void fwd_attend(void *ctx, int32_t layer, const lethe_attn_args *a) {
+    fwd_ctx *f = ctx;
+    f->c->be->ops->attention(f->c->be, a);
+}
+
+static void fwd_plan(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q, lethe_layer_plan *out) {
+    fwd_ctx *f = ctx;
+    *out = (lethe_layer_plan){.store_slots = f->slots, .sel_begin = f->sel_begin, .sel_slots = f->slots,
+                              .path = &f->path};
+}
+
+lethe_status lethe_fit_forward(lethe_fit_ctx *c, const lethe_fit_params *fp, lethe_fit_kv_fn fn, void *user) {
+    const lethe_model_config *cfg = &c->model.cfg;
+    lethe_backend *be = c->be;
+    const int32_t T = fp->seq_len, L = cfg->n_layers;
+    const size_t kvd = (size_t)cfg->n_kv_heads * cfg->head_dim;
+    fwd_ctx f = {.c = c, .fp = fp, .fn = fn, .user = user, .T = T, .sel_begin = {0, T}};
+    f.path = (lethe_kv_path){.ctx = &f, .k_pre_rope = true, .store = fwd_store, .attend = fwd_attend};
+    f.slots = lethe_xmalloc((size_t)T * sizeof(int32_t));
+    for (int32_t i = 0; i < T; i++) f.slots[i] = i;
+    f.kc = lethe_xcalloc((size_t)L, sizeof(void *));
+    f.vc = lethe_xcalloc((size_t)L, sizeof(void *));
+    f.hk = lethe_xmalloc((size_t)T * kvd * sizeof(float));
+    f.hv = lethe_xmalloc((size_t)T * kvd * sizeof(float));
+    lethe_status st = be->ops->alloc(be, (size_t)T * kvd * be->ops->act_size, &f.krot);
+    for (int32_t l = 0; l < L && st == LETHE_OK; l++) {
+        st = be->ops->alloc(be, (size_t)T * kvd * be->ops->kv_size, &f.kc[l]);
+        if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)T * kvd * be->ops->kv_size, &f.vc[l]);
+    }
+    int32_t *pos = lethe_xmalloc((size_t)T * sizeof(int32_t)), seq_begin[2] = {0, T};
+    for (int32_t i = 0; i < T; i++) pos[i] = i;
+    const lethe_fwd_hooks hooks = {.ctx = &f, .plan_layer = fwd_plan};
+    for (int32_t s = 0; s < c->n_samples && st == LETHE_OK; s++) {
+        lethe_fwd_batch b = {.n_tokens = T, .tokens = c->ids + (size_t)s * T, .pos = pos, .n_seqs = 1,
+                             .seq_begin = seq_begin, .n_logits = 0};
+        lethe_model_forward(&c->model, &b, f.kc, f.vc, &hooks, NULL);
+        fprintf(stderr, "\rlethe fit: calibration sample %d / %d", s + 1, c->n_samples);
+    }
+    fprintf(stderr, "\n");
+    for (int32_t l = 0; l < L; l++) {
+        if (f.kc[l]) be->ops->release(be, f.kc[l]);
+        if (f.vc[l]) be->ops->release(be, f.vc[l]);
+    }
+    if (f.krot) be->ops->release(be, f.krot);
+    free(f.kc), free(f.vc), free(f.hk), free(f.hv), free(f.slots), free(pos);
+    return st;
+}
+
+/* ---- the command ---- */
+
+static const char *k_usage = "lethe fit <method> MODEL [options]";
+
+int lethe_cmd_fit(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+        fprintf(argc < 2 ? stderr : stdout,
+                "usage: %s\n\nFits the offline assets of a sparse method from the model's weights and a "
+                "calibration text.\nmethods:\n  palu   low-rank K / V factors (whitened SVD per head group)\n"
+                "`lethe fit palu --help` for its options.\n", k_usage);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "palu")) return lethe_fit_palu(argc - 1, argv + 1);
+    fprintf(stderr, "lethe fit: no fitting for method '%s' (methods: palu)\n", argv[1]);
+    return 2;
+}

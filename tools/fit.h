@@ -1,0 +1,49 @@
+/* fit.h - what the `lethe fit` methods share (cmd_fit.c): the model on the
+ * CPU backend, the calibration tokens, and a dense forward over them that
+ * hands every layer's pre-RoPE k and v (host f32) to a callback. */
+#ifndef LETHE_TOOLS_FIT_H
+#define LETHE_TOOLS_FIT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "core/json.h"
+#include "core/status.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+#define LETHE_FIT_MAX_CALIB 16
+
+typedef struct lethe_fit_params {
+    const char *model, *load_format;
+    const char *tokenizer;    /* NULL = the model's own (dummy weights need one) */
+    const char *device;       /* cpu (default) or cuda: where the calibration forward runs */
+    const char *calib[LETHE_FIT_MAX_CALIB]; /* files or folders of .txt */
+    int n_calib;
+    int32_t samples, seq_len; /* calibration windows of seq_len tokens */
+    int32_t threads;
+    uint64_t seed;            /* dummy weights */
+} lethe_fit_params;
+
+typedef struct lethe_fit_ctx {
+    lethe_backend *be;
+    lethe_model model;
+    bool loaded;
+    lethe_tokenizer *tok;
+    int32_t *ids, n_ids;      /* the calibration text's tokens */
+    int32_t n_samples;        /* windows used: min(samples, n_ids / seq_len) */
+} lethe_fit_ctx;
+
+lethe_status lethe_fit_open(const lethe_fit_params *fp, lethe_fit_ctx *c);
+void lethe_fit_close(lethe_fit_ctx *c);
+
+/* k, v: host [n, n_kv_heads * head_dim] of one layer, k before RoPE */
+typedef void (*lethe_fit_kv_fn)(void *user, int32_t layer, const float *k, const float *v, int32_t n);
+/* Runs the model densely over every calibration window (seq_len tokens
+ * from position 0), calling fn for every layer. */
+lethe_status lethe_fit_forward(lethe_fit_ctx *c, const lethe_fit_params *fp, lethe_fit_kv_fn fn, void *user);
+
+int lethe_fit_palu(int argc, char **argv); /* fit_palu.c */
+
+#endif /* LETHE_TOOLS_FIT_H */

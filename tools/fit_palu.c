@@ -1,0 +1,309 @@
+/* fit_palu.c - `lethe fit palu MODEL`: Palu's low-rank factors (methods.md
+ * §14) from the model's weights and a calibration text, written as
+ * palu.safetensors + palu.json (the format src/sparse/palu.c reads).
+ *
+ * Whitened SVD per layer and group of gs KV heads: Palu factors the group's
+ * projection W [gs hd, D] as W S = U Sigma V^T with S S^T = X^T X (X the
+ * calibration inputs of k_proj / v_proj), keeps rank r and sets
+ * L = U_r Sigma_r^(1/2), R = Sigma_r^(1/2) V_r^T S^-1, so the latent is
+ * h = R x and the reconstruction L h. Since (W S)(W S)^T = W X^T X W^T =
+ * K^T K with K = X W^T the group's calibration keys, U and Sigma^2 are the
+ * eigenvectors and eigenvalues of the key covariance C = K^T K, and
+ * R x = Sigma_r^(-1/2) U_r^T W x = Sigma_r^(-1/2) U_r^T k: the whitened SVD
+ * is computed here from C (accumulated in double over the calibration
+ * forward, keys before RoPE, eigenvectors by cyclic Jacobi), and stored as
+ * k_down = Sigma_r^(-1/2) U_r^T [r, gs hd] (applied to the pre-RoPE keys the
+ * model computes anyway) and k_up = U_r Sigma_r^(1/2) [gs hd, r]; values
+ * likewise. Rank from the target ratio as SparseEngine: r = floor(gs hd
+ * ratio / 16) 16, at least min(16, gs hd), at most min(gs hd, 256) and, for
+ * palu's absorbed values, head_dim. At ratio 1 the factors are a rotation:
+ * reconstruction equals the keys up to float rounding. No Fisher rank search
+ * (uniform ranks). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "core/util.h"
+#include "fit.h"
+#include "options.h"
+
+typedef struct palu_acc {
+    int32_t L, KH, hd, gs, ng, gd;
+    double *ck, *cv; /* [L][ng][gd][gd] */
+    int64_t n_tok;
+} palu_acc;
+
+static void acc_kv(void *user, int32_t layer, const float *k, const float *v, int32_t n) {
+    palu_acc *a = user;
+    const int32_t gd = a->gd, kvd = a->KH * a->hd;
+    for (int which = 0; which < 2; which++) {
+        const float *x = which ? v : k;
+        double *C = (which ? a->cv : a->ck) + (size_t)layer * a->ng * gd * gd;
+        for (int32_t g = 0; g < a->ng; g++) {
+            double *Cg = C + (size_t)g * gd * gd;
+            for (int32_t t = 0; t < n; t++) {
+                const float *r = x + (size_t)t * kvd + (size_t)g * gd;
+                for (int32_t i = 0; i < gd; i++) {
+                    const double ri = r[i];
+                    double *row = Cg + (size_t)i * gd;
+                    for (int32_t j = i; j < gd; j++) row[j] += ri * r[j];
+                }
+            }
+        }
+    }
+    if (layer == 0) a->n_tok += n;
+}
+
+/* cyclic Jacobi: A [n][n] symmetric (destroyed) -> eigenvalues w (descending)
+ * and eigenvectors as the columns of V */
+static void jacobi(double *A, int n, double *w, double *V) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) V[i * n + j] = i == j;
+    for (int sweep = 0; sweep < 60; sweep++) {
+        double off = 0, diag = 0;
+        for (int i = 0; i < n; i++) {
+            diag += A[i * n + i] * A[i * n + i];
+            for (int j = i + 1; j < n; j++) off += A[i * n + j] * A[i * n + j];
+        }
+        if (off <= 1e-30 * diag) break;
+        for (int p = 0; p < n; p++)
+            for (int q = p + 1; q < n; q++) {
+                const double apq = A[p * n + q];
+                if (fabs(apq) < 1e-300) continue;
+                const double theta = (A[q * n + q] - A[p * n + p]) / (2 * apq);
+                const double t = (theta >= 0 ? 1 : -1) / (fabs(theta) + sqrt(theta * theta + 1));
+                const double c = 1 / sqrt(t * t + 1), s = t * c;
+                for (int k = 0; k < n; k++) { /* A = J^T A J */
+                    const double akp = A[k * n + p], akq = A[k * n + q];
+                    A[k * n + p] = c * akp - s * akq;
+                    A[k * n + q] = s * akp + c * akq;
+                }
+                for (int k = 0; k < n; k++) {
+                    const double apk = A[p * n + k], aqk = A[q * n + k];
+                    A[p * n + k] = c * apk - s * aqk;
+                    A[q * n + k] = s * apk + c * aqk;
+                }
+                for (int k = 0; k < n; k++) {
+                    const double vkp = V[k * n + p], vkq = V[k * n + q];
+                    V[k * n + p] = c * vkp - s * vkq;
+                    V[k * n + q] = s * vkp + c * vkq;
+                }
+            }
+    }
+    int *ord = lethe_xmalloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) ord[i] = i;
+    for (int i = 0; i < n; i++) /* selection sort, descending (n <= 256) */
+        for (int j = i + 1; j < n; j++)
+            if (A[ord[j] * n + ord[j]] > A[ord[i] * n + ord[i]]) {
+                int t = ord[i];
+                ord[i] = ord[j], ord[j] = t;
+            }
+    double *Vs = lethe_xmalloc((size_t)n * n * sizeof(double));
+    for (int i = 0; i < n; i++) {
+        w[i] = A[ord[i] * n + ord[i]];
+        for (int k = 0; k < n; k++) Vs[k * n + i] = V[k * n + ord[i]];
+    }
+    memcpy(V, Vs, (size_t)n * n * sizeof(double));
+    free(Vs), free(ord);
+}
+
+/* down [r][gd] = Sigma_r^(-1/2) U_r^T, up [gd][r] = U_r Sigma_r^(1/2) with
+ * Sigma = sqrt(eigenvalues of the normalized covariance); returns the energy kept */
+static double factor(double *C, int gd, int r, int64_t n_tok, float *down, float *up) {
+    for (int i = 0; i < gd; i++)
+        for (int j = 0; j < i; j++) C[i * gd + j] = C[j * gd + i]; /* the upper triangle was accumulated */
+    for (int i = 0; i < gd * gd; i++) C[i] /= (double)n_tok;
+    double *w = lethe_xmalloc((size_t)gd * sizeof(double)), *U = lethe_xmalloc((size_t)gd * gd * sizeof(double));
+    jacobi(C, gd, w, U);
+    double total = 0, kept = 0;
+    for (int i = 0; i < gd; i++) total += fmax(w[i], 0);
+    const double floor_ = fmax(w[0], 1e-30) * 1e-10; /* rank-deficient directions: bounded scale */
+    for (int i = 0; i < r; i++) {
+        kept += fmax(w[i], 0);
+        const double sig = sqrt(fmax(w[i], floor_)), sq = sqrt(sig);
+        for (int c = 0; c < gd; c++) {
+            down[(size_t)i * gd + c] = (float)(U[c * gd + i] / sq);
+            up[(size_t)c * r + i] = (float)(U[c * gd + i] * sq);
+        }
+    }
+    free(w), free(U);
+    return total > 0 ? kept / total : 1.0;
+}
+
+/* ---- safetensors writer: u64 header length, JSON header (8-byte padded), data ---- */
+
+typedef struct st_entry {
+    char name[48];
+    int64_t shape[3];
+    const float *data;
+    size_t n;
+} st_entry;
+
+static lethe_status write_safetensors(const char *path, const st_entry *e, size_t n_e, const char *meta_json) {
+    lethe_sbuf h = {0};
+    lethe_sbuf_puts(&h, "{\"__metadata__\":");
+    lethe_sbuf_puts(&h, meta_json);
+    size_t off = 0;
+    char tmp[256];
+    for (size_t i = 0; i < n_e; i++) {
+        snprintf(tmp, sizeof(tmp), ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%zu,%zu]}",
+                 e[i].name, (long long)e[i].shape[0], (long long)e[i].shape[1], (long long)e[i].shape[2], off,
+                 off + e[i].n * sizeof(float));
+        lethe_sbuf_puts(&h, tmp);
+        off += e[i].n * sizeof(float);
+    }
+    lethe_sbuf_puts(&h, "}");
+    while (h.n % 8) lethe_sbuf_puts(&h, " ");
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        free(h.s);
+        return lethe_errorf(LETHE_ERR_IO, "lethe fit palu: cannot write %s: %s", path, strerror(errno));
+    }
+    const uint64_t hl = h.n;
+    bool ok = fwrite(&hl, 8, 1, f) == 1 && fwrite(h.s, 1, h.n, f) == h.n;
+    for (size_t i = 0; ok && i < n_e; i++) ok = fwrite(e[i].data, sizeof(float), e[i].n, f) == e[i].n;
+    ok = fclose(f) == 0 && ok;
+    free(h.s);
+    return ok ? LETHE_OK : lethe_errorf(LETHE_ERR_IO, "lethe fit palu: writing %s failed", path);
+}
+
+static int32_t rank_of(int32_t gd, int32_t hd, double ratio) {
+    int32_t r = (int32_t)floor(gd * ratio / 16.0) * 16;
+    r = LETHE_MAX(r, LETHE_MIN(16, gd));
+    return LETHE_MIN(r, LETHE_MIN(LETHE_MIN(gd, 256), hd));
+}
+
+/* default output folder: next to the model, "<model without .gguf>.palu-<ratio>" */
+static void default_out(const char *model, double ratio, char *out, size_t cap) {
+    size_t n = strlen(model);
+    while (n > 1 && model[n - 1] == '/') n--;
+    if (n > 5 && !strncmp(model + n - 5, ".gguf", 5)) n -= 5;
+    snprintf(out, cap, "%.*s.palu-%.2f", (int)n, model, ratio);
+}
+
+int lethe_fit_palu(int argc, char **argv) {
+    lethe_fit_params fp = {.samples = 8, .seq_len = 512, .threads = 0, .seed = 0};
+    float ratio = 0.5f;
+    int32_t gs = 1;
+    const char *out = NULL, *calib[LETHE_MAX_STOP] = {0};
+    const lethe_opt opts[] = {
+        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt (repeatable)", 1, 0},
+        {"--rank-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "R", "kept rank / (group size x head_dim), K and V", 0.01, 1},
+        {"--group-size", NULL, LETHE_OPT_INT, &gs, "G", "KV heads per factor group (must divide the KV heads)", 1, 64},
+        {"--samples", NULL, LETHE_OPT_INT, &fp.samples, "N", "calibration windows", 1, 1 << 20},
+        {"--seq-len", NULL, LETHE_OPT_INT, &fp.seq_len, "T", "tokens per calibration window", 16, 1 << 16},
+        {"--out", "-o", LETHE_OPT_STR, &out, "DIR", "output folder (default: next to the model, MODEL.palu-R)", 1, 0},
+        {"--load-format", NULL, LETHE_OPT_STR, &fp.load_format, "F", "auto | gguf | hf | dummy", 1, 0},
+        {"--tokenizer", NULL, LETHE_OPT_STR, &fp.tokenizer, "PATH", "tokenizer folder / .gguf instead of the model's own (dummy weights)", 1, 0},
+        {"--device", NULL, LETHE_OPT_STR, &fp.device, "DEV", "cpu | cuda: where the calibration forward runs (default cpu)", 1, 0},
+        {"--seed", NULL, LETHE_OPT_U64, &fp.seed, "S", "weights seed with --load-format dummy", 1, 0},
+        {"--threads", NULL, LETHE_OPT_INT, &fp.threads, "N", "CPU threads (0 = all cores)", 0, 1024},
+    };
+    const char *pos[2];
+    int n_pos = 0;
+    int rc = lethe_opts_parse(opts, (int)LETHE_ARRAY_LEN(opts), argc, argv, "lethe fit palu MODEL --calib PATH [options]",
+                              "Palu factors (whitened SVD per KV head group) for --sparse-method palu "
+                              "--sparse-config palu_factors=DIR.", pos, &n_pos, 1);
+    if (rc) return rc > 0 ? 0 : 2;
+    if (n_pos != 1 || !calib[0]) {
+        fprintf(stderr, "lethe fit palu: needs MODEL and at least one --calib PATH (see --help)\n");
+        return 2;
+    }
+    fp.model = pos[0];
+    for (int i = 0; i < LETHE_MAX_STOP && calib[i]; i++) fp.calib[fp.n_calib++] = calib[i];
+    lethe_fit_ctx c;
+    lethe_status st = lethe_fit_open(&fp, &c);
+    const lethe_model_config *cfg = &c.model.cfg;
+    if (st == LETHE_OK && (cfg->n_kv_heads % gs))
+        st = lethe_errorf(LETHE_ERR_INVALID, "--group-size %d does not divide the %d KV heads", gs, cfg->n_kv_heads);
+    if (st != LETHE_OK) {
+        fprintf(stderr, "lethe fit palu: %s\n", lethe_last_error());
+        lethe_fit_close(&c);
+        return 1;
+    }
+    palu_acc a = {.L = cfg->n_layers, .KH = cfg->n_kv_heads, .hd = cfg->head_dim, .gs = gs};
+    a.ng = a.KH / gs, a.gd = gs * a.hd;
+    const size_t per_layer = (size_t)a.ng * a.gd * a.gd;
+    a.ck = lethe_xcalloc((size_t)a.L * per_layer, sizeof(double));
+    a.cv = lethe_xcalloc((size_t)a.L * per_layer, sizeof(double));
+    st = lethe_fit_forward(&c, &fp, acc_kv, &a);
+    const int32_t r = rank_of(a.gd, a.hd, ratio);
+    char dir[2048], path[2100];
+    if (out) snprintf(dir, sizeof(dir), "%s", out);
+    else default_out(fp.model, ratio, dir, sizeof(dir));
+    if (st == LETHE_OK && mkdir(dir, 0755) && errno != EEXIST)
+        st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: mkdir %s: %s", dir, strerror(errno));
+    st_entry *ents = lethe_xcalloc((size_t)a.L * 4, sizeof(st_entry));
+    float *bufs = lethe_xmalloc((size_t)a.L * 4 * a.ng * r * a.gd * sizeof(float));
+    double ek = 0, ev = 0, ek_min = 1, ev_min = 1;
+    for (int32_t l = 0; l < a.L && st == LETHE_OK; l++) {
+        float *kd = bufs + (size_t)(4 * l) * a.ng * r * a.gd, *ku = kd + (size_t)a.ng * r * a.gd;
+        float *vd = ku + (size_t)a.ng * r * a.gd, *vu = vd + (size_t)a.ng * r * a.gd;
+        for (int32_t g = 0; g < a.ng; g++) {
+            const size_t o = (size_t)g * r * a.gd;
+            const double e1 = factor(a.ck + l * per_layer + (size_t)g * a.gd * a.gd, a.gd, r, a.n_tok, kd + o, ku + o);
+            const double e2 = factor(a.cv + l * per_layer + (size_t)g * a.gd * a.gd, a.gd, r, a.n_tok, vd + o, vu + o);
+            ek += e1, ev += e2, ek_min = fmin(ek_min, e1), ev_min = fmin(ev_min, e2);
+        }
+        const char *what[4] = {"k_down", "k_up", "v_down", "v_up"};
+        float *data[4] = {kd, ku, vd, vu};
+        for (int i = 0; i < 4; i++) {
+            st_entry *e = &ents[4 * l + i];
+            snprintf(e->name, sizeof(e->name), "layers.%d.%s", l, what[i]);
+            const bool down = i % 2 == 0;
+            e->shape[0] = a.ng, e->shape[1] = down ? r : a.gd, e->shape[2] = down ? a.gd : r;
+            e->data = data[i];
+            e->n = (size_t)a.ng * r * a.gd;
+        }
+    }
+    const double n_groups_total = (double)a.L * a.ng;
+    if (st == LETHE_OK) {
+        snprintf(path, sizeof(path), "%s/palu.safetensors", dir);
+        st = write_safetensors(path, ents, (size_t)a.L * 4, "{\"format\":\"lethe-palu-1\"}");
+    }
+    if (st == LETHE_OK) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "format", "lethe-palu-1");
+        cJSON_AddStringToObject(j, "model", fp.model);
+        cJSON_AddNumberToObject(j, "n_layers", a.L);
+        cJSON_AddNumberToObject(j, "n_kv_heads", a.KH);
+        cJSON_AddNumberToObject(j, "head_dim", a.hd);
+        cJSON_AddNumberToObject(j, "group_size", gs);
+        cJSON_AddNumberToObject(j, "rank_ratio", ratio);
+        cJSON *rk = cJSON_AddArrayToObject(j, "ranks");
+        for (int32_t l = 0; l < a.L; l++) cJSON_AddItemToArray(rk, cJSON_CreateNumber(r));
+        cJSON_AddStringToObject(j, "fit", "whitened SVD per KV head group from the pre-RoPE key / value "
+                                          "covariance of the calibration forward (tools/fit_palu.c)");
+        cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
+        cJSON *files = cJSON_AddArrayToObject(cal, "paths");
+        for (int i = 0; i < fp.n_calib; i++) cJSON_AddItemToArray(files, cJSON_CreateString(fp.calib[i]));
+        cJSON_AddNumberToObject(cal, "samples", c.n_samples);
+        cJSON_AddNumberToObject(cal, "seq_len", fp.seq_len);
+        cJSON_AddNumberToObject(cal, "tokens", (double)a.n_tok);
+        cJSON *en = cJSON_AddObjectToObject(j, "energy_kept");
+        cJSON_AddNumberToObject(en, "k_mean", ek / n_groups_total);
+        cJSON_AddNumberToObject(en, "k_min", ek_min);
+        cJSON_AddNumberToObject(en, "v_mean", ev / n_groups_total);
+        cJSON_AddNumberToObject(en, "v_min", ev_min);
+        cJSON_AddNumberToObject(j, "latent_fraction", (double)r / a.gd);
+        char *txt = cJSON_Print(j);
+        snprintf(path, sizeof(path), "%s/palu.json", dir);
+        FILE *f = fopen(path, "w");
+        if (!f || fputs(txt, f) < 0 || fputc('\n', f) < 0) st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: cannot write %s", path);
+        if (f && fclose(f) && st == LETHE_OK) st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: writing %s failed", path);
+        free(txt);
+        cJSON_Delete(j);
+    }
+    if (st == LETHE_OK)
+        printf("palu factors: %s (rank %d of %d per group, %d layers, %lld calibration tokens; energy kept K %.4f "
+               "(min %.4f), V %.4f (min %.4f))\n", dir, r, a.gd, a.L, (long long)a.n_tok, ek / n_groups_total, ek_min,
+               ev / n_groups_total, ev_min);
+    else
+        fprintf(stderr, "lethe fit palu: %s\n", lethe_last_error());
+    free(ents), free(bufs), free(a.ck), free(a.cv);
+    lethe_fit_close(&c);
+    return st == LETHE_OK ? 0 : 1;
+}
