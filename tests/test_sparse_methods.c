@@ -14,6 +14,9 @@
  *    budgets, H2O compaction between chunks, Quest page count and
  *    current-page rule and its selection == a scratch oracle (batched decode,
  *    page boundaries, compaction), OmniKV sparse layers == sink + oracle top-K + recent,
+ *    R-KV keeps the newer of two copied keys and its importance == a float64
+ *    oracle, SkipKV removes the earlier of two copied spans whole and evicts
+ *    whole spans under pressure, its steering knob refuses to run without an asset,
  *    KIVI / FP8 stored values within their bounds and tail pages exact;
  *  - registry and knob parsing errors, the contract's registry rules (broken
  *    tables rejected with the method and the rule named), the OmniKV layer
@@ -38,8 +41,20 @@
 
 enum { NL = 4, H = 4, HK = 2, D = 32, KVD = HK * D, NSLOTS = 512, MAXR = 4, MAXT = 256 };
 
+/* planted structure for the R-KV / SkipKV properties: one-hot keys (every
+ * position its own direction per head) with key g_dup_dst a copy of g_dup_src;
+ * V rows of [g_vdup_dst, + g_vdup_len) copies of those from g_vdup_src */
+static int g_onehot_keys, g_dup_src = -1, g_dup_dst = -1;
+static int g_vdup_src = -1, g_vdup_dst = -1, g_vdup_len;
+
 /* deterministic synthetic activations in [-1, 1] */
 static float gen(uint64_t req, int layer, int pos, int which, int i) {
+    if (which == 1 && g_onehot_keys) {
+        const int pp = pos == g_dup_dst ? g_dup_src : pos;
+        return i % D == (pp + i / D) % D ? 1.0f : 0.0f;
+    }
+    if (which == 2 && g_vdup_dst >= 0 && pos >= g_vdup_dst && pos < g_vdup_dst + g_vdup_len)
+        pos = pos - g_vdup_dst + g_vdup_src;
     uint64_t s = req * 0x9E3779B97F4A7C15ull ^ ((uint64_t)layer << 48) ^ ((uint64_t)pos << 20) ^
                  ((uint64_t)which << 16) ^ (uint64_t)i;
     float x = (float)((lethe_splitmix64(&s) >> 40) * 0x1p-24) * 2.0f - 1.0f;
@@ -471,6 +486,149 @@ static void test_h2o(void) {
     h_close(&h);
 }
 
+/* R-KV with one-hot keys (every key its own direction, cosine 0) except one
+ * planted pair of copies: the older copy is the more redundant one and is
+ * evicted, the newer survives (without the newest-copy rule both would be
+ * equally redundant and both evicted); ties among the rest keep the earliest.
+ * Then the interval cycle: the row grows to B + interval and is cut to B. */
+static void test_rkv_duplicates(void) {
+    harness h;
+    g_onehot_keys = 1, g_dup_src = 5, g_dup_dst = 8;
+    /* B = 0 + 8 + 4 = 12, w = 4: compaction at L >= 16 */
+    h_open(&h, "rkv", "sink_keep_tokens=0,recent_keep_tokens=4,decode_keep_tokens=8,rkv_observation_tokens=4,"
+                      "rkv_compression_interval=4,rkv_alpha=0");
+    h.chunk = 16;
+    h_add(&h, 0, 9, 24, 30);
+    h_step(&h);
+    h_step(&h); /* the prompt: never compacted at prefill */
+    CHECK_EQ_INT(len_of(&h, 0, 0), 24);
+    h_step(&h); /* first decode token: L = 25 >= 16 -> 12 */
+    static const int32_t want[12] = {0, 1, 2, 3, 4, 6, 7, 8, 21, 22, 23, 24};
+    for (int l = 0; l < NL; l++) {
+        CHECK_EQ_INT(len_of(&h, l, 0), 12);
+        for (int e = 0; e < 12; e++) CHECK_EQ_INT(pos_of(&h, l, 0)[e], want[e]);
+    }
+    for (int s = 13; s <= 15; s++) { /* grows below B + interval */
+        h_step(&h);
+        CHECK_EQ_INT(len_of(&h, 0, 0), s);
+    }
+    h_step(&h); /* L = 16 -> 12 */
+    for (int l = 0; l < NL; l++) CHECK_EQ_INT(len_of(&h, l, 0), 12);
+    h_close(&h);
+    g_onehot_keys = 0, g_dup_src = g_dup_dst = -1;
+}
+
+/* R-KV importance alone (alpha 1): the kept set is the top of a float64 oracle:
+ * per layer the mean over the ring's 4 queries (the last 4 tokens' own) and all
+ * heads of the softmax over the prefix keys, max-pooled (k = 7), summed over
+ * layers. */
+static void test_rkv_importance(void) {
+    harness h;
+    h_open(&h, "rkv", "sink_keep_tokens=0,recent_keep_tokens=4,decode_keep_tokens=8,rkv_observation_tokens=4,"
+                      "rkv_compression_interval=4,rkv_alpha=1");
+    h.chunk = 16;
+    h_add(&h, 0, 13, 40, 42);
+    while (h.r[0].n_done < 41) h_step(&h); /* L = 41 at the first decode step -> 12 */
+    const int L = 41, w = 4, nc = L - w;
+    double F[64] = {0};
+    for (int l = 0; l < NL; l++) {
+        double imp[64] = {0};
+        for (int r = 0; r < w; r++) {
+            const int qp = L - w + r;
+            for (int hh = 0; hh < H; hh++) {
+                double s[64], mx = -INFINITY, sum = 0;
+                for (int j = 0; j < nc; j++) {
+                    double d = 0;
+                    for (int i = 0; i < D; i++)
+                        d += (double)gen(13, l, qp, 0, hh * D + i) * gen(13, l, j, 1, (hh / (H / HK)) * D + i);
+                    s[j] = d * 0.25;
+                    mx = fmax(mx, s[j]);
+                }
+                for (int j = 0; j < nc; j++) sum += exp(s[j] - mx);
+                for (int j = 0; j < nc; j++) imp[j] += exp(s[j] - mx) / sum / (w * H);
+            }
+        }
+        for (int j = 0; j < nc; j++) {
+            double m = -INFINITY;
+            for (int k = j - 3; k <= j + 3; k++)
+                if (k >= 0 && k < nc) m = fmax(m, imp[k]);
+            F[j] += m;
+        }
+    }
+    int32_t top[8];
+    float Ff[64];
+    for (int j = 0; j < nc; j++) Ff[j] = (float)F[j];
+    CHECK_EQ_INT(lethe_topk_indices(Ff, nc, 8, top), 8);
+    for (int l = 0; l < NL; l++) {
+        CHECK_EQ_INT(len_of(&h, l, 0), 12);
+        for (int e = 0; e < 8; e++) CHECK_EQ_INT(pos_of(&h, l, 0)[e], top[e]);
+        for (int e = 0; e < 4; e++) CHECK_EQ_INT(pos_of(&h, l, 0)[8 + e], L - w + e);
+    }
+    h_close(&h);
+}
+
+/* SkipKV without a tokenizer: spans of skipkv_segment (4) tokens. A span whose
+ * last-layer V rows copy a later span's is the earlier near-duplicate and goes
+ * whole, nothing else (the row then fits the budget). */
+static void test_skipkv_duplicates(void) {
+    harness h;
+    g_vdup_src = 8, g_vdup_dst = 24, g_vdup_len = 4; /* V of [24, 28) = V of [8, 12) */
+    /* B = 0 + 33 + 4 = 37: compaction at L >= 41, middle [0, 37) */
+    h_open(&h, "skipkv", "sink_keep_tokens=0,recent_keep_tokens=4,decode_keep_tokens=33,"
+                         "skipkv_compression_interval=4,skipkv_segment=4");
+    h.chunk = 16;
+    h_add(&h, 0, 21, 40, 43);
+    for (int i = 0; i < 3; i++) h_step(&h);
+    CHECK_EQ_INT(len_of(&h, 0, 0), 40); /* the prompt: never compacted at prefill */
+    h_step(&h);                          /* L = 41 -> 37 */
+    for (int l = 0; l < NL; l++) {
+        CHECK_EQ_INT(len_of(&h, l, 0), 37);
+        for (int e = 0, p = 0; e < 37; e++, p++) {
+            if (p == 8) p = 12; /* the earlier copy [8, 12) is gone */
+            CHECK_EQ_INT(pos_of(&h, l, 0)[e], p);
+        }
+    }
+    h_close(&h);
+    g_vdup_src = g_vdup_dst = -1;
+}
+
+/* SkipKV under pressure: whole spans go (least attended first) until the row
+ * fits B; what stays is the sink, whole spans and the recent tokens. */
+static void test_skipkv_sentences(void) {
+    harness h;
+    /* B = 2 + 11 + 4 = 17: compaction at L >= 21; the prompt of 40 -> <= 17 */
+    h_open(&h, "skipkv", "sink_keep_tokens=2,recent_keep_tokens=4,decode_keep_tokens=11,"
+                         "skipkv_compression_interval=4,skipkv_segment=4");
+    h.chunk = 16;
+    h_add(&h, 0, 5, 40, 42);
+    for (int i = 0; i < 4; i++) h_step(&h);
+    for (int l = 0; l < NL; l++) {
+        const int32_t n = len_of(&h, l, 0), *p = pos_of(&h, l, 0);
+        CHECK(n <= 17 && n > 17 - 4); /* whole 4-token spans */
+        CHECK(p[0] == 0 && p[1] == 1);  /* sink */
+        for (int e = 0; e < 4; e++) CHECK_EQ_INT(p[n - 4 + e], 37 + e); /* recent */
+        /* the middle [2, 37) in spans [2, 6), [6, 10), ..., [34, 37): each whole or gone */
+        uint8_t kept[41] = {0};
+        for (int e = 0; e < n; e++) kept[p[e]] = 1;
+        for (int s0 = 2; s0 < 37; s0 += 4)
+            for (int q = s0; q < LETHE_MIN(37, s0 + 4); q++) CHECK_EQ_INT(kept[q], kept[s0]);
+        for (int e = 0; e < n; e++) CHECK_EQ_INT(p[e], pos_of(&h, 0, 0)[e]); /* one token set */
+    }
+    h_close(&h);
+}
+
+/* steering needs a per-model asset: a clear error, not a silent no-op */
+static void test_skipkv_steering(void) {
+    lethe_sparse_env env = {.n_layers = NL, .n_heads = H, .n_kv_heads = HK, .head_dim = D};
+    lethe_sparse_method *m = NULL;
+    CHECK(lethe_sparse_create("skipkv", "skipkv_steering=true", &env, &m) == LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "skipkv_steering_asset");
+    CHECK(lethe_sparse_create("skipkv", "skipkv_steering=true,skipkv_steering_asset=/nonexistent.bin", &env, &m) ==
+          LETHE_ERR_UNSUPPORTED);
+    CHECK(lethe_sparse_create("skipkv", "skipkv_steering=false", &env, &m) == LETHE_OK);
+    lethe_sparse_destroy(m);
+}
+
 static void test_quest(void) {
     harness h;
     /* budget 4 + 24 + 4 = 32 tokens -> K = max(3, 32/16) = 3 pages */
@@ -836,6 +994,11 @@ int main(void) {
     TEST_RUN(test_quest);
     TEST_RUN(test_quest_oracle);
     TEST_RUN(test_omnikv);
+    TEST_RUN(test_rkv_duplicates);
+    TEST_RUN(test_rkv_importance);
+    TEST_RUN(test_skipkv_duplicates);
+    TEST_RUN(test_skipkv_sentences);
+    TEST_RUN(test_skipkv_steering);
     TEST_RUN(test_quantizers);
     TEST_RUN(test_lifecycle_all);
     return 0;

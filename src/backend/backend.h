@@ -503,6 +503,22 @@ typedef struct lethe_backend_ops {
     /* raw bytes host -> backend memory (tables that must keep their exact
      * values: TurboQuant's f32 rotation and codebook); synchronous, init time */
     void (*copy_from_host)(lethe_backend *be, void *dst, const void *src, size_t n_bytes);
+    /* ---- key redundancy (R-KV, methods.md §8; CPU twin
+     * backend/cpu/redundancy.c, CUDA backend/cuda/redundancy.cu) ----
+     * For every KV head h and keys e in [0, n) (rows slots[e] of k_cache
+     * [n_slots, n_kv_heads, head_dim], backend kv type; host slots):
+     *   c(i, j)  = k_i . k_j / ((|k_i| + 1e-8) (|k_j| + 1e-8)), i != j
+     *   last(i)  = the largest j > i with c(i, j) > threshold (i's newest
+     *              near-copy), none if there is no such j
+     *   out[h, i] = (sum over j != i of c(i, j)  -  sum over the j with
+     *              last(j) = i of c(i, j)) / n
+     * i.e. the mean similarity of a key to the others, where the newest copy
+     * of near-duplicates does not count its older copies (R-KV keeps the
+     * newest). out: HOST float [n_kv_heads, n], written when the op returns
+     * (synchronous). O(n^2 head_dim) per head in tiles, O(n) memory: no
+     * n x n matrix exists. */
+    void (*key_redundancy)(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
+                           int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
 } lethe_backend_ops;
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */

@@ -31,7 +31,9 @@
     X(turboquant)                                                                                  \
     X(palu)                                                                                        \
     X(fp8_kv)                                                                                      \
-    X(kvzip)
+    X(kvzip)                                                                                       \
+    X(rkv)                                                                                         \
+    X(skipkv)
 
 #define DECLARE_(n) extern const lethe_sparse_ops lethe_sparse_##n;
 #define ENTRY_(n) &lethe_sparse_##n,

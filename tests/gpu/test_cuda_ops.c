@@ -103,6 +103,48 @@ static double compare(const pair *p, size_t n, double thr, const char *what) {
     return e;
 }
 
+/* ---- key redundancy (R-KV) ------------------------------------------------ */
+
+/* CUDA key_redundancy vs the CPU twin: random bf16 keys over scattered slots
+ * with planted copies (the newest-copy rule fires) and a near-copy; the
+ * newest copies must come out lower than their older copies on both. */
+static void test_key_redundancy(void) {
+    static const int shapes[][3] = {{1, 64, 40}, {2, 128, 700}, {8, 128, 3000}, {3, 96, 257}, {2, 256, 130}};
+    for (size_t si = 0; si < LETHE_ARRAY_LEN(shapes); si++) {
+        const int KV = shapes[si][0], D = shapes[si][1], n = shapes[si][2], n_slots = 2 * n + 7;
+        const size_t kvd = (size_t)KV * D;
+        float *kc = rand_bf16((size_t)n_slots * kvd, 1);
+        int32_t *slots = lethe_xmalloc((size_t)n * sizeof(int32_t));
+        for (int i = 0; i < n; i++) slots[i] = (int32_t)((i * 2 + 3) % n_slots);
+        /* copies: key n/3 -> n/2 and 2n/3 (exact), key 1 -> 5 scaled (cosine 1) */
+        const int a = n / 3, b = n / 2, c = 2 * n / 3;
+        for (size_t d = 0; d < kvd; d++) {
+            kc[(size_t)slots[b] * kvd + d] = kc[(size_t)slots[a] * kvd + d];
+            kc[(size_t)slots[c] * kvd + d] = kc[(size_t)slots[a] * kvd + d];
+            kc[(size_t)slots[5] * kvd + d] = bf16_round(2.0f * kc[(size_t)slots[1] * kvd + d]);
+        }
+        pair pk = pair_act(kc, (size_t)n_slots * kvd);
+        float *oc = lethe_xmalloc((size_t)KV * n * sizeof(float)), *og = lethe_xmalloc((size_t)KV * n * sizeof(float));
+        for (int i = 0; i < KV * n; i++) og[i] = NAN;
+        g_cpu->ops->key_redundancy(g_cpu, oc, pk.c, slots, n, KV, D, 0.5f);
+        g_gpu->ops->key_redundancy(g_gpu, og, pk.g, slots, n, KV, D, 0.5f);
+        double worst = 0;
+        for (int i = 0; i < KV * n; i++) {
+            CHECK_MSG(isfinite(og[i]), "key_redundancy KV=%d D=%d n=%d [%d]: not written", KV, D, n, i);
+            const double err = fabs((double)og[i] - oc[i]);
+            worst = fmax(worst, err);
+            CHECK_MSG(err <= 2e-5, "key_redundancy KV=%d D=%d n=%d [%d]: %.7g vs cpu %.7g", KV, D, n, i, og[i], oc[i]);
+        }
+        for (int h = 0; h < KV; h++) { /* the newest copy does not count its older copies */
+            CHECK(og[(size_t)h * n + c] < og[(size_t)h * n + a] && oc[(size_t)h * n + c] < oc[(size_t)h * n + a]);
+            CHECK(og[(size_t)h * n + 5] < og[(size_t)h * n + 1]);
+        }
+        fprintf(stderr, "    key_redundancy KV=%d D=%d n=%-5d max abs err %.2e\n", KV, D, n, worst);
+        pair_free(&pk);
+        free(kc), free(slots), free(oc), free(og);
+    }
+}
+
 /* ---- pointwise and row ops ------------------------------------------------ */
 
 static void test_matmul(void) {
@@ -1114,6 +1156,7 @@ int main(void) {
     TEST_RUN(test_rows);
     TEST_RUN(test_attention);
     TEST_RUN(test_attn_scores);
+    TEST_RUN(test_key_redundancy);
     TEST_RUN(test_page_ops);
     TEST_RUN(test_sample);
     TEST_RUN(test_select);

@@ -1,5 +1,5 @@
 /* test_cuda_sparse.c - the scored sparse methods (snapkv, pyramidkv, h2o,
- * omnikv, kvzip) through the real engine on the CUDA backend, so their scores come
+ * omnikv, kvzip, rkv, skipkv) through the real engine on the CUDA backend, so their scores come
  * from the CUDA attn_scores op (backend/cuda/scores.cu):
  *
  *  - identity: with budgets >= the context each method's greedy tokens and
@@ -119,6 +119,8 @@ static void test_identity(void) {
         {"omnikv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096,omnikv_full_layers=0"},
         {"kvzip", "kvzip_token_budget=4096"},
         {"kvzip", "kvzip_level=pair,kvzip_ratio=1"},
+        {"rkv", "decode_keep_tokens=100000"},
+        {"skipkv", "decode_keep_tokens=100000"},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) {
         fprintf(stderr, "    %s %s\n", cases[i][0], cases[i][1]);
@@ -171,6 +173,18 @@ static void test_compaction(void) {
     run("kvzip", "kvzip_level=pair,kvzip_ratio=0.3,kvzip_chunk_size=64", &o, &a, &lo, &hi);
     CHECK(a > NL * 4 && a < NL * NPROMPT);
     CHECK_EQ_INT(lo, a + NL);
+    /* rkv: the prompt stays whole; from the first decode step the rows cycle
+     * in [B, B + interval) (B = 24, interval 4; scores: attn_scores over the
+     * ring's queries, key_redundancy) */
+    run("rkv", "sink_keep_tokens=0,recent_keep_tokens=4,decode_keep_tokens=20,rkv_observation_tokens=4,"
+               "rkv_compression_interval=4", &o, &a, &lo, &hi);
+    CHECK_EQ_INT(a, NL * NPROMPT);
+    CHECK(lo >= NL * 24 && hi < NL * 28);
+    /* skipkv: whole 4-token spans, rows in (B - 4, B + interval) (B = 26) */
+    run("skipkv", "sink_keep_tokens=2,recent_keep_tokens=4,decode_keep_tokens=20,skipkv_compression_interval=4,"
+                  "skipkv_segment=4", &o, &a, &lo, &hi);
+    CHECK_EQ_INT(a, NL * NPROMPT);
+    CHECK(lo > NL * 22 && hi < NL * 30);
 }
 
 int main(void) {

@@ -146,6 +146,7 @@ static const lethe_backend_ops cpu_ops = {
     .matmul_heads = lethe_cpu_matmul_heads,
     .copy_block = lethe_cpu_copy_block,
     .copy_from_host = cpu_copy_from_host,
+    .key_redundancy = lethe_cpu_key_redundancy,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

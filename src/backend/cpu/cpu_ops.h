@@ -58,6 +58,8 @@ void lethe_cpu_kv_store_tq(lethe_backend *be, const lethe_kv_quant *kvq, void *k
                            int32_t n, int32_t n_kv_heads, int32_t head_dim);
 void lethe_cpu_attention_tq(lethe_backend *be, const lethe_attn_args *a);
 void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a);
+void lethe_cpu_key_redundancy(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
+                              int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
 void lethe_cpu_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
                      int32_t n, int32_t dim);
 void lethe_cpu_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,

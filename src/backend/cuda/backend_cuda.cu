@@ -533,6 +533,7 @@ static const lethe_backend_ops cuda_ops = {
     /* .matmul_heads */ lethe_cuda_matmul_heads,
     /* .copy_block */ lethe_cuda_copy_block,
     /* .copy_from_host */ cuda_copy_from_host,
+    /* .key_redundancy */ lethe_cuda_key_redundancy,
 };
 
 #define INIT_CHECK(call, what)                                                              \

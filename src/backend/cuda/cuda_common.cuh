@@ -181,6 +181,8 @@ void lethe_cuda_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n, 
                      int32_t head_dim, const lethe_rope_config *rope);
 void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a);
 void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a);
+void lethe_cuda_key_redundancy(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
+                               int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
 void lethe_cuda_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
                       int32_t n, int32_t dim);
 void lethe_cuda_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
