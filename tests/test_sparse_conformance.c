@@ -207,9 +207,13 @@ static void identity_and_eviction(void) {
                 CHECK_MSG(!memcmp(o.logits[r], dense.logits[r], n * sizeof(float)), "%s logits", ops->name);
             }
         } else {
-            double e = rel_err(o.logits[0], dense.logits[0], n);
+            /* lossy codes may flip a greedy token (MoE routing amplifies them); the
+             * logits are comparable up to and including the first differing token */
+            int same = 0;
+            while (same < NGEN - 1 && o.tokens[0][same] == dense.tokens[0][same]) same++;
+            double e = rel_err(o.logits[0], dense.logits[0], (size_t)(same + 1) * (size_t)dense.n_vocab);
             const double tol = tc->lossy_rel_err > 0 ? tc->lossy_rel_err : 0.05;
-            fprintf(stderr, "      lossy: logits rel err %.4f (bound %.2f)\n", e, tol);
+            fprintf(stderr, "      lossy: logits rel err %.4f over %d steps (bound %.2f)\n", e, same + 1, tol);
             CHECK_MSG(e < tol, "%s logits rel err %g", ops->name, e);
             n_lossy++;
         }
