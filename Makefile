@@ -34,7 +34,7 @@ EXTRA_LDFLAGS ?=
 # -fPIC: the same objects go into the executables and build/liblethe.so;
 # -fno-semantic-interposition keeps calls between them direct (as -fPIE does)
 CFLAGS_BASE := -std=c17 -Wall -Wextra -Werror -Wno-unused-parameter -g $(OPT) -fPIC -fno-semantic-interposition \
-               -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -MMD -MP $(EXTRA_CFLAGS)
+               -D_GNU_SOURCE -fopenmp -Iinclude -Isrc -MMD -MP $(EXTRA_CFLAGS)
 BASE_LDLIBS := $(EXTRA_LDFLAGS) -lcjson -lpcre2-8 -licuuc -lcurl -lcrypto -lm -lpthread -fopenmp
 LDLIBS  := $(BASE_LDLIBS)
 
@@ -75,6 +75,12 @@ ifeq ($(SAN),1)
 endif
 LDLIBS  += $(XGR_LIB) -lstdc++
 
+# SIMD: no global -mavx2/-mfma, so the binary starts on any x86-64. Only the
+# kernel files below get them, and the CPU backend calls them after
+# backend/cpu/cpu_isa.c has probed (by executing) that the CPU runs them.
+SIMD_AVX2_FLAGS := -mavx2 -mfma -mf16c
+SIMD_AVX2_SRC   := $(wildcard src/backend/cpu/*_avx2.c) $(wildcard src/backend/cpu/attention*.c)
+
 SRC       := $(shell find src -name '*.c' | sort)
 CXX_SRC   := $(shell find src -name '*.cc' | sort)
 CU_SRC    := $(shell find src -name '*.cu' | sort)
@@ -104,6 +110,8 @@ endif
 # with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
 # and the dev/cuda programs (make dev)
 all: $(BUILD)/lethe $(BUILD)/liblethe.so $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
+
+$(SIMD_AVX2_SRC:%.c=$(BUILD)/%.o): CFLAGS += $(SIMD_AVX2_FLAGS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -193,13 +201,15 @@ FUZZ_CC      ?= clang
 FUZZ_BUILD   ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS    ?= 0
-FUZZ_CFLAGS  := -std=c17 -g -O1 -D_GNU_SOURCE -mavx2 -mfma -fopenmp -Iinclude -Isrc -Itests/fuzz \
+FUZZ_CFLAGS  := -std=c17 -g -O1 -D_GNU_SOURCE -fopenmp -Iinclude -Isrc -Itests/fuzz \
                 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined \
                 -MMD -MP $(EXTRA_CFLAGS)
 FUZZ_CXX     ?= clang++
 FUZZ_OBJ     := $(SRC:%.c=$(FUZZ_BUILD)/%.o) $(CXX_SRC:%.cc=$(FUZZ_BUILD)/%.cc.o)
 FUZZ_SRC     := $(shell find tests/fuzz -name 'fuzz_*.c' 2>/dev/null | sort)
 FUZZ_BIN     := $(FUZZ_SRC:tests/fuzz/%.c=$(FUZZ_BUILD)/fuzz/%)
+
+$(SIMD_AVX2_SRC:%.c=$(FUZZ_BUILD)/%.o): FUZZ_CFLAGS += $(SIMD_AVX2_FLAGS)
 
 $(FUZZ_BUILD)/src/%.o: src/%.c | deps
 	@mkdir -p $(dir $@)

@@ -40,7 +40,7 @@
 #define MAX_SWEEP 16
 
 typedef struct bench_opts {
-    const char *model, *load_format, *device, *json;
+    const char *model, *load_format, *device, *json, *cpu_weights;
     const char *batch, *input, *output, *attn_batch, *attn_ctx, *attn_prefill, *points;
     int32_t max_batched, threads, reps;
     uint64_t seed;
@@ -201,7 +201,10 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     free(steps);
     pt->decode_tok_s = pt->step_ms > 0 ? B / (pt->step_ms * 1e-3) : 0;
     double mean_ctx = in + out / 2.0;
-    pt->decode_bytes = weight_bytes(c, (double)be->ops->kv_size, B) +
+    /* matrices as held (stored formats on the CPU): bytes per parameter of this model */
+    const double ws = m->matrix_bytes ? (double)m->matrix_bytes / lethe_model_params_read(c, 1 << 20)
+                                      : (double)be->ops->kv_size;
+    pt->decode_bytes = weight_bytes(c, ws, B) +
                        (double)B * mean_ctx * c->n_layers * (k_only ? 1.0 : 2.0) * kv_dim *
                            be->ops->kv_size;
     pt->decode_gbs = pt->step_ms > 0 ? pt->decode_bytes / (pt->step_ms * 1e-3) * 1e-9 : 0;
@@ -392,6 +395,7 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--load-format", NULL, LETHE_OPT_STR, &o.load_format, "FMT", "auto | gguf | hf | dummy", 1, 0},
         {"--device", NULL, LETHE_OPT_STR, &o.device, "DEV", "cuda | cpu", 1, 0},
         {"--threads", "-t", LETHE_OPT_INT, &o.threads, "N", "CPU threads (0 = all)", 0, 4096},
+        {"--cpu-weights", NULL, LETHE_OPT_STR, &o.cpu_weights, "native|fp32", "CPU weights as stored (native) or dequantized at load (fp32)", 1, 0},
         {"--batch", "-b", LETHE_OPT_STR, &o.batch, "LIST", "batch sizes, comma separated", 1, 0},
         {"--input-len", "-i", LETHE_OPT_STR, &o.input, "LIST", "prompt lengths", 1, 0},
         {"--output-len", "-o", LETHE_OPT_STR, &o.output, "LIST", "decode steps", 1, 0},
@@ -451,7 +455,8 @@ int lethe_bench_engine(int argc, char **argv) {
 
     lethe_backend_params bp = {.device = o.device, .n_threads = o.threads, .device_index = 0};
     lethe_backend *be = NULL;
-    if (lethe_backend_create(&bp, &be) != LETHE_OK) {
+    if ((o.cpu_weights && lethe_cpu_weights_parse(o.cpu_weights, &bp.cpu_weights) != LETHE_OK) ||
+        lethe_backend_create(&bp, &be) != LETHE_OK) {
         fprintf(stderr, "lethe bench engine: %s\n", lethe_last_error());
         return 1;
     }

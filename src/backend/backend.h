@@ -31,10 +31,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/ggml_types.h"
 #include "core/status.h"
 #include "model/config.h"
 
 typedef struct lethe_backend lethe_backend;
+
+/* A weight matrix [rows, cols] in a stored element format: row r is the
+ * lethe_ggml_type_size(type, cols) bytes at data + r * that (ops->weight_upload_raw). */
+typedef struct lethe_weight_raw {
+    lethe_ggml_type type;
+    int64_t rows, cols;
+    const void *data;
+} lethe_weight_raw;
 typedef struct lethe_sample_args lethe_sample_args; /* backend/sample.h */
 
 /* ---- quantized KV storage ----
@@ -519,6 +528,15 @@ typedef struct lethe_backend_ops {
      * n x n matrix exists. */
     void (*key_redundancy)(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
                            int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
+    /* ---- weights in their stored format (optional, NULL = not offered) ----
+     * A matrix weight as the file stores it (w->type: a GGUF block format,
+     * f16 or bf16; rows in HF order). On LETHE_OK *out is backend weight
+     * memory that matmul (and embed, for the token table) accept like an
+     * uploaded f32 weight; LETHE_ERR_UNSUPPORTED (no error message set) means
+     * "not this one, upload f32 instead", which the loader then does. The CPU
+     * backend keeps the blocks and computes on them (cpu/qmatmul.c); kept
+     * last in the table, CUDA leaves it NULL and dequantizes on upload. */
+    lethe_status (*weight_upload_raw)(lethe_backend *be, const lethe_weight_raw *w, void **out);
 } lethe_backend_ops;
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */
@@ -536,7 +554,14 @@ typedef struct lethe_backend_params {
     const char *device;        /* "cpu" or "cuda" */
     int n_threads;             /* CPU: 0 = all cores */
     int device_index;          /* CUDA ordinal */
+    /* CPU weights: LETHE_CPU_WEIGHTS_NATIVE keeps GGUF blocks / f16 / bf16 as
+     * stored (weight_upload_raw), _FP32 dequantizes at load (the reference) */
+    int cpu_weights;
 } lethe_backend_params;
+
+enum { LETHE_CPU_WEIGHTS_NATIVE = 0, LETHE_CPU_WEIGHTS_FP32 = 1 };
+/* "native" / "fp32" -> LETHE_CPU_WEIGHTS_* (a clear error otherwise) */
+lethe_status lethe_cpu_weights_parse(const char *s, int *out);
 
 /* true when the backend has every capability bit of `caps` (NULL: none) */
 static inline bool lethe_backend_has(const lethe_backend *be, unsigned caps) {

@@ -28,6 +28,10 @@ static const lethe_env_var g_vars[LETHE_ENV_N] = {
          "testing: the model forward of every step whose batch holds token id N fails after "
          "it ran, as a backend error would; the step's requests end with an internal error "
          "(HTTP 500), the others continue (0: off)"},
+    [LETHE_ENV_CPU_ISA] =
+        {"LETHE_CPU_ISA", LETHE_ENV_CHOICE, "auto", "auto|avx2|scalar", "CPU backend",
+         "auto: the best kernel tier this CPU runs (probed by executing it); avx2 / scalar: at "
+         "most that tier (tests and side-by-side benchmarks; the same results)"},
 };
 
 const lethe_env_var *lethe_env_var_of(lethe_env_id id) {

@@ -32,6 +32,7 @@ typedef enum lethe_env_id {
     LETHE_ENV_SAMPLE_ON_HOST, /* engine_sample.c */
     LETHE_ENV_MATMUL,         /* backend/cuda/backend_cuda.cu */
     LETHE_ENV_FAULT_TOKEN,    /* engine.c -> runner.c (testing) */
+    LETHE_ENV_CPU_ISA,        /* backend/cpu/backend_cpu.c */
     LETHE_ENV_N
 } lethe_env_id;
 

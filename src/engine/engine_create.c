@@ -22,6 +22,10 @@ int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out) {
     lethe_status st = lethe_load_format_parse(p->load_format ? p->load_format : "auto", &fmt);
     if (st != LETHE_OK) return st;
     lethe_backend_params bp = {.device = p->device ? p->device : "cpu", .n_threads = p->n_threads};
+    if (p->cpu_weights) {
+        lethe_status ws = lethe_cpu_weights_parse(p->cpu_weights, &bp.cpu_weights);
+        if (ws) return ws;
+    }
     lethe_backend *be = NULL;
     if ((st = lethe_backend_create(&bp, &be)) != LETHE_OK) return st;
     lethe_model_load_params lp = {.path = p->model, .format = fmt, .seed = p->seed, .progress = p->progress};

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/ggml_types.h"
 #include "core/status.h"
 
 typedef enum lethe_gguf_type { /* metadata value types, numbered as in the spec */
@@ -20,12 +21,6 @@ typedef enum lethe_gguf_type { /* metadata value types, numbered as in the spec 
     LETHE_GGUF_FLOAT64 = 12,
 } lethe_gguf_type;
 
-typedef enum lethe_ggml_type { /* tensor element types, numbered as in ggml */
-    LETHE_GGML_F32 = 0, LETHE_GGML_F16 = 1, LETHE_GGML_Q4_0 = 2, LETHE_GGML_Q4_1 = 3,
-    LETHE_GGML_Q5_0 = 6, LETHE_GGML_Q5_1 = 7, LETHE_GGML_Q8_0 = 8, LETHE_GGML_Q8_1 = 9,
-    LETHE_GGML_Q2_K = 10, LETHE_GGML_Q3_K = 11, LETHE_GGML_Q4_K = 12, LETHE_GGML_Q5_K = 13,
-    LETHE_GGML_Q6_K = 14, LETHE_GGML_Q8_K = 15, LETHE_GGML_BF16 = 30,
-} lethe_ggml_type;
 
 typedef struct lethe_gguf_str {
     uint64_t len;
@@ -88,13 +83,5 @@ lethe_status lethe_gguf_get_str(const lethe_gguf *g, const char *key, lethe_gguf
 /* Array of strings: element i (bounds-checked by the caller against kv->arr_n).
  * Strings in an array are length-prefixed; the parser builds an offset index at open. */
 lethe_gguf_str lethe_gguf_arr_str(const lethe_gguf *g, const lethe_gguf_kv *kv, uint64_t i);
-
-/* Bytes for n elements of a ggml type; 0 if the type is unknown or n is not a
- * multiple of its block size. */
-size_t lethe_ggml_type_size(lethe_ggml_type t, uint64_t n_elems);
-const char *lethe_ggml_type_name(lethe_ggml_type t);
-
-/* Dequantizes n elements (a multiple of the block size) of type t to f32. */
-lethe_status lethe_ggml_dequantize(lethe_ggml_type t, const void *src, float *dst, uint64_t n);
 
 #endif /* LETHE_GGUF_H */

@@ -7,6 +7,9 @@
  * tensor, the expected and the found shape. Each tensor is converted into
  * one reused f32 host buffer (sized for the largest tensor) and handed to
  * be->ops->weight_upload, so the model never sits in host f32 memory twice.
+ * Matrices stored as GGUF blocks, f16 or bf16 go to ops->weight_upload_raw
+ * first when the backend has it (the CPU keeps them as stored, qmatmul.c),
+ * and take the f32 path when it declines.
  *
  * llama.cpp's converter permutes the rows of Q and K of arch "llama" so that
  * RoPE pairs are interleaved: within each head (n rows = head_dim), GGUF row
@@ -407,6 +410,56 @@ static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *
     return lethe_st_to_f32(&src->st, t, buf);
 }
 
+/* Matrices in a stored format the backend keeps as they are
+ * (ops->weight_upload_raw: GGUF blocks, f16 / bf16): rows un-permuted as
+ * whole byte ranges (a row is whole blocks). LETHE_ERR_UNSUPPORTED: not
+ * such a tensor or not taken by the backend, the caller uploads f32 instead. */
+static lethe_status upload_raw(source *src, const weight_spec *w, lethe_backend *be,
+                               void **slot, size_t *bytes) {
+    /* whole 2-D tensors only: not expert stacks, not row selections (MLA's kv_b parts) */
+    if (!be->ops->weight_upload_raw || !w->cols || w->stack || w->src_rows ||
+        src->fmt == LETHE_LOAD_DUMMY)
+        return LETHE_ERR_UNSUPPORTED;
+    lethe_weight_raw r = {.rows = w->rows, .cols = w->cols};
+    if (src->fmt == LETHE_LOAD_GGUF) {
+        const lethe_gguf_tensor *t = lethe_gguf_find_tensor(&src->gguf, w->gguf);
+        if (!t || t->n_dims != 2 || (int64_t)t->ne[0] != w->cols || (int64_t)t->ne[1] != w->rows)
+            return LETHE_ERR_UNSUPPORTED; /* fetch() names the problem */
+        r.type = t->type, r.data = t->data;
+    } else {
+        const lethe_st_tensor *t = lethe_st_find(&src->st, w->hf);
+        if (!t || t->n_dims != 2 || t->shape[0] != w->rows || t->shape[1] != w->cols)
+            return LETHE_ERR_UNSUPPORTED;
+        if (!strcmp(t->dtype, "BF16")) r.type = LETHE_GGML_BF16;
+        else if (!strcmp(t->dtype, "F16")) r.type = LETHE_GGML_F16;
+        else return LETHE_ERR_UNSUPPORTED;
+        r.data = t->data;
+    }
+    if (r.type == LETHE_GGML_F32) return LETHE_ERR_UNSUPPORTED;
+    const size_t rb = lethe_ggml_type_size(r.type, (uint64_t)w->cols);
+    if (!rb) return LETHE_ERR_UNSUPPORTED;
+    uint8_t *perm = NULL;
+    if (w->permute_heads) {
+        if (w->rows % w->permute_heads || (w->rows / w->permute_heads) % 2)
+            return LETHE_ERR_UNSUPPORTED; /* fetch() names the problem */
+        perm = malloc(rb * (size_t)w->rows);
+        if (!perm)
+            return lethe_errorf(LETHE_ERR_NOMEM, "%s: cannot allocate %zu bytes", src->path,
+                                rb * (size_t)w->rows);
+        const int64_t hd = w->rows / w->permute_heads, half = hd / 2;
+        for (int64_t row = 0; row < w->rows; row++) {
+            int64_t h = row / hd, k = row % hd, i = k % 2, j = k / 2;
+            memcpy(perm + (size_t)(h * hd + i * half + j) * rb,
+                   (const uint8_t *)r.data + (size_t)row * rb, rb);
+        }
+        r.data = perm;
+    }
+    lethe_status s = be->ops->weight_upload_raw(be, &r, slot);
+    free(perm);
+    if (!s) *bytes = rb * (size_t)w->rows;
+    return s;
+}
+
 static void progress(int done, int total, double mb, double total_mb, double t0) {
     int width = 30, fill = total ? done * width / total : width;
     char bar[40];
@@ -441,8 +494,14 @@ static lethe_status load_weights(lethe_model *m, source *src, bool show) {
     for (int i = 0; i < n && !s; i++) {
         const weight_spec *w = &specs[i];
         size_t e = (size_t)spec_elems(w);
-        if ((s = fetch(src, w, buf, tmp))) break;
-        if ((s = m->be->ops->weight_upload(m->be, buf, e, w->slot))) break;
+        size_t bytes = e * m->be->ops->act_size; /* f32 path: the backend's weight type */
+        s = upload_raw(src, w, m->be, w->slot, &bytes);
+        if (s == LETHE_ERR_UNSUPPORTED) {
+            if ((s = fetch(src, w, buf, tmp))) break;
+            s = m->be->ops->weight_upload(m->be, buf, e, w->slot);
+        }
+        if (s) break;
+        if (w->cols) m->matrix_bytes += bytes;
         mb += (double)e * 4 / 1e6;
         if (show && (i + 1 == n || lethe_time_s() - last > 0.2)) {
             progress(i + 1, n, mb, total_mb, t0);

@@ -125,6 +125,8 @@ typedef struct lethe_model {
     lethe_backend *be;          /* not owned */
     lethe_weights w;
     char *path;                 /* owned copy */
+    size_t matrix_bytes;        /* bytes of the weight matrices as the backend holds them
+                                 * (stored formats or its weight type): what decode reads */
     /* per-layer KV cache buffers, allocated by the KV pool (kv/), not by the model */
     /* forward workspace, sized for n_tokens_max at lethe_model_workspace_init */
     int32_t n_tokens_max;

@@ -346,6 +346,24 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
     }
 }
 
+typedef struct att_job {
+    const lethe_attn_args *a;
+    int qt;
+} att_job;
+
+/* items 4t .. 4t+3 of the (row, KV head) items; the row that starts a tile computes it */
+static void att_task(void *ctx, int t, int worker) {
+    const att_job *jb = ctx;
+    const lethe_attn_args *a = jb->a;
+    const int n_items = a->n_tokens * a->n_kv_heads;
+    for (int it = 4 * t; it < LETHE_MIN(4 * t + 4, n_items); it++) {
+        const int32_t i = it / a->n_kv_heads;
+        const int g = it % a->n_kv_heads, s = seq_of_row(a, i);
+        const int32_t j = i - a->q_begin[s];
+        if (j % jb->qt == 0) attend_tile(a, s, g, j, jb->qt);
+    }
+}
+
 void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
     if (!a->v_cache) { /* latent KV: mla.c */
         lethe_cpu_attention_latent(be, a);
@@ -363,11 +381,6 @@ void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
     /* one item per (row, KV head); the row that starts a tile computes the tile */
     const int n_items = a->n_tokens * a->n_kv_heads;
     const int nt = n_items < 2 ? 1 : lethe_cpu_threads(be);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
-    for (int it = 0; it < n_items; it++) {
-        const int32_t i = it / a->n_kv_heads;
-        const int g = it % a->n_kv_heads, s = seq_of_row(a, i);
-        const int32_t j = i - a->q_begin[s];
-        if (j % qt == 0) attend_tile(a, s, g, j, qt);
-    }
+    att_job j = {a, qt};
+    lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(n_items, 4), att_task, &j);
 }

@@ -254,6 +254,24 @@ static void qattend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int
     }
 }
 
+typedef struct qatt_job {
+    const lethe_attn_args *a;
+    int qt;
+} qatt_job;
+
+/* items 4t .. 4t+3 of the (row, KV head) items; the row that starts a tile computes it */
+static void qatt_task(void *ctx, int t, int worker) {
+    const qatt_job *jb = ctx;
+    const lethe_attn_args *a = jb->a;
+    const int n_items = a->n_tokens * a->n_kv_heads;
+    for (int it = 4 * t; it < LETHE_MIN(4 * t + 4, n_items); it++) {
+        const int32_t i = it / a->n_kv_heads;
+        const int g = it % a->n_kv_heads, s = qseq_of_row(a, i);
+        const int32_t j = i - a->q_begin[s];
+        if (j % jb->qt == 0) qattend_tile(a, s, g, j, jb->qt);
+    }
+}
+
 void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
     if (a->kvq && lethe_kv_format_kind(a->kvq->format) == LETHE_KV_TURBOQUANT) {
         lethe_cpu_attention_tq(be, a);
@@ -264,11 +282,6 @@ void lethe_cpu_attention_quant(lethe_backend *be, const lethe_attn_args *a) {
     LETHE_ASSERT(a->head_dim > 0 && a->head_dim <= QA_HEAD_DIM_MAX);
     const int n_items = a->n_tokens * a->n_kv_heads;
     const int nt = n_items < 2 ? 1 : lethe_cpu_threads(be);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
-    for (int it = 0; it < n_items; it++) {
-        const int32_t i = it / a->n_kv_heads;
-        const int g = it % a->n_kv_heads, s = qseq_of_row(a, i);
-        const int32_t j = i - a->q_begin[s];
-        if (j % QA_QT == 0) qattend_tile(a, s, g, j, QA_QT);
-    }
+    qatt_job j = {a, QA_QT};
+    lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(n_items, 4), qatt_task, &j);
 }

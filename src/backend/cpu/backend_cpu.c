@@ -1,28 +1,40 @@
 /* backend_cpu.c - the CPU reference backend: ops table, memory, transfers.
  *
  * Everything is fp32 in host memory (act_size = kv_size = 4): alloc is a
- * 64-byte aligned malloc, weight_upload copies, the host-transfer ops are
- * memcpy. The math lives in the per-op files listed in cpu_ops.h. This
+ * 64-byte aligned malloc, weight_upload copies, weight_upload_raw keeps a
+ * matrix in its stored format (qmatmul.c), the host-transfer ops are memcpy. The math lives in the per-op files listed in cpu_ops.h. This
  * backend is the reference the CUDA backend and the HF fixtures are checked
  * against, so it favours clarity and determinism, then speed. */
 #include "backend/cpu/cpu_ops.h"
 
-#include <omp.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/env.h"
 #include "core/util.h"
 
 #define CPU_ALIGN 64
 
 int lethe_cpu_threads(const lethe_backend *be) {
     int n = be->n_threads;
-    return n > 0 ? n : omp_get_num_procs();
+    if (n > 0) return n;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+    return 1;
+}
+
+void lethe_cpu_parallel(lethe_backend *be, int n_threads, int n_tasks, lethe_cpu_task_fn fn,
+                        void *ctx) {
+    lethe_cpu_ctx *c = be->ctx;
+    lethe_cpu_pool_run(c->pool, n_threads, n_tasks, fn, ctx);
 }
 
 static void cpu_destroy(lethe_backend *be) {
     if (!be) return;
     if (be->ctx) lethe_cpu_sample_free(be->ctx);
+    if (be->ctx) lethe_cpu_qweight_free_all(be->ctx);
+    if (be->ctx) lethe_cpu_pool_destroy(((lethe_cpu_ctx *)be->ctx)->pool);
     free(be->ctx);
     free(be);
 }
@@ -35,7 +47,9 @@ static lethe_status cpu_alloc(lethe_backend *be, size_t n_bytes, void **out) {
     return LETHE_OK;
 }
 
-static void cpu_release(lethe_backend *be, void *p) { free(p); }
+static void cpu_release(lethe_backend *be, void *p) {
+    if (!lethe_cpu_qweight_release(be, p)) free(p);
+}
 
 static lethe_status cpu_weight_upload(lethe_backend *be, const float *host, size_t n, void **out) {
     void *p = NULL;
@@ -147,18 +161,40 @@ static const lethe_backend_ops cpu_ops = {
     .copy_block = lethe_cpu_copy_block,
     .copy_from_host = cpu_copy_from_host,
     .key_redundancy = lethe_cpu_key_redundancy,
+    .weight_upload_raw = lethe_cpu_weight_upload_raw,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {
     if (p->n_threads < 0)
         return lethe_errorf(LETHE_ERR_INVALID, "--threads %d: must be >= 0 (0 = all cores)",
                             p->n_threads);
+    if (p->cpu_weights != LETHE_CPU_WEIGHTS_NATIVE && p->cpu_weights != LETHE_CPU_WEIGHTS_FP32)
+        return lethe_errorf(LETHE_ERR_INVALID, "cpu backend: cpu_weights %d is not a "
+                            "LETHE_CPU_WEIGHTS_* value", p->cpu_weights);
+    /* the kernel tier: what the CPU runs, capped by LETHE_CPU_ISA */
+    const char *want = NULL;
+    lethe_status st = lethe_env_choice(LETHE_ENV_CPU_ISA, &want);
+    if (st) return st;
+    lethe_cpu_isa isa = lethe_cpu_isa_detect();
+    if (isa < LETHE_ISA_AVX2)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                            "cpu backend: this CPU does not run AVX2 + FMA + F16C (CPUID or the "
+                            "probe that executes them says no); the attention kernels need them");
+    if (!strcmp(want, "scalar")) isa = LETHE_ISA_SCALAR;
     lethe_backend *be = calloc(1, sizeof(*be));
     if (!be) return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
     be->ops = &cpu_ops;
     be->n_threads = p->n_threads;
-    be->ctx = calloc(1, sizeof(lethe_cpu_ctx));
-    if (!be->ctx) {
+    lethe_cpu_ctx *c = calloc(1, sizeof(lethe_cpu_ctx));
+    be->ctx = c;
+    if (!c) {
+        free(be);
+        return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
+    }
+    c->isa = isa;
+    c->cpu_weights = p->cpu_weights;
+    if (!(c->pool = lethe_cpu_pool_create())) {
+        free(c);
         free(be);
         return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
     }

@@ -1,10 +1,16 @@
 /* cpu_ops.h - the CPU reference backend's op functions (internal).
  *
- * The CPU backend computes everything in fp32 on host memory: activations,
- * weights and KV are plain float arrays, so a "device pointer" is a host
- * pointer. One file per op family, mirrored by name in backend/cuda/ (.cu files):
+ * The CPU backend computes everything in fp32 on host memory: activations
+ * and KV are plain float arrays, so a "device pointer" is a host pointer;
+ * weights are float arrays or, for matrices uploaded in their stored format
+ * (weight_upload_raw), GGUF blocks / f16 / bf16 that matmul and embed decode
+ * to the same floats (qmatmul.c). One file per op family, mirrored by name
+ * in backend/cuda/ (.cu files):
  *   backend_cpu.c  ops table, memory, host transfers
- *   matmul.c       y = x W^T (deterministic register-tiled GEMM)
+ *   matmul.c       y = x W^T (deterministic register-tiled GEMM; tiles in matmul_avx2.c)
+ *   qmatmul.c      the same on stored-format weights (kernels in qmatmul_avx2.c)
+ *   pool.c         the worker threads every parallel op runs on
+ *   cpu_isa.c      which SIMD tier the CPU runs (CPUID + executing probe)
  *   norm.c         rmsnorm
  *   rope.c         rotate-half RoPE with NONE / LINEAR / LLAMA3 scaling
  *   attention.c    kv_store + attention over a slot selection
@@ -17,7 +23,7 @@
  *   moe.c          mixture-of-experts FFN: routing, expert-sorted SwiGLU, weighted sum
  *   mla.c          latent attention: per-head matmul, column-block copy, latent-V attention
  *
- * Every op with a parallel loop uses at most cpu_threads(be) OpenMP threads,
+ * Every op with a parallel loop uses at most cpu_threads(be) threads (pool.c),
  * and each output element is computed by the same sequence of float
  * operations whatever the thread count or batch composition: a request's
  * results are bit-identical alone or inside a batch. */
@@ -28,14 +34,85 @@
 
 #include "backend/sample.h"
 
+typedef struct lethe_cpu_pool lethe_cpu_pool; /* pool.c */
+
+#define LETHE_CPU_MAX_THREADS 256 /* pool threads per backend (caller included) */
+
+/* SIMD tier of the matmul kernels (cpu_isa.c: CPUID + a probe that executes) */
+typedef enum lethe_cpu_isa { LETHE_ISA_SCALAR = 0, LETHE_ISA_AVX2 = 1 } lethe_cpu_isa;
+lethe_cpu_isa lethe_cpu_isa_detect(void);
+const char *lethe_cpu_isa_name(lethe_cpu_isa isa);
+
+/* A weight matrix kept in its stored format (weight_upload_raw, qmatmul.c):
+ * rows [rows] of row_bytes each at data, row r = cols elements of `type` in
+ * ggml's block layout (ggml_types.c). */
+typedef struct lethe_cpu_qweight {
+    uint8_t *data;                /* owned, 64-byte aligned */
+    lethe_ggml_type type;
+    int32_t rows, cols;
+    size_t row_bytes;
+} lethe_cpu_qweight;
+
 /* be->ctx of the CPU backend: scratch that ops grow on first use */
 typedef struct lethe_cpu_ctx {
-    lethe_sample_scratch *sample; /* [n_sample] one per OpenMP thread */
+    lethe_sample_scratch *sample; /* [n_sample] one per pool worker */
     int n_sample;
     int32_t sample_vocab;
+    lethe_cpu_isa isa;            /* tier the matmul kernels use */
+    lethe_cpu_pool *pool;         /* worker threads, spawned on first use */
+    /* qmatmul's per-worker f32 weight panels, grown on first use */
+    float *panel[LETHE_CPU_MAX_THREADS];
+    size_t panel_cap[LETHE_CPU_MAX_THREADS];
+    int cpu_weights;              /* LETHE_CPU_WEIGHTS_* */
+    /* the stored-format weights, sorted by data pointer: matmul and embed
+     * look their weight pointer up here (absent = plain f32) */
+    lethe_cpu_qweight *qw;
+    int n_qw, cap_qw;
 } lethe_cpu_ctx;
 
-/* OpenMP thread count for ops: be->n_threads, or all cores when 0. */
+/* pool.c: the worker threads (futex wake, bounded spin; no OpenMP).
+ * fn(ctx, task, worker) runs for every task in [0, n_tasks) on at most
+ * n_threads threads (the caller is worker 0; worker < n_threads selects
+ * per-thread scratch); returns when all ran. Nested calls run inline. */
+typedef void (*lethe_cpu_task_fn)(void *ctx, int task, int worker);
+lethe_cpu_pool *lethe_cpu_pool_create(void);
+void lethe_cpu_pool_destroy(lethe_cpu_pool *p); /* NULL-safe */
+void lethe_cpu_pool_run(lethe_cpu_pool *p, int n_threads, int n_tasks, lethe_cpu_task_fn fn,
+                        void *ctx);
+/* the backend's pool: lethe_cpu_pool_run(ctx->pool, ...) */
+void lethe_cpu_parallel(lethe_backend *be, int n_threads, int n_tasks, lethe_cpu_task_fn fn,
+                        void *ctx);
+
+/* qmatmul.c: the stored-format weight registry */
+lethe_status lethe_cpu_weight_upload_raw(lethe_backend *be, const lethe_weight_raw *w,
+                                         void **out);
+/* the stored-format weight whose data is p, NULL when p is not one (an f32
+ * weight or activation); a pointer INSIDE one is a bug (asserted) */
+const lethe_cpu_qweight *lethe_cpu_qweight_find(const lethe_backend *be, const void *p);
+/* removes p from the registry and frees it; false when p is not one */
+bool lethe_cpu_qweight_release(lethe_backend *be, void *p);
+void lethe_cpu_qweight_free_all(lethe_cpu_ctx *c);
+/* y [n, rows] = x [n, cols] W^T for a stored-format W: every element
+ * bit-identical to the f32 matmul on lethe_ggml_dequantize(W) */
+void lethe_cpu_qmatmul(lethe_backend *be, const lethe_cpu_qweight *w, float *y, const float *x,
+                       int32_t n);
+/* f32 rows [r0, r1) of W into dst [(r1 - r0), cols] */
+void lethe_cpu_qweight_rows(const lethe_cpu_qweight *w, int32_t r0, int32_t r1, float *dst);
+
+/* matmul.c: y[i*ldy + j] = dot(x row i, w row j) for i < m, j < nw (x, w
+ * rows of `in` floats, contiguous), in the fixed order of the file comment */
+void lethe_cpu_gemm_block(lethe_cpu_isa isa, const float *x, const float *w, float *y,
+                          int32_t in, int32_t ldy, int32_t m, int32_t nw);
+/* matmul_avx2.c: the same with AVX2/FMA (compiled with -mavx2 -mfma) */
+void lethe_cpu_gemm_block_avx2(const float *x, const float *w, float *y, int32_t in,
+                               int32_t ldy, int32_t m, int32_t nw);
+/* qmatmul_avx2.c: y[i*ldy + j - j0] = dot(x row i, W row j) for i < m <= 2,
+ * j in [j0, j1), decoding the blocks in registers; false if the format has
+ * no AVX2 kernel (the caller dequantizes rows instead) */
+bool lethe_cpu_qrows_avx2(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const float *x,
+                          int32_t m, float *y, int32_t ldy);
+
+/* thread count for ops: be->n_threads, or all cores the process may use when 0 */
 int lethe_cpu_threads(const lethe_backend *be);
 
 void lethe_cpu_matmul(lethe_backend *be, void *y, const void *x, const void *w, int32_t n,

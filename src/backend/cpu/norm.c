@@ -25,13 +25,25 @@ static void rmsnorm_row(float *out, const float *x, const float *w, int dim, flo
     for (i = 0; i < dim; i++) out[i] = w[i] * (x[i] * r);
 }
 
+typedef struct norm_job {
+    float *out;
+    const float *x, *w;
+    int32_t n_rows, dim;
+    float eps;
+} norm_job;
+
+#define NORM_ROWS 8 /* rows per task */
+
+static void norm_task(void *ctx, int t, int worker) {
+    const norm_job *j = ctx;
+    for (int32_t r = t * NORM_ROWS; r < j->n_rows && r < (t + 1) * NORM_ROWS; r++)
+        rmsnorm_row(j->out + (size_t)r * j->dim, j->x + (size_t)r * j->dim, j->w, j->dim, j->eps);
+}
+
 void lethe_cpu_rmsnorm(lethe_backend *be, void *out_, const void *x_, const void *w_,
                        int32_t n_rows, int32_t dim, float eps) {
     LETHE_ASSERT(n_rows >= 0 && dim > 0);
-    float *out = out_;
-    const float *x = x_, *w = w_;
+    norm_job j = {out_, x_, w_, n_rows, dim, eps};
     const int nt = (size_t)n_rows * dim < 65536 ? 1 : lethe_cpu_threads(be);
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int32_t r = 0; r < n_rows; r++)
-        rmsnorm_row(out + (size_t)r * dim, x + (size_t)r * dim, w, dim, eps);
+    lethe_cpu_parallel(be, nt, (n_rows + NORM_ROWS - 1) / NORM_ROWS, norm_task, &j);
 }

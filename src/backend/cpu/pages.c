@@ -18,29 +18,63 @@
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
 
+typedef struct minmax_job {
+    float *meta;
+    const float *K;
+    const int32_t *page_ids, *slot_begin, *slots;
+    size_t kd;
+} minmax_job;
+
+static void minmax_task(void *ctx, int i, int worker) {
+    const minmax_job *jb = ctx;
+    const size_t kd = jb->kd;
+    const int32_t b = jb->slot_begin[i], e = jb->slot_begin[i + 1];
+    float *mn = jb->meta + (size_t)jb->page_ids[i] * 2 * kd, *mx = mn + kd;
+    const float *k0 = jb->K + (size_t)jb->slots[b] * kd;
+    memcpy(mn, k0, kd * sizeof(float));
+    memcpy(mx, k0, kd * sizeof(float));
+    for (int32_t j = b + 1; j < e; j++) {
+        const float *k = jb->K + (size_t)jb->slots[j] * kd;
+        for (size_t c = 0; c < kd; c++) {
+            if (k[c] < mn[c]) mn[c] = k[c];
+            if (k[c] > mx[c]) mx[c] = k[c];
+        }
+    }
+}
+
 void lethe_cpu_page_minmax(lethe_backend *be, void *meta_, const void *k_cache_,
                            const int32_t *page_ids, const int32_t *slot_begin, const int32_t *slots,
                            int32_t n_pages, int32_t kv_dim) {
     lethe_check_page_minmax(page_ids, slot_begin, n_pages, kv_dim);
-    float *meta = meta_;
-    const float *K = k_cache_;
-    const size_t kd = (size_t)kv_dim;
+    minmax_job jb = {meta_, k_cache_, page_ids, slot_begin, slots, (size_t)kv_dim};
     int nt = (int64_t)slot_begin[n_pages] * kv_dim < 65536 ? 1 : lethe_cpu_threads(be);
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int32_t i = 0; i < n_pages; i++) {
-        const int32_t b = slot_begin[i], e = slot_begin[i + 1];
-        float *mn = meta + (size_t)page_ids[i] * 2 * kd, *mx = mn + kd;
-        const float *k0 = K + (size_t)slots[b] * kd;
-        memcpy(mn, k0, kd * sizeof(float));
-        memcpy(mx, k0, kd * sizeof(float));
-        for (int32_t j = b + 1; j < e; j++) {
-            const float *k = K + (size_t)slots[j] * kd;
-            for (size_t c = 0; c < kd; c++) {
-                if (k[c] < mn[c]) mn[c] = k[c];
-                if (k[c] > mx[c]) mx[c] = k[c];
-            }
+    lethe_cpu_parallel(be, nt, n_pages, minmax_task, &jb);
+}
+
+typedef struct pscore_job {
+    float *out;
+    const float *q, *meta;
+    const int32_t *page_ids;
+    int32_t first, n_heads, g, head_dim;
+    size_t kd;
+} pscore_job;
+
+static void pscore_task(void *ctx, int t, int worker) {
+    const pscore_job *jb = ctx;
+    const int32_t i = jb->first + t, head_dim = jb->head_dim;
+    const float *pm = jb->meta + (size_t)jb->page_ids[i] * 2 * jb->kd;
+    float best = -INFINITY;
+    for (int32_t h = 0; h < jb->n_heads; h++) {
+        const float *qh = jb->q + (size_t)h * head_dim;
+        const float *mn = pm + (size_t)(h / jb->g) * head_dim, *mx = mn + jb->kd;
+        float u = 0.0f;
+        for (int32_t c = 0; c < head_dim; c++) {
+            float a = qh[c] * mx[c], b = qh[c] * mn[c];
+            u += a > b ? a : b;
         }
+        if (u > best) best = u;
     }
+    jb->out[i] = best;
 }
 
 void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q_, const void *meta_,
@@ -54,22 +88,8 @@ void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q_, const 
     const size_t kd = (size_t)n_kv_heads * head_dim, qd = (size_t)n_heads * head_dim;
     int nt = (int64_t)page_begin[n_seqs] * n_heads * head_dim < 65536 ? 1 : lethe_cpu_threads(be);
     for (int32_t s = 0; s < n_seqs; s++) {
-        const float *q = Q + (size_t)q_rows[s] * qd;
-#pragma omp parallel for schedule(static) num_threads(nt)
-        for (int32_t i = page_begin[s]; i < page_begin[s + 1]; i++) {
-            const float *pm = meta + (size_t)page_ids[i] * 2 * kd;
-            float best = -INFINITY;
-            for (int32_t h = 0; h < n_heads; h++) {
-                const float *qh = q + (size_t)h * head_dim;
-                const float *mn = pm + (size_t)(h / g) * head_dim, *mx = mn + kd;
-                float u = 0.0f;
-                for (int32_t c = 0; c < head_dim; c++) {
-                    float a = qh[c] * mx[c], b = qh[c] * mn[c];
-                    u += a > b ? a : b;
-                }
-                if (u > best) best = u;
-            }
-            out[i] = best;
-        }
+        pscore_job jb = {out, Q + (size_t)q_rows[s] * qd, meta, page_ids, page_begin[s], n_heads, g,
+                         head_dim, kd};
+        lethe_cpu_parallel(be, nt, page_begin[s + 1] - page_begin[s], pscore_task, &jb);
     }
 }

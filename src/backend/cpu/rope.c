@@ -52,6 +52,33 @@ void lethe_rope_inv_freq(const lethe_rope_config *rope, int32_t head_dim, float 
     }
 }
 
+typedef struct rope_job {
+    float *x;
+    const int32_t *pos;
+    const float *inv_freq;
+    int32_t n_heads, half, head_dim;
+} rope_job;
+
+static void rope_task(void *ctx, int t, int worker) {
+    const rope_job *j = ctx;
+    const int half = j->half;
+    float c[ROPE_HALF_MAX], s[ROPE_HALF_MAX];
+    const float p = (float)j->pos[t];
+    for (int i = 0; i < half; i++) {
+        float a = p * j->inv_freq[i];
+        c[i] = cosf(a);
+        s[i] = sinf(a);
+    }
+    for (int h = 0; h < j->n_heads; h++) {
+        float *v = j->x + ((size_t)t * j->n_heads + h) * j->head_dim;
+        for (int i = 0; i < half; i++) {
+            float x1 = v[i], x2 = v[i + half];
+            v[i] = x1 * c[i] - x2 * s[i];
+            v[i + half] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+
 void lethe_cpu_rope(lethe_backend *be, void *x_, const int32_t *pos, int32_t n, int32_t n_heads,
                     int32_t head_dim, const lethe_rope_config *rope) {
     LETHE_ASSERT(head_dim % 2 == 0 && head_dim / 2 <= ROPE_HALF_MAX);
@@ -60,22 +87,6 @@ void lethe_cpu_rope(lethe_backend *be, void *x_, const int32_t *pos, int32_t n, 
     float inv_freq[ROPE_HALF_MAX];
     lethe_rope_inv_freq(rope, head_dim, inv_freq);
     const int nt = (size_t)n * n_heads * head_dim < 65536 ? 1 : lethe_cpu_threads(be);
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int32_t t = 0; t < n; t++) {
-        float c[ROPE_HALF_MAX], s[ROPE_HALF_MAX];
-        const float p = (float)pos[t];
-        for (int i = 0; i < half; i++) {
-            float a = p * inv_freq[i];
-            c[i] = cosf(a);
-            s[i] = sinf(a);
-        }
-        for (int h = 0; h < n_heads; h++) {
-            float *v = x + ((size_t)t * n_heads + h) * head_dim;
-            for (int i = 0; i < half; i++) {
-                float x1 = v[i], x2 = v[i + half];
-                v[i] = x1 * c[i] - x2 * s[i];
-                v[i + half] = x2 * c[i] + x1 * s[i];
-            }
-        }
-    }
+    rope_job j = {x, pos, inv_freq, n_heads, half, head_dim};
+    lethe_cpu_parallel(be, nt, n, rope_task, &j);
 }

@@ -14,7 +14,6 @@
  * Without top-k / top-p the draw walks all V ids. Every sum is an integer,
  * so this equals the CUDA kernel's radix-select formulation exactly. */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,21 +195,29 @@ void lethe_cpu_sample_free(lethe_cpu_ctx *c) {
     c->sample_vocab = 0;
 }
 
+typedef struct sample_job {
+    const lethe_sample_args *a;
+    lethe_cpu_ctx *c;
+} sample_job;
+
+static void sample_task(void *ctx, int i, int worker) {
+    const sample_job *j = ctx;
+    const lethe_sample_args *a = j->a;
+    const lethe_sample_row *p = &a->rows[i];
+    const uint32_t *mask =
+        p->mask_row ? a->mask + (size_t)(p->mask_row - 1) * (size_t)lethe_sample_mask_words(a->n_vocab) : NULL;
+    const float *logits = a->logits;
+    a->tokens[i] = lethe_sample_row_f32(logits + (size_t)i * (size_t)a->n_vocab, a->n_vocab, p,
+                                        a->pen_ids, a->pen_counts, mask, &j->c->sample[worker],
+                                        a->logprobs ? &a->logprobs[i] : NULL);
+}
+
 void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a) {
     lethe_check_sample(a);
     if (a->n == 0) return;
     lethe_cpu_ctx *c = be->ctx;
     const int nt = LETHE_MIN(lethe_cpu_threads(be), a->n);
     scratch_reserve(c, nt, a->n_vocab); /* grows on first use only */
-    const float *logits = a->logits;
-    const size_t V = (size_t)a->n_vocab;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-    for (int32_t i = 0; i < a->n; i++) {
-        const lethe_sample_row *p = &a->rows[i];
-        const uint32_t *mask =
-            p->mask_row ? a->mask + (size_t)(p->mask_row - 1) * (size_t)lethe_sample_mask_words(a->n_vocab) : NULL;
-        a->tokens[i] = lethe_sample_row_f32(logits + (size_t)i * V, a->n_vocab, p, a->pen_ids,
-                                            a->pen_counts, mask, &c->sample[omp_get_thread_num()],
-                                            a->logprobs ? &a->logprobs[i] : NULL);
-    }
+    sample_job j = {a, c};
+    lethe_cpu_parallel(be, nt, a->n, sample_task, &j);
 }

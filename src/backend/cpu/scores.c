@@ -73,6 +73,20 @@ static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *
         for (int32_t j = 0; j < nc; j++) v[j] = v[j] / (float)sq->n_rows;
 }
 
+typedef struct scores_job {
+    const lethe_attn_scores_args *a;
+    const lethe_score_seq *sq;
+    float *hv;
+    int32_t nc;
+} scores_job;
+
+static void scores_task(void *ctx, int h, int worker) {
+    const scores_job *j = ctx;
+    float *raw = lethe_xmalloc((size_t)j->sq->n_keys * sizeof(float));
+    head_values(j->a, j->sq, h, raw, j->hv + (size_t)h * j->nc);
+    free(raw);
+}
+
 void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
     lethe_check_attn_scores(a);
     const int H = a->n_heads, per_group = a->n_heads / a->n_groups;
@@ -83,12 +97,8 @@ void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
         if (nc == 0) continue;
         float *hv = lethe_xmalloc((size_t)H * (size_t)nc * sizeof(float));
         const int nt = sq->n_rows * (int64_t)sq->n_keys < 4096 ? 1 : lethe_cpu_threads(be);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int h = 0; h < H; h++) {
-            float *raw = lethe_xmalloc((size_t)sq->n_keys * sizeof(float));
-            head_values(a, sq, h, raw, hv + (size_t)h * nc);
-            free(raw);
-        }
+        scores_job j = {a, sq, hv, nc};
+        lethe_cpu_parallel(be, nt, H, scores_task, &j);
         const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
         for (int g = 0; g < a->n_groups; g++) {
             float *o = a->out + off + (size_t)g * nc;

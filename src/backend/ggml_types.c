@@ -1,4 +1,4 @@
-/* dequant.c - ggml tensor element types: sizes, names, dequantization to f32.
+/* ggml_types.c - ggml tensor element types: sizes, names, dequantization to f32.
  *
  * Block formats follow ggml's published layouts (little endian, f16 scales):
  *   Q4_0  32 elems, 18 B: f16 d, u8 qs[16]          x = (nibble - 8) * d
@@ -15,7 +15,8 @@
  * independent, so large tensors are dequantized in parallel blocks. */
 #include <string.h>
 
-#include "model/gguf.h"
+#include "backend/ggml_types.h"
+#include "core/util.h"
 
 typedef struct type_info {
     const char *name;
@@ -51,6 +52,8 @@ size_t lethe_ggml_type_size(lethe_ggml_type t, uint64_t n_elems) {
 }
 
 const char *lethe_ggml_type_name(lethe_ggml_type t) { return info_of(t).name; }
+
+uint32_t lethe_ggml_block_size(lethe_ggml_type t) { return info_of(t).block; }
 
 /* IEEE half -> float, including subnormals, inf and nan. */
 static inline float fp16_to_f32(uint16_t h) {
@@ -290,25 +293,16 @@ static block_fn block_fn_of(lethe_ggml_type t) {
     }
 }
 
-lethe_status lethe_ggml_dequantize(lethe_ggml_type t, const void *src, float *dst, uint64_t n) {
-    type_info ti = info_of(t);
-    if (!ti.block)
-        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "dequantize: unknown ggml type id %d", (int)t);
-    if (n % ti.block)
-        return lethe_errorf(LETHE_ERR_INVALID, "dequantize: %llu elements is not a multiple of "
-                            "the %s block size %u", (unsigned long long)n, ti.name, ti.block);
-    const uint8_t *s = src;
-    int64_t nn = (int64_t)n;
-    /* parallel only when the work pays for the thread start-up */
-    const int64_t par = 1 << 16;
+/* n elements from src; par: element count above which OpenMP threads share the work */
+static void dequantize(lethe_ggml_type t, const uint8_t *s, float *dst, int64_t nn, int64_t par) {
     switch (t) {
     case LETHE_GGML_F32:
-        memcpy(dst, src, (size_t)n * 4);
-        return LETHE_OK;
+        memcpy(dst, s, (size_t)nn * 4);
+        return;
     case LETHE_GGML_F16:
 #pragma omp parallel for schedule(static) if (nn > par)
         for (int64_t i = 0; i < nn; i++) dst[i] = rd_f16(s + 2 * i);
-        return LETHE_OK;
+        return;
     case LETHE_GGML_BF16:
 #pragma omp parallel for schedule(static) if (nn > par)
         for (int64_t i = 0; i < nn; i++) {
@@ -317,13 +311,31 @@ lethe_status lethe_ggml_dequantize(lethe_ggml_type t, const void *src, float *ds
             uint32_t bits = (uint32_t)h << 16;
             memcpy(&dst[i], &bits, 4);
         }
-        return LETHE_OK;
+        return;
     default: break;
     }
+    type_info ti = info_of(t);
     block_fn fn = block_fn_of(t);
     LETHE_ASSERT(fn);
     int64_t nb = nn / ti.block;
 #pragma omp parallel for schedule(static) if (nn > par)
     for (int64_t i = 0; i < nb; i++) fn(s + (size_t)i * ti.bytes, dst + (size_t)i * ti.block);
+}
+
+lethe_status lethe_ggml_dequantize(lethe_ggml_type t, const void *src, float *dst, uint64_t n) {
+    type_info ti = info_of(t);
+    if (!ti.block)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "dequantize: unknown ggml type id %d", (int)t);
+    if (n % ti.block)
+        return lethe_errorf(LETHE_ERR_INVALID, "dequantize: %llu elements is not a multiple of "
+                            "the %s block size %u", (unsigned long long)n, ti.name, ti.block);
+    /* parallel only when the work pays for the thread start-up */
+    dequantize(t, src, dst, (int64_t)n, 1 << 16);
     return LETHE_OK;
+}
+
+void lethe_ggml_dequantize_serial(lethe_ggml_type t, const void *src, float *dst, uint64_t n) {
+    type_info ti = info_of(t);
+    LETHE_ASSERT(ti.block && n % ti.block == 0);
+    dequantize(t, src, dst, (int64_t)n, INT64_MAX);
 }
