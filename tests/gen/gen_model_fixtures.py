@@ -43,7 +43,8 @@ File format of tests/data/hf-ref/*.bin ("named arrays", little-endian):
    expert), with the same 3 sequences' logits plus `greedy` i32 [64] / `greedy_gap`
    f32 [64] (generate() continuing seq0):
      tests/data/tiny-qwen3-moe/  qwen3_moe: 8 experts, 2 per token, normalized top-k,
-                                 layer 1 dense (mlp_only_layers)
+                                 layer 1 dense (mlp_only_layers), token-specialized
+                                 experts (decisive routing, see specialize_experts)
      tests/data/tiny-glm4-moe-lite/  glm4_moe_lite: MLA (q/kv low rank, interleaved RoPE
                                  key shared by the heads), sigmoid routing with a
                                  selection bias in 2 groups (1 kept), a shared expert,
@@ -206,7 +207,35 @@ def moe_configs():
 # logits; its selection bias separates the experts instead, which keeps transformers'
 # own bf16 run within 2e-2 of fp32 on the rows tests/gpu/test_hf_logits.py compares
 # (with bias 0.1 a near-tie flipped experts there: 0.6)
-ROUTER = {"qwen3-moe": (2.0, 0.1), "glm4-moe-lite": (1.0, 1.0)}
+ROUTER = {"qwen3-moe": (0.5, 0.1), "glm4-moe-lite": (1.0, 1.0)}
+# redraw seed per family (qwen3-moe: 3002 among the few tried keeps the bf16 run closest)
+MOE_SEED = {"qwen3-moe": 3002, "glm4-moe-lite": 3001}
+# token-specialized experts (embedding component beta, router component c), see
+# specialize_experts; qwen3-moe only (GLM has its selection bias instead)
+SPECIALIZE = {"qwen3-moe": (1.5, 3.0)}
+
+
+def specialize_experts(model, seed, beta, c):
+    """Makes softmax top-k routing decisive, as token-dependent as in trained MoEs (whose
+    routing follows the token id closely): a random iid router puts the 2nd and 3rd expert
+    within bf16 rounding of each other for ~4% of the tokens per layer, whatever the router
+    scale (the margin and the rounding error both scale with it), and a flipped expert moves
+    the logits by up to ~0.3 (max abs / max |logit|). Here every token id gets a random pair
+    of experts: its embedding [D] gains beta * sqrt(D) * (v_a + v_b) / sqrt(2) and every
+    router [E, D] gains c * V, where V [E, D] has orthonormal rows v_e; the iid router part
+    keeps the routing input-dependent beyond the token id."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight  # [V, D]
+        n_vocab, d = emb.shape
+        n_exp = model.config.num_experts
+        v = torch.linalg.qr(torch.randn(d, n_exp, generator=g))[0].T  # [E, D]
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(c * v)
+        for t in range(n_vocab):
+            pair = torch.randperm(n_exp, generator=g)[:2]
+            emb[t] += beta * d ** 0.5 * v[pair].sum(0) / 2 ** 0.5
 
 
 def redraw_moe(model, seed, router=2.0, bias=0.1):
@@ -282,7 +311,9 @@ def gen_moe():
         torch.manual_seed(300 + i)
         cfg._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-        redraw_moe(model, 3000 + i, *ROUTER[fam])
+        redraw_moe(model, MOE_SEED[fam], *ROUTER[fam])
+        if fam in SPECIALIZE:
+            specialize_experts(model, MOE_SEED[fam] + 7, *SPECIALIZE[fam])
         out_dir = os.path.join(DATA, f"tiny-{fam}")
         model.save_pretrained(out_dir, safe_serialization=True)
         model.generation_config.save_pretrained(out_dir)
