@@ -255,6 +255,7 @@ static void rkv_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
         int32_t k = lethe_topk_indices(rs->score, nc, B - p->w, keep);
         for (int32_t j = nc; j < L; j++) keep[k++] = j; /* the last w tokens */
         LETHE_ASSERT(k == B);
+        k = lethe_sparse_keep_add_pins(m, 0, q->row, keep, k); /* pinned tokens stay (may exceed B) */
         for (int32_t l = 0; l < m->env.n_layers; l++) {
             LETHE_ASSERT(lethe_sparse_row_len(m, l, q->row) == L); /* one token set: equal rows */
             lethe_kv_keep(m->env.pool, l, q->row, keep, k);

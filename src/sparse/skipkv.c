@@ -214,15 +214,18 @@ static int32_t sentences(const skipkv_priv *p, const lethe_sparse_method *m,
     return n;
 }
 
-/* the last layer's V rows of entries [c0, c1) as host f32 [c1 - c0, kv_dim]; NULL without a backend */
+/* the last layer's V rows of entries [c0, c1) as host f32 [c1 - c0, kv_dim]; NULL without a backend.
+ * Latent KV (MLA: one latent + RoPE-key row per token, no V plane) gives its latent rows
+ * instead: the values are decompressed from them, so they stand in as the embedding. */
 static float *v_rows(skipkv_priv *p, lethe_sparse_method *m, const int32_t *slots, int32_t c0,
                      int32_t c1) {
     lethe_backend *be = m->env.be;
     const int32_t last = m->env.n_layers - 1, n = c1 - c0,
                   kvd = m->env.n_kv_heads * m->env.head_dim;
     if (!be || n <= 0) return NULL;
+    const bool has_v = lethe_kv_v(m->env.pool, last) != NULL;
     float *out = lethe_xmalloc((size_t)n * kvd * sizeof(float));
-    const float *host = lethe_sparse_kv_host(m, last, true);
+    const float *host = lethe_sparse_kv_host(m, last, has_v);
     if (host) {
         for (int32_t e = 0; e < n; e++)
             memcpy(out + (size_t)e * kvd, host + (size_t)slots[c0 + e] * kvd, kvd * sizeof(float));
@@ -233,7 +236,9 @@ static float *v_rows(skipkv_priv *p, lethe_sparse_method *m, const int32_t *slot
         free(out);
         return NULL;
     }
-    be->ops->gather_rows(be, p->vbuf.p, lethe_kv_v(m->env.pool, last), slots + c0, n, kvd);
+    const void *src = has_v ? lethe_kv_v(m->env.pool, last) : lethe_kv_k(m->env.pool, last);
+    LETHE_ASSERT(src);
+    be->ops->gather_rows(be, p->vbuf.p, src, slots + c0, n, kvd);
     be->ops->act_to_host(be, out, p->vbuf.p, (size_t)n * kvd);
     return out;
 }
@@ -313,6 +318,7 @@ static void compact_seq(lethe_sparse_method *m, const lethe_sparse_seq *q) {
             if (!drop[k])
                 for (int32_t t = sb[k]; t < sb[k + 1]; t++) keep[n++] = t;
         for (int32_t e = c1; e < L; e++) keep[n++] = e;
+        n = lethe_sparse_keep_add_pins(m, 0, q->row, keep, n); /* pinned tokens stay */
         for (int32_t l = 0; l < m->env.n_layers; l++) {
             LETHE_ASSERT(lethe_sparse_row_len(m, l, q->row) == L); /* one token set: equal rows */
             lethe_kv_keep(m->env.pool, l, q->row, keep, n);

@@ -497,6 +497,11 @@ static inline int32_t lethe_sparse_row_len(const lethe_sparse_method *m, int32_t
  * length in the layer). Returns the count. */
 int32_t lethe_sparse_keep_set(const lethe_sparse_method *m, int32_t layer, int32_t row,
                               const float *scores, int32_t s, int32_t r, int32_t k, int32_t *keep);
+/* Adds the row's pinned entries of layer that keep[0, n) lacks (a method that builds
+ * its keep set itself, e.g. sentence or top-k compaction), so pins survive it; keep
+ * (capacity >= the row's length) comes back ascending; returns the new count. */
+int32_t lethe_sparse_keep_add_pins(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                                   int32_t *keep, int32_t n);
 
 /* A float vector aligned with a request's row entries in one layer (per-token
  * scores that must follow compaction). */

@@ -323,3 +323,27 @@ int32_t lethe_sparse_keep_set(const lethe_sparse_method *m, int32_t layer, int32
     free(pin);
     return n;
 }
+
+int32_t lethe_sparse_keep_add_pins(const lethe_sparse_method *m, int32_t layer, int32_t row,
+                                   int32_t *keep, int32_t n) {
+    lethe_kv_pool *pool = m->env.pool;
+    const int32_t sp = lethe_kv_space_of(pool, layer);
+    const int32_t L = lethe_kv_row_len(pool, sp, row);
+    const int32_t *prot = NULL;
+    if (L <= 0 || lethe_kv_row_protected(pool, row, &prot) <= 0) return n;
+    uint8_t *mark = lethe_xmalloc((size_t)L);
+    if (lethe_kv_row_pin_mask(pool, sp, row, mark) == 0) {
+        free(mark);
+        return n;
+    }
+    /* mark: 1 pinned, 2 kept (pinned or not) */
+    for (int32_t i = 0; i < n; i++) {
+        LETHE_ASSERT(keep[i] >= 0 && keep[i] < L);
+        mark[keep[i]] = 2;
+    }
+    int32_t k = 0;
+    for (int32_t e = 0; e < L; e++)
+        if (mark[e]) keep[k++] = e;
+    free(mark);
+    return k;
+}
