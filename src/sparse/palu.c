@@ -381,7 +381,7 @@ const lethe_sparse_ops lethe_sparse_palu = {
     .summary = "low-rank latent K and V (fitted factors): keys reconstructed and RoPE'd in attention, values "
                "absorbed into the output projection",
     .kind = LETHE_SPARSE_KIND_COMPRESSION,
-    .flags = LETHE_SPARSE_PREFIX_CACHE | LETHE_SPARSE_KV_PRE_ROPE,
+    .flags = LETHE_SPARSE_PREFIX_CACHE | LETHE_SPARSE_KV_PRE_ROPE | LETHE_SPARSE_F32_WEIGHTS,
     .knob_table = knobs,
     .n_knob_table = (int32_t)LETHE_ARRAY_LEN(knobs),
     .test_configs = {.identity = "palu_factors=@identity"},

@@ -205,6 +205,10 @@ enum {
      * selection that it keeps; lethe_attn_args.head_sel_*). Needs
      * PER_LAYER_ROWS and native KV (registry checks). */
     LETHE_SPARSE_HEAD_ROWS = 1u << 5,
+    /* The method multiplies with model weights as activations at set-up (palu
+     * absorbs its value factors into W_o), so the CPU backend loads the
+     * weights dequantized to f32 (--cpu-weights fp32) for it. */
+    LETHE_SPARSE_F32_WEIGHTS = 1u << 7,
 };
 
 /* Configurations the method-generic test suites run every registered method

@@ -84,7 +84,7 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "kind %d is not a lethe_sparse_kind", (int)o->kind);
     const unsigned known = LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_PREFIX_CACHE |
                            LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM | LETHE_SPARSE_KV_PRE_ROPE |
-                           LETHE_SPARSE_HEAD_ROWS;
+                           LETHE_SPARSE_HEAD_ROWS | LETHE_SPARSE_F32_WEIGHTS;
     RULE((o->flags & ~known) == 0, "flags has bits other than LETHE_SPARSE_*");
     lethe_status st = check_knobs(o);
     if (st != LETHE_OK) return st;
