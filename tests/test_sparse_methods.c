@@ -700,6 +700,44 @@ static void test_quest_oracle(void) {
     h_close(&h);
 }
 
+/* omnikv_prefill: in a prefill chunk with a long enough history, the
+ * sparse layers read sink + the oracle top-K of the filter layer's
+ * chunk-mean logits (max over heads) + recent history + the chunk; full
+ * layers and decode read everything */
+static void test_omnikv_prefill(void) {
+    harness h;
+    h_open(&h, "omnikv_prefill", "omnikv_prefill_keep_tokens=10,omnikv_prefill_sink_tokens=3,"
+                                 "omnikv_prefill_recent_tokens=5,omnikv_full_layers=0:2");
+    h_add(&h, 0, 8, 72, 74);
+    while (h.r[0].n_done < 72) h_step(&h); /* the last step: chunk [48, 72), history 48 */
+    CHECK_EQ_INT(h.n_sel[0], 72);
+    CHECK_EQ_INT(h.n_sel[2], 72);
+    for (int l = 1; l < NL; l += 2) {
+        const int f = l - 1, hist = 48, c0 = 3, c1 = hist - 5;
+        float sc[48];
+        for (int j = c0; j < c1; j++) {
+            double best = -INFINITY;
+            for (int hh = 0; hh < H; hh++) { /* mean over the chunk's queries of q . k_j */
+                double d = 0;
+                for (int i = hist; i < 72; i++)
+                    for (int c = 0; c < D; c++) d += gen(8, f, i, 0, hh * D + c) * gen(8, f, j, 1, (hh / 2) * D + c);
+                best = fmax(best, d / 24.0);
+            }
+            sc[j - c0] = (float)best;
+        }
+        int32_t top[10];
+        CHECK_EQ_INT(lethe_topk_indices(sc, c1 - c0, 10, top), 10);
+        CHECK_EQ_INT(h.n_sel[l], 3 + 10 + 5 + 24);
+        for (int e = 0; e < 3; e++) CHECK_EQ_INT(h.sel_pos[l][e], e);
+        for (int e = 0; e < 10; e++) CHECK_EQ_INT(h.sel_pos[l][3 + e], top[e] + c0);
+        for (int e = 0; e < 5 + 24; e++) CHECK_EQ_INT(h.sel_pos[l][13 + e], c1 + e);
+    }
+    CHECK(h.n_select_layer[LETHE_SEL_BUILT] > 0);
+    h_step(&h); /* decode: dense */
+    for (int l = 0; l < NL; l++) CHECK_EQ_INT(h.n_sel[l], 73);
+    h_close(&h);
+}
+
 static void test_omnikv(void) {
     harness h;
     h_open(&h, "omnikv", "sink_keep_tokens=3,recent_keep_tokens=5,decode_keep_tokens=10,omnikv_full_layers=0:2");
@@ -994,6 +1032,7 @@ int main(void) {
     TEST_RUN(test_quest);
     TEST_RUN(test_quest_oracle);
     TEST_RUN(test_omnikv);
+    TEST_RUN(test_omnikv_prefill);
     TEST_RUN(test_rkv_duplicates);
     TEST_RUN(test_rkv_importance);
     TEST_RUN(test_skipkv_duplicates);

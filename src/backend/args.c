@@ -38,7 +38,12 @@ void lethe_check_attn_scores(const lethe_attn_scores_args *a) {
         LETHE_ASSERT(sq->q_row >= 0 && sq->q_row + sq->n_rows <= a->n_tokens);
         LETHE_ASSERT(sq->key_begin >= 0 && sq->key_begin + sq->n_keys <= a->n_key_slots);
         LETHE_ASSERT(0 <= sq->c0 && sq->c0 <= sq->c1 && sq->c1 <= sq->n_keys);
-        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM | LETHE_SCORES_ROW_MAX)) == 0);
+        LETHE_ASSERT((sq->mode & ~(LETHE_SCORES_KIND_MASK | LETHE_SCORES_CAND_DENOM | LETHE_SCORES_ROW_MAX |
+                                   LETHE_SCORES_QMEAN)) == 0);
+        if (sq->mode & LETHE_SCORES_QMEAN)
+            LETHE_ASSERT((sq->mode & ~LETHE_SCORES_QMEAN) == LETHE_SCORES_LOGIT_MAX &&
+                         sq->c1 <= sq->n_keys - sq->n_rows + 1);
+        LETHE_ASSERT(((sq->mode ^ a->seqs[0].mode) & LETHE_SCORES_QMEAN) == 0);
     }
 }
 
@@ -111,4 +116,30 @@ void lethe_check_sample(const lethe_sample_args *a) {
         LETHE_ASSERT(p->n_pen == 0 || (p->pen_begin >= 0 && p->pen_begin + p->n_pen <= a->n_pen));
         LETHE_ASSERT(p->mask_row >= 0 && p->mask_row <= a->n_mask && (!p->mask_row || a->mask));
     }
+}
+
+void lethe_check_block_sparse(const lethe_block_sparse *p) {
+    LETHE_ASSERT(p->block >= 32 && p->block % 32 == 0 && p->sink_blocks >= 1 && p->window_blocks >= 2 &&
+                 p->last_q_blocks >= 0 && p->threshold >= 0.0f && p->threshold <= 1.0f);
+}
+
+bool lethe_bsp_seq_sparse(const lethe_attn_args *a, int32_t s) {
+    if (!a->bsp || a->head_sel_begin || !a->v_cache || (a->kvq && a->kvq->format != LETHE_KV_NATIVE))
+        return false;
+    const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
+    return n_q >= (a->bsp->min_q > 2 ? a->bsp->min_q : 2);
+}
+
+void lethe_bsp_block_range(const lethe_block_sparse *p, int32_t n_q, int32_t n_sel, int32_t t,
+                           int32_t *kb_last, int32_t *n_full) {
+    const int32_t B = p->block, n_pre = n_sel - n_q;
+    const int32_t first = t * B, last = (n_q < first + B ? n_q : first + B) - 1;
+    *kb_last = (n_pre + last) / B;     /* the last key block the block's last query sees */
+    *n_full = (n_pre + first + 1) / B; /* key blocks all of whose entries its first query sees */
+}
+
+bool lethe_bsp_forced(const lethe_block_sparse *p, int32_t t, int32_t n_qb, int32_t b, int32_t kb_last,
+                      int32_t n_full) {
+    return b < p->sink_blocks || b > kb_last - p->window_blocks || b >= n_full ||
+           t >= n_qb - p->last_q_blocks;
 }

@@ -68,6 +68,22 @@ typedef struct lethe_expand_extent {
 lethe_expand_extent lethe_check_select_expand(const lethe_expand_seq *seqs, int32_t n_seqs,
                                               int32_t unit);
 
+/* block-sparse prefill (lethe_block_sparse): the parameters' bounds (block a
+ * multiple of 32, sink >= 1, window >= 2, last_q >= 0, threshold in [0, 1]). */
+void lethe_check_block_sparse(const lethe_block_sparse *p);
+/* Whether sequence s of the call runs block-sparse (bsp set, native per-
+ * sequence selections, n_q >= max(min_q, 2)). */
+bool lethe_bsp_seq_sparse(const lethe_attn_args *a, int32_t s);
+/* Query block t of a sequence with n_q queries and n_sel selected entries:
+ * *kb_last = the last key block its last query sees, *n_full = the number of
+ * leading key blocks all of whose entries its first query sees. */
+void lethe_bsp_block_range(const lethe_block_sparse *p, int32_t n_q, int32_t n_sel, int32_t t,
+                           int32_t *kb_last, int32_t *n_full);
+/* Whether key block b (<= kb_last) of query block t (of n_qb) is read
+ * whatever its score: sink, window, diagonal or last query blocks. */
+bool lethe_bsp_forced(const lethe_block_sparse *p, int32_t t, int32_t n_qb, int32_t b, int32_t kb_last,
+                      int32_t n_full);
+
 /* sample: n >= 0 rows over n_vocab > 0 (logits, rows and tokens present when
  * n > 0), each row's penalty entries inside [0, n_pen). */
 void lethe_check_sample(const lethe_sample_args *a);

@@ -162,6 +162,35 @@ static inline size_t lethe_kv_layout_slot_bytes(const lethe_kv_layout *l) {
  * causality is positional: query j (0-based within the sequence) attends to
  * selection entries [0, n_sel(s) - n_q(s) + j]. Dense attention selects every
  * resident slot; sparse methods pass subsets (ascending logical position). */
+/* Block-sparse prefill attention (lethe_attn_args.bsp; methods.md §18.5
+ * flashprefill). For a sequence with n_q >= min_q (shorter ones, decode rows
+ * included, attend densely) let B = block: query block t = the sequence's
+ * queries [tB, tB + B) (aligned at its first new token), key block b = its
+ * selection entries [bB, bB + B) (aligned at entry 0). Per query head h:
+ *   qm(t, h) = mean of q over the block's queries, km(b, g) = mean of K over
+ *   the block's entries (g = h's KV head), for the blocks b that t's last
+ *   query sees; s(b) = scale * qm . km, p_h(b) = softmax_b(s)[b];
+ *   p(t, g, b) = max over the query heads of KV head g of p_h(b).
+ * KV head g's queries of block t then read key block b when
+ *   b < sink_blocks, or b is among the last window_blocks blocks t sees, or
+ *   some query of t sees only part of b (the diagonal), or t is among the
+ *   last last_q_blocks query blocks of the chunk, or p(t, g, b) >= threshold;
+ * inside a read block the usual causal rule holds. With mean_correction every
+ * skipped block (all of it visible to all of t: never a diagonal block) adds
+ * one pseudo-entry per query: key km(b, g), value vm(b, g) (the mean V) and
+ * logit scale * q . km + ln(B), the block's B entries approximated by their
+ * mean. threshold 0 reads every block: the output equals dense attention
+ * exactly (the same operations in the same order on both backends). Native
+ * KV only (no kvq, no head_sel, no latent KV: those paths ignore bsp; CUDA:
+ * head_dim 64 / 128, the tensor-core kernel's shapes, others ignore it). */
+typedef struct lethe_block_sparse {
+    int32_t block;               /* B: 128 (the CUDA kernel's tile; CPU: a multiple of 32) */
+    int32_t sink_blocks, window_blocks, last_q_blocks; /* >= 1, >= 2, >= 0 */
+    int32_t min_q;               /* sequences with fewer new tokens attend densely */
+    float threshold;             /* in [0, 1] */
+    bool mean_correction;
+} lethe_block_sparse;
+
 typedef struct lethe_attn_args {
     void *out;                   /* [n_tokens, n_heads, head_dim] activations */
     const void *q;               /* [n_tokens, n_heads, head_dim] after RoPE */
@@ -191,6 +220,8 @@ typedef struct lethe_attn_args {
      * and V of a slot is the first v_dim of its head_dim K values; out is
      * [n_tokens, n_heads, v_dim]. 0 with a v_cache. (cpu/mla.c, cuda/mla.cu) */
     int32_t v_dim;
+    /* block-sparse prefill (lethe_block_sparse above); NULL = dense */
+    const lethe_block_sparse *bsp;
 } lethe_attn_args;
 
 /* ---- attention scores for sparse methods (ops->attn_scores) ----
@@ -234,6 +265,13 @@ enum {
     /* flag (PROB_* modes): reduce the rows by max instead of the mean (KVzip:
      * max over replay queries), v(h, e) = max over rows i of softmax(...)[e] */
     LETHE_SCORES_ROW_MAX = 1 << 3,
+    /* flag (with LOGIT_MAX; omnikv_prefill): the rows are first averaged per
+     * head into one mean query (in the backend's activation type), which is
+     * scored as one row seeing all n_keys keys: v(h, e) = scale * mean_i(q_i,h)
+     * . K_e = the mean over the rows of raw(h, i, e) (up to rounding). Needs
+     * c1 <= n_keys - n_rows + 1 (every candidate visible to every row), and
+     * every sequence of the call flagged alike. */
+    LETHE_SCORES_QMEAN = 1 << 4,
 };
 
 /* One sequence's request; int32 fields only (a device backend stages it as an index array). */

@@ -194,7 +194,7 @@ static void llama_forward(lethe_model *m, const lethe_fwd_batch *b, void *const 
             .sel_begin = plan.sel_begin, .sel_slots = plan.sel_slots,
             .head_sel_begin = plan.head_sel_begin, .head_sel_slots = plan.head_sel_slots, .n_heads = c->n_heads,
             .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .scale = scale,
-            .kvq = plan.kvq,
+            .kvq = plan.kvq, .bsp = plan.bsp,
         };
         const void *wo = L->wo;
         int32_t att_dim = q_dim;

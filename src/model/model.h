@@ -102,6 +102,8 @@ typedef struct lethe_layer_plan {
     /* the layer's payload path (lethe_kv_path); NULL = the backend's K / V
      * (kvq above). Non-NULL: kvq is NULL and the path stores and attends. */
     const lethe_kv_path *path;
+    /* block-sparse prefill attention (lethe_attn_args.bsp) or NULL = dense */
+    const lethe_block_sparse *bsp;
 } lethe_layer_plan;
 
 typedef struct lethe_fwd_hooks {

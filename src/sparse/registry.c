@@ -33,7 +33,9 @@
     X(fp8_kv)                                                                                      \
     X(kvzip)                                                                                       \
     X(rkv)                                                                                         \
-    X(skipkv)
+    X(skipkv)                                                                                      \
+    X(flashprefill)                                                                                \
+    X(omnikv_prefill)
 
 #define DECLARE_(n) extern const lethe_sparse_ops lethe_sparse_##n;
 #define ENTRY_(n) &lethe_sparse_##n,

@@ -108,6 +108,8 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
              o->build_prefill_selection,
          "a SELECTION method must provide select_layer or build_decode_selection (the default "
          "selects every resident slot)");
+    RULE(!o->block_sparse || (o->kind == LETHE_SPARSE_KIND_SELECTION && !uniform && !o->kv_layout),
+         "block_sparse is for SELECTION methods over the backend's K / V, not LETHE_SPARSE_UNIFORM");
     RULE(!o->select_layer || (!per_layer && !uniform), "select_layer needs shared rows: not with "
          "LETHE_SPARSE_PER_LAYER_ROWS or LETHE_SPARSE_UNIFORM");
     RULE(!uniform || !(o->needs_scores || o->after_attn || o->layer_end),

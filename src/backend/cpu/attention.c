@@ -32,7 +32,13 @@
  * state unchanged (rescale by exp(0) = 1, add 0). So a query's output is
  * bit-identical whatever tile, batch or thread count it is computed in.
  * (Per-key scores for the sparse methods: attn_scores, scores.c, which
- * computes each score with this same FMA chain.) */
+ * computes each score with this same FMA chain.)
+ *
+ * Block-sparse prefill (a->bsp, backend.h lethe_block_sparse): the block
+ * choice comes from attention_bsp.c; a sparse sequence's tiles then stay
+ * inside one query block, skip the 32-entry blocks of unread key blocks and,
+ * with mean correction, end with the skipped blocks' pseudo-entries. With
+ * every block read the operations are those of the dense path. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -289,8 +295,53 @@ static int seq_of_row(const lethe_attn_args *a, int32_t i) {
     return lo;
 }
 
-/* Queries [j0, j0 + qt) of sequence s, KV head g. */
-static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int qt) {
+/* Kt = K block transposed (krow: nb rows): 8 x 8 tiles, then scalar edges;
+ * padding zeroed (those entries are masked, zeroing just avoids reading garbage) */
+static void fill_kt(float *kt, const float *const *krow, int nb, int hd) {
+    const int nb8 = nb & ~7, hd8 = hd & ~7;
+    for (int b0 = 0; b0 < nb8; b0 += 8) {
+        for (int d0 = 0; d0 < hd8; d0 += 8) transpose8(kt, krow + b0, d0, b0);
+        for (int d = hd8; d < hd; d++)
+            for (int b = b0; b < b0 + 8; b++) kt[(size_t)d * ATT_BLOCK + b] = krow[b][d];
+    }
+    for (int b = nb8; b < ATT_BLOCK; b++)
+        for (int d = 0; d < hd; d++) kt[(size_t)d * ATT_BLOCK + b] = b < nb ? krow[b][d] : 0.0f;
+}
+
+/* Block-sparse mean correction (backend.h lethe_block_sparse): the skipped
+ * key blocks of the tile's query block as pseudo-entries (mean key, mean
+ * value, logit + ln B), ATT_BLOCK at a time, visible to every query. */
+static void attend_pseudo(att_tile *t, const lethe_cpu_bsp *bp, const uint8_t *keep, int g, int32_t B,
+                          float *kt) {
+    const size_t kv_stride = (size_t)t->a->n_kv_heads * t->hd;
+    const float lnb = logf((float)B);
+    float S[VEC_MAX][ATT_BLOCK], corr[VEC_MAX];
+    const float *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
+    int nb = 0;
+    for (int32_t b = 0; b <= bp->nkb; b++) {
+        if (b < bp->nkb && keep[b]) continue;
+        if (b < bp->nkb && (int64_t)(b + 1) * B > t->limit[0] + 1) continue; /* not visible to all */
+        if (b < bp->nkb) {
+            krow[nb] = bp->km + (size_t)b * kv_stride + (size_t)g * t->hd;
+            vrow[nb] = bp->vm + (size_t)b * kv_stride + (size_t)g * t->hd;
+            nb++;
+        }
+        if (nb == ATT_BLOCK || (b == bp->nkb && nb > 0)) {
+            fill_kt(kt, krow, nb, t->hd);
+            tile_scores(t, kt, S);
+            for (int v = 0; v < t->nv; v++)
+                for (int i = 0; i < ATT_BLOCK; i++) S[v][i] = i < nb ? S[v][i] + lnb : -INFINITY;
+            tile_softmax(t, -(1 << 30), S, corr); /* (no causal limit applies) */
+            tile_pv(t, S, corr, vrow, nb);
+            nb = 0;
+        }
+    }
+}
+
+/* Queries [j0, j0 + qt) of sequence s, KV head g; bp: the sequence's block
+ * choice when it runs block-sparse (the tile then lies in one query block). */
+static void attend_tile(const lethe_attn_args *a, const lethe_cpu_bsp *bp, int s, int g, int32_t j0,
+                        int qt) {
     att_tile t;
     t.a = a;
     t.G = a->n_heads / a->n_kv_heads;
@@ -319,27 +370,22 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
     float S[VEC_MAX][ATT_BLOCK], corr[VEC_MAX];
     const float *vrow[ATT_BLOCK];
     const int32_t n_ent = t.limit[qt - 1] + 1;
+    const int32_t B = bp ? a->bsp->block : 0;
+    const uint8_t *keep = bp ? bp->keep + ((size_t)(j0 / B) * a->n_kv_heads + g) * bp->nkb : NULL;
     for (int32_t e0 = 0; e0 < n_ent; e0 += ATT_BLOCK) {
+        if (keep && !keep[e0 / B]) continue; /* a skipped key block (B is a multiple of ATT_BLOCK) */
         const int nb = LETHE_MIN(ATT_BLOCK, n_ent - e0);
         const float *krow[ATT_BLOCK];
         for (int b = 0; b < nb; b++) {
             krow[b] = k_cache + (size_t)sel[e0 + b] * kv_stride + (size_t)g * t.hd;
             vrow[b] = v_cache + (size_t)sel[e0 + b] * kv_stride + (size_t)g * t.hd;
         }
-        /* Kt = K block transposed: 8 x 8 tiles, then scalar edges; padding zeroed
-         * (those entries are masked, zeroing just avoids reading garbage) */
-        const int nb8 = nb & ~7, hd8 = t.hd & ~7;
-        for (int b0 = 0; b0 < nb8; b0 += 8) {
-            for (int d0 = 0; d0 < hd8; d0 += 8) transpose8(kt, krow + b0, d0, b0);
-            for (int d = hd8; d < t.hd; d++)
-                for (int b = b0; b < b0 + 8; b++) kt[(size_t)d * ATT_BLOCK + b] = krow[b][d];
-        }
-        for (int b = nb8; b < ATT_BLOCK; b++)
-            for (int d = 0; d < t.hd; d++) kt[(size_t)d * ATT_BLOCK + b] = b < nb ? krow[b][d] : 0.0f;
+        fill_kt(kt, krow, nb, t.hd);
         tile_scores(&t, kt, S);
         tile_softmax(&t, e0, S, corr);
         tile_pv(&t, S, corr, vrow, nb);
     }
+    if (keep && a->bsp->mean_correction) attend_pseudo(&t, bp, keep, g, B, kt);
     for (int v = 0; v < t.nv; v++) {
         const float inv = 1.0f / t.l[v];
         for (int d = 0; d < t.hd; d++) t.out[v][d] *= inv;
@@ -349,6 +395,7 @@ static void attend_tile(const lethe_attn_args *a, int s, int g, int32_t j0, int 
 typedef struct att_job {
     const lethe_attn_args *a;
     int qt;
+    const lethe_cpu_bsp *bsp;  /* [n_seqs] block choices, NULL = all dense */
 } att_job;
 
 /* items 4t .. 4t+3 of the (row, KV head) items; the row that starts a tile computes it */
@@ -360,7 +407,14 @@ static void att_task(void *ctx, int t, int worker) {
         const int32_t i = it / a->n_kv_heads;
         const int g = it % a->n_kv_heads, s = seq_of_row(a, i);
         const int32_t j = i - a->q_begin[s];
-        if (j % jb->qt == 0) attend_tile(a, s, g, j, jb->qt);
+        const lethe_cpu_bsp *bp = jb->bsp && jb->bsp[s].keep ? &jb->bsp[s] : NULL;
+        if (!bp) {
+            if (j % jb->qt == 0) attend_tile(a, NULL, s, g, j, jb->qt);
+            continue;
+        }
+        /* block-sparse: tiles restart at every query block */
+        const int32_t jb0 = j % a->bsp->block;
+        if (jb0 % jb->qt == 0) attend_tile(a, bp, s, g, j, LETHE_MIN(jb->qt, a->bsp->block - jb0));
     }
 }
 
@@ -381,6 +435,8 @@ void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a) {
     /* one item per (row, KV head); the row that starts a tile computes the tile */
     const int n_items = a->n_tokens * a->n_kv_heads;
     const int nt = n_items < 2 ? 1 : lethe_cpu_threads(be);
-    att_job j = {a, qt};
+    lethe_cpu_bsp *bsp = lethe_cpu_bsp_plan(a); /* attention_bsp.c; NULL without a->bsp */
+    att_job j = {a, qt, bsp};
     lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(n_items, 4), att_task, &j);
+    lethe_cpu_bsp_free(bsp, a->n_seqs);
 }

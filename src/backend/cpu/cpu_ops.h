@@ -124,6 +124,15 @@ void lethe_cpu_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n, i
 void lethe_cpu_kv_store(lethe_backend *be, void *k_cache, void *v_cache, const void *k,
                         const void *v, const int32_t *slots, int32_t n, int32_t kv_dim);
 void lethe_cpu_attention(lethe_backend *be, const lethe_attn_args *a);
+/* attention_bsp.c: the block choice of block-sparse prefill (a->bsp), per
+ * sequence (entries of dense sequences stay zero; NULL when none is sparse) */
+typedef struct lethe_cpu_bsp {
+    int32_t nqb, nkb;          /* query blocks, key blocks */
+    uint8_t *keep;             /* [nqb, n_kv_heads, nkb]: 1 = read the key block */
+    float *km, *vm;            /* [nkb, n_kv_heads, head_dim] mean K / V of each key block */
+} lethe_cpu_bsp;
+lethe_cpu_bsp *lethe_cpu_bsp_plan(const lethe_attn_args *a);
+void lethe_cpu_bsp_free(lethe_cpu_bsp *p, int32_t n_seqs);
 /* attention_quant.c: quantized KV formats (a->kvq), dispatched from lethe_cpu_attention */
 void lethe_cpu_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
                               void *v_cache, const void *k, const void *v, const int32_t *slots,

@@ -13,7 +13,8 @@
  * Work per sequence: the query heads in parallel (OpenMP), each producing its
  * row-reduced values v(h, .) [n_cand] in a scratch [n_heads, n_cand], then
  * the group reduction in head order. Scratch: n_heads * n_cand floats plus
- * one raw row [n_keys] per head in flight. */
+ * one raw row [n_keys] per head in flight. LETHE_SCORES_QMEAN first averages
+ * each sequence's rows into one mean query (attn_scores_qmean). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,8 +88,36 @@ static void scores_task(void *ctx, int h, int worker) {
     free(raw);
 }
 
+/* LETHE_SCORES_QMEAN: each sequence's rows averaged per head (f32 sums in
+ * row order, / n_rows), then scored as one row over all its keys */
+static void attn_scores_qmean(lethe_backend *be, const lethe_attn_scores_args *a) {
+    const int H = a->n_heads, D = a->head_dim;
+    float *qm = lethe_xcalloc((size_t)(a->n_seqs ? a->n_seqs : 1) * H * D, sizeof(float));
+    lethe_score_seq *sq = lethe_xmalloc((size_t)(a->n_seqs ? a->n_seqs : 1) * sizeof(*sq));
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const lethe_score_seq *o = &a->seqs[s];
+        float *m = qm + (size_t)s * H * D;
+        for (int32_t r = 0; r < o->n_rows; r++) {
+            const float *q = (const float *)a->q + (size_t)(o->q_row + r) * H * D;
+            for (int c = 0; c < H * D; c++) m[c] += q[c];
+        }
+        for (int c = 0; c < H * D; c++) m[c] /= (float)o->n_rows;
+        sq[s] = *o;
+        sq[s].q_row = s, sq[s].n_rows = 1, sq[s].mode = o->mode & ~LETHE_SCORES_QMEAN;
+    }
+    lethe_attn_scores_args b = *a;
+    b.q = qm, b.n_tokens = a->n_seqs, b.seqs = sq;
+    lethe_cpu_attn_scores(be, &b);
+    free(sq);
+    free(qm);
+}
+
 void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
     lethe_check_attn_scores(a);
+    if (a->n_seqs > 0 && (a->seqs[0].mode & LETHE_SCORES_QMEAN)) {
+        attn_scores_qmean(be, a);
+        return;
+    }
     const int H = a->n_heads, per_group = a->n_heads / a->n_groups;
     size_t off = 0;
     for (int32_t s = 0; s < a->n_seqs; s++) {

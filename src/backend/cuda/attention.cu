@@ -10,7 +10,8 @@
  * Dispatch (lethe_cuda_attention): quantized KV goes to attention_quant.cu;
  * per-KV-head selections (head_sel_begin) to attention_varlen.cu;
  * head_dim 64 / 128 where the v2 kernels' shared memory fits the device goes
- * to attention_v2.cu (tensor-core decode and prefill); every other shape
+ * to attention_v2.cu (tensor-core decode and prefill; block-sparse prefill,
+ * a->bsp, through attention_bsp.cu's plan into the same kernel); every other shape
  * (head_dim 8..256 in steps of 8; decode and prefill/extend alike) to the
  * generic kernel here:
  *  - split_kernel: flash-decoding over query rows. A block = (query row, KV
@@ -324,7 +325,10 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
     if (lethe_cuda_attn_v2_fits(c, D)) {
-        if (decode) lethe_cuda_attn_decode_v2(c, a, d_qb, d_sb, d_sel);
+        bool bsp = false; /* block-sparse prefill (attention_bsp.cu) for some sequence */
+        for (int s = 0; a->bsp && !decode && !bsp && s < a->n_seqs; s++) bsp = lethe_bsp_seq_sparse(a, s);
+        if (bsp) lethe_cuda_attn_bsp(c, a, d_qb, d_sb, d_sel);
+        else if (decode) lethe_cuda_attn_decode_v2(c, a, d_qb, d_sb, d_sel);
         else lethe_cuda_attn_prefill_v2(c, a, d_qb, d_sb, d_sel);
         return;
     }

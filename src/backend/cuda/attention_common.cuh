@@ -75,4 +75,27 @@ void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int3
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                                 const int32_t *d_sb, const int32_t *d_sel);
 
+/* Block-sparse prefill (backend.h lethe_block_sparse; attention_bsp.cu builds
+ * the plan, prefill_v2_kernel<D, true> reads it). Per (query block, KV head)
+ * item = qblk * n_kv + kvh: */
+typedef struct lethe_cuda_bsp_dev {
+    const int32_t *counts;       /* [items, 2]: listed 64-key tiles, skipped key blocks */
+    const int32_t *tiles;        /* [items, tiles_stride]: the 64-key tiles read, ascending */
+    const int32_t *skips;        /* [items, skips_stride]: rows of km / vm (mean correction) */
+    const bf16 *km, *vm;         /* [key blocks, n_kv, D]: mean K / V of each key block */
+    int64_t tiles_stride, skips_stride;
+} lethe_cuda_bsp_dev;
+typedef struct lethe_cuda_bsp_plan {
+    const int32_t *qblk_base;    /* host [n_seqs]: the sequence's first query block, -1 = dense */
+    lethe_cuda_bsp_dev dev;
+} lethe_cuda_bsp_plan;
+/* prefill_v2 with a block-sparse plan (NULL = dense, lethe_cuda_attn_prefill_v2) */
+void lethe_cuda_attn_prefill_v2_bsp(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                    const int32_t *d_sb, const int32_t *d_sel,
+                                    const lethe_cuda_bsp_plan *bp);
+/* the block-sparse entry of the dispatcher: builds the plan (attention_bsp.cu)
+ * and runs prefill_v2 with it; head_dim 64 / 128 */
+void lethe_cuda_attn_bsp(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                         const int32_t *d_sb, const int32_t *d_sel);
+
 #endif /* LETHE_BACKEND_CUDA_ATTENTION_COMMON_CUH */

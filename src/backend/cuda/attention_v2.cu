@@ -392,13 +392,20 @@ struct pf2_cfg {
     static constexpr size_t SMEM = (size_t)(Q_ELEMS + 4 * KV_ELEMS) * 2;
 };
 
-/* grid: x = head, y = tile (tiles[y] = {seq, first row within seq}, heaviest first) */
-template <int D>
+/* grid: x = head, y = tile (tiles[y] = {seq, first row within seq}, heaviest
+ * first; BSP: {seq, first row, query block of the block-sparse plan or -1}).
+ * BSP (block-sparse prefill, attention_bsp.cu): a tile with a plan reads only
+ * the 64-key tiles bp.tiles lists for its (query block, KV head), ascending,
+ * then ceil(n_skip / 64) pseudo-tiles: the mean K / V rows (bp.km / bp.vm)
+ * of its skipped key blocks, each with logit + log2(128) (the block's 128
+ * entries), visible to every row. */
+template <int D, bool BSP>
 __global__ void __launch_bounds__(PF2_THREADS, 1)
 prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
                   const bf16 *__restrict__ vc, const int32_t *__restrict__ q_begin,
                   const int32_t *__restrict__ sel_begin, const int32_t *__restrict__ sel,
-                  const int32_t *__restrict__ tiles, int n_heads, int n_kv, float scale_log2) {
+                  const int32_t *__restrict__ tiles, int n_heads, int n_kv, float scale_log2,
+                  lethe_cuda_bsp_dev bp) {
     typedef pf2_cfg<D> C;
     constexpr int LD = C::LD;
     constexpr int CPR = D / 8;                 /* 16-byte chunks per row */
@@ -413,7 +420,8 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int h = blockIdx.x, kvh = h / (n_heads / n_kv);
-    const int s = tiles[2 * blockIdx.y], qt0 = tiles[2 * blockIdx.y + 1];
+    constexpr int TS = BSP ? 3 : 2; /* ints per tiles[] entry */
+    const int s = tiles[TS * blockIdx.y], qt0 = tiles[TS * blockIdx.y + 1];
     const int32_t qb = q_begin[s], n_q = q_begin[s + 1] - qb;
     const int32_t sb = sel_begin[s], n_sel = sel_begin[s + 1] - sb, n_pre = n_sel - n_q;
     const int rows_here = min(PF2_BM, n_q - qt0);
@@ -421,6 +429,20 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
     const int n_kt = (kend + PF2_BN - 1) / PF2_BN;
     const size_t row_stride = (size_t)n_kv * D;
     const int cc = tid % CPR, r0 = tid / CPR;
+    /* iterations: key tiles (dense: 0 .. n_kt - 1; BSP: the listed ones), then pseudo-tiles */
+    const int32_t qblk = BSP ? tiles[TS * blockIdx.y + 2] : -1;
+    const int32_t *tlist = nullptr, *skl = nullptr;
+    int n_real = n_kt, n_skip = 0;
+    if (BSP && qblk >= 0) {
+        const size_t item = (size_t)qblk * n_kv + kvh;
+        n_real = bp.counts[2 * item];
+        n_skip = bp.counts[2 * item + 1];
+        tlist = bp.tiles + item * bp.tiles_stride;
+        skl = bp.skips + item * bp.skips_stride;
+    }
+    const int n_it = n_real + (n_skip + PF2_BN - 1) / PF2_BN;
+    /* key tile of iteration it (BSP pseudo-tile p: -1 - p) */
+    auto tile_of = [&](int it) -> int { return it < n_real ? (tlist ? __ldg(tlist + it) : it) : n_real - 1 - it; };
 
     /* Q tile (rows past the sequence are zeros) */
 #pragma unroll
@@ -433,29 +455,38 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
     cp_async_commit();
 
     int32_t slot[PASSES]; /* slots of this thread's rows in the next tile to issue */
-    auto load_slots = [&](int kt) {
+    bool slot_mean = false; /* ... which are rows of bp.km / bp.vm (a pseudo-tile) */
+    auto load_slots = [&](int it) {
+        const int kt = tile_of(it);
+        slot_mean = BSP && kt < 0;
 #pragma unroll
         for (int i = 0; i < PASSES; i++) {
+            if (BSP && kt < 0) {
+                const int32_t x = (-1 - kt) * PF2_BN + r0 + i * RPP;
+                slot[i] = x < n_skip ? __ldg(skl + x) : -1;
+                continue;
+            }
             const int32_t e = kt * PF2_BN + r0 + i * RPP;
             slot[i] = e < kend ? __ldg(sel + sb + e) : -1;
         }
     };
     auto issue = [&](int buf) {
         bf16 *Kd = KVs + (size_t)(2 * buf) * C::KV_ELEMS, *Vd = Kd + C::KV_ELEMS;
+        const bf16 *ks = BSP && slot_mean ? bp.km : kc, *vs = BSP && slot_mean ? bp.vm : vc;
 #pragma unroll
         for (int i = 0; i < PASSES; i++) {
             const int rr = r0 + i * RPP;
             const size_t off = (size_t)(slot[i] >= 0 ? slot[i] : 0) * row_stride +
                                (size_t)kvh * D + cc * 8;
             const int nb = slot[i] >= 0 ? 16 : 0;
-            cp_async16(Kd + rr * LD + cc * 8, kc + off, nb);
-            cp_async16(Vd + rr * LD + cc * 8, vc + off, nb);
+            cp_async16(Kd + rr * LD + cc * 8, ks + off, nb);
+            cp_async16(Vd + rr * LD + cc * 8, vs + off, nb);
         }
     };
     load_slots(0);
     issue(0);
     cp_async_commit();
-    if (n_kt > 1) load_slots(1);
+    if (n_it > 1) load_slots(1);
 
     cp_async_wait<1>(); /* the Q group */
     __syncthreads();
@@ -476,15 +507,16 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
      * of a mixed batch) only helps load and keeps the barriers */
     const bool warp_rows = warp * 16 < rows_here;
 
-    for (int kt = 0; kt < n_kt; kt++) {
-        cp_async_wait<0>(); /* tile kt (this thread's copies) */
-        __syncthreads();    /* every thread's copies; every warp done with tile kt - 1 */
-        if (kt + 1 < n_kt) issue((kt + 1) & 1);
+    for (int it = 0; it < n_it; it++) {
+        cp_async_wait<0>(); /* tile it (this thread's copies) */
+        __syncthreads();    /* every thread's copies; every warp done with tile it - 1 */
+        if (it + 1 < n_it) issue((it + 1) & 1);
         cp_async_commit();
-        if (kt + 2 < n_kt) load_slots(kt + 2);
+        if (it + 2 < n_it) load_slots(it + 2);
 
         if (!warp_rows) continue;
-        const bf16 *Ks = KVs + (size_t)(2 * (kt & 1)) * C::KV_ELEMS, *Vs = Ks + C::KV_ELEMS;
+        const int kt = tile_of(it);
+        const bf16 *Ks = KVs + (size_t)(2 * (it & 1)) * C::KV_ELEMS, *Vs = Ks + C::KV_ELEMS;
         float sc[PF2_BN / 8][4];
 #pragma unroll
         for (int i = 0; i < PF2_BN / 8; i++) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
@@ -499,8 +531,9 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
                 mma_bf16(sc[2 * np], qa[ks], b0, b1);
                 mma_bf16(sc[2 * np + 1], qa[ks], b2, b3);
             }
-        const int32_t key0 = kt * PF2_BN;
-        const bool need_mask = key0 + PF2_BN - 1 > diag; /* block-uniform */
+        const bool pseudo = BSP && kt < 0;
+        const int32_t key0 = pseudo ? (-1 - kt) * PF2_BN : kt * PF2_BN;
+        const bool need_mask = pseudo || key0 + PF2_BN - 1 > diag; /* block-uniform */
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < PF2_BN / 8; nt++)
@@ -509,7 +542,8 @@ prefill_v2_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q, const bf16
                 float v = sc[nt][c] * scale_log2;
                 if (need_mask) {
                     const int32_t key = key0 + nt * 8 + 2 * t4 + (c & 1);
-                    if (key > (c < 2 ? lim0 : lim1)) v = -INFINITY;
+                    if (pseudo) v = key < n_skip ? v + 7.0f : -INFINITY; /* log2(128) */
+                    else if (key > (c < 2 ? lim0 : lim1)) v = -INFINITY;
                 }
                 sc[nt][c] = v;
                 if (c < 2) mx0 = fmaxf(mx0, v);
@@ -578,7 +612,7 @@ static int pf2_heavier_first(const void *x, const void *y) {
 
 template <int D>
 static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
-                              const int32_t *d_sb, const int32_t *d_sel) {
+                              const int32_t *d_sb, const int32_t *d_sel, const lethe_cuda_bsp_plan *bp) {
     /* single-query sequences (decode rows of a mixed step) -> decode kernel */
     int32_t n_single = 0, n_tiles = 0;
     for (int s = 0; s < a->n_seqs; s++) {
@@ -612,23 +646,41 @@ static void launch_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32
     }
     qsort(list, (size_t)n_tiles, sizeof(pf2_tile), pf2_heavier_first);
     void *h;
-    int32_t *d_tiles = (int32_t *)lethe_cuda_ring_alloc(c, (size_t)n_tiles * 2 * sizeof(int32_t), &h);
+    const int TS = bp ? 3 : 2; /* ints per tile: seq, first row (, block-sparse query block) */
+    int32_t *d_tiles = (int32_t *)lethe_cuda_ring_alloc(c, (size_t)n_tiles * TS * sizeof(int32_t), &h);
     int32_t *ht = (int32_t *)h;
-    for (int32_t i = 0; i < n_tiles; i++) ht[2 * i] = list[i].seq, ht[2 * i + 1] = list[i].r0;
-    free(list);
-    CU_CHECK(cudaMemcpyAsync(d_tiles, ht, (size_t)n_tiles * 2 * sizeof(int32_t),
-                             cudaMemcpyHostToDevice, c->stream));
-    static bool attr_set = false; /* per instantiation */
-    if (!attr_set) {
-        CU_CHECK(cudaFuncSetAttribute(prefill_v2_kernel<D>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)pf2_cfg<D>::SMEM));
-        attr_set = true;
+    for (int32_t i = 0; i < n_tiles; i++) {
+        ht[TS * i] = list[i].seq, ht[TS * i + 1] = list[i].r0;
+        if (bp) {
+            const int32_t base = bp->qblk_base[list[i].seq];
+            ht[TS * i + 2] = base >= 0 ? base + list[i].r0 / PF2_BM : -1;
+        }
     }
-    prefill_v2_kernel<D><<<dim3((unsigned)a->n_heads, (unsigned)n_tiles), PF2_THREADS,
-                           pf2_cfg<D>::SMEM, c->stream>>>(
-        (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb,
-        d_sb, d_sel, d_tiles, a->n_heads, a->n_kv_heads, a->scale * LOG2E);
+    free(list);
+    CU_CHECK(cudaMemcpyAsync(d_tiles, ht, (size_t)n_tiles * TS * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, c->stream));
+    static bool attr_set[2] = {false, false}; /* per instantiation */
+    if (!attr_set[bp ? 1 : 0]) {
+        if (bp)
+            CU_CHECK(cudaFuncSetAttribute(prefill_v2_kernel<D, true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)pf2_cfg<D>::SMEM));
+        else
+            CU_CHECK(cudaFuncSetAttribute(prefill_v2_kernel<D, false>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)pf2_cfg<D>::SMEM));
+        attr_set[bp ? 1 : 0] = true;
+    }
+    const dim3 grid((unsigned)a->n_heads, (unsigned)n_tiles);
+    if (bp)
+        prefill_v2_kernel<D, true><<<grid, PF2_THREADS, pf2_cfg<D>::SMEM, c->stream>>>(
+            (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,
+            d_qb, d_sb, d_sel, d_tiles, a->n_heads, a->n_kv_heads, a->scale * LOG2E, bp->dev);
+    else
+        prefill_v2_kernel<D, false><<<grid, PF2_THREADS, pf2_cfg<D>::SMEM, c->stream>>>(
+            (bf16 *)a->out, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,
+            d_qb, d_sb, d_sel, d_tiles, a->n_heads, a->n_kv_heads, a->scale * LOG2E,
+            lethe_cuda_bsp_dev{});
     CU_LAUNCH_CHECK();
 }
 
@@ -641,7 +693,13 @@ bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D) {
 
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                                 const int32_t *d_sb, const int32_t *d_sel) {
-    if (a->head_dim == 64) launch_prefill_v2<64>(c, a, d_qb, d_sb, d_sel);
-    else if (a->head_dim == 128) launch_prefill_v2<128>(c, a, d_qb, d_sb, d_sel);
+    lethe_cuda_attn_prefill_v2_bsp(c, a, d_qb, d_sb, d_sel, NULL);
+}
+
+void lethe_cuda_attn_prefill_v2_bsp(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                    const int32_t *d_sb, const int32_t *d_sel,
+                                    const lethe_cuda_bsp_plan *bp) {
+    if (a->head_dim == 64) launch_prefill_v2<64>(c, a, d_qb, d_sb, d_sel, bp);
+    else if (a->head_dim == 128) launch_prefill_v2<128>(c, a, d_qb, d_sb, d_sel, bp);
     else LETHE_ASSERT(!"prefill v2: head_dim must be 64 or 128");
 }

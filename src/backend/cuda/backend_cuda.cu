@@ -468,6 +468,8 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->f32_h) cudaFreeHost(c->f32_h);
         if (c->attn_ws) cudaFree(c->attn_ws);
         if (c->qattn_ws) cudaFree(c->qattn_ws);
+        if (c->bsp_ws) cudaFree(c->bsp_ws);
+        if (c->qmean_ws) cudaFree(c->qmean_ws);
         if (c->tq_ws) cudaFree(c->tq_ws);
         free(c->tq_iota);
         if (c->sample_ws) cudaFree(c->sample_ws);

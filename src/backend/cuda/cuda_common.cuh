@@ -134,9 +134,15 @@ typedef struct cuda_ctx {
     int32_t *tq_iota;
     size_t tq_iota_n;
 
-    /* attn_scores scratch (scores.cu), fp32 */
+    /* block-sparse prefill plan (attention_bsp.cu): block means, lists */
+    void *bsp_ws;
+    size_t bsp_ws_cap;           /* bytes */
+
+    /* attn_scores scratch (scores.cu), fp32; mean queries (LETHE_SCORES_QMEAN), bf16 */
     float *scores_d;
     size_t scores_cap;           /* bytes */
+    void *qmean_ws;
+    size_t qmean_ws_cap;         /* bytes */
 
     /* sampling scratch */
     void *sample_ws;

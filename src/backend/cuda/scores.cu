@@ -27,7 +27,9 @@
  * Scratch (c->scores_d, grows outside capture): n_heads * (n_cand + 2 *
  * n_rows) + n_groups * n_cand floats summed over the sequences, i.e.
  * O(n_heads * n_cand) per sequence. Work: O(n_heads * n_rows * n_keys * D)
- * FMAs per pass, the cost of the window scorer itself. */
+ * FMAs per pass, the cost of the window scorer itself. LETHE_SCORES_QMEAN
+ * first averages each sequence's rows into one bf16 mean query
+ * (sc_qmean_kernel, scratch c->qmean_ws), then scores that single row. */
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/args.h"
 
@@ -562,10 +564,48 @@ static void attn_scores_general(cuda_ctx *c, const lethe_attn_scores_args *a, co
     CU_LAUNCH_CHECK();
 }
 
+/* LETHE_SCORES_QMEAN: out [n_seqs, H, D] bf16 = the mean over each sequence's
+ * rows (rows: [q_row, n_rows] per sequence); grid (sequence, head) */
+__global__ void sc_qmean_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ q,
+                                const int32_t *__restrict__ rows, int H, int D) {
+    const int s = blockIdx.x, h = blockIdx.y;
+    const int32_t r0 = rows[2 * s], n = rows[2 * s + 1];
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int32_t r = 0; r < n; r++) acc += __bfloat162float(q[((size_t)(r0 + r) * H + h) * D + d]);
+        out[((size_t)s * H + h) * D + d] = __float2bfloat16(acc / (float)n);
+    }
+}
+
 extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(!c->capturing && "graph capture: attn_scores stages its descriptors");
     lethe_check_attn_scores(a);
+    if (a->n_seqs > 0 && (a->seqs[0].mode & LETHE_SCORES_QMEAN)) {
+        /* mean queries into c->qmean_ws, then one row per sequence over all its keys */
+        const int H = a->n_heads, D = a->head_dim;
+        void *hv;
+        int32_t *d_rows = (int32_t *)lethe_cuda_ring_alloc(c, (size_t)a->n_seqs * 2 * sizeof(int32_t), &hv);
+        int32_t *hr = (int32_t *)hv;
+        lethe_score_seq *sq = (lethe_score_seq *)malloc((size_t)a->n_seqs * sizeof(*sq));
+        LETHE_ASSERT(sq);
+        for (int32_t s = 0; s < a->n_seqs; s++) {
+            hr[2 * s] = a->seqs[s].q_row, hr[2 * s + 1] = a->seqs[s].n_rows;
+            sq[s] = a->seqs[s];
+            sq[s].q_row = s, sq[s].n_rows = 1, sq[s].mode &= ~LETHE_SCORES_QMEAN;
+        }
+        CU_CHECK(cudaMemcpyAsync(d_rows, hr, (size_t)a->n_seqs * 2 * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                 c->stream));
+        lethe_cuda_reserve(c, &c->qmean_ws, &c->qmean_ws_cap, (size_t)a->n_seqs * H * D * sizeof(bf16));
+        sc_qmean_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), D < 128 ? D : 128, 0, c->stream>>>(
+            (bf16 *)c->qmean_ws, (const bf16 *)a->q, d_rows, H, D);
+        CU_LAUNCH_CHECK();
+        lethe_attn_scores_args b = *a;
+        b.q = c->qmean_ws, b.n_tokens = a->n_seqs, b.seqs = sq;
+        lethe_cuda_attn_scores(be, &b);
+        free(sq);
+        return;
+    }
     LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= 256);
     /* sc1_logits reads K rows 8 channels (16 bytes) at a time */
     bool single = a->n_seqs > 0 && a->head_dim % 8 == 0;
