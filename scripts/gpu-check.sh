@@ -3,9 +3,9 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,stepprof,mmcmp,replay,basecmp
-# (default: build,test,bench,dev,peer,plot,profile; sparse, stepprof, mmcmp,
-# replay and basecmp only when named).
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,stepprof,mmcmp,replay,basecmp
+# (default: build,test,bench,dev,peer,plot,profile; sparse, prefill, stepprof,
+# mmcmp, replay and basecmp only when named).
 #
 #   basecmp before vs after in one call: the tree of an earlier commit, carried
 #           as .deb/base-COMMIT.tar (`git archive -o .deb/base-COMMIT.tar COMMIT`),
@@ -26,6 +26,12 @@
 #           8 x 32K. ~3-4 min of GPU time. SPARSE_ARGS adds/overrides flags
 #           (e.g. "--matched-input 16384" to halve the matched part).
 #           -> $OUT/sparse.json (copy to docs/results/, run gen_docs.py)
+#   prefill `lethe bench prefill`: one prompt of 32K and one of 128K alone in
+#           the engine, prefill time (submit -> first token) of flashprefill
+#           and omnikv_prefill vs dense in the same run, dummy Llama-3.1-8B,
+#           8K chunks. ~3 min. PREFILL_ARGS adds/overrides flags (e.g.
+#           "--method-config flashprefill:flashprefill_threshold=0.01").
+#           -> $OUT/prefill.{log,json}
 #   stepprof  ncu over one real decode step (LETHE_PROFILE_STEP=${PROF_STEP:-20})
 #           of each engine of `lethe bench sparse --parts matched` (dense,
 #           then ${PROF_METHODS:-quest,omnikv}) at batch 8 x 32K: per step the
@@ -164,6 +170,14 @@ if has sparse; then
         --matched-output 64 ${SPARSE_ARGS:-} --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.log"
     add_gpu "$OUT/sparse.json"
     log "sparse: ($(( $(date +%s) - t0 ))s)"
+fi
+if has prefill; then
+    t0=$(date +%s)
+    ./build/lethe bench prefill -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+        --inputs ${PREFILL_INPUTS:-32768,131072} --methods flashprefill,omnikv_prefill --max-num-batched-tokens 8192 \
+        ${PREFILL_ARGS:-} --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log"
+    add_gpu "$OUT/prefill.json"
+    log "prefill: ($(( $(date +%s) - t0 ))s)"
 fi
 if has stepprof; then
     t0=$(date +%s)
@@ -314,6 +328,7 @@ grep -A10 "decode attention alone" "$OUT/bench.log" 2>/dev/null
 grep -A20 "^== side by side" "$OUT/peer.log" 2>/dev/null
 grep -B1 -A4 "^   input |" "$OUT/sparse.log" 2>/dev/null
 grep -A5 "^matched batch" "$OUT/sparse.log" 2>/dev/null
+grep -A8 "^prefill alone" "$OUT/prefill.log" 2>/dev/null
 grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null
 grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/dev-attn.log" ] && { echo; echo "dev/cuda/attn_bench:"; grep -E "^check:|FAIL$" "$OUT/dev-attn.log"; grep -A6 "attention alone" "$OUT/dev-attn.log"; }

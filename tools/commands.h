@@ -14,6 +14,7 @@ int lethe_bench_engine(int argc, char **argv); /* bench_engine.c: offline throug
 int lethe_bench_serve(int argc, char **argv);  /* bench_serve.c: HTTP client, vllm bench serve style */
 int lethe_bench_replay(int argc, char **argv); /* bench_replay.c: agent-trace replay */
 int lethe_bench_sparse(int argc, char **argv); /* bench_sparse.c: sparse methods vs dense decode throughput */
+int lethe_bench_prefill(int argc, char **argv); /* bench_prefill.c: prefill-axis methods vs dense prefill time */
 int lethe_bench_prune(int argc,
                       char **argv); /* bench_prune.c: prefix-cache pruning quality (KL, top-1) */
 
