@@ -106,6 +106,14 @@ void lethe_cpu_gemm_block(lethe_cpu_isa isa, const float *x, const float *w, flo
 /* matmul_avx2.c: the same with AVX2/FMA (compiled with -mavx2 -mfma) */
 void lethe_cpu_gemm_block_avx2(const float *x, const float *w, float *y, int32_t in,
                                int32_t ldy, int32_t m, int32_t nw);
+/* scores_avx2.c: attn_scores' PROB_MAX | ROW_MAX path for one query head:
+ * rows i < n_rows at qh + i * q_stride, keys kc + off[e] (float offsets) for
+ * e < n_keys, row i seeing keys [0, n_keys - n_rows + i]; v [c1 - c0] = max
+ * over rows of the softmax probability of keys [c0, c1); raw: scratch of
+ * n_keys + 8 floats (compiled with -mavx2 -mfma) */
+void lethe_cpu_scores_rowmax_avx2(const float *qh, size_t q_stride, int32_t n_rows,
+                                  const float *kc, const int32_t *off, int32_t n_keys, int D,
+                                  float scale, int32_t c0, int32_t c1, float *raw, float *v);
 /* qmatmul_avx2.c: y[i*ldy + j - j0] = dot(x row i, W row j) for i < m <= 2,
  * j in [j0, j1), decoding the blocks in registers; false if the format has
  * no AVX2 kernel (the caller dequantizes rows instead) */

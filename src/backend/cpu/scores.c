@@ -10,6 +10,12 @@
  * in row order in float, divided by n_rows, heads reduced in head order), so
  * the methods' scores are bit-identical to that path.
  *
+ * One mode has a faster path: PROB_MAX | ROW_MAX without CAND_DENOM (KVzip's
+ * replay scores) runs in scores_avx2.c when the CPU has AVX2/FMA, with the
+ * same raw scores and float exponentials (that file says how close; no
+ * lethe_window_scores mode has a row max, so nothing there had to stay
+ * bit-identical).
+ *
  * Work per sequence: the query heads in parallel (OpenMP), each producing its
  * row-reduced values v(h, .) [n_cand] in a scratch [n_heads, n_cand], then
  * the group reduction in head order. Scratch: n_heads * n_cand floats plus
@@ -79,12 +85,39 @@ typedef struct scores_job {
     const lethe_score_seq *sq;
     float *hv;
     int32_t nc;
+    lethe_cpu_isa isa;
 } scores_job;
+
+/* the AVX2 row-max path applies (scores_avx2.c): the mode, and key offsets in int32 */
+static bool rowmax_fast(const scores_job *j) {
+    const lethe_attn_scores_args *a = j->a;
+    const int32_t *slots = a->key_slots + j->sq->key_begin;
+    if (j->isa < LETHE_ISA_AVX2 || j->sq->mode != (LETHE_SCORES_PROB_MAX | LETHE_SCORES_ROW_MAX))
+        return false;
+    int32_t max_slot = 0;
+    for (int32_t e = 0; e < j->sq->n_keys; e++) max_slot = LETHE_MAX(max_slot, slots[e]);
+    return ((int64_t)max_slot + 1) * a->n_kv_heads * a->head_dim < INT32_MAX;
+}
 
 static void scores_task(void *ctx, int h, int worker) {
     const scores_job *j = ctx;
-    float *raw = lethe_xmalloc((size_t)j->sq->n_keys * sizeof(float));
-    head_values(j->a, j->sq, h, raw, j->hv + (size_t)h * j->nc);
+    const lethe_attn_scores_args *a = j->a;
+    const lethe_score_seq *sq = j->sq;
+    float *raw = lethe_xmalloc(((size_t)sq->n_keys + 8) * sizeof(float));
+    if (rowmax_fast(j)) {
+        const int kvh = h / (a->n_heads / a->n_kv_heads);
+        const int32_t *slots = a->key_slots + sq->key_begin;
+        int32_t *off = lethe_xmalloc(((size_t)sq->n_keys + 8) * sizeof(int32_t));
+        for (int32_t e = 0; e < sq->n_keys; e++)
+            off[e] = (slots[e] * a->n_kv_heads + kvh) * a->head_dim;
+        const size_t qs = (size_t)a->n_heads * a->head_dim;
+        lethe_cpu_scores_rowmax_avx2((const float *)a->q + (size_t)sq->q_row * qs + (size_t)h * a->head_dim,
+                                     qs, sq->n_rows, a->k_cache, off, sq->n_keys, a->head_dim,
+                                     a->scale, sq->c0, sq->c1, raw, j->hv + (size_t)h * j->nc);
+        free(off);
+    } else {
+        head_values(a, sq, h, raw, j->hv + (size_t)h * j->nc);
+    }
     free(raw);
 }
 
@@ -126,7 +159,7 @@ void lethe_cpu_attn_scores(lethe_backend *be, const lethe_attn_scores_args *a) {
         if (nc == 0) continue;
         float *hv = lethe_xmalloc((size_t)H * (size_t)nc * sizeof(float));
         const int nt = sq->n_rows * (int64_t)sq->n_keys < 4096 ? 1 : lethe_cpu_threads(be);
-        scores_job j = {a, sq, hv, nc};
+        scores_job j = {a, sq, hv, nc, ((const lethe_cpu_ctx *)be->ctx)->isa};
         lethe_cpu_parallel(be, nt, H, scores_task, &j);
         const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
         for (int g = 0; g < a->n_groups; g++) {
