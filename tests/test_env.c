@@ -23,6 +23,7 @@ static void test_table(void) {
         const char *c;
         lethe_status st = v->type == LETHE_ENV_BOOL   ? lethe_env_bool((lethe_env_id)i, &b)
                           : v->type == LETHE_ENV_UINT ? lethe_env_uint((lethe_env_id)i, &n)
+                          : v->type == LETHE_ENV_PATH ? lethe_env_path((lethe_env_id)i, &c)
                                                       : lethe_env_choice((lethe_env_id)i, &c);
         CHECK_MSG(st == LETHE_OK, "%s: default '%s' does not parse", v->name, v->def);
     }
@@ -90,7 +91,7 @@ static void test_help(void) {
         char head[160];
         snprintf(head, sizeof(head), "  %s=", v->name);
         CHECK_STR_CONTAINS(buf, head);
-        snprintf(head, sizeof(head), "(default %s; %s)", v->def, v->reader);
+        snprintf(head, sizeof(head), "(default %s; %s)", v->def[0] ? v->def : "off", v->reader);
         CHECK_STR_CONTAINS(buf, head);
     }
     free(buf);

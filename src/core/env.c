@@ -31,7 +31,13 @@ static const lethe_env_var g_vars[LETHE_ENV_N] = {
     [LETHE_ENV_CPU_ISA] =
         {"LETHE_CPU_ISA", LETHE_ENV_CHOICE, "auto", "auto|avx2|scalar", "CPU backend",
          "auto: the best kernel tier this CPU runs (probed by executing it); avx2 / scalar: at "
-         "most that tier (tests and side-by-side benchmarks; the same results)"},
+         "most that tier (tests and side-by-side benchmarks; the same results, except KVzip's "
+         "replay scores: float exponentials on avx2, within 1e-5)"},
+    [LETHE_ENV_DUMP_SELECTIONS] =
+        {"LETHE_DUMP_SELECTIONS", LETHE_ENV_PATH, "", NULL, "engine",
+         "testing: append to this file one JSON line per decode sequence and layer with the "
+         "positions attention reads (per KV head where rows keep per-head lengths), for the "
+         "reference comparisons of tests/ref; CPU backend only (empty: off)"},
 };
 
 const lethe_env_var *lethe_env_var_of(lethe_env_id id) {
@@ -85,6 +91,13 @@ lethe_status lethe_env_choice(lethe_env_id id, const char **out) {
     return lethe_errorf(LETHE_ERR_INVALID, "%s='%s': expected one of %s", v->name, s, v->choices);
 }
 
+lethe_status lethe_env_path(lethe_env_id id, const char **out) {
+    const lethe_env_var *v = lethe_env_var_of(id);
+    LETHE_ASSERT(v->type == LETHE_ENV_PATH);
+    *out = raw(v);
+    return LETHE_OK;
+}
+
 /* Prints s word-wrapped to `width` columns, each line indented by `indent`. */
 static void print_wrapped(FILE *f, const char *s, int indent, int width) {
     int col = 0;
@@ -103,13 +116,15 @@ static void print_wrapped(FILE *f, const char *s, int indent, int width) {
 }
 
 void lethe_env_print_help(FILE *f) {
-    static const char *const type_values[] = {[LETHE_ENV_BOOL] = "0|1", [LETHE_ENV_UINT] = "N"};
+    static const char *const type_values[] = {[LETHE_ENV_BOOL] = "0|1", [LETHE_ENV_UINT] = "N",
+                                                [LETHE_ENV_PATH] = "PATH"};
     fprintf(f, "environment (diagnostics and side-by-side switches, read when an engine or a\n"
                "backend is created; unset or empty: the default):\n");
     for (int i = 0; i < LETHE_ENV_N; i++) {
         const lethe_env_var *v = &g_vars[i];
         fprintf(f, "  %s=%s (default %s; %s)\n", v->name,
-                v->type == LETHE_ENV_CHOICE ? v->choices : type_values[v->type], v->def, v->reader);
+                v->type == LETHE_ENV_CHOICE ? v->choices : type_values[v->type],
+                v->def[0] ? v->def : "off", v->reader);
         print_wrapped(f, v->help, 6, 80);
     }
 }

@@ -33,6 +33,7 @@ typedef enum lethe_env_id {
     LETHE_ENV_MATMUL,         /* backend/cuda/backend_cuda.cu */
     LETHE_ENV_FAULT_TOKEN,    /* engine.c -> runner.c (testing) */
     LETHE_ENV_CPU_ISA,        /* backend/cpu/backend_cpu.c */
+    LETHE_ENV_DUMP_SELECTIONS, /* engine_seldump.c */
     LETHE_ENV_N
 } lethe_env_id;
 
@@ -40,6 +41,7 @@ typedef enum lethe_env_type {
     LETHE_ENV_BOOL,   /* 0 or 1 (also false/true, no/yes, off/on) */
     LETHE_ENV_UINT,   /* a decimal integer >= 0 */
     LETHE_ENV_CHOICE, /* one of `choices` */
+    LETHE_ENV_PATH,   /* a file path (any text; the default "" means off) */
 } lethe_env_type;
 
 typedef struct lethe_env_var {
@@ -59,6 +61,8 @@ const lethe_env_var *lethe_env_var_of(lethe_env_id id);
 lethe_status lethe_env_bool(lethe_env_id id, bool *out);
 lethe_status lethe_env_uint(lethe_env_id id, int64_t *out);
 lethe_status lethe_env_choice(lethe_env_id id, const char **out); /* out: the value as given */
+/* LETHE_ENV_PATH: the value as given, "" when unset (never fails) */
+lethe_status lethe_env_path(lethe_env_id id, const char **out);
 
 /* The table as `--help` text: name=values (default), reader, help. */
 void lethe_env_print_help(FILE *f);

@@ -224,6 +224,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     }
     eng_forward_init(e); /* uniform plan? graphs? padding (needs the scratch slot)? */
     if ((st = eng_diag_init(e)) != LETHE_OK) goto fail; /* LETHE_STEP_TIMES, LETHE_PROFILE_STEP */
+    if ((st = eng_seldump_init(e)) != LETHE_OK) goto fail; /* LETHE_DUMP_SELECTIONS */
     int64_t fault_token = 0;
     if ((st = lethe_env_uint(LETHE_ENV_FAULT_TOKEN, &fault_token)) != LETHE_OK) goto fail;
     e->runner.fault_token = (int32_t)LETHE_MIN(fault_token, (int64_t)INT32_MAX);
@@ -720,6 +721,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     if (!e) return;
     lethe_engine_stop(e);
     eng_diag_report(e);
+    eng_seldump_close(e);
     if (e->sched) {
         /* requests still queued or live end with ABORT so callers are released */
         if (e->reqs.buckets) eng_apply_inbox(e);

@@ -11,6 +11,7 @@
  *                    once; decode steps as CUDA graphs padded to bucket sizes)
  *   engine_sample.c  the tokens: on the backend (ops->sample) or the host
  *   engine_diag.c    LETHE_STEP_TIMES / LETHE_PROFILE_STEP around a step
+ *   engine_seldump.c LETHE_DUMP_SELECTIONS: what each decode layer reads
  *   engine_thread.c  threaded mode: start/stop/submit/cancel
  *
  * Ownership: in threaded mode the engine thread owns everything below except
@@ -134,6 +135,7 @@ typedef struct eng_diag {
     double t0, t1;                    /* the current step's begin and forward_done */
     int64_t n_timed;
     double t_step, t_fwd, t_plan, t_sample; /* sums over the timed steps */
+    FILE *seldump;                    /* LETHE_DUMP_SELECTIONS (engine_seldump.c), NULL: off */
 } eng_diag;
 
 /* Structured output (engine_grammar.c): the vocabulary's grammar compiler,
@@ -269,5 +271,9 @@ void eng_diag_step_begin(lethe_engine *e, bool pure_decode); /* before the forwa
 void eng_diag_forward_done(lethe_engine *e);                 /* after the forward call */
 void eng_diag_step_end(lethe_engine *e);                     /* after sampling and finish_step */
 void eng_diag_report(const lethe_engine *e);                 /* at destroy: the log line */
+/* engine_seldump.c: LETHE_DUMP_SELECTIONS (off unless set) */
+lethe_status eng_seldump_init(lethe_engine *e);              /* at create: opens the file */
+void eng_seldump_layer(lethe_engine *e, int32_t layer, const lethe_layer_plan *plan);
+void eng_seldump_close(lethe_engine *e);                     /* at destroy */
 
 #endif /* LETHE_ENGINE_INTERNAL_H */
