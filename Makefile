@@ -80,6 +80,9 @@ LDLIBS  += $(XGR_LIB) -lstdc++
 # backend/cpu/cpu_isa.c has probed (by executing) that the CPU runs them.
 SIMD_AVX2_FLAGS := -mavx2 -mfma -mf16c
 SIMD_AVX2_SRC   := $(wildcard src/backend/cpu/*_avx2.c) $(wildcard src/backend/cpu/attention*.c)
+# the *_vnni.c files add AVX-512 VNNI on 256-bit vectors (probed the same way)
+SIMD_VNNI_FLAGS := $(SIMD_AVX2_FLAGS) -mavx512f -mavx512vl -mavx512vnni
+SIMD_VNNI_SRC   := $(wildcard src/backend/cpu/*_vnni.c)
 
 SRC       := $(shell find src -name '*.c' | sort)
 CXX_SRC   := $(shell find src -name '*.cc' | sort)
@@ -112,6 +115,7 @@ endif
 all: $(BUILD)/lethe $(BUILD)/liblethe.so $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
 
 $(SIMD_AVX2_SRC:%.c=$(BUILD)/%.o): CFLAGS += $(SIMD_AVX2_FLAGS)
+$(SIMD_VNNI_SRC:%.c=$(BUILD)/%.o): CFLAGS += $(SIMD_VNNI_FLAGS)
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -210,6 +214,7 @@ FUZZ_SRC     := $(shell find tests/fuzz -name 'fuzz_*.c' 2>/dev/null | sort)
 FUZZ_BIN     := $(FUZZ_SRC:tests/fuzz/%.c=$(FUZZ_BUILD)/fuzz/%)
 
 $(SIMD_AVX2_SRC:%.c=$(FUZZ_BUILD)/%.o): FUZZ_CFLAGS += $(SIMD_AVX2_FLAGS)
+$(SIMD_VNNI_SRC:%.c=$(FUZZ_BUILD)/%.o): FUZZ_CFLAGS += $(SIMD_VNNI_FLAGS)
 
 $(FUZZ_BUILD)/src/%.o: src/%.c | deps
 	@mkdir -p $(dir $@)

@@ -174,8 +174,10 @@ typedef struct lethe_engine_params {
     uint64_t seed;              /* dummy weights and default sampling seed */
     const char *device;         /* "cpu" | "cuda" */
     int32_t n_threads;          /* CPU threads, 0 = all cores */
-    /* CPU weights: "native" (NULL: GGUF blocks, f16, bf16 kept as stored and
-     * computed on, bit-identical results) | "fp32" (dequantized at load, the
+    /* CPU weights: "native" (NULL: GGUF blocks, f16, bf16 kept as stored;
+     * block formats multiply with x rounded to 8 bits per 32-element block,
+     * as llama.cpp does: the fast default) | "exact" (kept as stored, f32
+     * activations: bit-identical to fp32) | "fp32" (dequantized at load, the
      * reference) */
     const char *cpu_weights;
     int32_t max_model_len;      /* 0 = model's max_pos */

@@ -12,7 +12,10 @@
  *     f32 GEMM's own rounding, so the reference itself is checked too);
  * the embed op decodes the same rows; the registry refuses what it cannot
  * hold (fp32 mode, f32 type, odd shapes) and a pointer into a stored weight
- * is not mistaken for an f32 weight. Also the thread pool (pool.c). */
+ * is not mistaken for an f32 weight. That is the exact mode; the default
+ * (native) mode's 8-bit activations are checked by test_q8_formats. Also
+ * the thread pool (pool.c). */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -127,7 +130,7 @@ static void check_format(lethe_backend *be, const fmt *f, int32_t rows, int32_t 
 }
 
 static void test_formats(void) {
-    lethe_backend_params bp = {.device = "cpu", .n_threads = 2};
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 2, .cpu_weights = LETHE_CPU_WEIGHTS_EXACT};
     lethe_backend *be = NULL;
     CHECK(lethe_backend_create(&bp, &be) == LETHE_OK);
     for (size_t i = 0; i < LETHE_ARRAY_LEN(g_fmts); i++) {
@@ -136,6 +139,101 @@ static void test_formats(void) {
         check_format(be, f, 37, f->block == 256 ? 512 : 96);
         check_format(be, f, 101, f->block == 256 ? 256 : 576);
         fprintf(stderr, "    %s: bit-identical to the f32 path\n", lethe_ggml_type_name(f->t));
+    }
+    lethe_backend_destroy(be);
+}
+
+/* The default (native) mode: block formats with a qdot kernel multiply with
+ * x rounded to 16 bits per 32-element block. For every such format: the same
+ * bits on every tier (vnni, avx2, scalar), thread count and n (row i of an
+ * n-row product equals row i of the 70-row one: batch invariance), and
+ * within the bound of qdot.h of the double-precision product on the
+ * dequantized matrix: sum over blocks of (d_b / 2) * sum |w_k| (the rounding
+ * of x) plus f32 rounding. Formats without a kernel (f16, bf16, Q2_K, Q3_K)
+ * stay bit-identical to the f32 path. A non-finite x gives NaN. */
+static void check_q8(lethe_backend *be, const fmt *f, int32_t rows, int32_t cols) {
+    const size_t n_el = (size_t)rows * cols, n_blocks = n_el / f->block;
+    uint8_t *data = lethe_xmalloc(n_blocks * f->bytes);
+    fill_blocks(f, data, n_blocks);
+    float *wf = lethe_xmalloc(n_el * 4);
+    CHECK(lethe_ggml_dequantize(f->t, data, wf, n_el) == LETHE_OK);
+    lethe_weight_raw raw = {.type = f->t, .rows = rows, .cols = cols, .data = data};
+    void *wq = NULL, *w32 = NULL;
+    CHECK(be->ops->weight_upload_raw(be, &raw, &wq) == LETHE_OK);
+    CHECK(be->ops->weight_upload(be, wf, n_el, &w32) == LETHE_OK);
+    const bool q8 = f->t != LETHE_GGML_F16 && f->t != LETHE_GGML_BF16 && f->t != LETHE_GGML_Q2_K &&
+                    f->t != LETHE_GGML_Q3_K;
+    const int32_t ns[] = {1, 2, 3, 5, 64, 70}, nmax = 70;
+    float *x = lethe_xmalloc((size_t)nmax * cols * 4);
+    for (size_t i = 0; i < (size_t)nmax * cols; i++) /* outliers: the 16-bit rounding shows */
+        x[i] = (float)((int32_t)(rnd() % 2001) - 1000) * (i % 97 == 5 ? 3.0f : 1e-3f);
+    float *ref = lethe_xmalloc((size_t)nmax * rows * 4), *y = lethe_xmalloc((size_t)nmax * rows * 4);
+    const lethe_cpu_isa best = lethe_cpu_isa_detect();
+    set_isa(be, best);
+    be->n_threads = 2;
+    be->ops->matmul(be, ref, x, wq, nmax, rows, cols);
+    if (!q8) { /* f32 path: the same bits as the dequantized matrix */
+        be->ops->matmul(be, y, x, w32, nmax, rows, cols);
+        CHECK(!memcmp(y, ref, (size_t)nmax * rows * 4));
+    }
+    const lethe_cpu_isa tiers[] = {LETHE_ISA_AVX2_VNNI, LETHE_ISA_AVX2, LETHE_ISA_SCALAR};
+    for (size_t ti = 0; ti < LETHE_ARRAY_LEN(tiers); ti++) {
+        if (tiers[ti] > best) continue;
+        for (int threads = 1; threads <= 2; threads++)
+            for (size_t ni = 0; ni < LETHE_ARRAY_LEN(ns); ni++) {
+                const int32_t n = ns[ni];
+                set_isa(be, tiers[ti]);
+                be->n_threads = threads;
+                memset(y, 0xff, (size_t)n * rows * 4);
+                be->ops->matmul(be, y, x, wq, n, rows, cols);
+                for (size_t e = 0; e < (size_t)n * rows; e++)
+                    CHECK_MSG(!memcmp(&y[e], &ref[e], 4), "%s %s n=%d threads %d: y[%zu] = %.9g, not %.9g",
+                              lethe_ggml_type_name(f->t), lethe_cpu_isa_name(tiers[ti]), n, threads,
+                              e, (double)y[e], (double)ref[e]);
+            }
+    }
+    set_isa(be, best);
+    double worst = 0;
+    for (int32_t i = 0; i < nmax; i++)
+        for (int32_t j = 0; j < rows; j++) {
+            double s = 0, mag = 0, bound = 0;
+            for (int32_t b = 0; b < cols / 32; b++) {
+                double amax = 0, wabs = 0;
+                for (int32_t k = 32 * b; k < 32 * b + 32; k++) {
+                    const double xv = x[(size_t)i * cols + k], wv = wf[(size_t)j * cols + k];
+                    s += xv * wv, mag += fabs(xv * wv), wabs += fabs(wv);
+                    amax = fmax(amax, fabs(xv));
+                }
+                bound += amax / 32767.0 / 2.0 * wabs;
+            }
+            const double err = fabs(ref[(size_t)i * rows + j] - s);
+            const double lim = q8 ? bound * (1 + 1e-5) + 2e-5 * mag + 1e-30 : 1e-5 * mag + 1e-30;
+            CHECK_MSG(err <= lim, "%s: y[%d][%d] = %.9g, double %.9g (bound %g)",
+                      lethe_ggml_type_name(f->t), i, j, (double)ref[(size_t)i * rows + j], s, lim);
+            if (bound > 0) worst = fmax(worst, err / bound);
+        }
+    if (q8) { /* the rounding is real: not the f32 path's bits */
+        be->ops->matmul(be, y, x, w32, nmax, rows, cols);
+        CHECK(memcmp(y, ref, (size_t)nmax * rows * 4) != 0);
+        x[3] = NAN; /* a non-finite x: NaN out, as on the f32 path */
+        be->ops->matmul(be, y, x, wq, 1, rows, cols);
+        for (int32_t j = 0; j < rows; j++) CHECK(isnan(y[j]));
+        fprintf(stderr, "    %s: 16-bit activations, worst error %.2f of the bound\n",
+                lethe_ggml_type_name(f->t), worst);
+    }
+    be->ops->release(be, wq);
+    be->ops->release(be, w32);
+    free(x), free(y), free(ref), free(wf), free(data);
+}
+
+static void test_q8_formats(void) {
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 2}; /* native: the default */
+    lethe_backend *be = NULL;
+    CHECK(lethe_backend_create(&bp, &be) == LETHE_OK);
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(g_fmts); i++) {
+        const fmt *f = &g_fmts[i];
+        check_q8(be, f, 37, f->block == 256 ? 512 : 96);
+        check_q8(be, f, 101, f->block == 256 ? 256 : 576);
     }
     lethe_backend_destroy(be);
 }
@@ -167,6 +265,8 @@ static void test_refusals(void) {
     lethe_backend_destroy(be); /* frees b */
     int cw = -1;
     CHECK(lethe_cpu_weights_parse("fp32", &cw) == LETHE_OK && cw == LETHE_CPU_WEIGHTS_FP32);
+    CHECK(lethe_cpu_weights_parse("exact", &cw) == LETHE_OK && cw == LETHE_CPU_WEIGHTS_EXACT);
+    CHECK(lethe_cpu_weights_parse("native", &cw) == LETHE_OK && cw == LETHE_CPU_WEIGHTS_NATIVE);
     CHECK(lethe_cpu_weights_parse("int4", &cw) == LETHE_ERR_INVALID);
     CHECK_STR_CONTAINS(lethe_last_error(), "--cpu-weights int4");
 }
@@ -212,6 +312,7 @@ static void test_pool(void) {
 int main(void) {
     fprintf(stderr, "cpu kernel tier: %s\n", lethe_cpu_isa_name(lethe_cpu_isa_detect()));
     TEST_RUN(test_formats);
+    TEST_RUN(test_q8_formats);
     TEST_RUN(test_refusals);
     TEST_RUN(test_pool);
     fprintf(stderr, "test_qmatmul: ok\n");

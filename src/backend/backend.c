@@ -38,11 +38,13 @@ size_t lethe_moe_ws_bytes(const lethe_backend *be, int32_t n, int32_t k, int32_t
 
 lethe_status lethe_cpu_weights_parse(const char *s, int *out) {
     if (s && !strcmp(s, "native")) *out = LETHE_CPU_WEIGHTS_NATIVE;
+    else if (s && !strcmp(s, "exact")) *out = LETHE_CPU_WEIGHTS_EXACT;
     else if (s && !strcmp(s, "fp32")) *out = LETHE_CPU_WEIGHTS_FP32;
     else
         return lethe_errorf(LETHE_ERR_INVALID,
                             "--cpu-weights %s: unknown (expected native: GGUF blocks, f16 and "
-                            "bf16 kept as stored; or fp32: dequantized at load, the reference)",
+                            "bf16 kept as stored, 8-bit activations; exact: kept as stored, f32 "
+                            "activations; or fp32: dequantized at load, the reference)",
                             s ? s : "(null)");
     return LETHE_OK;
 }

@@ -593,12 +593,14 @@ typedef struct lethe_backend_params {
     int n_threads;             /* CPU: 0 = all cores */
     int device_index;          /* CUDA ordinal */
     /* CPU weights: LETHE_CPU_WEIGHTS_NATIVE keeps GGUF blocks / f16 / bf16 as
-     * stored (weight_upload_raw), _FP32 dequantizes at load (the reference) */
+     * stored (weight_upload_raw) and multiplies block formats with 8-bit
+     * activations (qdot.c); _EXACT keeps them as stored with f32 activations
+     * (bit-identical to _FP32); _FP32 dequantizes at load (the reference) */
     int cpu_weights;
 } lethe_backend_params;
 
-enum { LETHE_CPU_WEIGHTS_NATIVE = 0, LETHE_CPU_WEIGHTS_FP32 = 1 };
-/* "native" / "fp32" -> LETHE_CPU_WEIGHTS_* (a clear error otherwise) */
+enum { LETHE_CPU_WEIGHTS_NATIVE = 0, LETHE_CPU_WEIGHTS_FP32 = 1, LETHE_CPU_WEIGHTS_EXACT = 2 };
+/* "native" / "exact" / "fp32" -> LETHE_CPU_WEIGHTS_* (a clear error otherwise) */
 lethe_status lethe_cpu_weights_parse(const char *s, int *out);
 
 /* true when the backend has every capability bit of `caps` (NULL: none) */

@@ -29,10 +29,10 @@ static const lethe_env_var g_vars[LETHE_ENV_N] = {
          "it ran, as a backend error would; the step's requests end with an internal error "
          "(HTTP 500), the others continue (0: off)"},
     [LETHE_ENV_CPU_ISA] =
-        {"LETHE_CPU_ISA", LETHE_ENV_CHOICE, "auto", "auto|avx2|scalar", "CPU backend",
-         "auto: the best kernel tier this CPU runs (probed by executing it); avx2 / scalar: at "
-         "most that tier (tests and side-by-side benchmarks; the same results, except KVzip's "
-         "replay scores: float exponentials on avx2, within 1e-5)"},
+        {"LETHE_CPU_ISA", LETHE_ENV_CHOICE, "auto", "auto|vnni|avx2|scalar", "CPU backend",
+         "auto: the best kernel tier this CPU runs (probed by executing it); vnni / avx2 / "
+         "scalar: at most that tier (tests and side-by-side benchmarks; the same results, "
+         "except KVzip's replay scores: float exponentials on avx2, within 1e-5)"},
     [LETHE_ENV_DUMP_SELECTIONS] =
         {"LETHE_DUMP_SELECTIONS", LETHE_ENV_PATH, "", NULL, "engine",
          "testing: append to this file one JSON line per decode sequence and layer with the "

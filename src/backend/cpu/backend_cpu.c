@@ -168,7 +168,8 @@ lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backe
     if (p->n_threads < 0)
         return lethe_errorf(LETHE_ERR_INVALID, "--threads %d: must be >= 0 (0 = all cores)",
                             p->n_threads);
-    if (p->cpu_weights != LETHE_CPU_WEIGHTS_NATIVE && p->cpu_weights != LETHE_CPU_WEIGHTS_FP32)
+    if (p->cpu_weights != LETHE_CPU_WEIGHTS_NATIVE && p->cpu_weights != LETHE_CPU_WEIGHTS_FP32 &&
+        p->cpu_weights != LETHE_CPU_WEIGHTS_EXACT)
         return lethe_errorf(LETHE_ERR_INVALID, "cpu backend: cpu_weights %d is not a "
                             "LETHE_CPU_WEIGHTS_* value", p->cpu_weights);
     /* the kernel tier: what the CPU runs, capped by LETHE_CPU_ISA */
@@ -181,6 +182,7 @@ lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backe
                             "cpu backend: this CPU does not run AVX2 + FMA + F16C (CPUID or the "
                             "probe that executes them says no); the attention kernels need them");
     if (!strcmp(want, "scalar")) isa = LETHE_ISA_SCALAR;
+    if (!strcmp(want, "avx2") && isa > LETHE_ISA_AVX2) isa = LETHE_ISA_AVX2;
     lethe_backend *be = calloc(1, sizeof(*be));
     if (!be) return lethe_errorf(LETHE_ERR_NOMEM, "cpu backend: out of memory");
     be->ops = &cpu_ops;

@@ -34,6 +34,15 @@ __attribute__((target("avx2,fma,f16c"), noinline)) static int probe_avx2(volatil
     return 1;
 }
 
+/* vpdpbusd on ymm registers: AVX-512 VNNI + VL (qdot_vnni.c uses its vpdpwssd) */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"), noinline)) static int
+probe_vnni(volatile float *io) {
+    __m256i a = _mm256_set1_epi8(2), b = _mm256_set1_epi8((char)io[1]); /* 3 */
+    __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);  /* 4 * 2 * 3 = 24 */
+    io[2] = (float)(_mm256_extract_epi32(d, 7) - 14);                /* 10 */
+    return 1;
+}
+
 /* runs fn under a fault handler: 1 if it completed */
 static int runs(int (*fn)(volatile float *)) {
     struct sigaction sa, old_ill, old_segv;
@@ -60,7 +69,11 @@ static lethe_cpu_isa detect(void) {
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if ((lo & 6) != 6) return LETHE_ISA_SCALAR; /* the OS does not save XMM + YMM */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((b >> 5) & 1)) return LETHE_ISA_SCALAR;
-    return runs(probe_avx2) ? LETHE_ISA_AVX2 : LETHE_ISA_SCALAR;
+    if (!runs(probe_avx2)) return LETHE_ISA_SCALAR;
+    /* AVX512F (b 16), AVX512VL (b 31), AVX512_VNNI (c 11), and the OS saving
+     * the opmask and ZMM state (XCR0 bits 5-7) */
+    const int vnni = ((b >> 16) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1) && (lo & 0xe0) == 0xe0;
+    return vnni && runs(probe_vnni) ? LETHE_ISA_AVX2_VNNI : LETHE_ISA_AVX2;
 }
 #else
 static lethe_cpu_isa detect(void) { return LETHE_ISA_SCALAR; }
@@ -73,5 +86,5 @@ lethe_cpu_isa lethe_cpu_isa_detect(void) {
 }
 
 const char *lethe_cpu_isa_name(lethe_cpu_isa isa) {
-    return isa == LETHE_ISA_AVX2 ? "avx2" : "scalar";
+    return isa == LETHE_ISA_AVX2_VNNI ? "avx2+vnni" : isa == LETHE_ISA_AVX2 ? "avx2" : "scalar";
 }

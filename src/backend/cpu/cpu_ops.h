@@ -39,7 +39,12 @@ typedef struct lethe_cpu_pool lethe_cpu_pool; /* pool.c */
 #define LETHE_CPU_MAX_THREADS 256 /* pool threads per backend (caller included) */
 
 /* SIMD tier of the matmul kernels (cpu_isa.c: CPUID + a probe that executes) */
-typedef enum lethe_cpu_isa { LETHE_ISA_SCALAR = 0, LETHE_ISA_AVX2 = 1 } lethe_cpu_isa;
+/* AVX2_VNNI: AVX2 plus AVX-512 VNNI on 256-bit vectors (vpdpbusd, AVX512VL) */
+typedef enum lethe_cpu_isa {
+    LETHE_ISA_SCALAR = 0,
+    LETHE_ISA_AVX2 = 1,
+    LETHE_ISA_AVX2_VNNI = 2
+} lethe_cpu_isa;
 lethe_cpu_isa lethe_cpu_isa_detect(void);
 const char *lethe_cpu_isa_name(lethe_cpu_isa isa);
 
@@ -64,6 +69,9 @@ typedef struct lethe_cpu_ctx {
     float *panel[LETHE_CPU_MAX_THREADS];
     size_t panel_cap[LETHE_CPU_MAX_THREADS];
     int cpu_weights;              /* LETHE_CPU_WEIGHTS_* */
+    /* qmatmul's x rounded to 16 bits (qdot.c), grown on first use */
+    void *qx;
+    size_t qx_cap;
     /* the stored-format weights, sorted by data pointer: matmul and embed
      * look their weight pointer up here (absent = plain f32) */
     lethe_cpu_qweight *qw;
@@ -92,8 +100,10 @@ const lethe_cpu_qweight *lethe_cpu_qweight_find(const lethe_backend *be, const v
 /* removes p from the registry and frees it; false when p is not one */
 bool lethe_cpu_qweight_release(lethe_backend *be, void *p);
 void lethe_cpu_qweight_free_all(lethe_cpu_ctx *c);
-/* y [n, rows] = x [n, cols] W^T for a stored-format W: every element
- * bit-identical to the f32 matmul on lethe_ggml_dequantize(W) */
+/* y [n, rows] = x [n, cols] W^T for a stored-format W. With cpu_weights
+ * EXACT (and for f16 / bf16 / formats without a qdot kernel) every element
+ * is bit-identical to the f32 matmul on lethe_ggml_dequantize(W); with
+ * NATIVE, block formats use 8-bit activations (qdot.h: error bound there) */
 void lethe_cpu_qmatmul(lethe_backend *be, const lethe_cpu_qweight *w, float *y, const float *x,
                        int32_t n);
 /* f32 rows [r0, r1) of W into dst [(r1 - r0), cols] */

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/qdot.h"
 #include "core/util.h"
 
 #define SMALL_N 2     /* rows of x the register kernels take at once */
@@ -79,7 +80,7 @@ lethe_status lethe_cpu_weight_upload_raw(lethe_backend *be, const lethe_weight_r
     const bool shape_ok = w->rows > 0 && w->cols > 0 && w->rows <= INT32_MAX &&
                           w->cols <= INT32_MAX &&
                           (lethe_ggml_block_size(w->type) > 1 || w->cols % 8 == 0);
-    if (c->cpu_weights != LETHE_CPU_WEIGHTS_NATIVE || !type_supported(w->type) || !shape_ok ||
+    if (c->cpu_weights == LETHE_CPU_WEIGHTS_FP32 || !type_supported(w->type) || !shape_ok ||
         !lethe_ggml_type_size(w->type, (uint64_t)w->cols))
         return LETHE_ERR_UNSUPPORTED;
     lethe_cpu_qweight q = {.type = w->type,
@@ -120,6 +121,8 @@ bool lethe_cpu_qweight_release(lethe_backend *be, void *p) {
 
 void lethe_cpu_qweight_free_all(lethe_cpu_ctx *c) {
     for (int i = 0; i < LETHE_CPU_MAX_THREADS; i++) free(c->panel[i]);
+    free(c->qx);
+    c->qx = NULL, c->qx_cap = 0;
     for (int i = 0; i < c->n_qw; i++) free(c->qw[i].data);
     free(c->qw);
     c->qw = NULL;
@@ -166,20 +169,51 @@ typedef struct qjob {
     int32_t per, n;
     float *y;
     const float *x;
+    const lethe_qx_rows *xq; /* 16-bit activations (qdot.c), or NULL */
 } qjob;
 
 static void qtask(void *ctx, int t, int worker) {
     const qjob *j = ctx;
     const int32_t out = j->w->rows, j0 = t * j->per, j1 = LETHE_MIN(out, j0 + j->per);
-    if (!j->small || !lethe_cpu_qrows_avx2(j->w, j0, j1, j->x, j->n, j->y + j0, out))
+    if (j->xq) {
+        void *s = panel_scratch(j->c, worker, lethe_cpu_qdot_scratch_bytes(j->w->cols) / 4 + 1);
+        lethe_cpu_qdot_rows(j->isa, j->w, j0, j1, j->xq, j->y + j0, out, s);
+    } else if (!j->small || !lethe_cpu_qrows_avx2(j->w, j0, j1, j->x, j->n, j->y + j0, out)) {
         panel_rows(j->c, worker, j->w, j->isa, j->y, j->x, j->n, j0, j1);
+    }
+}
+
+/* x rounded to 16 bits into the context's scratch */
+static const lethe_qx_rows *quantize_x(lethe_cpu_ctx *c, const float *x, int32_t n, int32_t cols,
+                                       lethe_qx_rows *out) {
+    const size_t need = lethe_cpu_qx_bytes(n, cols);
+    if (c->qx_cap < need) {
+        free(c->qx);
+        c->qx = aligned_alloc(64, (need + 63) / 64 * 64);
+        LETHE_ASSERT(c->qx); /* 2 n x cols bytes: ops cannot fail */
+        c->qx_cap = need;
+    }
+    lethe_cpu_qx_quantize(c->isa, x, n, cols, c->qx, out);
+    return out;
 }
 
 void lethe_cpu_qmatmul(lethe_backend *be, const lethe_cpu_qweight *w, float *y, const float *x,
                        int32_t n) {
-    const lethe_cpu_isa isa = ctx_of(be)->isa;
+    lethe_cpu_ctx *c = ctx_of(be);
+    const lethe_cpu_isa isa = c->isa;
+    lethe_qx_rows xq;
+    if (c->cpu_weights == LETHE_CPU_WEIGHTS_NATIVE && lethe_cpu_qdot_supported(w->type, w->cols)) {
+        const double flops = 2.0 * n * w->rows * w->cols;
+        const int nt = flops < 2e5 ? 1 : lethe_cpu_threads(be);
+        /* long contiguous row ranges (4 per thread): each thread streams W in
+         * memory order, which is what the prefetchers follow */
+        int32_t per = LETHE_MAX(SMALL_ROWS, LETHE_CEIL_DIV(w->rows, 4 * nt));
+        qjob j = {c, w, isa, true, (per + 3) / 4 * 4, n, y, x, quantize_x(c, x, n, w->cols, &xq)};
+        lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(w->rows, j.per), qtask, &j);
+        return;
+    }
     const bool small = n <= SMALL_N && isa >= LETHE_ISA_AVX2;
-    qjob j = {ctx_of(be), w, isa, small, small ? SMALL_ROWS : PANEL, n, y, x};
+    qjob j = {c, w, isa, small, small ? SMALL_ROWS : PANEL, n, y, x, NULL};
     const double flops = 2.0 * n * w->rows * w->cols;
     lethe_cpu_parallel(be, flops < 2e5 ? 1 : lethe_cpu_threads(be), /* as matmul.c */
                        LETHE_CEIL_DIV(w->rows, j.per), qtask, &j);
