@@ -203,31 +203,64 @@ class Out:
     pass
 
 
+class _Views:
+    """c.k[l] etc.: the first n[l] rows (columns for keep) of a layer's buffer"""
+
+    def __init__(self, cache, name):
+        self.c, self.name = cache, name
+
+    def __getitem__(self, l):
+        buf, n = getattr(self.c, "_" + self.name)[l], self.c._n[l]
+        return buf[:, :n] if self.name == "keep" else buf[:n]
+
+    def __setitem__(self, l, value):
+        self[l][...] = value
+
+
 class Cache:
     """Per layer: every entry ever appended (k, v, pos) and a per-KV-head keep
-    mask; cut() drops entries for given heads, truncate() forgets the last ones
-    (an auxiliary prefill's replay)."""
+    mask; a method cuts entries per head by clearing keep bits, truncate()
+    forgets the last entries (an auxiliary prefill's replay). Buffers grow
+    by doubling, so a decode step does not copy the cache."""
 
     def __init__(self, m):
         self.m = m
-        self.k = [np.zeros((0, m.Hk, m.d)) for _ in range(m.L)]
-        self.v = [np.zeros((0, m.Hk, m.d)) for _ in range(m.L)]
-        self.pos = [np.zeros(0, dtype=np.int64) for _ in range(m.L)]
-        self.keep = [np.zeros((m.Hk, 0), dtype=bool) for _ in range(m.L)]
+        self._n = [0] * m.L
+        self._k = [np.zeros((0, m.Hk, m.d)) for _ in range(m.L)]
+        self._v = [np.zeros((0, m.Hk, m.d)) for _ in range(m.L)]
+        self._pos = [np.zeros(0, dtype=np.int64) for _ in range(m.L)]
+        self._keep = [np.zeros((m.Hk, 0), dtype=bool) for _ in range(m.L)]
+        self.k, self.v, self.pos, self.keep = (_Views(self, x) for x in ("k", "v", "pos", "keep"))
 
     def n(self, l):
-        return len(self.pos[l])
+        return self._n[l]
 
     def append(self, l, k, v, pos):
-        self.k[l] = np.concatenate([self.k[l], k])
-        self.v[l] = np.concatenate([self.v[l], v])
-        self.pos[l] = np.concatenate([self.pos[l], np.asarray(pos, dtype=np.int64)])
-        self.keep[l] = np.concatenate([self.keep[l], np.ones((self.m.Hk, len(pos)), dtype=bool)], axis=1)
+        n, t = self._n[l], len(pos)
+        if n + t > len(self._pos[l]):
+            cap = max(n + t, 2 * len(self._pos[l]))
+            def grow(b, axis, dtype):
+                shape = list(b.shape)
+                shape[axis] = cap
+                out = np.zeros(shape, dtype=dtype)
+                if axis == 0:
+                    out[:n] = b[:n]
+                else:
+                    out[:, :n] = b[:, :n]
+                return out
+            self._k[l] = grow(self._k[l], 0, k.dtype)
+            self._v[l] = grow(self._v[l], 0, v.dtype)
+            self._pos[l] = grow(self._pos[l], 0, np.int64)
+            self._keep[l] = grow(self._keep[l], 1, bool)
+        self._k[l][n:n + t] = k
+        self._v[l][n:n + t] = v
+        self._pos[l][n:n + t] = pos
+        self._keep[l][:, n:n + t] = True
+        self._n[l] = n + t
 
     def truncate(self, n):
         for l in range(self.m.L):
-            self.k[l], self.v[l], self.pos[l] = self.k[l][:n], self.v[l][:n], self.pos[l][:n]
-            self.keep[l] = self.keep[l][:, :n]
+            self._n[l] = min(self._n[l], n)
 
     def kept_positions(self, l, head=None):
         """ascending positions kept in layer l (by any head, or by `head`)"""
