@@ -174,7 +174,7 @@ fi
 if has prefill; then
     t0=$(date +%s)
     ./build/lethe bench prefill -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
-        --inputs ${PREFILL_INPUTS:-32768,131072} --methods flashprefill,omnikv_prefill --max-num-batched-tokens 8192 \
+        --inputs ${PREFILL_INPUTS:-32768,131070} --methods flashprefill,omnikv_prefill --max-num-batched-tokens 8192 \
         ${PREFILL_ARGS:-} --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log"
     add_gpu "$OUT/prefill.json"
     log "prefill: ($(( $(date +%s) - t0 ))s)"

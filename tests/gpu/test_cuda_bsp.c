@@ -49,7 +49,7 @@ typedef struct bcase {
 static void *dev_copy(const float *h, size_t n) {
     void *p = NULL;
     CHECK(g_gpu->ops->alloc(g_gpu, (n ? n : 1) * g_gpu->ops->act_size, &p) == LETHE_OK);
-    if (n) g_gpu->ops->act_from_host(g_gpu, p, h, n);
+    if (n && h) g_gpu->ops->act_from_host(g_gpu, p, h, n); /* NULL: storage only */
     return p;
 }
 
