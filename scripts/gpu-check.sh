@@ -23,7 +23,9 @@
 #
 #   sparse  `lethe bench sparse`: SnapKV 2K largest batch + decode
 #           tok/s vs dense at 32K and 128K, Quest / OmniKV vs dense at batch
-#           8 x 32K. ~3-4 min of GPU time. SPARSE_ARGS adds/overrides flags
+#           8 x 32K; then RetroInfer (device index, and the host tier as
+#           retro_infer) vs dense at 8 x ${RETRO_INPUT:-32768} -> sparse-retroinfer.json.
+#           ~3-4 min of GPU time (+ ~3 min RetroInfer). SPARSE_ARGS adds/overrides flags
 #           (e.g. "--matched-input 16384" to halve the matched part).
 #           -> $OUT/sparse.json (copy to docs/results/, run gen_docs.py)
 #   prefill `lethe bench prefill`: one prompt of 32K and one of 128K alone in
@@ -169,6 +171,13 @@ if has sparse; then
         --engine-tokens 131072 --matched-methods quest,omnikv --matched-batch 8 --matched-input 32768 \
         --matched-output 64 ${SPARSE_ARGS:-} --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.log"
     add_gpu "$OUT/sparse.json"
+    # RetroInfer: decode vs dense at matched batch 8 x 32K (dense, the device index, the host tier
+    # through the alias retro_infer) and each engine's pool slots per layer (capacity)
+    ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+        --parts matched --budget 2048 --matched-methods retroinfer,retro_infer --matched-batch 8 \
+        --matched-input ${RETRO_INPUT:-32768} --matched-output 64 --method-config retro_infer:retroinfer_host_kv=true \
+        ${SPARSE_ARGS:-} --json "$OUT/sparse-retroinfer.json" 2>&1 | tee "$OUT/sparse-retroinfer.log"
+    add_gpu "$OUT/sparse-retroinfer.json"
     log "sparse: ($(( $(date +%s) - t0 ))s)"
 fi
 if has prefill; then

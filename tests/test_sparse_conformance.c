@@ -163,9 +163,9 @@ static bool lossy_storage(const lethe_sparse_ops *ops, const char *cfg) {
  * message names the model and the method (latent KV and a quantization or
  * compression method, or one with per-KV-head rows) */
 static bool refused(const lethe_sparse_ops *ops, const char *cfg) {
-    if (!g_refusals ||
-        (ops->kind != LETHE_SPARSE_KIND_QUANTIZATION &&
-         ops->kind != LETHE_SPARSE_KIND_COMPRESSION && !(ops->flags & LETHE_SPARSE_HEAD_ROWS)))
+    if (!g_refusals || (ops->kind != LETHE_SPARSE_KIND_QUANTIZATION &&
+                        ops->kind != LETHE_SPARSE_KIND_COMPRESSION && !ops->kv_layout &&
+                        !(ops->flags & LETHE_SPARSE_HEAD_ROWS)))
         return false;
     lethe_engine_params p;
     lethe_engine_default_params(&p);

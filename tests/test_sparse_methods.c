@@ -975,7 +975,11 @@ static void test_registry_rules(void) {
     o.flags = LETHE_SPARSE_KV_PRE_ROPE;
     CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
     o.kind = LETHE_SPARSE_KIND_DENSE;
-    expect_broken(&o, "only a COMPRESSION method may");
+    expect_broken(&o, "only a COMPRESSION or SELECTION method may");
+    o.kind = LETHE_SPARSE_KIND_SELECTION; /* attends through its path (RetroInfer) */
+    o.select_layer = stub_select_layer;
+    o.test_configs.small = "x=1";
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
     o = (lethe_sparse_ops){.name = "latent", .summary = "x", .flags = LETHE_SPARSE_KV_PRE_ROPE};
     expect_broken(&o, "kv_out_proj and LETHE_SPARSE_KV_PRE_ROPE need kv_layout");
 

@@ -328,6 +328,50 @@ static inline int32_t lethe_expand_count(const lethe_expand_seq *q, int32_t unit
     return q->head + q->n_picks * unit + (q->row_len - q->tail);
 }
 
+/* ---- key clusters (RetroInfer, methods.md §12; ops->cluster_*; CPU twin
+ * backend/cpu/clusters.c, CUDA backend/cuda/clusters.cu) ----
+ * cluster_assign: one assignment round of spherical k-means over keys, all KV
+ * heads at once. For KV head h and key e in [0, n) (row slots[e] of k_cache
+ * [n_slots, n_kv_heads, head_dim], backend kv type; host slots):
+ *   out[h * n + e] = argmax over c in [0, n_c) of (k[e, h] - mean[h]) . cent[h, c]
+ * (f32 dots, ties to the smaller c); cent HOST f32 [n_kv_heads, n_c, head_dim]
+ * (unit centroids), mean HOST f32 [n_kv_heads, head_dim], out HOST int32
+ * [n_kv_heads, n], written when the op returns (synchronous).
+ *
+ * cluster_scores: for query i in [0, n_q) (batch row q_rows[i] of q [n_tokens,
+ * n_heads, head_dim], after RoPE) and KV head h, the clusters
+ * ids[begin[i * n_kv_heads + h] .. begin[.. + 1]) (rows of cent, backend f32
+ * [n_rows, head_dim]):  out[e] = scale * mean over the g = n_heads / n_kv_heads
+ * query heads of h's group of q_head . cent[ids[e]].  out HOST f32
+ * [begin[n_q * n_kv_heads]], written when the op returns.
+ *
+ * cluster_attention: three-zone decode attention, one shared softmax. For
+ * query i (batch row q_rows[i]) and query head qh of KV head h: the exact keys
+ * x_slots[x_begin[i KH + h] .. [.. + 1]), each a pool slot s >= 0 (k_cache /
+ * v_cache [n_slots, n_kv_heads, head_dim], head h) or an aux row -(1 + r)
+ * (k_aux / v_aux [n_aux, head_dim] activations: clusters fetched into a device
+ * cache), and the estimated clusters c in ids[e_begin[i KH + h] .. [.. + 1])
+ * (cent / vsum backend f32 [n_rows, head_dim], count f32 [n_rows]):
+ *   s_j = scale q . k_j,  s_c = scale q . cent[c]
+ *   out[q_rows[i], qh] = (sum_j e^{s_j} v_j + sum_c e^{s_c} vsum[c])
+ *                      / (sum_j e^{s_j} + sum_c count[c] e^{s_c})
+ * (the estimation zone counts each cluster as count[c] keys at its mean key,
+ * with the cluster's mean value). Other rows of out are not touched; every
+ * (i, h) needs at least one exact key. Asynchronous like attention. */
+typedef struct lethe_cluster_attn_args {
+    void *out;                       /* [n_tokens, n_heads, head_dim] activations */
+    const void *q;                   /* [n_tokens, n_heads, head_dim] after RoPE */
+    const void *k_cache, *v_cache;   /* native KV of this layer */
+    const void *k_aux, *v_aux;       /* [n_aux, head_dim] activations, or NULL (no aux rows) */
+    const void *cent, *vsum, *count; /* f32 cluster tables (backend memory) */
+    int32_t n_q;
+    const int32_t *q_rows;            /* host [n_q] */
+    const int32_t *x_begin, *x_slots; /* host [n_q KH + 1], [x_begin[n_q KH]] */
+    const int32_t *e_begin, *e_ids;   /* host [n_q KH + 1], [e_begin[n_q KH]] */
+    int32_t n_heads, n_kv_heads, head_dim;
+    float scale;
+} lethe_cluster_attn_args;
+
 /* ---- mixture-of-experts FFN (ops->moe; backend/cpu/moe.c, backend/cuda/moe.cu) ----
  * For each token t of n (x [n, dim] activations), from its router logits
  * logits[t] ([n, n_experts] activations):
@@ -566,6 +610,15 @@ typedef struct lethe_backend_ops {
      * n x n matrix exists. */
     void (*key_redundancy)(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
                            int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
+    /* ---- key clusters (lethe_cluster_attn_args above) ---- */
+    void (*cluster_assign)(lethe_backend *be, int32_t *out, const void *k_cache,
+                           const int32_t *slots, int32_t n, const float *cent, const float *mean,
+                           int32_t n_c, int32_t n_kv_heads, int32_t head_dim);
+    void (*cluster_scores)(lethe_backend *be, float *out, const void *q, const void *cent,
+                           int32_t n_q, const int32_t *q_rows, const int32_t *begin,
+                           const int32_t *ids, int32_t n_heads, int32_t n_kv_heads,
+                           int32_t head_dim, float scale);
+    void (*cluster_attention)(lethe_backend *be, const lethe_cluster_attn_args *a);
     /* ---- weights in their stored format (optional, NULL = not offered) ----
      * A matrix weight as the file stores it (w->type: a GGUF block format,
      * f16 or bf16; rows in HF order). On LETHE_OK *out is backend weight

@@ -78,13 +78,16 @@ static lethe_status eng_check_kv_layout(lethe_engine *e) {
     const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method);
     if (!lethe_kv_k_only(c) || !ops) return LETHE_OK; /* unknown names: lethe_sparse_create says */
     const char *model = e->model_path ? e->model_path : c->arch;
-    if (ops->kind == LETHE_SPARSE_KIND_QUANTIZATION || ops->kind == LETHE_SPARSE_KIND_COMPRESSION)
+    if (ops->kind == LETHE_SPARSE_KIND_QUANTIZATION || ops->kind == LETHE_SPARSE_KIND_COMPRESSION ||
+        ops->kv_layout)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                             "model %s (%s, latent KV: one %d-wide row per token, no V) cannot use "
                             "method %s: it %s separate K and V heads",
                             model, c->arch, c->head_dim, ops->name,
                             ops->kind == LETHE_SPARSE_KIND_QUANTIZATION ? "quantizes"
-                                                                        : "compresses");
+                            : ops->kind == LETHE_SPARSE_KIND_COMPRESSION
+                                ? "compresses"
+                                : "attends through its own payload of");
     if (ops->flags & LETHE_SPARSE_HEAD_ROWS)
         return lethe_errorf(
             LETHE_ERR_UNSUPPORTED,

@@ -27,6 +27,7 @@
     X(h2o)                                                                                         \
     X(quest)                                                                                       \
     X(omnikv)                                                                                      \
+    X(retroinfer)                                                                                  \
     X(kivi)                                                                                        \
     X(turboquant)                                                                                  \
     X(palu)                                                                                        \

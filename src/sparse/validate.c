@@ -120,8 +120,13 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
     /* storage */
     RULE((o->kind == LETHE_SPARSE_KIND_QUANTIZATION) == (o->kv_format != NULL),
          "a QUANTIZATION method must provide kv_format, and only a QUANTIZATION method may");
-    RULE((o->kind == LETHE_SPARSE_KIND_COMPRESSION) == (o->kv_layout != NULL),
-         "a COMPRESSION method must provide kv_layout, and only a COMPRESSION method may");
+    /* a SELECTION method may attend through its own path too (RetroInfer's
+     * estimated zone is not a subset of the KV) */
+    RULE(o->kind != LETHE_SPARSE_KIND_COMPRESSION || o->kv_layout,
+         "a COMPRESSION method must provide kv_layout");
+    RULE(!o->kv_layout || o->kind == LETHE_SPARSE_KIND_COMPRESSION ||
+             o->kind == LETHE_SPARSE_KIND_SELECTION,
+         "only a COMPRESSION or SELECTION method may provide kv_layout");
     RULE(!o->kv_layout == !o->kv_store && !o->kv_layout == !o->kv_attend,
          "kv_layout, kv_store and kv_attend come together (the model reads a layout only through them)");
     RULE(o->kv_layout || (!o->kv_out_proj && !(o->flags & LETHE_SPARSE_KV_PRE_ROPE)),

@@ -161,6 +161,9 @@ static const lethe_backend_ops cpu_ops = {
     .copy_block = lethe_cpu_copy_block,
     .copy_from_host = cpu_copy_from_host,
     .key_redundancy = lethe_cpu_key_redundancy,
+    .cluster_assign = lethe_cpu_cluster_assign,
+    .cluster_scores = lethe_cpu_cluster_scores,
+    .cluster_attention = lethe_cpu_cluster_attention,
     .weight_upload_raw = lethe_cpu_weight_upload_raw,
 };
 

@@ -19,6 +19,7 @@
  *   scores.c       attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
  *   pages.c        Quest page bounds: page_minmax, page_scores
+ *   clusters.c     RetroInfer key clusters: cluster_assign, cluster_scores, cluster_attention
  *   sample.c       the sample op (and the row function the host sampler uses)
  *   moe.c          mixture-of-experts FFN: routing, expert-sorted SwiGLU, weighted sum
  *   mla.c          latent attention: per-head matmul, column-block copy, latent-V attention
@@ -171,6 +172,15 @@ void lethe_cpu_gather_rows(lethe_backend *be, void *dst, const void *src, const 
 void lethe_cpu_add(lethe_backend *be, void *x, const void *y, size_t n);
 void lethe_cpu_add_bias(lethe_backend *be, void *y, const void *b, int32_t n, int32_t dim);
 void lethe_cpu_swiglu(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);
+/* clusters.c: RetroInfer's key clusters (backend.h "key clusters") */
+void lethe_cpu_cluster_assign(lethe_backend *be, int32_t *out, const void *k_cache,
+                              const int32_t *slots, int32_t n, const float *cent, const float *mean,
+                              int32_t n_c, int32_t n_kv_heads, int32_t head_dim);
+void lethe_cpu_cluster_scores(lethe_backend *be, float *out, const void *q, const void *cent,
+                              int32_t n_q, const int32_t *q_rows, const int32_t *begin,
+                              const int32_t *ids, int32_t n_heads, int32_t n_kv_heads,
+                              int32_t head_dim, float scale);
+void lethe_cpu_cluster_attention(lethe_backend *be, const lethe_cluster_attn_args *a);
 void lethe_cpu_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
                            const int32_t *page_ids, const int32_t *slot_begin, const int32_t *slots,
                            int32_t n_pages, int32_t kv_dim);

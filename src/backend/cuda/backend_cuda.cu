@@ -474,6 +474,7 @@ static void cuda_destroy(lethe_backend *be) {
         free(c->tq_iota);
         if (c->sample_ws) cudaFree(c->sample_ws);
         if (c->scores_d) cudaFree(c->scores_d);
+        if (c->clu_d) cudaFree(c->clu_d);
         if (c->cublas_ws) cudaFree(c->cublas_ws);
         if (c->cublas) cublasDestroy(c->cublas);
         if (c->stream) cudaStreamDestroy(c->stream);
@@ -536,6 +537,10 @@ static const lethe_backend_ops cuda_ops = {
     /* .copy_block */ lethe_cuda_copy_block,
     /* .copy_from_host */ cuda_copy_from_host,
     /* .key_redundancy */ lethe_cuda_key_redundancy,
+    /* RetroInfer key clusters (clusters.cu) */
+    /* .cluster_assign */ lethe_cuda_cluster_assign,
+    /* .cluster_scores */ lethe_cuda_cluster_scores,
+    /* .cluster_attention */ lethe_cuda_cluster_attention,
 };
 
 #define INIT_CHECK(call, what)                                                              \

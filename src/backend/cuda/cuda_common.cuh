@@ -28,6 +28,7 @@
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
  *   pages.cu         Quest page bounds: page_minmax, page_scores
+ *   clusters.cu      RetroInfer key clusters: cluster_assign, cluster_scores, cluster_attention
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
  *   select.cu        device-side selection: segmented exact top-k, select_expand
  *   moe.cu           mixture-of-experts FFN: routing, expert sort, expert GEMV / cuBLAS GEMMs
@@ -144,6 +145,10 @@ typedef struct cuda_ctx {
     void *qmean_ws;
     size_t qmean_ws_cap;         /* bytes */
 
+    /* cluster_assign scratch (clusters.cu): centroids, means, assignments */
+    void *clu_d;
+    size_t clu_cap; /* bytes */
+
     /* sampling scratch */
     void *sample_ws;
     size_t sample_ws_cap;
@@ -216,6 +221,16 @@ void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q, const 
                             int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                             const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
                             int32_t head_dim, bool out_on_backend);
+/* RetroInfer key clusters (clusters.cu) */
+void lethe_cuda_cluster_assign(lethe_backend *be, int32_t *out, const void *k_cache,
+                               const int32_t *slots, int32_t n, const float *cent,
+                               const float *mean, int32_t n_c, int32_t n_kv_heads,
+                               int32_t head_dim);
+void lethe_cuda_cluster_scores(lethe_backend *be, float *out, const void *q, const void *cent,
+                               int32_t n_q, const int32_t *q_rows, const int32_t *begin,
+                               const int32_t *ids, int32_t n_heads, int32_t n_kv_heads,
+                               int32_t head_dim, float scale);
+void lethe_cuda_cluster_attention(lethe_backend *be, const lethe_cluster_attn_args *a);
 void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a); /* sample.cu */
 /* device-side selection (select.cu) */
 void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *scores, int32_t n_segs,
