@@ -175,7 +175,8 @@ if has sparse; then
     # through the alias retro_infer) and each engine's pool slots per layer (capacity)
     ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
         --parts matched --budget 2048 --matched-methods retroinfer,retro_infer --matched-batch 8 \
-        --matched-input ${RETRO_INPUT:-32768} --matched-output 64 --method-config retro_infer:retroinfer_host_kv=true \
+        --matched-input ${RETRO_INPUT:-32768} --matched-output 64 \
+        --method-config retro_infer:retroinfer_host_kv=true,retroinfer_host_gib=96 \
         ${SPARSE_ARGS:-} --json "$OUT/sparse-retroinfer.json" 2>&1 | tee "$OUT/sparse-retroinfer.log"
     add_gpu "$OUT/sparse-retroinfer.json"
     log "sparse: ($(( $(date +%s) - t0 ))s)"
