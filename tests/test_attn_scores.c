@@ -12,7 +12,9 @@
  *  - several sequences of mixed modes in one call (packed output, ragged rows
  *    and keys, permuted and shared slots, head_dim not a multiple of 8),
  *    windows wider than the candidates' causal reach (masked candidates:
- *    -INF logits, zero probability), empty candidate ranges. */
+ *    -INF logits, zero probability), empty candidate ranges;
+ *  - LETHE_SCORES_QMEAN (omnikv_prefill): the chunk-mean logit, max over a
+ *    group's heads, against float64. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -193,7 +195,55 @@ static void test_modes(void) {
     lethe_backend_destroy(be);
 }
 
+/* LETHE_SCORES_QMEAN: the mean over the rows of the raw logits (as the mean
+ * query's logit), max over each group's heads, against float64 */
+static void test_qmean(void) {
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 2};
+    lethe_backend *be;
+    CHECK(lethe_backend_create(&bp, &be) == LETHE_OK);
+    problem p;
+    problem_init(&p, 8, 2, 40, 60, 500, 700);
+    /* two chunks over their history: candidates end before the first row's own key */
+    lethe_score_seq req[2] = {
+        {.q_row = 0, .n_rows = 24, .key_begin = 0, .n_keys = 300, .c0 = 8, .c1 = 250,
+         .mode = LETHE_SCORES_LOGIT_MAX | LETHE_SCORES_QMEAN},
+        {.q_row = 24, .n_rows = 36, .key_begin = 300, .n_keys = 400, .c0 = 0, .c1 = 365,
+         .mode = LETHE_SCORES_LOGIT_MAX | LETHE_SCORES_QMEAN},
+    };
+    for (int gi = 0; gi < 3; gi++) {
+        const int n_groups = gi == 0 ? 1 : gi == 1 ? p.KH : p.H, per = p.H / n_groups;
+        size_t n_out = lethe_attn_scores_out_len(req, 2, n_groups);
+        float *out = lethe_xmalloc(sizeof(float) * n_out);
+        lethe_attn_scores_args a = {.out = out, .q = p.q, .k_cache = p.k, .n_tokens = p.T, .n_seqs = 2,
+                                    .seqs = req, .key_slots = p.slots, .n_key_slots = p.n_slot_list,
+                                    .n_heads = p.H, .n_kv_heads = p.KH, .head_dim = p.D,
+                                    .n_groups = n_groups, .scale = p.scale};
+        be->ops->attn_scores(be, &a);
+        size_t off = 0;
+        for (int s = 0; s < 2; s++) {
+            const int nc = req[s].c1 - req[s].c0;
+            for (int g = 0; g < n_groups; g++)
+                for (int j = 0; j < nc; j++) {
+                    double best = -INFINITY;
+                    for (int h = g * per; h < (g + 1) * per; h++) {
+                        double m = 0;
+                        for (int i = 0; i < req[s].n_rows; i++) m += raw_d(&p, &req[s], i, h, req[s].c0 + j);
+                        best = fmax(best, m / req[s].n_rows);
+                    }
+                    const double x = out[off + (size_t)g * nc + j];
+                    CHECK_MSG(fabs(x - best) <= 1e-5 * fabs(best) + 1e-5, "seq %d group %d [%d]: %.9g vs %.9g",
+                              s, g, j, x, best);
+                }
+            off += (size_t)n_groups * nc;
+        }
+        free(out);
+    }
+    problem_free(&p);
+    lethe_backend_destroy(be);
+}
+
 int main(void) {
     TEST_RUN(test_modes);
+    TEST_RUN(test_qmean);
     return 0;
 }

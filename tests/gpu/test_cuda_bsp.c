@@ -24,6 +24,9 @@
 #include "core/util.h"
 #include "test.h"
 
+/* the CUDA runtime's copy (the test links it; no CUDA header in C tests) */
+int cudaMemcpy(void *dst, const void *src, size_t count, int kind);
+
 static lethe_backend *g_cpu, *g_gpu;
 static uint64_t g_rng = 4242;
 
@@ -151,6 +154,54 @@ static void test_block_sparse(void) {
     run_case(&cases[2]); /* fresh inputs: a race shows up as a moving error */
 }
 
+/* attn_scores LETHE_SCORES_QMEAN (omnikv_prefill's chunk-mean logits): CUDA
+ * (bf16 mean query) vs the CPU twin (f32), two chunks in one call, groups 1
+ * and n_kv; the CUDA op's output stays on the device (out_on_backend, as
+ * the method asks) for one of the runs */
+static void test_qmean_scores(void) {
+    const int H = 32, KH = 8, D = 128, T = 3000, n_slots = 40000;
+    float *q = lethe_xmalloc((size_t)T * H * D * sizeof(float)), *k = lethe_xmalloc((size_t)n_slots * KH * D * sizeof(float));
+    for (size_t i = 0; i < (size_t)T * H * D; i++) q[i] = bf16_round(frand());
+    for (size_t i = 0; i < (size_t)n_slots * KH * D; i++) k[i] = bf16_round(frand());
+    int32_t *slots = lethe_xmalloc((size_t)n_slots * sizeof(int32_t));
+    for (int i = 0; i < n_slots; i++) slots[i] = (i * 7919) % n_slots;
+    const lethe_score_seq req[2] = {
+        {.q_row = 0, .n_rows = 2048, .key_begin = 0, .n_keys = 30000, .c0 = 8, .c1 = 27800,
+         .mode = LETHE_SCORES_LOGIT_MAX | LETHE_SCORES_QMEAN},
+        {.q_row = 2048, .n_rows = 952, .key_begin = 30000, .n_keys = 9000, .c0 = 8, .c1 = 7900,
+         .mode = LETHE_SCORES_LOGIT_MAX | LETHE_SCORES_QMEAN},
+    };
+    void *dq = dev_copy(q, (size_t)T * H * D), *dk = dev_copy(k, (size_t)n_slots * KH * D);
+    for (int gi = 0; gi < 2; gi++) {
+        const int G = gi ? KH : 1;
+        const size_t n = lethe_attn_scores_out_len(req, 2, G);
+        float *oc = lethe_xmalloc(n * sizeof(float)), *og = lethe_xmalloc(n * sizeof(float));
+        lethe_attn_scores_args a = {.out = oc, .q = q, .k_cache = k, .n_tokens = T, .n_seqs = 2, .seqs = req,
+                                    .key_slots = slots, .n_key_slots = n_slots, .n_heads = H, .n_kv_heads = KH,
+                                    .head_dim = D, .n_groups = G, .scale = 1.0f / sqrtf((float)D)};
+        g_cpu->ops->attn_scores(g_cpu, &a);
+        a.q = dq, a.k_cache = dk, a.out = og;
+        void *dout = NULL;
+        if (gi) { /* on the device, then copied back */
+            CHECK(g_gpu->ops->alloc(g_gpu, n * sizeof(float), &dout) == LETHE_OK);
+            a.out = dout, a.out_on_backend = true;
+        }
+        g_gpu->ops->attn_scores(g_gpu, &a);
+        if (gi) { /* device f32 -> host (act_to_host converts from bf16: copy the bytes) */
+            g_gpu->ops->sync(g_gpu);
+            CHECK(cudaMemcpy(og, dout, n * sizeof(float), 2 /* cudaMemcpyDeviceToHost */) == 0);
+            g_gpu->ops->release(g_gpu, dout);
+        }
+        const double e = rel(og, oc, n);
+        fprintf(stderr, "    attn_scores QMEAN groups %-2d: rel err vs CPU twin %.2e\n", G, e);
+        CHECK_MSG(e < 1e-2, "QMEAN groups %d: relative error %.3g", G, e);
+        free(oc), free(og);
+    }
+    g_gpu->ops->release(g_gpu, dq);
+    g_gpu->ops->release(g_gpu, dk);
+    free(q), free(k), free(slots);
+}
+
 int main(void) {
     lethe_backend_params pc = {.device = "cpu", .n_threads = 0};
     lethe_backend_params pg = {.device = "cuda", .device_index = 0};
@@ -158,6 +209,7 @@ int main(void) {
     lethe_status st = lethe_backend_create(&pg, &g_gpu);
     CHECK_MSG(st == LETHE_OK, "cuda backend: %s", lethe_last_error());
     TEST_RUN(test_block_sparse);
+    TEST_RUN(test_qmean_scores);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_cuda_bsp: all passed\n");
