@@ -318,6 +318,13 @@ typedef struct lethe_kv_space_use {
 /* KV use of every slot space (1 shared, or one per layer with per-layer
  * rows); copies up to cap, returns how many spaces there are. */
 int32_t lethe_engine_get_kv_spaces(lethe_engine *e, lethe_kv_space_use *out, int32_t cap);
+/* Host RAM of the KV pool when its buffers are host memory (the CPU
+ * backend): *allocated bytes in all, of which *resident are in RAM now. The
+ * buffers are allocated untouched, so the resident part rises with the
+ * highest number of slots ever in use (pages join the process RSS when a slot
+ * is first written), up to *allocated. False (0, 0) on a device backend.
+ * Thread-safe, measured at the call. */
+bool lethe_engine_kv_host_memory(lethe_engine *e, int64_t *resident, int64_t *allocated);
 
 /* What attention read against what the rows held, and what the sparse
  * method dropped; cumulative (per step: divide differences by n_steps'). */

@@ -1,9 +1,11 @@
 /* test_kv_pool.c - slot allocator, rows, compaction (shared and per-layer),
- * references, page metadata and the ownership checker (including that it
- * catches corruption). */
+ * references, page metadata, the ownership checker (including that it
+ * catches corruption) and the host RAM the K/V buffers occupy. */
 #include "kv/kv_internal.h"
 #include "core/util.h"
 #include "test.h"
+
+#include <unistd.h>
 
 static lethe_kv_pool *mk(int32_t n_layers, int32_t n_slots, bool per_layer, int32_t meta) {
     lethe_kv_pool_params p = {.n_layers = n_layers, .n_kv_heads = 2, .head_dim = 4,
@@ -394,7 +396,42 @@ static void test_layouts(void) {
     lethe_backend_destroy(be);
 }
 
+/* The K/V buffers of a CPU pool are allocated untouched: lethe_kv_host_memory
+ * reports all of them as allocated and, as resident, only the pages written
+ * (slots 0..1023 of one layer's K: 512 KB), which is what lets the soak test
+ * tell the KV pool's first-touched pages from any other RSS growth. A pool
+ * without a backend has no host buffers. */
+static void test_host_memory(void) {
+    lethe_backend_params bp = {.device = "cpu", .n_threads = 1};
+    lethe_backend *be = NULL;
+    CHECK(lethe_backend_create(&bp, &be) == LETHE_OK);
+    /* 40 MB per plane: above malloc's largest mmap threshold, so fresh pages */
+    const int32_t n_slots = 81920, heads = 2, hd = 64;
+    const int64_t plane = (int64_t)n_slots * heads * hd * (int64_t)sizeof(float);
+    lethe_kv_pool_params p = {.n_layers = 2, .n_kv_heads = heads, .head_dim = hd, .n_slots = n_slots, .be = be};
+    lethe_kv_pool *pool = NULL;
+    CHECK_MSG(lethe_kv_pool_create(&p, &pool) == LETHE_OK, "%s", lethe_last_error());
+    int64_t res0, alloc;
+    CHECK(lethe_kv_host_memory(pool, &res0, &alloc));
+    CHECK_EQ_INT(alloc, 4 * plane);
+    CHECK_MSG(res0 <= 4 * 64 * 1024, "%lld bytes resident before any slot was written", (long long)res0);
+    const int64_t written = 1024LL * heads * hd * (int64_t)sizeof(float);
+    memset(lethe_kv_k(pool, 1), 1, (size_t)written);
+    int64_t res1;
+    CHECK(lethe_kv_host_memory(pool, &res1, &alloc));
+    const int64_t page = sysconf(_SC_PAGESIZE);
+    CHECK_MSG(res1 - res0 >= written - page && res1 - res0 <= written + 2 * page,
+              "resident %lld -> %lld after writing %lld bytes", (long long)res0, (long long)res1,
+              (long long)written);
+    lethe_kv_pool_destroy(pool);
+    lethe_backend_destroy(be);
+    lethe_kv_pool *bare = mk(2, 64, false, 0);
+    CHECK(!lethe_kv_host_memory(bare, &res0, &alloc) && res0 == 0 && alloc == 0);
+    lethe_kv_pool_destroy(bare);
+}
+
 int main(void) {
+    TEST_RUN(test_host_memory); /* first: before other tests' frees move malloc's mmap threshold */
     TEST_RUN(test_allocator);
     TEST_RUN(test_keep_shared);
     TEST_RUN(test_keep_per_layer);

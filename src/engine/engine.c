@@ -672,6 +672,10 @@ int32_t lethe_engine_get_kv_spaces(lethe_engine *e, lethe_kv_space_use *out, int
     return n;
 }
 
+bool lethe_engine_kv_host_memory(lethe_engine *e, int64_t *resident, int64_t *allocated) {
+    return lethe_kv_host_memory(e->pool, resident, allocated); /* the buffer list is fixed after create */
+}
+
 void lethe_engine_get_sparse_stats(lethe_engine *e, lethe_engine_sparse_stats *out) {
     pthread_mutex_lock(&e->stats.mu);
     *out = e->stats.sparse_snap;

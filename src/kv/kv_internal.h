@@ -23,6 +23,12 @@ typedef struct kv_space {
     int32_t *ref;        /* [n_slots] */
 } kv_space;
 
+/* A backend buffer the pool allocated (K/V planes, a format's side arrays). */
+typedef struct kv_buf {
+    void *p;
+    size_t n;
+} kv_buf;
+
 struct lethe_kv_pool {
     lethe_kv_pool_params p;
     int32_t n_spaces;
@@ -34,6 +40,8 @@ struct lethe_kv_pool {
     lethe_kv_quant *q;   /* [n_layers] quantized side arrays (format != NATIVE), else NULL */
     float *tq_tables;    /* TURBOQUANT: backend f32 tables every layer's q.tq points at */
     lethe_kivi_plan kplan; /* KIVI: host slot index + the step's pack plan (the method fills it) */
+    kv_buf *bufs;        /* [n_bufs] every backend buffer above, in allocation order */
+    int32_t n_bufs, cap_bufs;
     /* rows: tabs[row * n_spaces + sp] */
     kv_rowtab *tabs;
     bool *row_used;      /* [max_rows] */

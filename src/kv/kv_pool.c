@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "backend/tq_codec.h"
 #include "core/util.h"
@@ -104,6 +106,19 @@ const char *lethe_kv_format_name(lethe_kv_format f) {
     return "?";
 }
 
+/* Every backend buffer of the pool goes through here: (pointer, bytes) is
+ * kept for lethe_kv_host_memory. */
+static lethe_status pool_alloc(lethe_kv_pool *pool, size_t bytes, void **out) {
+    lethe_status st = pool->p.be->ops->alloc(pool->p.be, bytes, out);
+    if (st != LETHE_OK) return st;
+    if (pool->n_bufs == pool->cap_bufs) {
+        pool->cap_bufs = pool->cap_bufs ? 2 * pool->cap_bufs : 64;
+        pool->bufs = lethe_xrealloc(pool->bufs, (size_t)pool->cap_bufs * sizeof(*pool->bufs));
+    }
+    pool->bufs[pool->n_bufs++] = (kv_buf){*out, bytes};
+    return LETHE_OK;
+}
+
 /* TurboQuant's rotation and codebook (tq_codec.c), once per pool, shared by every layer */
 static lethe_status upload_tq_tables(lethe_kv_pool *pool) {
     const lethe_kv_pool_params *p = &pool->p;
@@ -115,7 +130,7 @@ static lethe_status upload_tq_tables(lethe_kv_pool *pool) {
         for (int32_t j = 0; j < hd; j++) t[lethe_tq_off_rot_t(hd) + (size_t)j * hd + i] = t[(size_t)i * hd + j];
     lethe_tq_codebook(b, hd, t + lethe_tq_off_centroids(hd), t + lethe_tq_off_bounds(hd));
     void *dev = NULL;
-    lethe_status st = p->be->ops->alloc(p->be, n * sizeof(float), &dev);
+    lethe_status st = pool_alloc(pool, n * sizeof(float), &dev);
     if (st == LETHE_OK) p->be->ops->copy_from_host(p->be, dev, t, n * sizeof(float));
     free(t);
     pool->tq_tables = dev;
@@ -130,10 +145,10 @@ static lethe_status alloc_kivi(lethe_kv_pool *pool, lethe_kv_quant *q) {
     q->n_groups = LETHE_MAX(1, p->n_slots / G);
     q->n_res = LETHE_MAX(1, p->kivi_res_blocks) * G;
     q->kivi = &pool->kplan;
-    lethe_status st = be->ops->alloc(be, (size_t)p->n_slots * 2u * (C / (size_t)G) * sizeof(float), &q->v_param);
-    if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)q->n_groups * 2u * C * sizeof(float), &q->k_group);
-    if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)q->n_res * C * be->ops->kv_size, &q->k_res);
-    if (st == LETHE_OK) st = be->ops->alloc(be, (size_t)q->n_res * C * be->ops->kv_size, &q->v_res);
+    lethe_status st = pool_alloc(pool, (size_t)p->n_slots * 2u * (C / (size_t)G) * sizeof(float), &q->v_param);
+    if (st == LETHE_OK) st = pool_alloc(pool, (size_t)q->n_groups * 2u * C * sizeof(float), &q->k_group);
+    if (st == LETHE_OK) st = pool_alloc(pool, (size_t)q->n_res * C * be->ops->kv_size, &q->k_res);
+    if (st == LETHE_OK) st = pool_alloc(pool, (size_t)q->n_res * C * be->ops->kv_size, &q->v_res);
     return st;
 }
 
@@ -224,7 +239,7 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
             const lethe_kv_layout *L = &pool->layout[l];
             for (int32_t i = 0; i < L->n_planes && st == LETHE_OK; i++) {
                 bytes = (size_t)p->n_slots * L->planes[i].slot_bytes;
-                st = p->be->ops->alloc(p->be, bytes, &pool->plane[(size_t)l * LETHE_KV_MAX_PLANES + i]);
+                st = pool_alloc(pool, bytes, &pool->plane[(size_t)l * LETHE_KV_MAX_PLANES + i]);
             }
             if (st == LETHE_OK && pool->q && kind == LETHE_KV_KIVI) {
                 pool->q[l].format = p->format;
@@ -233,12 +248,12 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
                 pool->q[l].format = p->format;
                 if (!pool->tq_tables) st = upload_tq_tables(pool);
                 pool->q[l].tq = pool->tq_tables;
-                if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].k_norm);
-                if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].v_norm);
+                if (st == LETHE_OK) st = pool_alloc(pool, side, &pool->q[l].k_norm);
+                if (st == LETHE_OK) st = pool_alloc(pool, side, &pool->q[l].v_norm);
             } else if (st == LETHE_OK && pool->q) {
                 pool->q[l].format = p->format;
-                st = p->be->ops->alloc(p->be, side, &pool->q[l].k_scale);
-                if (st == LETHE_OK) st = p->be->ops->alloc(p->be, side, &pool->q[l].v_scale);
+                st = pool_alloc(pool, side, &pool->q[l].k_scale);
+                if (st == LETHE_OK) st = pool_alloc(pool, side, &pool->q[l].v_scale);
             }
             if (st != LETHE_OK) {
                 char why[256];
@@ -264,23 +279,8 @@ static void rowtab_free(kv_rowtab *t) {
 void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
     if (!pool) return;
     lethe_kv_protect_free(pool);
-    if (pool->p.be) {
-        for (int32_t l = 0; l < pool->p.n_layers; l++) {
-            for (int32_t i = 0; pool->plane && i < LETHE_KV_MAX_PLANES; i++) {
-                void *b = pool->plane[(size_t)l * LETHE_KV_MAX_PLANES + i];
-                if (b) pool->p.be->ops->release(pool->p.be, b);
-            }
-            if (pool->q && pool->q[l].k_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].k_scale);
-            if (pool->q && pool->q[l].v_scale) pool->p.be->ops->release(pool->p.be, pool->q[l].v_scale);
-            if (pool->q) {
-                void *kv[6] = {pool->q[l].v_param, pool->q[l].k_group, pool->q[l].k_res, pool->q[l].v_res,
-                               pool->q[l].k_norm, pool->q[l].v_norm};
-                for (int i = 0; i < 6; i++)
-                    if (kv[i]) pool->p.be->ops->release(pool->p.be, kv[i]);
-            }
-        }
-    }
-    if (pool->tq_tables) pool->p.be->ops->release(pool->p.be, pool->tq_tables);
+    for (int32_t i = 0; i < pool->n_bufs; i++) pool->p.be->ops->release(pool->p.be, pool->bufs[i].p);
+    free(pool->bufs);
     free(pool->q);
     free(pool->kplan.slot_aux);
     free(pool->plane);
@@ -322,6 +322,34 @@ int32_t lethe_kv_min_free(const lethe_kv_pool *pool) {
 }
 
 int64_t lethe_kv_dropped(const lethe_kv_pool *pool) { return pool->n_dropped; }
+
+/* Bytes of the pages covering [p, p + n) that are in RAM now (mincore;
+ * whole pages, so up to a page more at either end); -1 if not mapped. */
+static int64_t host_resident_bytes(const void *p, size_t n) {
+    if (n == 0) return 0;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = (uintptr_t)p & ~(page - 1), b = ((uintptr_t)p + n + page - 1) & ~(page - 1);
+    int64_t total = 0;
+    unsigned char vec[4096];
+    for (uintptr_t s = a; s < b; s += sizeof(vec) * page) { /* 4096 pages at a time */
+        const size_t len = LETHE_MIN((size_t)(b - s), sizeof(vec) * (size_t)page);
+        if (mincore((void *)s, len, vec) != 0) return -1;
+        for (size_t i = 0; i < (len + page - 1) / page; i++) total += vec[i] & 1;
+    }
+    return total * (int64_t)page;
+}
+
+bool lethe_kv_host_memory(const lethe_kv_pool *pool, int64_t *resident, int64_t *allocated) {
+    *resident = *allocated = 0;
+    if (!pool->p.be || !(pool->p.be->ops->caps & LETHE_BE_HOST_MEMORY)) return false;
+    for (int32_t i = 0; i < pool->n_bufs; i++) {
+        int64_t r = host_resident_bytes(pool->bufs[i].p, pool->bufs[i].n);
+        LETHE_ASSERT(r >= 0 && "mincore on a buffer of the pool");
+        *resident += LETHE_MIN(r, (int64_t)pool->bufs[i].n);
+        *allocated += (int64_t)pool->bufs[i].n;
+    }
+    return true;
+}
 
 int64_t lethe_kv_total_free(const lethe_kv_pool *pool) {
     int64_t t = 0;

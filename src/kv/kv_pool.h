@@ -124,6 +124,14 @@ int32_t lethe_kv_n_free(const lethe_kv_pool *pool, int32_t sp);
 int32_t lethe_kv_min_free(const lethe_kv_pool *pool); /* over slot spaces */
 int64_t lethe_kv_total_free(const lethe_kv_pool *pool); /* summed over slot spaces */
 int64_t lethe_kv_dropped(const lethe_kv_pool *pool);    /* entries lethe_kv_keep dropped, cumulative */
+/* Host RAM of the pool's backend buffers (K/V planes and side arrays) when
+ * the backend's memory is host memory (LETHE_BE_HOST_MEMORY): *allocated
+ * bytes in all, of which *resident are in RAM now (mincore). The buffers are
+ * allocated untouched, so their pages join the process RSS as slots are first
+ * written: the resident part follows the highest number of slots ever in use,
+ * never the pool's size. False (0, 0) for device memory. Any thread: only
+ * reads the buffer list, fixed after create. */
+bool lethe_kv_host_memory(const lethe_kv_pool *pool, int64_t *resident, int64_t *allocated);
 
 /* Backend K/V buffers of one layer (NULL without a backend). */
 void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer);

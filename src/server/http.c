@@ -26,6 +26,7 @@
  * tenant asking for it gets 404, as if it did not exist. */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <malloc.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
@@ -364,6 +365,31 @@ static char *render_metrics(srv_state *s, bool ready) {
         srv_chain_metrics(s->engine, refused, s->served_name, &mb);
     }
     if (ready) srv_dashboard_metrics(s->engine, s->served_name, &s->cfg->engine, &mb); /* dashboard.c */
+    int64_t kv_resident, kv_host;
+    if (ready && lethe_engine_kv_host_memory(s->engine, &kv_resident, &kv_host)) { /* CPU backend */
+        srv_buf_printf(&mb,
+                       "# HELP lethe:kv_cache_host_bytes KV pool buffers in host memory, bytes allocated.\n"
+                       "# TYPE lethe:kv_cache_host_bytes gauge\n"
+                       "lethe:kv_cache_host_bytes{model_name=\"%s\"} %lld\n"
+                       "# HELP lethe:kv_cache_host_resident_bytes Of those, bytes in RAM now (pages of "
+                       "slots written at least once).\n"
+                       "# TYPE lethe:kv_cache_host_resident_bytes gauge\n"
+                       "lethe:kv_cache_host_resident_bytes{model_name=\"%s\"} %lld\n",
+                       s->served_name, (long long)kv_host, s->served_name, (long long)kv_resident);
+    }
+#ifdef __GLIBC__
+    /* the allocator's view (all arenas): a leak grows in_use, fragmentation free */
+    const struct mallinfo2 mi = mallinfo2();
+    srv_buf_printf(&mb,
+                   "# HELP lethe:process_heap_bytes malloc heap: bytes in allocated chunks (in_use), in free "
+                   "chunks kept by the arenas (free), in chunks mapped on their own (mmapped).\n"
+                   "# TYPE lethe:process_heap_bytes gauge\n");
+    const struct { const char *state; size_t v; } heap[] = {
+        {"in_use", mi.uordblks}, {"free", mi.fordblks}, {"mmapped", mi.hblkhd}};
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(heap); i++)
+        srv_buf_printf(&mb, "lethe:process_heap_bytes{model_name=\"%s\",state=\"%s\"} %zu\n", s->served_name,
+                       heap[i].state, heap[i].v);
+#endif
     srv_http_stats hs;
     srv_http_stats_get(s->http, &hs);
     const struct { const char *name, *type, *help, *label; double v; } rows[] = {
