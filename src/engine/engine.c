@@ -282,6 +282,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                           e->n_vocab);
         goto fail;
     }
+    /* written once now with a host backend (lethe_model_ws_alloc says why): sized for the
+     * most sequences a step samples, it would join the RSS row by row as steps get wider */
+    if (e->runner.be && (e->runner.be->ops->caps & LETHE_BE_HOST_MEMORY))
+        memset(e->step.logits, 0, (size_t)e->step.cap_logits * (size_t)e->n_vocab * sizeof(float));
     eng_forward_bind(e);
     if (e->tok) {
         e->step.detok_cap = 3 * (lethe_tokenizer_max_token_bytes(e->tok) + 4) + 1;

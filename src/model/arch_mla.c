@@ -125,7 +125,7 @@ static lethe_status mla_workspace_init(lethe_model *m, int32_t n) {
         {&ws->logits, LETHE_MAX(chunk, (size_t)m->n_logits_dev) * c->n_vocab},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(plan); i++) {
-        lethe_status st = be->ops->alloc(be, plan[i].n * a, plan[i].p);
+        lethe_status st = lethe_model_ws_alloc(be, plan[i].n * a, plan[i].p);
         if (st != LETHE_OK) {
             mla_workspace_free(m);
             return st;

@@ -4,8 +4,16 @@
  * range, capacity), then dispatches to the family's forward (arch_*.c),
  * which only uses be->ops so the same code runs on every backend. The
  * workspace is allocated once per model for n_tokens_max rows. */
+#include <string.h>
+
 #include "core/util.h"
 #include "model/model.h"
+
+lethe_status lethe_model_ws_alloc(lethe_backend *be, size_t n_bytes, void **out) {
+    lethe_status st = be->ops->alloc(be, n_bytes, out);
+    if (st == LETHE_OK && (be->ops->caps & LETHE_BE_HOST_MEMORY)) memset(*out, 0, n_bytes);
+    return st;
+}
 
 lethe_status lethe_model_workspace_init(lethe_model *m, int32_t n_tokens_max) {
     return lethe_model_workspace_init_dev(m, n_tokens_max, 0);

@@ -169,6 +169,13 @@ lethe_status lethe_model_workspace_init(lethe_model *m, int32_t n_tokens_max);
  * the host path, whose lm_head runs in small row chunks). */
 lethe_status lethe_model_workspace_init_dev(lethe_model *m, int32_t n_tokens_max,
                                             int32_t n_logits_dev);
+/* One buffer of a family's forward workspace (arch_*.c, moe.c): be->ops->alloc,
+ * and in host memory (LETHE_BE_HOST_MEMORY) written once now. Sized for the
+ * largest step, an untouched buffer would join the process RSS page by page
+ * whenever a step is longer than every step before, so the server's memory
+ * would keep rising long after start-up; written here, it is resident from
+ * the start and the RSS under load stays flat. */
+lethe_status lethe_model_ws_alloc(lethe_backend *be, size_t n_bytes, void **out);
 /* Frees the forward workspace (NULL-safe, idempotent); lethe_model_free calls it. */
 void lethe_model_workspace_free(lethe_model *m);
 

@@ -26,7 +26,7 @@ lethe_status lethe_moe_bufs_alloc(lethe_model *m, int32_t n, lethe_moe_bufs *b) 
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(plan); i++) {
         if (!plan[i].bytes) continue;
-        lethe_status st = be->ops->alloc(be, plan[i].bytes, plan[i].p);
+        lethe_status st = lethe_model_ws_alloc(be, plan[i].bytes, plan[i].p);
         if (st != LETHE_OK) {
             lethe_moe_bufs_free(m, b);
             return st;
