@@ -595,7 +595,7 @@ int32_t lethe_chain_list(lethe_chain_table *t, lethe_chain_entry *out, int32_t c
     }
     pthread_mutex_unlock(&t->mu);
     if (n) qsort(all, (size_t)n, sizeof(*all), by_recent_use); /* the LRU clock has no ties */
-    if (out && cap > 0) memcpy(out, all, (size_t)LETHE_MIN(n, cap) * sizeof(*all));
+    if (out && cap > 0 && n > 0) memcpy(out, all, (size_t)LETHE_MIN(n, cap) * sizeof(*all)); /* all: NULL when n = 0 */
     free(all);
     return n;
 }
