@@ -233,7 +233,19 @@ $(FUZZ_BUILD)/fuzz/%: tests/fuzz/%.c tests/fuzz/fuzz_util.h $(FUZZ_BUILD)/liblet
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_BUILD)/liblethe.a $(BASE_LDLIBS) $(XGR_LIB) -lstdc++
 
-fuzz-build: $(FUZZ_BIN)
+# the same objects linked with tools/ into an ASan + UBSan + LeakSanitizer `lethe`, for the
+# short leak soak of `make test` (tests/e2e/test_soak.py); no libFuzzer runtime (the
+# sanitizer runtime has the coverage hooks' defaults)
+FUZZ_TOOL_OBJ := $(TOOL_SRC:%.c=$(FUZZ_BUILD)/%.o)
+$(FUZZ_BUILD)/tools/%.o: tools/%.c | deps
+	@mkdir -p $(dir $@)
+	@$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
+
+$(FUZZ_BUILD)/lethe: $(FUZZ_TOOL_OBJ) $(FUZZ_BUILD)/liblethe.a
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -o $@ $(FUZZ_TOOL_OBJ) $(FUZZ_BUILD)/liblethe.a \
+	    $(BASE_LDLIBS) $(XGR_LIB) -lstdc++
+
+fuzz-build: $(FUZZ_BIN) $(FUZZ_BUILD)/lethe
 
 fuzz: fuzz-build model
 	@bash tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(FUZZ_RUNS)

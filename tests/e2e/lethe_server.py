@@ -22,9 +22,10 @@ MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 class Server:
-    def __init__(self, *args, model=MODEL, wait_ready=True, timeout=120, env=None):
+    def __init__(self, *args, model=MODEL, wait_ready=True, timeout=120, env=None, bin=None, stop_timeout=10):
         self.log = tempfile.NamedTemporaryFile(prefix="lethe-serve-", suffix=".log", delete=False)
-        cmd = [BIN, "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", *args]
+        self.stop_timeout = stop_timeout  # seconds SIGTERM gets before SIGKILL
+        cmd = [bin or BIN, "serve", "--model", model, "--host", "127.0.0.1", "--port", "0", *args]
         # Passive OpenMP waits: on a shared 2-core machine, spinning worker threads
         # slowed decoding about 10x when other processes competed for the cores.
         env = {**os.environ, **(env or {})}  # env: extra variables (LETHE_FAULT_TOKEN, ...)
@@ -91,7 +92,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)

@@ -35,12 +35,15 @@ After the load drains it checks /metrics against the client's own counts:
     error stays 0 and abort is at most the disconnects;
   - nothing is left: requests_in_flight, running and waiting are 0, the KV in
     use (lethe:kv_cache_usage_perc) is back to its value before the load;
-  - the server's RSS after the load is at most --rss-growth (5%) above its
-    RSS at the end of the warm-up (--warmup seconds, default 20% of the run,
-    and not before the engine first ran its peak number of requests),
-    beyond the KV pool pages first touched after the warm-up (the pool hands
-    out slots 0, 1, ... first, so its pages join the RSS as the high-water
-    mark of slots in use rises; idle chains hold slots until reclaimed).
+  - the server's RSS other than the KV pool's pages is at most --rss-growth (5%) above
+    its value at the end of the warm-up (--warmup seconds, default 20% of the run, and not
+    before the engine first ran its peak number of requests). The KV pool's buffers
+    (--kv-cache-bytes) are allocated once and untouched; their pages join the RSS as slots
+    are first written, up to the pool's size. The server measures them at each scrape
+    (lethe:kv_cache_host_resident_bytes, mincore over its buffers), so that part is taken
+    out exactly; everything else (heap, stacks, forward workspace, weights) must stay flat.
+With --leak-check (a LeakSanitizer build, --bin build-fuzz/lethe) the server must also shut
+down with exit code 0 and no sanitizer report; the RSS criterion is then skipped.
 Prints a JSON report (also to --report) and exits non-zero on any failure.
 
 Usage: tests/soak/soak.py [--duration S] [--clients N] [--max-tokens N] ...
@@ -347,26 +350,20 @@ class Soak:
         m0 = await self.scrape()
         t0 = time.time()
         self.deadline = t0 + a.duration
+        # (t, RSS kB, KV pool kB in RAM): the KV pool's buffers are allocated untouched and
+        # their pages join the RSS as slots are first written (up to --kv-cache-bytes); the
+        # server measures them (mincore) at the scrape, right before this RSS reading
         rss = []
-
-        # KV high-water mark (slots in use, idle chains included, sampled every 2 s): the pool's
-        # free stack hands out slots 0, 1, ... first, so its pages are first touched (and join
-        # the RSS) as the high-water mark rises; the RSS check subtracts that
-        self.hw = []
         self.stop_sampling = False
-
         self.running = []  # (t, requests running in the engine)
+        self.heap = []  # (malloc in use, free) kB, with each RSS sample
 
         async def sample():
-            n, hw = 0, 0
             while not self.stop_sampling:
-                rss.append((time.time() - t0, rss_kb(pid)))
-                if n % 2 == 0:
-                    m = await self.scrape()
-                    hw = max(hw, round(m["lethe:kv_cache_usage_perc"] * self.kv_slots))
-                    self.hw.append((time.time() - t0, hw))
-                    self.running.append((time.time() - t0, m["lethe:num_requests_running"]))
-                n += 1
+                m = await self.scrape()
+                rss.append((time.time() - t0, rss_kb(pid), kv_kb(m)))
+                self.heap.append(heap_kb(m))
+                self.running.append((time.time() - t0, m["lethe:num_requests_running"]))
                 await asyncio.sleep(1.0)
 
         sampler = asyncio.ensure_future(sample())
@@ -385,15 +382,19 @@ class Soak:
         self.stop_sampling = True
         await sampler  # its last scrape is counted before the final one
         m1 = await self.scrape()
-        self.hw.append((time.time() - t0, max([h for _, h in self.hw] +
-                                               [round(m1["lethe:kv_cache_usage_perc"] * self.kv_slots)])))
-        rss_end = rss_kb(pid)
+        rss_end = (rss_kb(pid), kv_kb(m1))
+        self.heap_end = heap_kb(m1)
         return m0, m1, rss, rss_end, load_s
 
 
-def parse_size(t):
-    k = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1].upper(), 1)
-    return int(float(t[:-1] if k > 1 else t) * k)
+def heap_kb(m):
+    """malloc's chunks in use and free in its arenas (kB), from /metrics (glibc)."""
+    return tuple(round(m.get(f'lethe:process_heap_bytes{{state="{k}"}}', 0) / 1024) for k in ("in_use", "free"))
+
+
+def kv_kb(m):
+    """KV pool pages in RAM (kB), from the server's own measurement; 0 on a device backend."""
+    return round(m.get("lethe:kv_cache_host_resident_bytes", 0) / 1024)
 
 
 def delta(m0, m1, key):
@@ -410,14 +411,14 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
     peak_running = max([r for _, r in s.running] or [0])
     t_peak = next((t for t, r in s.running if r == peak_running), 0.0)
     warm = max(warm, t_peak)
-    after = [kb for t, kb in rss if t >= warm]
-    rss_warm = after[0] if after else rss_end
-    growth = rss_end / rss_warm - 1 if rss_warm else 0.0
-    # RSS growth beyond the KV pages first touched after the warm-up (the high-water mark's rise)
-    hw_warm = max([h for t, h in s.hw if t <= warm] or [0])
-    hw_end = s.hw[-1][1]
-    kv_touch_kb = (hw_end - hw_warm) * s.kv_slot_bytes / 1024
-    growth_net = (rss_end - rss_warm - kv_touch_kb) / rss_warm if rss_warm else 0.0
+    after = [(kb, kv, h) for (t, kb, kv), h in zip(rss, s.heap) if t >= warm]
+    rss_warm, kv_warm, heap_warm = after[0] if after else rss_end + (s.heap_end,)
+    rss_last, kv_end = rss_end
+    growth = rss_last / rss_warm - 1 if rss_warm else 0.0
+    # the criterion: the RSS other than the KV pool's pages (heap, stacks, workspace, weights),
+    # from the end of the warm-up to the end, relative to its own value after the warm-up
+    other_warm, other_end = rss_warm - kv_warm, rss_last - kv_end
+    growth_other = other_end / other_warm - 1 if other_warm > 0 else 0.0
     failures = []
 
     def need(cond, what):
@@ -449,9 +450,11 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
     need(used == resident, f"{used} KV slots in use after the load, {resident:.0f} resident in idle chains")
     if "lethe:chain_cache_active" in m1:
         need(m1["lethe:chain_cache_active"] == 0, f"{m1['lethe:chain_cache_active']} chains still active")
-    need(growth_net <= a.rss_growth,
-         f"RSS grew {100 * growth_net:.1f}% after the warm-up beyond first-touched KV pages "
-         f"({rss_warm} -> {rss_end} kB, KV high-water {hw_warm} -> {hw_end} slots = {kv_touch_kb:.0f} kB)")
+    # (under ASan the quarantine of freed memory and the shadow make RSS meaningless)
+    need(a.leak_check or growth_other <= a.rss_growth,
+         f"RSS other than the KV pool's pages grew {100 * growth_other:.1f}% after the warm-up "
+         f"({other_warm} -> {other_end} kB; RSS {rss_warm} -> {rss_last} kB, KV pool in RAM "
+         f"{kv_warm} -> {kv_end} kB)")
     answered = st.accepted + st.bad + st.chain_gone
     need(st.backpressure <= a.max_503 * max(1, answered + st.backpressure),
          f"{st.backpressure} answers were 503 (more than {100 * a.max_503:.0f}%)")
@@ -465,16 +468,18 @@ def check(a, s, m0, m1, rss, rss_end, load_s):
         "chain_resumed": st.chain_resumed, "chain_gone": st.chain_gone, "completion_tokens": st.tokens,
         "finished_by_reason": fin, "unexpected_errors": st.n_unexpected, "unexpected_first": st.unexpected,
         "kv_slots": s.kv_slots, "kv_slots_used_after": used, "chain_resident_slots_after": resident,
-        "kv_slot_bytes": s.kv_slot_bytes, "kv_high_water_after_warmup": hw_warm, "kv_high_water_end": hw_end,
         "rss_kb_start": rss[0][1] if rss else None, "rss_kb_after_warmup": rss_warm,
-        "rss_kb_peak": max(kb for _, kb in rss) if rss else None, "rss_kb_end": rss_end,
-        "rss_growth_pct": round(100 * growth, 2), "kv_first_touch_kb": round(kv_touch_kb),
-        "rss_growth_beyond_kv_pct": round(100 * growth_net, 2), "warmup_s": round(warm, 1),
+        "rss_kb_peak": max(kb for _, kb, _ in rss) if rss else None, "rss_kb_end": rss_last,
+        "rss_growth_pct": round(100 * growth, 2), "kv_resident_kb_start": rss[0][2] if rss else None,
+        "kv_resident_kb_after_warmup": kv_warm, "kv_resident_kb_end": kv_end,
+        "other_kb_after_warmup": other_warm, "other_kb_end": other_end,
+        "other_growth_pct": round(100 * growth_other, 2), "warmup_s": round(warm, 1),
+        "heap_in_use_free_kb_after_warmup": heap_warm, "heap_in_use_free_kb_end": s.heap_end,
         "peak_running": peak_running,
-        # every 10th sample: (s, RSS kB), (s, KV high-water slots), (s, running)
-        "series_rss_kb": [(round(t), kb) for t, kb in rss[::10]],
-        "series_kv_high_water": [(round(t), h) for t, h in s.hw[::5]],
-        "series_running": [(round(t), r) for t, r in s.running[::5]],
+        # every 10th sample: (s, RSS kB, KV pool kB in RAM), (s, running), (s, heap in use kB, free kB)
+        "series_rss_kv_kb": [(round(t), kb, kv) for t, kb, kv in rss[::10]],
+        "series_running": [(round(t), r) for t, r in s.running[::10]],
+        "series_heap_kb": [(round(t), *h) for (t, _, _), h in list(zip(rss, s.heap))[::10]],
         "failures": failures,
     }
     return report
@@ -498,15 +503,24 @@ def main(argv=None):
     p.add_argument("--threads", default="2", help="server --threads")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--report", help="write the JSON report here too")
+    p.add_argument("--bin", help="the lethe binary (default $LETHE_BIN or $LETHE_BUILD/lethe)")
+    p.add_argument("--leak-check", action="store_true",
+                   help="the binary is built with LeakSanitizer (make fuzz-build: build-fuzz/lethe): "
+                        "after a clean shutdown it must report no leak and no sanitizer error")
     p.add_argument("server_args", nargs="*", help="more `lethe serve` arguments (after --)")
     a = p.parse_args(argv)
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    env = {}
+    if a.leak_check:  # leaks and sanitizer errors at exit: exit code 23 and a report in the log
+        env = {"ASAN_OPTIONS": "detect_leaks=1:exitcode=23:abort_on_error=0",
+               "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
     srv = Server("--max-model-len", a.max_model_len, "--threads", a.threads, "--prefix-cache-mode", a.prefix_cache_mode,
                  "--max-connections-per-client", "64", "--max-queued-requests", str(max(1024, 2 * a.clients)),
-                 "--kv-cache-bytes", a.kv_cache_bytes, *a.server_args)
+                 "--kv-cache-bytes", a.kv_cache_bytes, *a.server_args, bin=a.bin, env=env,
+                 timeout=600 if a.leak_check else 120, stop_timeout=120 if a.leak_check else 10)
     try:
         s = Soak(a, srv.port, a.prefix_cache_mode == "chain")
         # "KV N slots per layer (shared rows" or "(per-layer rows": all slot spaces together
@@ -514,10 +528,6 @@ def main(argv=None):
         assert m, "no KV size in the server log"
         s.kv_slots = int(m.group(1)) * (1 if m.group(2) == "shared" else int(
             re.search(r"(\d+) layers, KV", srv.read_log()).group(1)))
-        # bytes of one slot (all layers' K and V): the budget / slots, when the budget sized the
-        # pool (not the max_num_seqs x max_model_len cap)
-        assert int(m.group(1)) < 256 * int(a.max_model_len), "--kv-cache-bytes must size the pool"
-        s.kv_slot_bytes = parse_size(a.kv_cache_bytes) // int(m.group(1))
         m0, m1, rss, rss_end, load_s = asyncio.run(s.run(srv.proc.pid))
         report = check(a, s, m0, m1, rss, rss_end, load_s)
         report["server_alive"] = srv.alive()
@@ -527,7 +537,14 @@ def main(argv=None):
         srv.stop()
         if srv.proc.returncode not in (0, None):
             print(srv.read_log()[-4000:], file=sys.stderr)
+        log = srv.read_log()
         srv.cleanup()
+    if a.leak_check:
+        report["exit_code"] = srv.proc.returncode
+        sanitizer = re.findall(r"ERROR: (?:LeakSanitizer|AddressSanitizer)[^\n]*|runtime error:[^\n]*", log)
+        report["sanitizer_reports"] = sanitizer[:10]
+        if srv.proc.returncode != 0 or sanitizer:
+            report["failures"].append(f"leak check: exit code {srv.proc.returncode}, {sanitizer[:3]}")
     text = json.dumps(report, indent=1)
     print(text)
     if a.report:
