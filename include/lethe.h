@@ -186,6 +186,13 @@ typedef struct lethe_engine_params {
     size_t kv_cache_bytes;      /* CPU KV budget; 0 = default (1 GiB) */
     float gpu_memory_utilization; /* CUDA: fraction of device memory, default 0.9 */
     bool enable_prefix_caching; /* default true */
+    /* Host-memory tier under the prefix cache (--host-cache-bytes): prefix
+     * blocks evicted from the KV pool (radix blocks, chains' shared prefixes)
+     * are demoted to at most this many bytes of host memory, least recently
+     * used out first, and restored on a later hit instead of recomputed
+     * (bit-identical). 0 = off (default). Needs prefix caching and a KV
+     * format whose payload is all in the slot planes (native). */
+    size_t host_cache_bytes;
     const char *sparse_method;  /* default "dense" */
     const char *sparse_config;  /* "knob=value,knob=value" (sink_keep_tokens, ...), may be NULL */
     bool check_invariants;      /* run the KV ownership checker after every step */
@@ -303,6 +310,12 @@ typedef struct lethe_engine_stats {
         kv_slots_resident; /* slots holding KV (requests and the prefix cache), summed over spaces */
     int64_t prune_jobs;    /* prune jobs committed */
     int64_t prune_freed_slots; /* slots per space they freed */
+    /* host tier (--host-cache-bytes; all 0 without it) */
+    int64_t host_cache_capacity_bytes, host_cache_used_bytes, host_cache_entries;
+    int64_t host_cache_demoted_blocks;  /* cumulative: blocks moved pool -> host */
+    int64_t host_cache_promoted_blocks; /* cumulative: blocks restored host -> pool on a hit */
+    int64_t host_cache_promoted_tokens; /* the prompt tokens they covered (not recomputed) */
+    int64_t host_cache_evicted;         /* cumulative: blobs dropped from the host (LRU) */
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */
@@ -369,6 +382,15 @@ typedef struct lethe_chain_params {
     bool append;                /* prompt = only the tokens appended to the chain's history */
     int32_t append_start;       /* chat: index of the first appended message (append mode) */
     int32_t n_messages;         /* chat: messages of the conversation (0 for token prompts) */
+    /* Branching: creating (or recreating) a chain, its first share_prefix_tokens
+     * prompt tokens (rounded down to whole 16-token blocks, and leaving the
+     * last prompt token) are a prefix shared with other chains: attached
+     * read-only from the cache when another chain computed it (held once,
+     * reference-counted), computed and published otherwise; positions inside
+     * it are protected, so the sparse method compacts only the chain's private
+     * continuation. 0: the chain owns all of its KV. Ignored on a resumed turn
+     * (the chain keeps its own shared prefix). */
+    int32_t share_prefix_tokens;
 } lethe_chain_params;
 
 typedef struct lethe_chain_result {
@@ -378,6 +400,7 @@ typedef struct lethe_chain_result {
     const char *status;         /* "created" | "resumed" | "recreated" */
     int32_t reused_tokens;      /* prompt tokens whose KV was resident */
     int32_t n_prompt;           /* full prompt of the turn */
+    int32_t shared_tokens;      /* the chain's shared prefix (0: not branching) */
 } lethe_chain_result;
 
 bool lethe_engine_chain_mode(const lethe_engine *e);
@@ -399,7 +422,12 @@ typedef struct lethe_engine_chain_stats {
     int32_t n_chains, n_active, n_idle, n_tombstones;
     int64_t n_created, n_resumed, n_recreated, n_reclaimed, n_invalidated, n_rejected, n_capacity_rejected;
     int64_t reused_tokens, prompt_tokens;   /* over admitted turns */
-    int64_t resident_slots;                 /* summed over slot spaces */
+    int64_t resident_slots;                 /* private slots, summed over slot spaces */
+    /* branching (lethe_chain_params.share_prefix_tokens) */
+    int32_t n_branched;                     /* chains with a shared prefix */
+    int32_t n_shared_prefixes;              /* distinct shared prefixes they hold */
+    int32_t shared_blocks;                  /* 16-token blocks cached for shared prefixes */
+    int64_t shared_hit_tokens;              /* prompt tokens attached from a shared prefix */
 } lethe_engine_chain_stats;
 /* All zero outside chain mode. */
 void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out);
@@ -409,8 +437,9 @@ typedef struct lethe_chain_summary {
     bool active;                /* a turn in progress */
     int32_t logical_tokens;     /* the chain's token history */
     int32_t processed_tokens;   /* history tokens whose KV was computed */
-    int32_t resident_tokens;    /* KV entries resident, max over slot spaces (<= processed) */
-    int64_t resident_slots;     /* summed over slot spaces */
+    int32_t resident_tokens;    /* private KV entries resident, max over slot spaces */
+    int64_t resident_slots;     /* private, summed over slot spaces */
+    int32_t shared_tokens;      /* its shared prefix (0: none), held once for all its sharers */
 } lethe_chain_summary;
 /* The chains, most recently used first (copies up to cap); returns how many
  * there are (0 outside chain mode). Any thread. */

@@ -49,6 +49,17 @@
 #           dense-radix, snapkv-nocache, snapkv-chain on one generated trace
 #           (8 agents x 8 turns, tool outputs 500-2000 words, concurrency 8).
 #           ~3 min. REPLAY_ARGS adds/overrides flags. -> $OUT/replay.json
+#           REPLAY_SET (comma list, default base) picks the runs, each its own
+#           command so each fits one device call:
+#             base    the run above;
+#             prune   8 agents x 24 turns: dense-radix vs dense-radix+prune
+#                     (lag 4, keep 0.2, snapkv_global) vs snapkv-chain
+#                     -> $OUT/replay-prune.json (~8 min);
+#             branch  32 agents with one shared ~4K-word system prompt, 4 turns:
+#                     snapkv-chain vs snapkv-chain+share (branching)
+#                     -> $OUT/replay-branch.json (~5 min);
+#             host    dense-radix with a KV cache of 0.2 x memory, without and
+#                     with --host-cache-bytes 64G -> $OUT/replay-host.json (~6 min).
 #   profile Nsight Compute (ncu --clock-control none; this GPU machine is a
 #           VM) on the decode attention kernels (v1 and v2, dev/cuda/attn_bench)
 #           at b8 x 32K, the prefill attention kernels at 8K, and one eager
@@ -227,16 +238,43 @@ if has replay; then
     t0=$(date +%s)
     tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
     [ -f "$tok/tokenizer.json" ] || echo "replay: no $tok/tokenizer.json (carry .deb with tokenizers/llama3)"
-    ./build/lethe bench replay --generate --agents 8 --min-turns 8 --max-turns 8 --system-tokens 1000 \
-        --task-tokens 500 --tool-min 500 --tool-max 2000 --out-min 20 --out-max 60 --max-wait 1 \
-        --max-context 30000 --seed 42 --concurrency 8 --model configs/llama-3.1-8b-instruct/config.json \
-        --configs dense-radix,snapkv-nocache,snapkv-chain \
-        --sparse-config sink_keep_tokens=64,recent_keep_tokens=512,decode_keep_tokens=1472 \
-        --serve-args "--load-format dummy --device cuda --tokenizer $tok --max-model-len 32768" \
-        ${REPLAY_ARGS:-} --result-json "$OUT/replay.json" 2>&1 | tee "$OUT/replay.log"
+    rset=",${REPLAY_SET:-base},"
+    gen8="--generate --agents 8 --task-tokens 500 --tool-min 500 --tool-max 2000 --out-min 20 --out-max 60 \
+        --max-wait 1 --seed 42 --concurrency 8 --model configs/llama-3.1-8b-instruct/config.json"
+    knobs="--sparse-config sink_keep_tokens=64,recent_keep_tokens=512,decode_keep_tokens=1472"
+    serve="--load-format dummy --device cuda --tokenizer $tok --max-model-len 32768"
+    if [ "${rset#*,base,}" != "$rset" ]; then
+        ./build/lethe bench replay $gen8 --min-turns 8 --max-turns 8 --system-tokens 1000 --max-context 30000 \
+            --configs dense-radix,snapkv-nocache,snapkv-chain $knobs --serve-args "$serve" \
+            ${REPLAY_ARGS:-} --result-json "$OUT/replay.json" 2>&1 | tee "$OUT/replay.log"
+        add_gpu "$OUT/replay.json"
+    fi
+    if [ "${rset#*,prune,}" != "$rset" ]; then # tool-result pruning at lag 4, keep 0.2
+        ./build/lethe bench replay $gen8 --min-turns 24 --max-turns 24 --system-tokens 1000 --max-context 30000 \
+            --configs dense-radix,dense-radix+prune,snapkv-chain --prune-lag 4 --prune-keep-ratio 0.2 \
+            $knobs --serve-args "$serve" ${REPLAY_ARGS:-} --result-json "$OUT/replay-prune.json" \
+            2>&1 | tee "$OUT/replay-prune.log"
+        add_gpu "$OUT/replay-prune.json"
+    fi
+    if [ "${rset#*,branch,}" != "$rset" ]; then # 32 agents, one ~4K-token system prompt
+        ./build/lethe bench replay --generate --agents 32 --concurrency 32 --min-turns 4 --max-turns 4 \
+            --system-tokens 4000 --shared-system --task-tokens 200 --tool-min 200 --tool-max 800 \
+            --out-min 20 --out-max 60 --max-wait 1 --seed 42 --model configs/llama-3.1-8b-instruct/config.json \
+            --configs snapkv-chain,snapkv-chain+share $knobs --serve-args "$serve" ${REPLAY_ARGS:-} \
+            --result-json "$OUT/replay-branch.json" 2>&1 | tee "$OUT/replay-branch.log"
+        add_gpu "$OUT/replay-branch.json"
+    fi
+    if [ "${rset#*,host,}" != "$rset" ]; then # KV cache of 0.2 x memory, host tier off / on
+        for h in 0 64G; do
+            ./build/lethe bench replay $gen8 --min-turns 12 --max-turns 12 --system-tokens 1000 \
+                --max-context 16000 --configs dense-radix \
+                --serve-args "$serve --gpu-memory-utilization 0.2 --host-cache-bytes $h" ${REPLAY_ARGS:-} \
+                --result-json "$OUT/replay-host-$h.json" 2>&1 | tee "$OUT/replay-host-$h.log"
+            add_gpu "$OUT/replay-host-$h.json"
+        done
+    fi
     cp /tmp/lethe-replay-*.log "$OUT/" 2>/dev/null
-    add_gpu "$OUT/replay.json"
-    log "replay: ($(( $(date +%s) - t0 ))s)"
+    log "replay: ${REPLAY_SET:-base} ($(( $(date +%s) - t0 ))s)"
 fi
 if has basecmp && [ -n "${base_pid:-}" ]; then
     wait "$base_pid"

@@ -22,7 +22,12 @@
  * again up to --retries times after a pause, and counted (turns_retried),
  * so a replica that dies mid-run loses no turn.
  *
- * --configs method-cache,... (cache = radix | chain | nocache) starts
+ * Branching, cache "chain+share" in --configs: a chain server where each
+ * agent's first turn (and a 410 retry) names its system prompt as a shared
+ * prefix (chain_share_messages = 1), so chains with the same system prompt
+ * (--shared-system: every generated agent gets the same one) hold it once.
+ *
+ * --configs method-cache,... (cache = radix | chain | chain+share | nocache) starts
  * `lethe serve` per configuration (this binary), waits for /health, replays,
  * stops it; without --configs one replay runs against --base-url.
  * Reported per configuration: end-to-end time, per-turn TTFT percentiles,
@@ -94,6 +99,7 @@ typedef struct rp_run {
     int32_t *n_forced;
     rp_turn_rec *recs;         /* [n_turns] */
     bool chain;
+    bool share; /* chain: a new chain shares its system prompt (chain_share_messages) */
     bool prune; /* the tool-result pruning client runs */
     pthread_mutex_t mu;
     int32_t next_agent;
@@ -430,6 +436,10 @@ static void replay_agent(rp_run *R, int32_t a) {
                     cJSON_AddNumberToObject(req, "chain_append_start", covered);
                 } else {
                     cJSON_AddNullToObject(req, "chain_id");
+                    const cJSON *m0 = cJSON_GetArrayItem(msgs, 0);
+                    const cJSON *role = m0 ? cJSON_GetObjectItemCaseSensitive(m0, "role") : NULL;
+                    if (R->share && cJSON_IsString(role) && !strcmp(role->valuestring, "system"))
+                        cJSON_AddNumberToObject(req, "chain_share_messages", 1);
                 }
             }
             char *body = cJSON_PrintUnformatted(req);
@@ -584,8 +594,8 @@ static void *sampler(void *arg) {
 
 /* one replay against a running server; adds a result object to arr */
 static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base, const char *label,
-                       bool chain, bool prune, cJSON *arr) {
-    rp_run R = {.o = o, .t = t, .chain = chain, .prune = prune};
+                       bool chain, bool share, bool prune, cJSON *arr) {
+    rp_run R = {.o = o, .t = t, .chain = chain, .share = share, .prune = prune};
     snprintf(R.base, sizeof(R.base), "%s", base);
     pthread_mutex_init(&R.mu, NULL);
     if (tokenize_outputs(&R) != 0) return -1;
@@ -626,7 +636,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     for (int32_t i = 0; i < nt; i++) mean += tt[i] / nt;
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "config", label);
-    cJSON_AddStringToObject(r, "client_mode", chain ? "chain" : prune ? "full+prune" : "full");
+    cJSON_AddStringToObject(r, "client_mode", chain ? (share ? "chain+share" : "chain") : prune ? "full+prune" : "full");
     cJSON_AddNumberToObject(r, "agents", t->n_agents);
     cJSON_AddNumberToObject(r, "turns", t->n_turns);
     cJSON_AddNumberToObject(r, "turns_ok", ok);
@@ -794,13 +804,16 @@ int lethe_bench_replay(int argc, char **argv) {
     ROW("--out-max", NULL, LETHE_OPT_INT, &o.gen.out_max, "N", "generator: longest assistant reply (words)", 1, 1 << 20);
     ROW("--max-wait", NULL, LETHE_OPT_FLOAT, &o.max_wait, "S", "generator: tool waits uniform in [0, S)", 0, 3600);
     ROW("--max-context", NULL, LETHE_OPT_INT, &o.gen.max_context, "N", "generator: end an agent before its context exceeds N tokens (0 = off)", 0, 1 << 24);
+    ROW("--shared-system", NULL, LETHE_OPT_BOOL, &o.gen.shared_system, NULL,
+        "generator: every agent gets the same system prompt", 1, 0);
     ROW("--seed", NULL, LETHE_OPT_U64, &o.seed, "N", "trace and text seed", 1, 0);
     ROW("--wait-scale", NULL, LETHE_OPT_FLOAT, &o.wait_scale, "F", "multiply tool waits (0 = none)", 0, 1000);
     ROW("--concurrency", NULL, LETHE_OPT_INT, &o.concurrency, "N", "agents in flight (0 = all)", 0, 100000);
     ROW("--base-url", NULL, LETHE_OPT_STR, &o.base_url, "URL", "server to replay against (without --configs)", 1, 0);
     ROW("--mode", NULL, LETHE_OPT_STR, &o.mode, "chain|full", "client mode against --base-url", 1, 0);
     ROW("--configs", NULL, LETHE_OPT_STR, &o.configs, "M-C,...",
-        "start `lethe serve` per config: method-cache, cache = radix | chain | nocache "
+        "start `lethe serve` per config: method-cache, cache = radix | radix+prune | chain | "
+        "chain+share (branching from the system prompt) | nocache "
         "(e.g. dense-radix,snapkv-nocache,snapkv-chain)", 1, 0);
     ROW("--model", NULL, LETHE_OPT_STR, &o.model, "PATH", "model for the servers --configs starts", 1, 0);
     ROW("--sparse-config", NULL, LETHE_OPT_STR, &o.sparse_config, "K=V,...", "sparse knobs for non-dense configs", 1, 0);
@@ -884,6 +897,7 @@ int lethe_bench_replay(int argc, char **argv) {
     cJSON_AddStringToObject(tr, "source", o.trace_path ? o.trace_path : "generated");
     cJSON_AddNumberToObject(tr, "agents", t.n_agents);
     cJSON_AddNumberToObject(tr, "turns", t.n_turns);
+    cJSON_AddBoolToObject(tr, "shared_system", t.shared_system);
     cJSON_AddNumberToObject(tr, "longest_context_tokens", (double)ctx_max);
     cJSON_AddNumberToObject(tr, "seed", (double)o.seed);
     if (o.generate) {
@@ -910,8 +924,8 @@ int lethe_bench_replay(int argc, char **argv) {
                 fprintf(stderr, "lethe bench replay: --prune needs --mode full (a radix server)\n");
                 rc = 2;
             } else {
-                rc = replay_once(&o, &t, o.base_url, o.mode, !strcmp(o.mode, "chain"), prune_flag,
-                                 arr) < 0
+                rc = replay_once(&o, &t, o.base_url, o.mode, !strcmp(o.mode, "chain"), false,
+                                 prune_flag, arr) < 0
                          ? 2
                          : rc;
             }
@@ -927,17 +941,19 @@ int lethe_bench_replay(int argc, char **argv) {
         for (char *save = NULL, *c = rc ? NULL : strtok_r(list, ",", &save); c; c = strtok_r(NULL, ",", &save)) {
             char *dash = strrchr(c, '-');
             if (!dash || (strcmp(dash + 1, "radix") && strcmp(dash + 1, "chain") &&
-                          strcmp(dash + 1, "nocache") && strcmp(dash + 1, "radix+prune"))) {
+                          strcmp(dash + 1, "nocache") && strcmp(dash + 1, "radix+prune") &&
+                          strcmp(dash + 1, "chain+share"))) {
                 fprintf(stderr,
                         "lethe bench replay: --configs entry '%s': expected "
-                        "METHOD-radix|radix+prune|chain|nocache\n",
+                        "METHOD-radix|radix+prune|chain|chain+share|nocache\n",
                         c);
                 rc = 2;
                 break;
             }
             *dash = 0;
             const bool prune = !strcmp(dash + 1, "radix+prune");
-            const char *method = c, *cache = prune ? "radix" : dash + 1;
+            const bool share = !strcmp(dash + 1, "chain+share");
+            const char *method = c, *cache = prune ? "radix" : share ? "chain" : dash + 1;
             char label[96];
             snprintf(label, sizeof(label), "%s-%s", method, dash + 1);
             pid_t pid = start_server(&o, method, cache);
@@ -947,7 +963,7 @@ int lethe_bench_replay(int argc, char **argv) {
                 rc = 2;
                 break;
             }
-            int r = replay_once(&o, &t, base, label, !strcmp(cache, "chain"), prune, arr);
+            int r = replay_once(&o, &t, base, label, !strcmp(cache, "chain"), share, prune, arr);
             stop_server(pid);
             if (r < 0) { rc = 2; break; }
             if (r > 0) rc = 1;

@@ -628,6 +628,15 @@ typedef struct lethe_backend_ops {
      * backend keeps the blocks and computes on them (cpu/qmatmul.c); kept
      * last in the table, CUDA leaves it NULL and dequantizes on upload. */
     lethe_status (*weight_upload_raw)(lethe_backend *be, const lethe_weight_raw *w, void **out);
+    /* ---- rows of backend buffers to / from the host (the host KV tier,
+     * kv/kv_host.c; CPU twin backend/cpu/transfer.c, CUDA backend/cuda/transfer.cu) ----
+     * rows_to_host: host[i * row_bytes ..+ row_bytes) = buf[rows[i] * row_bytes ..) for
+     * i < n; rows_from_host: the reverse. rows: host int32 array; raw bytes (any
+     * payload plane); synchronous: host may be reused when the call returns. */
+    void (*rows_to_host)(lethe_backend *be, void *host, const void *buf, size_t row_bytes,
+                         const int32_t *rows, int32_t n);
+    void (*rows_from_host)(lethe_backend *be, void *buf, size_t row_bytes, const int32_t *rows,
+                           int32_t n, const void *host);
 } lethe_backend_ops;
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */

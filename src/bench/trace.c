@@ -238,6 +238,7 @@ lethe_status lethe_trace_generate(const lethe_trace_gen_params *p, lethe_trace *
         return lethe_errorf(LETHE_ERR_INVALID, "trace generator: need agents >= 1, 1 <= min-turns <= max-turns, "
                             "1 <= tool-min <= tool-max, 1 <= out-min <= out-max, task-tokens >= 1, wait >= 0");
     uint64_t s = p->seed ^ 0x7ace7ace7ace7aceull;
+    out->shared_system = p->shared_system;
     for (int32_t a = 0; a < p->n_agents; a++) {
         char name[32];
         snprintf(name, sizeof(name), "agent-%03d", a);
@@ -287,7 +288,6 @@ char *lethe_trace_words(uint64_t seed, int32_t agent, int32_t turn, int32_t salt
 
 lethe_trace_msg *lethe_trace_turn_messages(const lethe_trace *t, const lethe_trace_turn *u, uint64_t seed,
                                            int32_t *n) {
-    (void)t;
     *n = 0;
     lethe_trace_msg *out = lethe_xcalloc((size_t)LETHE_MAX(u->n_msgs, 2), sizeof(*out));
     if (u->n_msgs > 0) {
@@ -299,7 +299,9 @@ lethe_trace_msg *lethe_trace_turn_messages(const lethe_trace *t, const lethe_tra
         return out;
     }
     if (u->system_tokens > 0) {
-        char *w = lethe_trace_words(seed, u->agent, u->turn, 1, u->system_tokens);
+        /* a shared system prompt: the words of no agent in particular */
+        char *w = t->shared_system ? lethe_trace_words(seed, -1, 0, 1, u->system_tokens)
+                                   : lethe_trace_words(seed, u->agent, u->turn, 1, u->system_tokens);
         out[*n].role = lethe_xstrdup("system");
         out[*n].content = w;
         (*n)++;

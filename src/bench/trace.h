@@ -51,6 +51,7 @@ typedef struct lethe_trace {
     char **agent_names;
     int32_t n_agents;
     int32_t *agent_first;      /* [n_agents + 1]: turns of agent a are [first[a], first[a+1]) */
+    bool shared_system;        /* count form: every agent's system prompt is the same words */
 } lethe_trace;
 
 lethe_status lethe_trace_load(const char *path, lethe_trace *out);
@@ -67,6 +68,7 @@ typedef struct lethe_trace_gen_params {
     double max_wait_s;         /* 2.0 */
     int32_t max_context;       /* 0 = unbounded; else stop an agent before exceeding it */
     uint64_t seed;
+    bool shared_system;        /* one system prompt for all agents (branching chains share it) */
 } lethe_trace_gen_params;
 
 void lethe_trace_gen_default(lethe_trace_gen_params *p);

@@ -8,8 +8,10 @@
  * Tombstones are a FIFO ring of ids: the oldest is forgotten first.
  *
  * Capacity usage per slot space = sum over IDLE chains of resident slots +
- * sum over ACTIVE chains of their reservation; a chain's reservation is
- * resident + (suffix tokens + gen_peak), capped by the space size. */
+ * sum over ACTIVE chains of their reservation + each distinct shared prefix
+ * once (branching chains: digest and length equal); a chain's reservation is
+ * resident + (suffix tokens + gen_peak), capped by the space size, and its
+ * resident and reserved slots leave out its shared prefix. */
 #include "cache/chain.h"
 
 #include <errno.h>
@@ -36,6 +38,8 @@ typedef struct chain_rec {
     int32_t *reserved;         /* [n_spaces] ACTIVE: planned peak (incl. resident) */
     uint64_t last_access;
     int32_t n_messages, pending_messages;
+    int32_t share;             /* shared prefix tokens (0: none) */
+    uint8_t share_digest[LETHE_CHAIN_FP_BYTES]; /* of tokens [0, share) */
     void *payload;             /* IDLE: resident KV handle */
 } chain_rec;
 
@@ -237,14 +241,29 @@ static chain_rec *rec_new(lethe_chain_table *t) {
     return r;
 }
 
-/* usage[sp] of every chain except `self` */
+static bool same_share(const chain_rec *a, int32_t share, const uint8_t *digest) {
+    return a->share == share && share > 0 && !memcmp(a->share_digest, digest, LETHE_CHAIN_FP_BYTES);
+}
+
+/* whether a chain other than `self` before index `before` (all: n_recs)
+ * holds this shared prefix */
+static bool share_held(const lethe_chain_table *t, const chain_rec *self, int32_t before,
+                       int32_t share, const uint8_t *digest) {
+    for (int32_t i = 0; i < before; i++)
+        if (t->recs[i] != self && same_share(t->recs[i], share, digest)) return true;
+    return false;
+}
+
+/* usage[sp] of every chain except `self`: their private slots, and each
+ * distinct shared prefix they hold once */
 static void usage_without(lethe_chain_table *t, const chain_rec *self) {
     memset(t->usage, 0, (size_t)t->p.n_spaces * sizeof(int64_t));
     for (int32_t i = 0; i < t->n_recs; i++) {
         const chain_rec *r = t->recs[i];
         if (r == self) continue;
         const int32_t *u = r->state == LETHE_CHAIN_ACTIVE ? r->reserved : r->resident;
-        for (int32_t sp = 0; sp < t->p.n_spaces; sp++) t->usage[sp] += u[sp];
+        int32_t sh = r->share > 0 && !share_held(t, self, i, r->share, r->share_digest) ? r->share : 0;
+        for (int32_t sp = 0; sp < t->p.n_spaces; sp++) t->usage[sp] += u[sp] + sh;
     }
 }
 
@@ -395,14 +414,29 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
         reject(t, out, LETHE_CHAIN_BAD_REQUEST, "prompt of %s tokens does not fit max_model_len", msg);
         goto done;
     }
-    /* capacity: this chain's peak per space */
+    /* the shared prefix: a resumed chain keeps its own, a new one takes whole
+     * blocks of what it asked for, leaving at least the last prompt token */
+    int32_t share = 0;
+    uint8_t share_digest[LETHE_CHAIN_FP_BYTES] = {0};
+    if (status == LETHE_CHAIN_RESUMED) {
+        share = r->share;
+        memcpy(share_digest, r->share_digest, sizeof(share_digest));
+    } else if (a->share_tokens > 0) {
+        int32_t blk = LETHE_MAX(t->p.share_block, 1);
+        share = LETHE_MIN(a->share_tokens / blk, (n_full - 1) / blk) * blk;
+        if (share > 0) lethe_chain_digest(full, share, share_digest);
+    }
+    /* capacity: this chain's peak per space; private = without the shared
+     * prefix, which counts only when no other chain holds it already */
     int32_t *need = lethe_xmalloc((size_t)t->p.n_spaces * sizeof(int32_t));
     int64_t gen = LETHE_MAX(a->gen_peak, 0);
     if (a->max_len > 0) gen = LETHE_MIN(gen, (int64_t)a->max_len - n_full);
-    int64_t extra = (int64_t)(n_full - reused) + gen;
+    int64_t extra = (int64_t)(n_full - LETHE_MAX(reused, share)) + gen;
+    int32_t own_share =
+        share > 0 && !share_held(t, r, t->n_recs, share, share_digest) ? share : 0;
     for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
         int64_t base = status == LETHE_CHAIN_RESUMED ? r->resident[sp] : 0;
-        need[sp] = (int32_t)LETHE_MIN(base + extra, (int64_t)t->p.slots_per_space + 1);
+        need[sp] = (int32_t)LETHE_MIN(base + extra + own_share, (int64_t)t->p.slots_per_space + 1);
     }
     int32_t k = make_room(t, r, need);
     if (k < 0) {
@@ -434,8 +468,10 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     } else {
         t->st.n_resumed++;
     }
-    memcpy(r->reserved, need, (size_t)t->p.n_spaces * sizeof(int32_t));
+    for (int32_t sp = 0; sp < t->p.n_spaces; sp++) r->reserved[sp] = need[sp] - own_share;
     free(need);
+    r->share = share;
+    memcpy(r->share_digest, share_digest, sizeof(share_digest));
     r->state = LETHE_CHAIN_ACTIVE;
     r->last_access = ++t->clock;
     r->pending_messages = a->n_messages > 0 ? a->n_messages + 1 : 0;
@@ -447,6 +483,7 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     out->reused = reused;
     out->tokens = full;
     out->n_tokens = n_full;
+    out->shared = share;
     full = NULL; /* a resumed chain's payload stays in the record until lethe_chain_take_payload */
 done:
     free(full);
@@ -567,6 +604,7 @@ static void rec_info(const lethe_chain_table *t, const chain_rec *r, lethe_chain
         out->resident_max = LETHE_MAX(out->resident_max, r->resident[sp]);
     }
     memcpy(out->digest, r->digest, sizeof(out->digest));
+    out->shared = r->share;
 }
 
 lethe_chain_code lethe_chain_lookup(lethe_chain_table *t, const char *id, lethe_chain_info *out) {
@@ -624,6 +662,13 @@ void lethe_chain_get_stats(lethe_chain_table *t, lethe_chain_stats *out) {
         for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
             out->resident_slots += r->resident[sp];
             out->reserved_slots += r->state == LETHE_CHAIN_ACTIVE ? r->reserved[sp] : r->resident[sp];
+        }
+        if (r->share > 0) {
+            out->n_branched++;
+            if (!share_held(t, NULL, i, r->share, r->share_digest)) {
+                out->n_shared_prefixes++;
+                out->shared_slots += (int64_t)r->share * t->p.n_spaces;
+            }
         }
     }
     pthread_mutex_unlock(&t->mu);

@@ -23,7 +23,10 @@
  * order (logical clock, no ties); ACTIVE chains never; if even reclaiming
  * every IDLE chain is not enough the turn fails with CAPACITY and nothing
  * is reclaimed. Reclaimed or invalidated ids are remembered in a bounded
- * FIFO of tombstones so later requests get GONE, not NOT_FOUND.
+ * FIFO of tombstones so later requests get GONE, not NOT_FOUND. A branching
+ * chain's shared prefix (begin_args.share_tokens) is not part of its
+ * resident or reserved slots: each distinct shared prefix counts once, while
+ * any chain holds it.
  *
  * All functions are thread-safe (one mutex): the server thread begins turns,
  * the engine thread finishes them. The prefix-cache seam (prefix_cache.h)
@@ -59,6 +62,7 @@ typedef struct lethe_chain_table_params {
     int32_t n_spaces;          /* slot spaces of the KV pool (1 shared or n_layers) */
     int32_t slots_per_space;
     int32_t max_tombstones;    /* 0 = LETHE_CHAIN_DEFAULT_TOMBSTONES */
+    int32_t share_block;       /* shared prefixes are whole blocks of this many tokens (0 = 1) */
 } lethe_chain_table_params;
 
 typedef struct lethe_chain_table lethe_chain_table;
@@ -103,6 +107,13 @@ typedef struct lethe_chain_begin_args {
      * chain already covers (its last one being the assistant response) */
     int32_t n_messages;
     int32_t append_start;
+    /* creating (or recreating) a chain: its first share_tokens prompt tokens
+     * (rounded down to whole share_block blocks, at most up to the last whole
+     * block before the prompt's last token) are a prefix it shares with other
+     * chains (branching): counted once per distinct prefix in the capacity
+     * plan, not in the chain's own resident/reserved slots. Ignored when the
+     * turn resumes a chain (it keeps its own). */
+    int32_t share_tokens;
 } lethe_chain_begin_args;
 
 typedef struct lethe_chain_turn {
@@ -114,6 +125,7 @@ typedef struct lethe_chain_turn {
     int32_t *tokens;           /* full prompt of the turn (malloc'd; caller frees) */
     int32_t n_tokens;
     int32_t n_reclaimed;       /* IDLE chains reclaimed to make room */
+    int32_t shared;            /* the chain's shared prefix (tokens; 0: none) */
 } lethe_chain_turn;
 
 /* Admission of a turn (lookup, state, fingerprint, digest, capacity with LRU
@@ -137,8 +149,10 @@ void lethe_chain_for_each_payload(lethe_chain_table *t, void (*visit)(void *ctx,
 
 /* End of a successful turn: history = the request's tokens (prompt +
  * generated), processed = tokens with KV (n_tokens - 1: the last sampled
- * token has none), resident = slots per space now held, payload = the KV
- * handle (NULL: nothing resident, the next turn recomputes from 0). */
+ * token has none), resident = slots per space now held (its private part:
+ * a shared prefix is counted once for all the chains that share it),
+ * payload = the KV handle (NULL: nothing resident, the next turn recomputes
+ * from 0). */
 void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tokens, int32_t n_tokens,
                         int32_t processed, const int32_t *resident, void *payload);
 
@@ -160,8 +174,9 @@ typedef struct lethe_chain_info {
     int32_t n_history;         /* logical token history length */
     int32_t n_messages;        /* chat messages covered (incl. the last response) */
     uint64_t last_access;      /* logical LRU clock */
-    int64_t resident_total;    /* resident slots summed over spaces */
+    int64_t resident_total;    /* resident private slots summed over spaces */
     int32_t resident_max;      /* max over spaces */
+    int32_t shared;            /* tokens of its shared prefix (0: none) */
     uint8_t digest[LETHE_CHAIN_FP_BYTES];
 } lethe_chain_info;
 
@@ -187,6 +202,9 @@ typedef struct lethe_chain_stats {
     int64_t reused_tokens, prompt_tokens; /* summed over admitted turns */
     int64_t resident_slots;    /* IDLE + ACTIVE resident, summed over spaces */
     int64_t reserved_slots;    /* usage incl. ACTIVE reservations, summed over spaces */
+    int32_t n_branched;        /* chains with a shared prefix */
+    int32_t n_shared_prefixes; /* distinct shared prefixes they hold */
+    int64_t shared_slots;      /* slots of those prefixes, counted once, summed over spaces */
 } lethe_chain_stats;
 void lethe_chain_get_stats(lethe_chain_table *t, lethe_chain_stats *out);
 

@@ -27,35 +27,85 @@
  *                            freed at once.
  *   release PREEMPTED        nothing: the request loses its row like any other
  *                            and recomputes its whole prompt; the chain then
- *                            continues from the recomputed KV. */
+ *                            continues from the recomputed KV.
+ *
+ * Branching (a chain created with a shared prefix of S tokens, whole 16-token
+ * blocks): the cache keeps a radix tree (radix.c) of shared prefixes beside
+ * the table. The row of such a chain is [shared prefix | private
+ * continuation]: a new turn attaches the longest cached part of [0, S) from
+ * the tree read-only (request references on its blocks, slots shared by
+ * every chain that attached them), computes the rest, and commit publishes
+ * each block of [0, S) the row completes. Positions [0, S) are protected in
+ * the row (kv_protect.c), so every eviction method compacts only the private
+ * part and the shared slots are never dropped from under the other chains;
+ * the KV of [0, S) is therefore the exact prefill of those tokens whichever
+ * chain computed it. The chain holds its block references while it lives
+ * (in the payload when IDLE, in its request's record when ACTIVE), so no
+ * shared block is evicted under a chain; unreferenced shared blocks are
+ * reclaimable and evicted LRU like radix blocks. The table counts a shared
+ * prefix once (chain.c) and each chain's private slots only. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cache/prefix_cache.h"
+#include "cache/radix.h"
 #include "core/util.h"
+
+/* shared-prefix blocks a chain holds request references on: [0, 16 n) */
+typedef struct chain_blocks {
+    lethe_radix_block **b;
+    int32_t n, cap;
+} chain_blocks;
 
 typedef struct chain_kv {
     int32_t row;
     void *state;
+    chain_blocks shared;
 } chain_kv;
 
 typedef struct chain_ref {
     char id[LETHE_CHAIN_ID_CAP];
     int32_t reused; /* tokens with resident KV at the turn's start */
+    int32_t share;  /* shared prefix tokens (0: not branching) */
     bool admitted;  /* admitted once: a readmission (after preemption) recomputes */
+    chain_blocks shared; /* held while the turn runs */
 } chain_ref;
 
 typedef struct chain_cache {
     lethe_prefix_cache base; /* must stay first */
     lethe_chain_table *t;
     uint8_t fp[LETHE_CHAIN_FP_BYTES];
+    lethe_radix *tree;  /* shared prefixes of branching chains */
+    int64_t refs_held;  /* request references on tree blocks held by chains (the checker) */
+    int64_t shared_hit_tokens; /* prompt tokens attached from shared prefixes */
+    /* the last match, for the acquire that follows it: n_match shared blocks
+     * in the pool, then n_host in the host tier */
+    lethe_radix_block **match;
+    int32_t n_match, n_host, cap_match;
+    uint64_t match_id;
 } chain_cache;
 
 static chain_cache *cc_of(lethe_prefix_cache *pc) { return (chain_cache *)pc; }
 
+static void blocks_push(chain_blocks *cb, lethe_radix_block *b) {
+    if (cb->n == cb->cap) {
+        cb->cap = cb->cap ? 2 * cb->cap : 16;
+        cb->b = lethe_xrealloc(cb->b, (size_t)cb->cap * sizeof(*cb->b));
+    }
+    cb->b[cb->n++] = b;
+}
+
+static void blocks_drop(chain_cache *cc, chain_blocks *cb) {
+    if (cb->n > 0) lethe_radix_release(cc->tree, cb->b, cb->n);
+    cc->refs_held -= cb->n;
+    free(cb->b);
+    *cb = (chain_blocks){0};
+}
+
 static void kv_free(chain_cache *cc, chain_kv *k) {
     if (!k) return;
+    blocks_drop(cc, &k->shared);
     if (k->row >= 0) lethe_kv_row_release(cc->base.pool, k->row);
     if (k->state) {
         LETHE_ASSERT(cc->base.release_state);
@@ -74,23 +124,77 @@ static int32_t row_resident(const lethe_kv_pool *pool, int32_t row) {
 static void cc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_match *out) {
     chain_cache *cc = cc_of(pc);
     const chain_ref *c = *s->ref;
+    cc->n_match = cc->n_host = 0;
+    cc->match_id = s->id;
     const chain_kv *k = c && !c->admitted ? lethe_chain_turn_payload(cc->t, c->id) : NULL;
-    if (!k) return; /* a new, recreated or readmitted turn computes from 0 */
-    out->tokens = c->reused;
-    out->resident = row_resident(pc->pool, k->row);
-    out->resume = true;
+    if (k) { /* a resumed turn: its row, shared prefix included */
+        out->tokens = c->reused;
+        out->resident = row_resident(pc->pool, k->row);
+        out->resume = true;
+        return;
+    }
+    if (!c || c->share <= 0) return; /* a new, recreated or readmitted turn computes from 0 */
+    /* branching: the cached part of the shared prefix */
+    int32_t max_blocks = c->share / LETHE_RADIX_BLOCK;
+    if (max_blocks > cc->cap_match) {
+        cc->cap_match = LETHE_MAX(max_blocks, 2 * cc->cap_match);
+        cc->match = lethe_xrealloc(cc->match, (size_t)cc->cap_match * sizeof(*cc->match));
+    }
+    cc->n_match = lethe_radix_match(cc->tree, s->tokens, s->n_tokens, cc->match, max_blocks);
+    int32_t host_res = 0; /* demoted shared blocks: restored by acquire */
+    cc->n_host = lethe_radix_match_host(cc->tree, s->tokens, s->n_tokens, cc->match, cc->n_match,
+                                        max_blocks, &host_res);
+    out->tokens = out->resident = (cc->n_match + cc->n_host) * LETHE_RADIX_BLOCK;
+    out->pinned = lethe_radix_unreferenced_slots(cc->match, cc->n_match) + host_res;
+    out->queried = c->share;
 }
 
 static void cc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m) {
+    chain_cache *cc = cc_of(pc);
     chain_ref *c = *s->ref;
     if (c) c->admitted = true;
-    if (!m->resume) return;
+    if (!m->resume) {
+        if (!c || c->share <= 0) return;
+        LETHE_ASSERT(cc->match_id == s->id &&
+                     m->tokens == (cc->n_match + cc->n_host) * LETHE_RADIX_BLOCK && c->shared.n == 0);
+        if (cc->n_host > 0) {
+            int32_t got = lethe_radix_promote(cc->tree, s->tokens, cc->match, cc->n_match, cc->n_host);
+            LETHE_ASSERT(got == cc->n_host);
+            cc->n_match += got;
+            cc->n_host = 0;
+        }
+        lethe_radix_acquire(cc->tree, cc->match, cc->n_match, *s->row);
+        for (int32_t i = 0; i < cc->n_match; i++) blocks_push(&c->shared, cc->match[i]);
+        cc->refs_held += cc->n_match;
+        cc->shared_hit_tokens += m->tokens;
+        /* the shared part is never compacted: every method keeps protected positions */
+        const int32_t range[2] = {0, c->share};
+        lethe_kv_row_protect(pc->pool, *s->row, range, 1);
+        return;
+    }
     LETHE_ASSERT(c && *s->row < 0 && !*s->method_state);
-    chain_kv *k = lethe_chain_take_payload(cc_of(pc)->t, c->id);
+    chain_kv *k = lethe_chain_take_payload(cc->t, c->id);
     LETHE_ASSERT(k);
     *s->row = k->row;
     *s->method_state = k->state;
+    LETHE_ASSERT(c->shared.n == 0);
+    c->shared = k->shared; /* the references ride with the turn */
     free(k);
+}
+
+/* publishes the blocks of the shared prefix the row has completed */
+static void cc_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
+    chain_cache *cc = cc_of(pc);
+    chain_ref *c = *s->ref;
+    if (!c || c->share <= 0) return;
+    const int32_t limit = LETHE_MIN(s->n_computed, c->share);
+    for (int32_t n = c->shared.n; (n + 1) * LETHE_RADIX_BLOCK <= limit; n = c->shared.n) {
+        /* [0, share) is protected and uncompacted: row entry == position */
+        lethe_radix_block *parent = n ? c->shared.b[n - 1] : NULL;
+        blocks_push(&c->shared, lethe_radix_insert(cc->tree, parent, s->tokens + n * LETHE_RADIX_BLOCK,
+                                                   *s->row, n * LETHE_RADIX_BLOCK));
+        cc->refs_held++;
+    }
 }
 
 static void cc_drain(lethe_prefix_cache *pc) {
@@ -106,15 +210,22 @@ static void cc_drain(lethe_prefix_cache *pc) {
 static void cc_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how) {
     chain_cache *cc = cc_of(pc);
     chain_ref *c = *s->ref;
-    if (!c || how == LETHE_PC_END_PREEMPTED) return;
+    if (!c) return;
+    if (how == LETHE_PC_END_PREEMPTED) { /* the row goes; a readmission attaches the prefix again */
+        blocks_drop(cc, &c->shared);
+        return;
+    }
     chain_kv *k = NULL;
     if (*s->row >= 0) { /* running: detach the row and state before the scheduler frees them */
-        k = lethe_xmalloc(sizeof(*k));
+        k = lethe_xcalloc(1, sizeof(*k));
         k->row = *s->row;
         k->state = *s->method_state;
+        k->shared = c->shared;
+        c->shared = (chain_blocks){0};
         *s->row = -1;
         *s->method_state = NULL;
     }
+    blocks_drop(cc, &c->shared); /* (none left when a row was kept) */
     if (how == LETHE_PC_END_FAILED) { /* on the engine thread: the KV goes now */
         lethe_chain_abandon(cc->t, c->id, NULL);
         kv_free(cc, k);
@@ -122,9 +233,10 @@ static void cc_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_e
     } else {
         int32_t n_sp = lethe_kv_n_spaces(pc->pool);
         int32_t *resident = lethe_xcalloc((size_t)n_sp, sizeof(int32_t));
+        /* private slots only: the shared prefix [0, share) is counted once by the table */
         if (k)
             for (int32_t sp = 0; sp < n_sp; sp++)
-                resident[sp] = lethe_kv_row_len(pc->pool, sp, k->row);
+                resident[sp] = LETHE_MAX(0, lethe_kv_row_len(pc->pool, sp, k->row) - c->share);
         LETHE_ASSERT(s->n_computed <= s->n_tokens);
         lethe_chain_finish(cc->t, c->id, s->tokens, s->n_tokens, k ? s->n_computed : 0, resident,
                            k);
@@ -144,11 +256,13 @@ static void cc_begin_turn(lethe_prefix_cache *pc, const lethe_chain_begin_args *
     chain_ref *c = lethe_xcalloc(1, sizeof(*c));
     snprintf(c->id, sizeof(c->id), "%s", out->id);
     c->reused = out->reused;
+    c->share = out->shared;
     *ref = c;
 }
 
 static void cc_cancel_turn(lethe_prefix_cache *pc, void *ref) {
     chain_ref *c = ref;
+    LETHE_ASSERT(c->shared.n == 0); /* never admitted */
     lethe_chain_abandon(cc_of(pc)->t, c->id, NULL); /* an untaken payload is queued for drain */
     free(c);
 }
@@ -183,7 +297,25 @@ static lethe_status cc_control(lethe_prefix_cache *pc, lethe_pc_ctl *c) {
 }
 
 static void cc_stats(lethe_prefix_cache *pc, lethe_pc_stats *out) {
-    lethe_chain_get_stats(cc_of(pc)->t, &out->chain);
+    chain_cache *cc = cc_of(pc);
+    lethe_chain_get_stats(cc->t, &out->chain);
+    out->shared_blocks = lethe_radix_n_blocks(cc->tree);
+    out->shared_hit_tokens = cc->shared_hit_tokens;
+    lethe_radix_host_counts(cc->tree, &out->host_demoted, &out->host_promoted,
+                            &out->host_promoted_tokens);
+}
+
+static int64_t cc_reclaimable(const lethe_prefix_cache *pc) {
+    return lethe_radix_reclaimable(((const chain_cache *)pc)->tree);
+}
+
+static void cc_evict(lethe_prefix_cache *pc, int64_t want_free) {
+    lethe_radix_evict(cc_of(pc)->tree, (int32_t)LETHE_MIN(want_free, (int64_t)INT32_MAX));
+}
+
+static void cc_holder_for_each(void *pc, void (*visit)(void *, int32_t, int32_t), void *vctx) {
+    lethe_kv_holder h = lethe_radix_holder(cc_of(pc)->tree);
+    h.for_each(h.ctx, visit, vctx);
 }
 
 static int32_t cc_rows_held(lethe_prefix_cache *pc) {
@@ -195,11 +327,13 @@ typedef struct check_ctx {
     uint8_t *seen; /* [max_rows] */
     int32_t bad_row;
     const char *why;
+    int64_t payload_refs; /* shared-block references held by payloads */
 } check_ctx;
 
 static void check_payload(void *vctx, void *payload) {
     check_ctx *x = vctx;
     const chain_kv *k = payload;
+    x->payload_refs += k->shared.n;
     if (x->why) return;
     if (k->row < 0 || k->row >= lethe_kv_max_rows(x->pool) || !lethe_kv_row_in_use(x->pool, k->row))
         x->why = "is not a KV row in use";
@@ -207,15 +341,31 @@ static void check_payload(void *vctx, void *payload) {
     x->bad_row = k->row;
 }
 
+static void sum_refs(void *ctx, const lethe_radix_block *b) {
+    *(int64_t *)ctx += lethe_radix_block_req_refs(b);
+}
+
 /* every payload owns a distinct live row (the engine checks that rows in use
- * = running requests + rows_held, and the pool recounts the slots) */
+ * = running requests + rows_held, and the pool recounts the slots, shared
+ * prefix slots through the holder); the shared tree is consistent and its
+ * request references are exactly the ones chains hold */
 static lethe_status cc_check(lethe_prefix_cache *pc) {
+    chain_cache *cc = cc_of(pc);
     check_ctx x = {.pool = pc->pool, .seen = lethe_xcalloc((size_t)lethe_kv_max_rows(pc->pool), 1)};
-    lethe_chain_for_each_payload(cc_of(pc)->t, check_payload, &x);
+    lethe_chain_for_each_payload(cc->t, check_payload, &x);
     free(x.seen);
     if (x.why)
         return lethe_errorf(LETHE_ERR_INVALID, "chain cache check: a payload's row %d %s",
                             x.bad_row, x.why);
+    lethe_status st = lethe_radix_check(cc->tree);
+    if (st != LETHE_OK) return st;
+    int64_t refs = 0;
+    lethe_radix_for_each_block(cc->tree, sum_refs, &refs);
+    if (refs != cc->refs_held || x.payload_refs > cc->refs_held)
+        return lethe_errorf(LETHE_ERR_INVALID,
+                            "chain cache check: shared blocks carry %lld request references, chains "
+                            "hold %lld (%lld in idle payloads)",
+                            (long long)refs, (long long)cc->refs_held, (long long)x.payload_refs);
     return LETHE_OK;
 }
 
@@ -228,6 +378,9 @@ static void cc_destroy(lethe_prefix_cache *pc) {
         for (int32_t i = 0; i < n; i++) kv_free(cc, buf[i]);
     } while (n == 64);
     lethe_chain_destroy(cc->t);
+    LETHE_ASSERT(cc->refs_held == 0);
+    lethe_radix_destroy(cc->tree);
+    free(cc->match);
     free(cc);
 }
 
@@ -235,12 +388,16 @@ static const lethe_prefix_cache_ops chain_ops = {
     .name = "chain",
     .match = cc_match,
     .acquire = cc_acquire,
+    .commit = cc_commit,
     .release = cc_release,
+    .reclaimable = cc_reclaimable,
+    .evict = cc_evict,
     .drain = cc_drain,
     .begin_turn = cc_begin_turn,
     .cancel_turn = cc_cancel_turn,
     .control = cc_control,
     .stats = cc_stats,
+    .holder_for_each = cc_holder_for_each,
     .rows_held = cc_rows_held,
     .check = cc_check,
     .destroy = cc_destroy,
@@ -253,8 +410,15 @@ lethe_prefix_cache *lethe_chain_cache_create(const lethe_pc_params *p) {
                                     .release_state = p->release_state,
                                     .release_ctx = p->release_ctx};
     lethe_chain_table_params cp = {.n_spaces = lethe_kv_n_spaces(p->pool),
-                                   .slots_per_space = lethe_kv_n_slots(p->pool)};
+                                   .slots_per_space = lethe_kv_n_slots(p->pool),
+                                   .share_block = LETHE_RADIX_BLOCK};
     cc->t = lethe_chain_create(&cp);
-    lethe_chain_fingerprint(p->kv_description ? p->kv_description : "", cc->fp);
+    const char *d = p->kv_description ? p->kv_description : "";
+    lethe_chain_fingerprint(d, cc->fp);
+    /* shared prefixes are the exact prefill of their tokens: the radix cache's seed */
+    int32_t block = LETHE_RADIX_BLOCK;
+    cc->tree = lethe_radix_create(p->pool, lethe_hash64(&block, sizeof(block),
+                                                        lethe_hash64(d, strlen(d), 0x1e7e)));
+    lethe_radix_set_host_tier(cc->tree, p->host_tier);
     return &cc->base;
 }

@@ -35,10 +35,9 @@
  * is smaller than its logical length: pruned radix blocks, a compacted chain
  * row. Pruning and radix control (src/engine/engine_prune.c, engine_pcctl.c)
  * are operations of the radix tree alone and reach it through
- * lethe_radix_cache_tree. Room for what comes next (docs/architecture.md
- * section 5.6): a host tier demotes in `evict`/`drain` and restores in
- * `acquire`; a chain branching from a radix prefix is a third implementation
- * whose match returns the shared blocks plus its private continuation. */
+ * lethe_radix_cache_tree. Chains that branch from a shared prefix are the
+ * Chain Cache's (chain_cache.c: a radix tree of shared prefixes beside the
+ * table; match returns the shared blocks, the row is [shared | private]). */
 #ifndef LETHE_PREFIX_CACHE_H
 #define LETHE_PREFIX_CACHE_H
 
@@ -109,6 +108,10 @@ bool lethe_pcache_ctl_engine_thread(lethe_pc_ctl_kind kind);
  * counters are those of lethe_chain_get_stats. */
 typedef struct lethe_pc_stats {
     lethe_chain_stats chain;
+    int32_t shared_blocks;      /* chain mode: blocks of the shared-prefix tree (branching) */
+    int64_t shared_hit_tokens;  /* chain mode: prompt tokens attached from shared prefixes */
+    /* host tier (cumulative): blocks demoted / promoted back, tokens promoted */
+    int64_t host_demoted, host_promoted, host_promoted_tokens;
 } lethe_pc_stats;
 
 typedef struct lethe_prefix_cache_ops {
@@ -168,6 +171,9 @@ typedef struct lethe_pc_params {
     const char *kv_description;
     lethe_pc_release_state_fn release_state; /* NULL: requests carry no method state */
     void *release_ctx;
+    /* host-memory tier for evicted prefix blocks (--host-cache-bytes), NULL =
+     * none; the engine owns it (it outlives the cache) */
+    struct lethe_host_tier *host_tier;
 } lethe_pc_params;
 
 /* The mode choice: auto = radix when the method's KV is shareable, else the

@@ -10,12 +10,25 @@
  *    with lazy deletion: an entry is acted on only if the block is still
  *    alive, still an unreferenced leaf and was not touched since the push.
  * last_access is a logical clock bumped when a request acquires or releases
- * a block, so "least recently used" means least recently held by a request. */
+ * a block, so "least recently used" means least recently held by a request.
+ *
+ * Host tier (lethe_radix_set_host_tier): an evicted block is demoted instead
+ * of dropped: its header (hash, parent hash, depth, tokens, resident offsets,
+ * pins, prune id) and its slots' payload (kv_host.c) become one blob keyed by
+ * the block hash. A later match continues past the cached chain through the
+ * tier (the next block's hash is computable from its parent's and its
+ * tokens, then verified against the header), and promotion restores those
+ * blocks into fresh slots, bit for bit, before the request attaches them. The
+ * tier is exclusive: a promoted blob leaves it. LRU spans both tiers: the
+ * pool's least recently used leaf goes to the host, the host's least
+ * recently used blob is dropped. Deleting a subtree drops its demoted
+ * descendants too. */
 #include "cache/radix.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/host_tier.h"
 #include "core/util.h"
 
 struct lethe_radix_block {
@@ -64,7 +77,20 @@ struct lethe_radix {
     /* eviction heap */
     heap_ent *heap;
     int32_t heap_len, heap_cap;
+    /* host tier (NULL: evicted blocks are dropped) */
+    lethe_host_tier *tier;
+    int64_t n_demoted, n_promoted, promoted_tokens;
 };
+
+/* a demoted block's header; its payload follows: per slot space the host
+ * image of its n_res slots (kv_host.c) */
+typedef struct host_hdr {
+    uint64_t hash, parent_hash; /* parent_hash 0 for a first block */
+    int32_t depth, n_res, priority;
+    uint32_t pin, prune_id;
+    int32_t tokens[LETHE_RADIX_BLOCK];
+    uint8_t offs[LETHE_RADIX_BLOCK];
+} host_hdr;
 
 static uint64_t block_hash(uint64_t seed, const int32_t *tokens) {
     return lethe_hash64(tokens, sizeof(int32_t) * LETHE_RADIX_BLOCK, seed);
@@ -303,6 +329,9 @@ void lethe_radix_release(lethe_radix *r, lethe_radix_block *const *blocks, int32
     heap_compact(r);
 }
 
+static lethe_radix_block *block_new(lethe_radix *r, lethe_radix_block *parent, uint64_t h,
+                                    const int32_t *tokens);
+
 lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
                                       const int32_t *tokens, int32_t row, int32_t first) {
     uint64_t h = block_hash(parent ? parent->hash : r->fingerprint, tokens);
@@ -319,16 +348,12 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
         b->pin |= pin; /* pins are hints about content: any request's count */
         return b;
     }
-    b = lethe_xcalloc(1, sizeof(*b) + sizeof(int32_t) * (size_t)r->n_spaces * LETHE_RADIX_BLOCK);
-    b->hash = h;
-    b->parent = parent;
-    b->depth = parent ? parent->depth + 1 : 0;
+    b = block_new(r, parent, h, tokens);
     b->req_ref = 1;
     b->last_access = now;
     b->n_res = LETHE_RADIX_BLOCK;
     b->pin = pin;
     for (int32_t i = 0; i < LETHE_RADIX_BLOCK; i++) b->offs[i] = (uint8_t)i;
-    memcpy(b->tokens, tokens, sizeof(b->tokens));
     for (int32_t sp = 0; sp < r->n_spaces; sp++) {
         LETHE_ASSERT(lethe_kv_row_len(r->pool, sp, row) >= first + LETHE_RADIX_BLOCK);
         const int32_t *rs = lethe_kv_row_slots(r->pool, sp, row);
@@ -340,6 +365,18 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
             lethe_kv_ref(r->pool, sp, rs[first + i]);
         }
     }
+    return b;
+}
+
+/* a new block in the tree after `parent` with no slots and no references */
+static lethe_radix_block *block_new(lethe_radix *r, lethe_radix_block *parent, uint64_t h,
+                                    const int32_t *tokens) {
+    lethe_radix_block *b =
+        lethe_xcalloc(1, sizeof(*b) + sizeof(int32_t) * (size_t)r->n_spaces * LETHE_RADIX_BLOCK);
+    b->hash = h;
+    b->parent = parent;
+    b->depth = parent ? parent->depth + 1 : 0;
+    memcpy(b->tokens, tokens, sizeof(b->tokens));
     if (parent) parent->n_children++;
     /* id */
     if (r->n_free_ids > 0) {
@@ -361,8 +398,170 @@ lethe_radix_block *lethe_radix_insert(lethe_radix *r, lethe_radix_block *parent,
     return b;
 }
 
-static void evict_one(lethe_radix *r, lethe_radix_block *b) {
+/* ---- host tier ---- */
+
+static size_t payload_bytes(const lethe_radix *r, int32_t n_res) {
+    size_t n = 0;
+    for (int32_t sp = 0; sp < r->n_spaces; sp++) n += (size_t)n_res * lethe_kv_space_slot_bytes(r->pool, sp);
+    return n;
+}
+
+/* copies b (header + slots' payload) into the host tier */
+static void demote(lethe_radix *r, const lethe_radix_block *b) {
+    const size_t n = sizeof(host_hdr) + payload_bytes(r, b->n_res);
+    uint8_t *blob = lethe_xmalloc(n);
+    host_hdr h = {.hash = b->hash,
+                  .parent_hash = b->parent ? b->parent->hash : 0,
+                  .depth = b->depth,
+                  .n_res = b->n_res,
+                  .priority = b->priority,
+                  .pin = b->pin,
+                  .prune_id = b->prune_id};
+    memcpy(h.tokens, b->tokens, sizeof(h.tokens));
+    memcpy(h.offs, b->offs, sizeof(h.offs));
+    memcpy(blob, &h, sizeof(h));
+    size_t off = sizeof(h);
+    for (int32_t sp = 0; sp < r->n_spaces; sp++) {
+        lethe_kv_slots_save(r->pool, sp, b->slots + sp * LETHE_RADIX_BLOCK, b->n_res, blob + off);
+        off += (size_t)b->n_res * lethe_kv_space_slot_bytes(r->pool, sp);
+    }
+    if (lethe_host_tier_put(r->tier, LETHE_HOST_TIER_RADIX, b->hash, blob, n)) r->n_demoted++;
+}
+
+/* the header of the host block after `parent_hash` (0: first) with these
+ * tokens at depth `depth`, verified; false when the tier has none */
+static bool host_find(const lethe_radix *r, uint64_t parent_hash, int32_t depth, const int32_t *tokens,
+                      host_hdr *out) {
+    const uint64_t h = block_hash(depth ? parent_hash : r->fingerprint, tokens);
+    if (lethe_host_tier_read(r->tier, LETHE_HOST_TIER_RADIX, h, out, sizeof(*out)) < sizeof(*out))
+        return false;
+    return out->hash == h && out->parent_hash == (depth ? parent_hash : 0) && out->depth == depth &&
+           !memcmp(out->tokens, tokens, sizeof(out->tokens));
+}
+
+void lethe_radix_set_host_tier(lethe_radix *r, lethe_host_tier *t) {
+    LETHE_ASSERT(!t || lethe_kv_host_copy_check(r->pool) == LETHE_OK);
+    r->tier = t;
+}
+
+int32_t lethe_radix_match_host(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                               lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
+                               int32_t *resident) {
+    *resident = 0;
+    if (!r->tier || n <= 0) return 0;
+    const int32_t limit = LETHE_MIN((n - 1) / LETHE_RADIX_BLOCK, max_blocks);
+    uint64_t parent = n_dev ? blocks[n_dev - 1]->hash : 0;
+    int32_t k = n_dev;
+    for (host_hdr h; k < limit; k++) {
+        if (!host_find(r, parent, k, tokens + (size_t)k * LETHE_RADIX_BLOCK, &h)) break;
+        *resident += h.n_res;
+        parent = h.hash;
+    }
+    return k - n_dev;
+}
+
+int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_block **blocks,
+                            int32_t n_dev, int32_t n_host) {
+    if (!r->tier || n_host <= 0) return 0;
+    /* 1. the blobs leave the tier first: making room below demotes other blocks */
+    uint8_t **blob = lethe_xcalloc((size_t)n_host, sizeof(*blob));
+    int32_t got = 0, need = 0;
+    uint64_t parent = n_dev ? blocks[n_dev - 1]->hash : 0;
+    for (host_hdr h; got < n_host; got++) {
+        const int32_t k = n_dev + got;
+        if (!host_find(r, parent, k, tokens + (size_t)k * LETHE_RADIX_BLOCK, &h)) break;
+        size_t nb = 0;
+        blob[got] = lethe_host_tier_take(r->tier, LETHE_HOST_TIER_RADIX, h.hash, &nb);
+        LETHE_ASSERT(blob[got] && nb == sizeof(h) + payload_bytes(r, h.n_res));
+        need += h.n_res;
+        parent = h.hash;
+    }
+    /* 2. room in every slot space, the matched chain held meanwhile */
+    lethe_radix_acquire_refs(r, blocks, n_dev);
+    if (lethe_kv_min_free(r->pool) < need) lethe_radix_evict(r, need);
+    /* 3. fresh slots, the payload, the block back in the tree */
+    int32_t done = 0;
+    for (; done < got; done++) {
+        host_hdr h;
+        memcpy(&h, blob[done], sizeof(h));
+        if (lethe_kv_min_free(r->pool) < h.n_res) break; /* the caller asked for more than it has */
+        lethe_radix_block *b = block_new(r, n_dev + done ? blocks[n_dev + done - 1] : NULL, h.hash,
+                                         h.tokens);
+        b->n_res = h.n_res;
+        b->pin = h.pin;
+        b->prune_id = h.prune_id;
+        b->priority = LETHE_MAX(h.priority, 0);
+        memcpy(b->offs, h.offs, sizeof(b->offs));
+        size_t off = sizeof(h);
+        for (int32_t sp = 0; sp < r->n_spaces; sp++) {
+            int32_t *sl = b->slots + sp * LETHE_RADIX_BLOCK;
+            LETHE_ASSERT(lethe_kv_slots_take(r->pool, sp, h.n_res, sl));
+            lethe_kv_slots_load(r->pool, sp, sl, h.n_res, blob[done] + off);
+            off += (size_t)h.n_res * lethe_kv_space_slot_bytes(r->pool, sp);
+        }
+        b->last_access = ++r->clock;
+        r->n_unref++;
+        r->unref_slots += b->n_res;
+        blocks[n_dev + done] = b;
+        r->n_promoted++;
+        r->promoted_tokens += LETHE_RADIX_BLOCK;
+        free(blob[done]);
+        blob[done] = NULL;
+    }
+    /* what could not be restored goes back to the tier */
+    for (int32_t i = done; i < got; i++) {
+        host_hdr h;
+        memcpy(&h, blob[i], sizeof(h));
+        lethe_host_tier_put(r->tier, LETHE_HOST_TIER_RADIX, h.hash, blob[i],
+                            sizeof(h) + payload_bytes(r, h.n_res));
+    }
+    free(blob);
+    /* the new leaf is evictable; the temporary references go */
+    if (done > 0 && evictable(blocks[n_dev + done - 1])) heap_push(r, blocks[n_dev + done - 1]);
+    lethe_radix_release(r, blocks, n_dev);
+    return done;
+}
+
+void lethe_radix_host_counts(const lethe_radix *r, int64_t *demoted, int64_t *promoted,
+                             int64_t *promoted_tokens) {
+    *demoted = r->n_demoted;
+    *promoted = r->n_promoted;
+    *promoted_tokens = r->promoted_tokens;
+}
+
+/* drops the demoted blocks below the deleted hashes del[0..n) (transitively) */
+static void host_drop_below(lethe_radix *r, uint64_t *del, int32_t n) {
+    int64_t nk = lethe_host_tier_keys(r->tier, LETHE_HOST_TIER_RADIX, NULL, 0);
+    if (nk == 0 || n == 0) return;
+    uint64_t *keys = lethe_xmalloc((size_t)nk * sizeof(*keys));
+    nk = LETHE_MIN(nk, lethe_host_tier_keys(r->tier, LETHE_HOST_TIER_RADIX, keys, nk));
+    uint64_t *set = lethe_xmalloc((size_t)(n + nk) * sizeof(*set));
+    memcpy(set, del, (size_t)n * sizeof(*set));
+    int32_t ns = n;
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (int64_t i = 0; i < nk; i++) {
+            host_hdr h;
+            if (!keys[i] ||
+                lethe_host_tier_read(r->tier, LETHE_HOST_TIER_RADIX, keys[i], &h, sizeof(h)) < sizeof(h))
+                continue;
+            for (int32_t j = 0; j < ns; j++)
+                if (h.depth > 0 && h.parent_hash == set[j]) {
+                    lethe_host_tier_drop(r->tier, LETHE_HOST_TIER_RADIX, keys[i]);
+                    set[ns++] = keys[i];
+                    keys[i] = 0;
+                    changed = true;
+                    break;
+                }
+        }
+    }
+    free(set);
+    free(keys);
+}
+
+static void evict_one(lethe_radix *r, lethe_radix_block *b, bool to_host) {
     LETHE_ASSERT(evictable(b));
+    if (to_host && r->tier) demote(r, b);
     block_free_slots(r, b);
     table_remove(r, b);
     r->blocks[b->id] = NULL;
@@ -380,7 +579,7 @@ int32_t lethe_radix_evict(lethe_radix *r, int32_t want_free) {
     while (lethe_kv_min_free(r->pool) < want_free && r->heap_len > 0) {
         lethe_radix_block *b = ent_block(r, heap_pop(r));
         if (!b) continue;
-        evict_one(r, b);
+        evict_one(r, b, true);
         n++;
     }
     return n;
@@ -569,10 +768,14 @@ int32_t lethe_radix_delete_subtree(lethe_radix *r, lethe_radix_block *root) {
         }
     }
     qsort(sub, (size_t)n, sizeof(*sub), cmp_depth_desc); /* leaves first */
+    uint64_t *del = lethe_xmalloc((size_t)LETHE_MAX(n, 1) * sizeof(*del));
     for (int32_t i = 0; i < n; i++) {
         if (sub[i]->priority < 0) set_one(r, sub[i], 0); /* deletion overrides a pin */
-        evict_one(r, sub[i]);
+        del[i] = sub[i]->hash;
+        evict_one(r, sub[i], false); /* deleted, not demoted */
     }
+    if (r->tier) host_drop_below(r, del, n); /* nor do demoted descendants come back */
+    free(del);
     free(sub);
     return n;
 }

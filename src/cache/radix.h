@@ -118,6 +118,28 @@ int32_t lethe_radix_prune_block(lethe_radix *r, lethe_radix_block *b,
  * prefix with these); dropped with lethe_radix_release. */
 void lethe_radix_acquire_refs(lethe_radix *r, lethe_radix_block *const *blocks, int32_t n);
 
+/* ---- host tier (host_tier.h) ----
+ * With a tier, blocks evicted under memory pressure are demoted (header +
+ * their slots' payload) instead of dropped; deletion drops them and their
+ * demoted descendants. The pool must pass lethe_kv_host_copy_check. */
+typedef struct lethe_host_tier lethe_host_tier;
+void lethe_radix_set_host_tier(lethe_radix *r, lethe_host_tier *t); /* NULL: none */
+/* After a match blocks[0..n_dev) of tokens[0..n): how many of the next
+ * blocks the tier holds, consecutively (n_dev + result <= max_blocks and <=
+ * floor((n - 1) / 16)); *resident = their resident slots per space. Read-only. */
+int32_t lethe_radix_match_host(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                               lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
+                               int32_t *resident);
+/* Restores those n_host blocks from the tier into fresh slots (evicting
+ * other unreferenced blocks for room: the caller counted their slots as
+ * needed), back in the tree as unreferenced blocks at blocks[n_dev ..];
+ * returns how many were restored (n_host unless the pool had no room). */
+int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_block **blocks,
+                            int32_t n_dev, int32_t n_host);
+/* cumulative: blocks demoted, blocks promoted, tokens they cover */
+void lethe_radix_host_counts(const lethe_radix *r, int64_t *demoted, int64_t *promoted,
+                             int64_t *promoted_tokens);
+
 int32_t lethe_radix_n_blocks(const lethe_radix *r);
 int32_t lethe_radix_n_unreferenced(const lethe_radix *r);
 uint64_t lethe_radix_block_hash(const lethe_radix_block *b);

@@ -20,9 +20,10 @@ typedef struct radix_ref {
 typedef struct radix_cache {
     lethe_prefix_cache base; /* must stay first */
     lethe_radix *tree;
-    /* the last match, for the acquire that follows it */
+    /* the last match, for the acquire that follows it: n_match blocks in the
+     * pool, then n_host in the host tier (promoted by acquire) */
     lethe_radix_block **match;
-    int32_t n_match, cap_match;
+    int32_t n_match, n_host, cap_match;
     uint64_t match_id;
 } radix_cache;
 
@@ -42,19 +43,28 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
         rc->match = lethe_xrealloc(rc->match, (size_t)rc->cap_match * sizeof(*rc->match));
     }
     int32_t nb = lethe_radix_match(rc->tree, s->tokens, s->n_tokens, rc->match, max_blocks);
+    int32_t host_res = 0; /* demoted blocks after them: restored into fresh slots */
+    rc->n_host = lethe_radix_match_host(rc->tree, s->tokens, s->n_tokens, rc->match, nb, max_blocks,
+                                        &host_res);
     rc->n_match = nb;
     rc->match_id = s->id;
-    out->tokens = nb * LETHE_RADIX_BLOCK;
-    out->resident = lethe_radix_resident_tokens(rc->match, nb); /* pruned blocks: fewer */
-    out->pinned = lethe_radix_unreferenced_slots(rc->match, nb);
+    out->tokens = (nb + rc->n_host) * LETHE_RADIX_BLOCK;
+    out->resident = lethe_radix_resident_tokens(rc->match, nb) + host_res; /* pruned: fewer */
+    out->pinned = lethe_radix_unreferenced_slots(rc->match, nb) + host_res;
     out->queried = s->n_tokens;
 }
 
 static void rc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m) {
     radix_cache *rc = rc_of(pc);
-    LETHE_ASSERT(rc->match_id == s->id && m->tokens == rc->n_match * LETHE_RADIX_BLOCK &&
-                 !m->resume);
+    LETHE_ASSERT(rc->match_id == s->id &&
+                 m->tokens == (rc->n_match + rc->n_host) * LETHE_RADIX_BLOCK && !m->resume);
     LETHE_ASSERT(*s->ref == NULL);
+    if (rc->n_host > 0) { /* back from the host tier first (admission counted their slots) */
+        int32_t got = lethe_radix_promote(rc->tree, s->tokens, rc->match, rc->n_match, rc->n_host);
+        LETHE_ASSERT(got == rc->n_host);
+        rc->n_match += got;
+        rc->n_host = 0;
+    }
     if (rc->n_match == 0) return;
     radix_ref *ref = lethe_xcalloc(1, sizeof(*ref));
     ref_reserve(ref, rc->n_match);
@@ -107,6 +117,11 @@ static void rc_holder_for_each(void *pc, void (*visit)(void *, int32_t, int32_t)
 
 static lethe_status rc_check(lethe_prefix_cache *pc) { return lethe_radix_check(rc_of(pc)->tree); }
 
+static void rc_stats(lethe_prefix_cache *pc, lethe_pc_stats *out) {
+    lethe_radix_host_counts(rc_of(pc)->tree, &out->host_demoted, &out->host_promoted,
+                            &out->host_promoted_tokens);
+}
+
 static void rc_destroy(lethe_prefix_cache *pc) {
     radix_cache *rc = rc_of(pc);
     lethe_radix_destroy(rc->tree);
@@ -124,6 +139,7 @@ static const lethe_prefix_cache_ops radix_ops = {
     .evict = rc_evict,
     .holder_for_each = rc_holder_for_each,
     .check = rc_check,
+    .stats = rc_stats,
     .destroy = rc_destroy,
 };
 
@@ -138,6 +154,7 @@ lethe_prefix_cache *lethe_radix_cache_create(const lethe_pc_params *p) {
     int32_t block = LETHE_RADIX_BLOCK;
     uint64_t fp = lethe_hash64(&block, sizeof(block), lethe_hash64(d, strlen(d), 0x1e7e));
     rc->tree = lethe_radix_create(p->pool, fp);
+    lethe_radix_set_host_tier(rc->tree, p->host_tier);
     return &rc->base;
 }
 

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/host_tier.h"
 #include "core/env.h"
 #include "core/log.h"
 #include "core/util.h"
@@ -645,6 +646,19 @@ void eng_publish_stats(lethe_engine *e) {
     s->prefix_queries_tokens = ss->prefix_queries_tokens;
     s->prefix_hit_tokens = ss->prefix_hit_tokens;
     s->n_preemptions = ss->n_preemptions;
+    if (e->host_tier) { /* the host tier's own counters and the caches' moves */
+        lethe_host_tier_stats hs;
+        lethe_host_tier_get_stats(e->host_tier, &hs);
+        lethe_pc_stats ps;
+        lethe_pcache_stats(e->pcache, &ps);
+        s->host_cache_capacity_bytes = (int64_t)hs.cap_bytes;
+        s->host_cache_used_bytes = (int64_t)hs.used_bytes;
+        s->host_cache_entries = hs.entries;
+        s->host_cache_evicted = hs.evictions;
+        s->host_cache_demoted_blocks = ps.host_demoted;
+        s->host_cache_promoted_blocks = ps.host_promoted;
+        s->host_cache_promoted_tokens = ps.host_promoted_tokens;
+    }
     e->stats.sparse.evicted_slots = lethe_kv_dropped(e->pool);
     e->stats.sparse.n_steps = s->n_steps;
     const int64_t per_space = s->kv_slots_total / n_sp;
@@ -750,6 +764,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     }
     lethe_sched_destroy(e->sched);
     lethe_pcache_destroy(e->pcache); /* resident KV it holds, before the pool and the method go */
+    lethe_host_tier_destroy(e->host_tier);
     lethe_sparse_destroy(e->method);
     if (e->runner.destroy) e->runner.destroy(e->runner.ctx);
     lethe_kv_pool_destroy(e->pool);

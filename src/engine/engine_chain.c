@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/host_tier.h"
 #include "core/log.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
@@ -39,6 +40,22 @@ lethe_status eng_cache_init(lethe_engine *e) {
         e->device ? e->device : "cpu", e->max_model_len, ops->name,
         e->sparse_config ? e->sparse_config : "", e->method->knobs.sink_keep_tokens,
         e->method->knobs.recent_keep_tokens, e->method->knobs.decode_keep_tokens);
+    if (e->p.host_cache_bytes > 0) { /* the host tier under the prefix cache */
+        if (!e->p.enable_prefix_caching)
+            return lethe_errorf(LETHE_ERR_INVALID,
+                                "--host-cache-bytes needs prefix caching (it holds evicted prefix "
+                                "blocks); it was turned off with --no-enable-prefix-caching");
+        lethe_status st = lethe_kv_host_copy_check(e->pool);
+        if (st != LETHE_OK)
+            return lethe_errorf(st, "--host-cache-bytes with method %s: %s", ops->name,
+                                lethe_last_error());
+        if (e->p.host_cache_bytes < lethe_kv_space_slot_bytes(e->pool, 0) * 16 * lethe_kv_n_spaces(e->pool))
+            return lethe_errorf(LETHE_ERR_INVALID,
+                                "--host-cache-bytes %zu: smaller than one 16-token block (%zu bytes)",
+                                e->p.host_cache_bytes,
+                                lethe_kv_space_slot_bytes(e->pool, 0) * 16 * lethe_kv_n_spaces(e->pool));
+        e->host_tier = lethe_host_tier_create(e->p.host_cache_bytes);
+    }
     lethe_pc_params p = {.mode = e->p.prefix_cache_mode,
                          .enabled = e->p.enable_prefix_caching,
                          .shareable = (ops->flags & LETHE_SPARSE_PREFIX_CACHE) != 0,
@@ -46,7 +63,8 @@ lethe_status eng_cache_init(lethe_engine *e) {
                          .pool = e->pool,
                          .kv_description = desc,
                          .release_state = release_state,
-                         .release_ctx = e->method};
+                         .release_ctx = e->method,
+                         .host_tier = e->host_tier};
     return lethe_pcache_create(&p, &e->pcache);
 }
 
@@ -73,6 +91,9 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
         if (c->owner && strlen(c->owner) >= LETHE_CHAIN_OWNER_CAP)
             return refuse(res, LETHE_CHAIN_INVALID_REQUEST, LETHE_ERR_INVALID,
                           "chain owner (tenant) longer than 71 bytes");
+        if (c->share_prefix_tokens < 0)
+            return refuse(res, LETHE_CHAIN_INVALID_REQUEST, LETHE_ERR_INVALID,
+                          "share_prefix_tokens must be >= 0");
         if ((st = eng_validate(e, p)) != LETHE_OK) /* sampling, token ids */
             return refuse(res, LETHE_CHAIN_INVALID_REQUEST, st, lethe_last_error());
     }
@@ -88,7 +109,8 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
                                 .gen_peak = (int32_t)LETHE_MIN(gen, e->max_model_len),
                                 .max_len = e->max_model_len,
                                 .n_messages = c->n_messages,
-                                .append_start = c->append_start};
+                                .append_start = c->append_start,
+                                .share_tokens = c->share_prefix_tokens};
     lethe_chain_turn t;
     void *ref = NULL;
     lethe_pcache_begin_turn(e->pcache, &a, &t, &ref);
@@ -103,6 +125,7 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
     res->status = lethe_chain_status_name(t.status);
     res->reused_tokens = t.reused;
     res->n_prompt = t.n_tokens;
+    res->shared_tokens = t.shared;
     lethe_request_params full = *p;
     full.prompt = t.tokens;
     full.n_prompt = t.n_tokens;
@@ -183,7 +206,8 @@ int32_t lethe_engine_list_chains(lethe_engine *e, lethe_chain_summary *out, int3
                                        .logical_tokens = in->n_history,
                                        .processed_tokens = in->processed,
                                        .resident_tokens = in->resident_max,
-                                       .resident_slots = in->resident_total};
+                                       .resident_slots = in->resident_total,
+                                       .shared_tokens = in->shared};
         snprintf(out[i].chain_id, sizeof(out[i].chain_id), "%s", ent[i].id);
     }
     free(ent);
@@ -207,5 +231,9 @@ void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out
                                       .n_capacity_rejected = s->n_capacity_rejected,
                                       .reused_tokens = s->reused_tokens,
                                       .prompt_tokens = s->prompt_tokens,
-                                      .resident_slots = s->resident_slots};
+                                      .resident_slots = s->resident_slots,
+                                      .n_branched = s->n_branched,
+                                      .n_shared_prefixes = s->n_shared_prefixes,
+                                      .shared_blocks = ps.shared_blocks,
+                                      .shared_hit_tokens = ps.shared_hit_tokens};
 }

@@ -197,6 +197,20 @@ void lethe_kv_ref(lethe_kv_pool *pool, int32_t sp, int32_t slot);
 void lethe_kv_unref(lethe_kv_pool *pool, int32_t sp, int32_t slot);
 int32_t lethe_kv_refcount(const lethe_kv_pool *pool, int32_t sp, int32_t slot);
 
+/* ---- a slot's payload to / from host memory (the host KV tier; kv_host.c) ----
+ * Host image of n slots of space sp: [layer of the space][plane][n][slot_bytes],
+ * lethe_kv_space_slot_bytes(pool, sp) * n bytes. Copies are synchronous. */
+/* LETHE_OK when slots can be copied (backend memory, native format, no head
+ * masks, a backend with rows_to_host / rows_from_host or host memory) */
+lethe_status lethe_kv_host_copy_check(const lethe_kv_pool *pool);
+size_t lethe_kv_space_slot_bytes(const lethe_kv_pool *pool, int32_t sp);
+void lethe_kv_slots_save(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, void *dst);
+void lethe_kv_slots_load(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, const void *src);
+/* n free slots of space sp with one reference each, held by the caller (as
+ * lethe_kv_ref; dropped with lethe_kv_unref); false (nothing taken) when
+ * fewer are free */
+bool lethe_kv_slots_take(lethe_kv_pool *pool, int32_t sp, int32_t n, int32_t *out);
+
 /* ---- protected positions (retention pins; kv_protect.c) ----
  * Per row, logical positions no method, pruning or compaction may drop:
  * ranges[2 i], ranges[2 i + 1] = [start, end). They belong to the row (all

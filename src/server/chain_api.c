@@ -8,9 +8,16 @@
  * boundaries are right (the closing of the previous assistant turn, the next
  * header, the generation prompt; no BOS), and drops the part of the closing
  * the model already produced (its end-of-turn token when it sampled it).
+ * Branching: chain_share_prefix = N (tokens) or, for chat,
+ * chain_share_messages = k (the tokens messages[:k] render to, e.g. 1 for a
+ * system prompt) makes the first N prompt tokens of a new chain a prefix
+ * shared with every other chain that names the same tokens: held once,
+ * attached read-only, never compacted (lethe_chain_params.
+ * share_prefix_tokens).
  * Response fields: chain_id, chain_status (created | resumed | recreated) on
- * every response object and stream chunk; usage.prompt_tokens_details.
- * cached_tokens carries the reused tokens.
+ * every response object and stream chunk, chain_shared_tokens when the chain
+ * branches from a shared prefix; usage.prompt_tokens_details.cached_tokens
+ * carries the reused tokens.
  *
  * Headers, for a load balancer that routes a chain's turns to the replica
  * holding it (docs/deploy.md): the request's X-Lethe-Chain-Id is the same as
@@ -168,6 +175,35 @@ int srv_chain_parse(const srv_api *api, const cJSON *root, srv_kind kind, srv_ge
                           LETHE_CHAIN_ID_CAP - 1);
     const cJSON *msgs = kind == SRV_CHAT ? cJSON_GetObjectItemCaseSensitive(root, "messages") : NULL;
     g->n_messages = msgs ? cJSON_GetArraySize(msgs) : 0;
+    /* branching: the shared prefix, in tokens or (chat) messages */
+    const cJSON *sp = field(root, "chain_share_prefix"), *sm = field(root, "chain_share_messages");
+    if (sp && sm)
+        return srv_errorf(err, 400, "chain_share_messages",
+                          "give 'chain_share_prefix' or 'chain_share_messages', not both");
+    if (sp) {
+        if (!cJSON_IsNumber(sp) || sp->valuedouble != (int)sp->valuedouble || sp->valuedouble < 0)
+            return srv_errorf(err, 400, "chain_share_prefix",
+                              "'chain_share_prefix' must be an integer >= 0 (prompt tokens)");
+        g->chain_share = (int32_t)LETHE_MIN(sp->valuedouble, (double)g->n_prompt);
+    }
+    if (sm) {
+        if (kind != SRV_CHAT)
+            return srv_errorf(err, 400, "chain_share_messages",
+                              "'chain_share_messages' is for chat requests (use chain_share_prefix)");
+        if (!cJSON_IsNumber(sm) || sm->valuedouble != (int)sm->valuedouble || sm->valuedouble < 1 ||
+            sm->valuedouble > g->n_messages)
+            return srv_errorf(err, 400, "chain_share_messages",
+                              "'chain_share_messages' must be an integer in [1, %d] (messages)",
+                              g->n_messages);
+        if (as)
+            return srv_errorf(err, 400, "chain_share_messages",
+                              "'chain_share_messages' needs the whole conversation (not "
+                              "chain_append_start)");
+        if (srv_messages_prefix_tokens(api, msgs, (int)sm->valuedouble, g->agent, g->chain_id,
+                                       g->prompt, g->n_prompt, "chain_share_messages",
+                                       &g->chain_share, err))
+            return -1;
+    }
     if (!as) return 0;
     if (kind != SRV_CHAT)
         return srv_errorf(err, 400, "chain_append_start", "'chain_append_start' is for chat requests");
@@ -194,7 +230,8 @@ int srv_chain_submit(const srv_api *api, const lethe_request_params *p, srv_gen 
                              .owner = g->tenant,
                              .append = g->chain_append,
                              .append_start = g->chain_append_start,
-                             .n_messages = g->n_messages};
+                             .n_messages = g->n_messages,
+                             .share_prefix_tokens = g->chain_share};
     int rc = lethe_engine_submit_chain(api->engine, p, &cp, &g->chain_res, id);
     if (rc != 0 && api->replica && g->chain_res.code == LETHE_CHAIN_NOT_FOUND) {
         /* one replica of several: the chain lived elsewhere (or before a restart) and is lost here */
@@ -244,6 +281,8 @@ void srv_chain_annotate(const srv_gen *g, cJSON *root) {
     if (!g->chain || !g->chain_res.chain_id[0]) return;
     cJSON_AddStringToObject(root, "chain_id", g->chain_res.chain_id);
     cJSON_AddStringToObject(root, "chain_status", g->chain_res.status);
+    if (g->chain_res.shared_tokens > 0)
+        cJSON_AddNumberToObject(root, "chain_shared_tokens", g->chain_res.shared_tokens);
 }
 
 void srv_chain_metrics(lethe_engine *e, const uint64_t *refused, const char *model, srv_buf *b) {
@@ -271,6 +310,13 @@ void srv_chain_metrics(lethe_engine *e, const uint64_t *refused, const char *mod
          (double)s.reused_tokens},
         {"chain_cache_prompt_tokens_total", "counter", "Prompt tokens of admitted chain turns.",
          (double)s.prompt_tokens},
+        {"chain_cache_branched", "gauge", "Chains that branch from a shared prefix.", s.n_branched},
+        {"chain_cache_shared_prefixes", "gauge", "Distinct shared prefixes those chains hold.",
+         s.n_shared_prefixes},
+        {"chain_cache_shared_blocks", "gauge", "16-token blocks cached for shared prefixes.",
+         s.shared_blocks},
+        {"chain_cache_shared_hit_tokens_total", "counter",
+         "Prompt tokens attached read-only from a shared prefix.", (double)s.shared_hit_tokens},
     };
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
         srv_buf_printf(b, "# HELP lethe:%s %s\n# TYPE lethe:%s %s\n", rows[i].name, rows[i].help, rows[i].name,

@@ -162,6 +162,24 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
         counter(&b, "prefix_cache_pruned_slots_total",
                 "KV slots per slot space freed by prefix-cache pruning.", model,
                 (double)st->prune_freed_slots);
+        gauge(&b, "host_cache_capacity_bytes", "Host-memory tier budget (--host-cache-bytes).",
+              model, (double)st->host_cache_capacity_bytes);
+        gauge(&b, "host_cache_used_bytes", "Host-memory tier bytes held by demoted blocks.", model,
+              (double)st->host_cache_used_bytes);
+        gauge(&b, "host_cache_entries", "Blobs (demoted prefix blocks) in the host-memory tier.",
+              model, (double)st->host_cache_entries);
+        counter(&b, "host_cache_demoted_blocks_total",
+                "Prefix blocks demoted from the KV cache to host memory.", model,
+                (double)st->host_cache_demoted_blocks);
+        counter(&b, "host_cache_promoted_blocks_total",
+                "Prefix blocks restored from host memory on a hit.", model,
+                (double)st->host_cache_promoted_blocks);
+        counter(&b, "host_cache_promoted_tokens_total",
+                "Prompt tokens restored from host memory instead of recomputed.", model,
+                (double)st->host_cache_promoted_tokens);
+        counter(&b, "host_cache_evicted_total",
+                "Blobs dropped from the host-memory tier to stay within its budget (LRU).", model,
+                (double)st->host_cache_evicted);
     }
     pthread_mutex_lock(&m->mu);
     static const char *const reasons[] = {"none", "stop", "length", "abort", "error"};

@@ -75,6 +75,7 @@ typedef struct srv_gen {
     srv_chain_headers hdr;      /* the request's chain headers (not owned) */
     bool chain_append;          /* chain_append_start given: prompt = appended tokens only */
     int32_t chain_append_start, n_messages;
+    int32_t chain_share;        /* chain_share_prefix / _messages: shared prefix tokens (branching) */
     lethe_chain_result chain_res;
     const char *tenant;         /* owner of the chains this request creates or resumes (not owned) */
     srv_agent *agent;           /* chat: tools, reasoning, response_format (agent.c), or NULL */
@@ -93,6 +94,11 @@ void srv_gen_free(srv_gen *g);
  * (the whole conversation's tokens); 0, or -1 with *err */
 int srv_retention_parse(const srv_api *api, const cJSON *msgs, const srv_agent *a,
                         const char *chain_id, srv_gen *g, srv_error *err);
+/* tokens of messages[0..k) rendered without the generation prompt, which
+ * must be a token prefix of full[0..n_full) (else 400 naming `what`) */
+int srv_messages_prefix_tokens(const srv_api *api, const cJSON *msgs, int k, const srv_agent *a,
+                               const char *chain_id, const int32_t *full, int32_t n_full,
+                               const char *what, int32_t *out, srv_error *err);
 
 char *srv_models_json(const srv_api *api);
 /* POST /tokenize and /detokenize (vLLM extensions); NULL + *err on bad input. */

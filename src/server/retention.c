@@ -37,10 +37,9 @@ static int hint_of(const cJSON *m, int i, double *ratio, srv_error *err) {
         err, 400, p, "'%s' must be \"pin\", \"normal\" or {\"prunable\": keep_ratio in [0, 1]}", p);
 }
 
-/* tokens of messages[0..k) rendered without the generation prompt */
-static int prefix_len(const srv_api *api, const cJSON *msgs, int k, const srv_agent *a,
-                      const char *chain_id, const int32_t *full, int32_t n_full, int32_t *out,
-                      srv_error *err) {
+int srv_messages_prefix_tokens(const srv_api *api, const cJSON *msgs, int k, const srv_agent *a,
+                               const char *chain_id, const int32_t *full, int32_t n_full,
+                               const char *what, int32_t *out, srv_error *err) {
     if (k == 0) {
         *out = 0;
         return 0;
@@ -64,9 +63,9 @@ static int prefix_len(const srv_api *api, const cJSON *msgs, int k, const srv_ag
     if (!prefix)
         return srv_errorf(
             err, 400, "messages",
-            "retention hints: the first %d messages do not render to a token prefix of the whole "
+            "%s: the first %d messages do not render to a token prefix of the whole "
             "conversation with this chat template",
-            k);
+            what, k);
     *out = n;
     return 0;
 }
@@ -88,8 +87,10 @@ int srv_retention_parse(const srv_api *api, const cJSON *msgs, const srv_agent *
         int h = hint_of(m, i, &r, err);
         int32_t end = 0;
         if (h == 0) continue;
-        if (prefix_len(api, msgs, i, a, chain_id, g->prompt, g->n_prompt, &start, err) ||
-            prefix_len(api, msgs, i + 1, a, chain_id, g->prompt, g->n_prompt, &end, err))
+        if (srv_messages_prefix_tokens(api, msgs, i, a, chain_id, g->prompt, g->n_prompt,
+                                       "retention hints", &start, err) ||
+            srv_messages_prefix_tokens(api, msgs, i + 1, a, chain_id, g->prompt, g->n_prompt,
+                                       "retention hints", &end, err))
             return -1;
         if (end <= start) continue;
         if (h == 1) {

@@ -165,6 +165,8 @@ static const lethe_backend_ops cpu_ops = {
     .cluster_scores = lethe_cpu_cluster_scores,
     .cluster_attention = lethe_cpu_cluster_attention,
     .weight_upload_raw = lethe_cpu_weight_upload_raw,
+    .rows_to_host = lethe_cpu_rows_to_host,
+    .rows_from_host = lethe_cpu_rows_from_host,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

@@ -207,6 +207,11 @@ void lethe_cpu_copy_block(lethe_backend *be, void *dst, int32_t dst_ld, int32_t 
                           const int32_t *rows, const void *src, int32_t src_ld, int32_t n_rows,
                           int32_t width);
 void lethe_cpu_attention_latent(lethe_backend *be, const lethe_attn_args *a);
+/* transfer.c: rows to / from the host (the host KV tier; memcpy) */
+void lethe_cpu_rows_to_host(lethe_backend *be, void *host, const void *buf, size_t row_bytes,
+                            const int32_t *rows, int32_t n);
+void lethe_cpu_rows_from_host(lethe_backend *be, void *buf, size_t row_bytes, const int32_t *rows,
+                              int32_t n, const void *host);
 void lethe_cpu_moe_route_row(const float *logits, const float *bias, int32_t n_experts, int32_t k,
                              int32_t scoring, bool norm_topk, float scale, int32_t n_group,
                              int32_t topk_group, int32_t *ids, float *wts);

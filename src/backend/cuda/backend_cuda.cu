@@ -473,6 +473,8 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->tq_ws) cudaFree(c->tq_ws);
         free(c->tq_iota);
         if (c->sample_ws) cudaFree(c->sample_ws);
+        if (c->xfer_d) cudaFree(c->xfer_d);
+        if (c->xfer_h) cudaFreeHost(c->xfer_h);
         if (c->scores_d) cudaFree(c->scores_d);
         if (c->clu_d) cudaFree(c->clu_d);
         if (c->cublas_ws) cudaFree(c->cublas_ws);
@@ -541,6 +543,10 @@ static const lethe_backend_ops cuda_ops = {
     /* .cluster_assign */ lethe_cuda_cluster_assign,
     /* .cluster_scores */ lethe_cuda_cluster_scores,
     /* .cluster_attention */ lethe_cuda_cluster_attention,
+    /* .weight_upload_raw */ NULL,
+    /* host KV tier (transfer.cu) */
+    /* .rows_to_host */ lethe_cuda_rows_to_host,
+    /* .rows_from_host */ lethe_cuda_rows_from_host,
 };
 
 #define INIT_CHECK(call, what)                                                              \

@@ -153,6 +153,12 @@ typedef struct cuda_ctx {
     void *sample_ws;
     size_t sample_ws_cap;
 
+    /* host KV tier staging (transfer.cu): device rows gathered / to scatter, pinned host copy */
+    void *xfer_d;
+    size_t xfer_d_cap;
+    void *xfer_h;
+    size_t xfer_h_cap;
+
     /* CUDA graphs */
     size_t step_logits_n;        /* logits floats sent to the host since stage_step */
     bool capturing;
@@ -247,6 +253,11 @@ void lethe_cuda_copy_block(lethe_backend *be, void *dst, int32_t dst_ld, int32_t
                            const int32_t *rows, const void *src, int32_t src_ld, int32_t n_rows,
                            int32_t width);
 void lethe_cuda_attention_latent(lethe_backend *be, const lethe_attn_args *a);
+/* transfer.cu: rows to / from the host (the host KV tier) */
+void lethe_cuda_rows_to_host(lethe_backend *be, void *host, const void *buf, size_t row_bytes,
+                             const int32_t *rows, int32_t n);
+void lethe_cuda_rows_from_host(lethe_backend *be, void *buf, size_t row_bytes, const int32_t *rows,
+                               int32_t n, const void *host);
 /* casts on c->stream */
 void lethe_cuda_bf16_to_f32(cuda_ctx *c, float *dst, const void *src, size_t n);
 void lethe_cuda_f32_to_bf16(cuda_ctx *c, void *dst, const float *src, size_t n);
