@@ -619,6 +619,15 @@ typedef struct lethe_backend_ops {
                            const int32_t *ids, int32_t n_heads, int32_t n_kv_heads,
                            int32_t head_dim, float scale);
     void (*cluster_attention)(lethe_backend *be, const lethe_cluster_attn_args *a);
+    /* ---- residual bases (DeltaKV, methods.md §13; CPU twin cpu/elementwise.c,
+     * CUDA cuda/elementwise.cu) ----
+     * out[i, :] += scale * sum over k < n_idx of src[idx[i n_idx + k], :] for
+     * i < n: rows of `dim` activations (out [n, dim], src [rows, dim]), idx a
+     * HOST int32 array [n n_idx] of src rows; f32 accumulation, one rounding
+     * to the activation type per element. scale = -1 / n_idx subtracts the
+     * mean of the indexed rows (a token's fathers), +1 / n_idx adds it back. */
+    void (*gather_sum)(lethe_backend *be, void *out, const void *src, const int32_t *idx, int32_t n,
+                       int32_t n_idx, int32_t dim, float scale);
     /* ---- weights in their stored format (optional, NULL = not offered) ----
      * A matrix weight as the file stores it (w->type: a GGUF block format,
      * f16 or bf16; rows in HF order). On LETHE_OK *out is backend weight

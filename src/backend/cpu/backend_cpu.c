@@ -164,6 +164,7 @@ static const lethe_backend_ops cpu_ops = {
     .cluster_assign = lethe_cpu_cluster_assign,
     .cluster_scores = lethe_cpu_cluster_scores,
     .cluster_attention = lethe_cpu_cluster_attention,
+    .gather_sum = lethe_cpu_gather_sum,
     .weight_upload_raw = lethe_cpu_weight_upload_raw,
     .rows_to_host = lethe_cpu_rows_to_host,
     .rows_from_host = lethe_cpu_rows_from_host,

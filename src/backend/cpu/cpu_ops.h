@@ -17,7 +17,7 @@
  *   attention_quant.c  the same over quantized KV (FP8 E4M3 codes + scales, KIVI)
  *   attention_tq.c the same over TurboQuant KV (rotated codebook codes + norms)
  *   scores.c       attn_scores: reduced per-key scores for the sparse methods
- *   elementwise.c  embed, gather_rows, add, add_bias, swiglu
+ *   elementwise.c  embed, gather_rows, gather_sum, add, add_bias, swiglu
  *   pages.c        Quest page bounds: page_minmax, page_scores
  *   clusters.c     RetroInfer key clusters: cluster_assign, cluster_scores, cluster_attention
  *   sample.c       the sample op (and the row function the host sampler uses)
@@ -167,6 +167,8 @@ void lethe_cpu_key_redundancy(lethe_backend *be, float *out, const void *k_cache
                               int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
 void lethe_cpu_embed(lethe_backend *be, void *x, const void *table, const int32_t *tokens,
                      int32_t n, int32_t dim);
+void lethe_cpu_gather_sum(lethe_backend *be, void *out, const void *src, const int32_t *idx, int32_t n,
+                          int32_t n_idx, int32_t dim, float scale);
 void lethe_cpu_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
                            int32_t n, int32_t dim);
 void lethe_cpu_add(lethe_backend *be, void *x, const void *y, size_t n);

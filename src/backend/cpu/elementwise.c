@@ -65,6 +65,23 @@ void lethe_cpu_gather_rows(lethe_backend *be, void *dst_, const void *src_, cons
     }
 }
 
+void lethe_cpu_gather_sum(lethe_backend *be, void *out_, const void *src_, const int32_t *idx, int32_t n,
+                          int32_t n_idx, int32_t dim, float scale) {
+    float *out = out_;
+    const float *src = src_;
+    for (int32_t i = 0; i < n; i++) {
+        float *o = out + (size_t)i * dim;
+        for (int32_t j = 0; j < dim; j++) {
+            float acc = 0; /* in index order, as the CUDA twin */
+            for (int32_t k = 0; k < n_idx; k++) {
+                LETHE_ASSERT(idx[(size_t)i * n_idx + k] >= 0);
+                acc += src[(size_t)idx[(size_t)i * n_idx + k] * dim + j];
+            }
+            o[j] += scale * acc;
+        }
+    }
+}
+
 void lethe_cpu_add(lethe_backend *be, void *x_, const void *y_, size_t n) {
     pw_job j = {x_, y_, NULL, n};
     lethe_cpu_parallel(be, threads_for(be, n), (int)LETHE_CEIL_DIV(n, CHUNK), add_task, &j);

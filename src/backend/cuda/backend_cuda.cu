@@ -543,6 +543,7 @@ static const lethe_backend_ops cuda_ops = {
     /* .cluster_assign */ lethe_cuda_cluster_assign,
     /* .cluster_scores */ lethe_cuda_cluster_scores,
     /* .cluster_attention */ lethe_cuda_cluster_attention,
+    /* .gather_sum */ lethe_cuda_gather_sum,
     /* .weight_upload_raw */ NULL,
     /* host KV tier (transfer.cu) */
     /* .rows_to_host */ lethe_cuda_rows_to_host,

@@ -26,7 +26,7 @@
  *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3, KIVI)
  *   attention_tq.cu  kv_store + attention over TurboQuant KV (rotated codebook codes)
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
- *   elementwise.cu   embed, gather_rows, add, add_bias, swiglu, kv_store, casts
+ *   elementwise.cu   embed, gather_rows, gather_sum, add, add_bias, swiglu, kv_store, casts
  *   pages.cu         Quest page bounds: page_minmax, page_scores
  *   clusters.cu      RetroInfer key clusters: cluster_assign, cluster_scores, cluster_attention
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
@@ -204,6 +204,8 @@ void lethe_cuda_embed(lethe_backend *be, void *x, const void *table, const int32
                       int32_t n, int32_t dim);
 void lethe_cuda_gather_rows(lethe_backend *be, void *dst, const void *src, const int32_t *idx,
                             int32_t n, int32_t dim);
+void lethe_cuda_gather_sum(lethe_backend *be, void *out, const void *src, const int32_t *idx, int32_t n,
+                           int32_t n_idx, int32_t dim, float scale);
 void lethe_cuda_add(lethe_backend *be, void *x, const void *y, size_t n);
 void lethe_cuda_add_bias(lethe_backend *be, void *y, const void *b, int32_t n, int32_t dim);
 void lethe_cuda_swiglu(lethe_backend *be, void *out, const void *gate, const void *up, size_t n);

@@ -2,6 +2,7 @@
  *
  *   embed       x[i, :] = table[tokens[i], :]         table [n_vocab, dim] bf16
  *   gather_rows dst[i, :] = src[idx[i], :]            (in place allowed, like memmove row by row)
+ *   gather_sum  out[i, :] += scale * sum_k src[idx[i K + k], :]   (DeltaKV's father means)
  *   add         x += y                                 (residual, fp32 add, bf16 store)
  *   add_bias    y[i, :] += b
  *   swiglu      out = silu(gate) * up                  (fp32 math)
@@ -84,6 +85,36 @@ extern "C" void lethe_cuda_gather_rows(lethe_backend *be, void *dst, const void 
     } else {
         launch_gather(c, (bf16 *)dst, (const bf16 *)src, d_idx, n, dim);
     }
+}
+
+/* out[i, :] += scale * sum_k src[idx[i n_idx + k], :]: one thread per output
+ * element, the n_idx rows summed in f32 in index order (as the CPU twin),
+ * one bf16 rounding of out + scale * sum */
+__global__ void gather_sum_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ src,
+                                  const int32_t *__restrict__ idx, int32_t n, int32_t n_idx,
+                                  int32_t dim, float scale) {
+    const size_t total = (size_t)n * dim;
+    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total;
+         t += (size_t)gridDim.x * blockDim.x) {
+        const int32_t i = (int32_t)(t / dim), j = (int32_t)(t % dim);
+        float acc = 0.0f;
+        for (int32_t k = 0; k < n_idx; k++)
+            acc += __bfloat162float(src[(size_t)idx[(size_t)i * n_idx + k] * dim + j]);
+        out[t] = __float2bfloat16(__bfloat162float(out[t]) + scale * acc);
+    }
+}
+
+extern "C" void lethe_cuda_gather_sum(lethe_backend *be, void *out, const void *src,
+                                      const int32_t *idx, int32_t n, int32_t n_idx, int32_t dim,
+                                      float scale) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    if (n <= 0 || n_idx <= 0) return;
+    const int32_t *d_idx = lethe_cuda_stage_idx(c, idx, (size_t)n * n_idx);
+    unsigned blocks = lethe_cuda_blocks((size_t)n * dim, 256);
+    if (blocks > (unsigned)c->n_sms * 16) blocks = (unsigned)c->n_sms * 16;
+    gather_sum_kernel<<<blocks, 256, 0, c->stream>>>((bf16 *)out, (const bf16 *)src, d_idx, n, n_idx, dim,
+                                                     scale);
+    CU_LAUNCH_CHECK();
 }
 
 /* ---- pointwise --------------------------------------------------------- */
