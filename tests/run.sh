@@ -39,7 +39,7 @@ if [ $c_only = 0 ] && [ -n "$fuzz_build" ]; then
     done
 fi
 if [ $c_only = 0 ]; then
-    for t in tests/e2e/test_*.py; do
+    for t in tests/e2e/test_*.py tests/ref/test_*.py; do
         [ -f "$t" ] || continue
         name=$(basename "$t" .py)
         start=$(date +%s)

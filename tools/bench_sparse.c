@@ -518,9 +518,14 @@ static int part_matched(const sb_opts *o, cJSON *root) {
         cJSON_AddNumberToObject(row, "pool_slots_per_layer", lo.kv_slots_per_layer);
         /* capacity of a payload: KV bytes per token over all layers, tokens per GiB of KV */
         cJSON_AddNumberToObject(row, "kv_token_bytes", (double)lo.kv_token_bytes);
-        cJSON_AddNumberToObject(row, "tokens_per_gib", lo.kv_token_bytes ? 1073741824.0 / lo.kv_token_bytes : 0);
-        printf("%-10s | KV %zu B per token, %.0f tokens per GiB, pool %d slots per layer\n", m, lo.kv_token_bytes,
-               lo.kv_token_bytes ? 1073741824.0 / lo.kv_token_bytes : 0.0, lo.kv_slots_per_layer);
+        /* what one slot really costs: the payload + the method's per-slot buffers (DeltaKV's centers) */
+        const size_t slot_b = lo.kv_token_bytes + lo.kv_slot_overhead_bytes;
+        cJSON_AddNumberToObject(row, "kv_slot_overhead_bytes", (double)lo.kv_slot_overhead_bytes);
+        cJSON_AddNumberToObject(row, "kv_reserve_bytes", (double)lo.kv_reserve_bytes);
+        cJSON_AddNumberToObject(row, "tokens_per_gib", slot_b ? 1073741824.0 / slot_b : 0);
+        printf("%-10s | KV %zu B per token (+ %zu B method buffers), %.0f tokens per GiB, pool %d slots per layer, "
+               "reserve %.2f GiB\n", m, lo.kv_token_bytes, lo.kv_slot_overhead_bytes,
+               slot_b ? 1073741824.0 / slot_b : 0.0, lo.kv_slots_per_layer, lo.kv_reserve_bytes / 1073741824.0);
         sb_run r;
         int er = engine_run(e, m, B, L, max_tokens, o->seed, false, !o->no_progress, &r);
         lethe_engine_destroy(e);

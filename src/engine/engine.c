@@ -142,6 +142,31 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
         }
         budget = budget > blk * (size_t)nb ? budget - blk * (size_t)nb : 0;
     }
+    /* what the method keeps for the running requests besides its slots
+     * (DeltaKV's raw sink + buffer rows): at most a quarter of the budget,
+     * max_num_seqs lowered to fit, as KIVI's residual above */
+    if (lethe_sparse_kv_reserve(e->method, 1, e->p.max_num_batched_tokens)) {
+        const size_t base = lethe_sparse_kv_reserve(e->method, 0, e->p.max_num_batched_tokens);
+        const size_t per = lethe_sparse_kv_reserve(e->method, 1, e->p.max_num_batched_tokens) - base;
+        int64_t nb = per && budget / 4 > base ? (int64_t)((budget / 4 - base) / per) : 0;
+        if (nb > e->p.max_num_seqs) nb = e->p.max_num_seqs;
+        if (nb < 1)
+            return lethe_errorf(LETHE_ERR_CAPACITY,
+                                "KV cache budget of %zu bytes: method %s needs %zu bytes for one running request "
+                                "and a step of %d tokens, more than a quarter of it (raise the budget or lower "
+                                "--max-num-batched-tokens)",
+                                budget, e->method->ops->name, base + per, e->p.max_num_batched_tokens);
+        if (nb < e->p.max_num_seqs) {
+            LOG_INFO("engine: %s raw buffers for %lld running requests (max_num_seqs %d lowered)",
+                     e->method->ops->name, (long long)nb, e->p.max_num_seqs);
+            e->p.max_num_seqs = (int32_t)nb;
+        }
+        const size_t reserve = lethe_sparse_kv_reserve(e->method, e->p.max_num_seqs, e->p.max_num_batched_tokens);
+        LOG_INFO("engine: %s reserves %zu bytes for %d running requests", e->method->ops->name, reserve,
+                 e->p.max_num_seqs);
+        budget -= reserve;
+        e->kv_reserve = reserve;
+    }
     int64_t slots = (int64_t)(budget / tok_bytes);
     int64_t cap = (int64_t)e->p.max_num_seqs * e->max_model_len;
     if (slots > cap) slots = cap;

@@ -175,6 +175,7 @@ struct lethe_engine {
     int32_t max_model_len, n_vocab;
     int32_t kivi_res_blocks;          /* KIVI residual blocks (engine.c size_pool), else 0 */
     lethe_kv_layout *kv_layouts;      /* [n_layers] the method's payload layout, or NULL */
+    size_t kv_reserve;                /* the method's fixed reserve (kv_reserve_bytes, engine.c size_pool) */
 
     /* the parts */
     lethe_runner runner;

@@ -20,6 +20,8 @@ typedef struct lethe_engine_layout {
     int32_t n_vocab, n_layers;
     int32_t kv_slots_per_layer; /* lethe_kv_n_slots: per slot space, the scratch slot included */
     size_t kv_token_bytes;      /* KV bytes of one token over all layers, in the method's format */
+    size_t kv_slot_overhead_bytes; /* the method's per-slot buffers besides the payload (slot_overhead_bytes) */
+    size_t kv_reserve_bytes;    /* the method's fixed reserve for running requests (kv_reserve_bytes) */
     int32_t max_num_seqs, max_num_batched_tokens;
 } lethe_engine_layout;
 

@@ -27,8 +27,9 @@ static lethe_status mr_bind(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max
     for (int32_t l = 0; l < L; l++) {
         mr->k[l] = lethe_kv_k(pool, l);
         mr->v[l] = lethe_kv_v(pool, l);
-        /* a latent-KV model (lethe_kv_k_only) has no V buffers */
-        LETHE_ASSERT(mr->k[l] && (mr->v[l] || lethe_kv_k_only(&mr->model.cfg)));
+        /* a latent-KV model (lethe_kv_k_only) has no V buffers, nor has a
+         * method payload layer of one plane (DeltaKV's latents: its path reads it) */
+        LETHE_ASSERT(mr->k[l] && (mr->v[l] || lethe_kv_k_only(&mr->model.cfg) || lethe_kv_has_layout(pool)));
     }
     (void)n_tokens_max; /* the workspace was sized by mr_workspace */
     return LETHE_OK;

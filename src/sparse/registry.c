@@ -31,6 +31,7 @@
     X(kivi)                                                                                        \
     X(turboquant)                                                                                  \
     X(palu)                                                                                        \
+    X(deltakv)                                                                                     \
     X(fp8_kv)                                                                                      \
     X(kvzip)                                                                                       \
     X(rkv)                                                                                         \

@@ -275,6 +275,12 @@ struct lethe_sparse_ops {
      * besides K and V (Quest: its page bounds); the engine adds them to the
      * per-token cost when it sizes the pool. Default 0. */
     size_t (*slot_overhead_bytes)(const lethe_sparse_method *m);
+    /* backend bytes the method needs besides its per-slot cost, for the
+     * running requests (DeltaKV: the raw KV of every request's sink and
+     * buffer and of one step's new tokens), given the scheduler's bounds;
+     * asked once, when the engine sizes the pool, which takes them off the
+     * KV budget before dividing it into slots. Default 0. */
+    size_t (*kv_reserve_bytes)(lethe_sparse_method *m, int32_t max_num_seqs, int32_t max_num_batched_tokens);
     /* A payload of the method's own (COMPRESSION methods; backend.h
      * lethe_kv_layout): fill layer `layer`'s planes (bytes per slot) and
      * return true, or return false to keep the backend's K / V (no backend,
@@ -420,6 +426,8 @@ lethe_kv_format lethe_sparse_kv_format(const lethe_sparse_method *m); /* NATIVE 
 int32_t lethe_sparse_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                                   int32_t n_total, int32_t chunk); /* n_total without the hook */
 size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m); /* 0 without the hook */
+size_t lethe_sparse_kv_reserve(lethe_sparse_method *m, int32_t max_num_seqs,
+                               int32_t max_num_batched_tokens); /* 0 without the hook */
 /* The method's payload layouts into out[env.n_layers]: true when it declares
  * them (kv_layout answered true for layer 0; then every layer must). */
 bool lethe_sparse_kv_layouts(const lethe_sparse_method *m, lethe_kv_layout *out);

@@ -138,6 +138,10 @@ size_t lethe_sparse_slot_overhead(const lethe_sparse_method *m) {
     return m && m->ops->slot_overhead_bytes ? m->ops->slot_overhead_bytes(m) : 0;
 }
 
+size_t lethe_sparse_kv_reserve(lethe_sparse_method *m, int32_t max_num_seqs, int32_t max_num_batched_tokens) {
+    return m && m->ops->kv_reserve_bytes ? m->ops->kv_reserve_bytes(m, max_num_seqs, max_num_batched_tokens) : 0;
+}
+
 bool lethe_sparse_kv_layouts(const lethe_sparse_method *m, lethe_kv_layout *out) {
     if (!m || !m->ops->kv_layout) return false;
     memset(out, 0, sizeof(*out) * (size_t)m->env.n_layers);

@@ -18,7 +18,14 @@
  *    rel err < 0.25; palu with full-rank identity factors (its payload path:
  *    latents, key reconstruction + RoPE, absorbed output projection, all
  *    through existing backend ops) vs dense on CUDA: same first token, logits
- *    rel err < 3e-2 (bf16 rounding of the scratch keys / absorbed wo). */
+ *    rel err < 3e-2 (bf16 rounding of the scratch keys / absorbed wo);
+ *  - gather_sum (DeltaKV's father means, cuda/elementwise.cu) vs its CPU
+ *    twin on bf16-rounded inputs: rel err < 1e-2 (one bf16 rounding of out),
+ *    K 1..8, repeated indices, scale -1/K and +1/K;
+ *  - deltakv through the engine with the identity compressor, blocks of 8
+ *    and top-16 selection (compression, fathers, reconstruction + RoPE,
+ *    selection all on the device) vs deltakv on the CPU backend and vs CUDA
+ *    dense: same first token, logits rel err < 5e-2. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -230,6 +237,8 @@ static void generate(const char *device, const char *method, gen *o) {
     p.sparse_method = method;
     p.sparse_config = !strcmp(method, "turboquant") ? "turboquant_bits=4"
                       : !strcmp(method, "palu")     ? "palu_factors=@identity"
+                      : !strcmp(method, "deltakv")  ? "deltakv_compressor=@identity,sink_keep_tokens=4,"
+                                                      "recent_keep_tokens=8,decode_keep_tokens=16,deltakv_full_layers=0"
                                                     : NULL;
     lethe_engine *e = NULL;
     CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s on %s: %s", method, device, lethe_engine_last_error());
@@ -245,6 +254,29 @@ static void generate(const char *device, const char *method, gen *o) {
     while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
     lethe_engine_destroy(e);
     CHECK_EQ_INT(o->n, 16);
+}
+
+static void test_gather_sum(void) {
+    const int cases[4][4] = {{1, 7, 64, 40}, {4, 33, 256, 100}, {8, 5, 96, 17}, {3, 300, 2048, 64}}; /* K, n, dim, rows */
+    for (int c = 0; c < 4; c++) {
+        const int K = cases[c][0], n = cases[c][1], dim = cases[c][2], rows = cases[c][3];
+        float *src = rand_bf16((size_t)rows * dim, 2), *out = rand_bf16((size_t)n * dim, 1);
+        float *ref = lethe_xmalloc((size_t)n * dim * sizeof(float)), *got = lethe_xmalloc((size_t)n * dim * sizeof(float));
+        int32_t *idx = lethe_xmalloc((size_t)n * K * sizeof(int32_t));
+        for (int i = 0; i < n * K; i++) idx[i] = (int32_t)(lethe_splitmix64(&g_rng) % (uint64_t)rows);
+        if (n > 1) idx[K - 1] = idx[0]; /* a repeated father */
+        const float scale = c % 2 ? 1.0f / K : -1.0f / K;
+        memcpy(ref, out, (size_t)n * dim * sizeof(float));
+        g_cpu->ops->gather_sum(g_cpu, ref, src, idx, n, K, dim, scale);
+        void *ds = upload(g_gpu, src, (size_t)rows * dim), *dout = upload(g_gpu, out, (size_t)n * dim);
+        g_gpu->ops->gather_sum(g_gpu, dout, ds, idx, n, K, dim, scale);
+        g_gpu->ops->act_to_host(g_gpu, got, dout, (size_t)n * dim);
+        const double e = rel_err(got, ref, (size_t)n * dim);
+        fprintf(stderr, "    gather_sum K %d n %d dim %d: rel err %.2e\n", K, n, dim, e);
+        CHECK(e < 1e-2);
+        g_gpu->ops->release(g_gpu, ds), g_gpu->ops->release(g_gpu, dout);
+        free(src), free(out), free(ref), free(got), free(idx);
+    }
 }
 
 static void test_engine(void) {
@@ -268,7 +300,16 @@ static void test_engine(void) {
     fprintf(stderr, "    tiny-llama CUDA palu @identity vs CUDA dense: %d/16 tokens equal, logits rel err %.3g\n", same_pl,
             ep);
     CHECK(ep < 3e-2 && d.tok[0] == pl.tok[0]);
-    free(d.logits), free(t.logits), free(c.logits), free(pl.logits);
+    gen dg, dc;
+    generate("cuda", "deltakv", &dg);
+    generate("cpu", "deltakv", &dc);
+    int same_dk = 0;
+    while (same_dk < 16 && dc.tok[same_dk] == dg.tok[same_dk]) same_dk++;
+    const double edc = rel_err(dg.logits, dc.logits, (size_t)d.V), edd = rel_err(dg.logits, d.logits, (size_t)d.V);
+    fprintf(stderr, "    tiny-llama deltakv @identity, blocks of 8, top-16: CUDA vs CPU %d/16 tokens equal, logits rel "
+            "err %.3g; vs CUDA dense %.3g\n", same_dk, edc, edd);
+    CHECK(edc < 5e-2 && edd < 5e-2 && dg.tok[0] == dc.tok[0] && dg.tok[0] == d.tok[0]);
+    free(d.logits), free(t.logits), free(c.logits), free(pl.logits), free(dg.logits), free(dc.logits);
 }
 
 int main(void) {
@@ -278,6 +319,7 @@ int main(void) {
     lethe_status st = lethe_backend_create(&pg, &g_gpu);
     CHECK_MSG(st == LETHE_OK, "cuda backend: %s", lethe_last_error());
     TEST_RUN(test_ops);
+    TEST_RUN(test_gather_sum);
     TEST_RUN(test_engine);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
