@@ -7,6 +7,8 @@
 #include "fit.h"
 
 #include <dirent.h>
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,6 +168,95 @@ lethe_status lethe_fit_forward(lethe_fit_ctx *c, const lethe_fit_params *fp, let
     return st;
 }
 
+/* cyclic Jacobi: A [n][n] symmetric (destroyed) -> eigenvalues w (descending)
+ * and eigenvectors as the columns of V */
+void lethe_fit_jacobi(double *A, int n, double *w, double *V) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) V[i * n + j] = i == j;
+    for (int sweep = 0; sweep < 60; sweep++) {
+        double off = 0, diag = 0;
+        for (int i = 0; i < n; i++) {
+            diag += A[i * n + i] * A[i * n + i];
+            for (int j = i + 1; j < n; j++) off += A[i * n + j] * A[i * n + j];
+        }
+        if (off <= 1e-30 * diag) break;
+        for (int p = 0; p < n; p++)
+            for (int q = p + 1; q < n; q++) {
+                const double apq = A[p * n + q];
+                if (fabs(apq) < 1e-300) continue;
+                const double theta = (A[q * n + q] - A[p * n + p]) / (2 * apq);
+                const double t = (theta >= 0 ? 1 : -1) / (fabs(theta) + sqrt(theta * theta + 1));
+                const double c = 1 / sqrt(t * t + 1), s = t * c;
+                for (int k = 0; k < n; k++) { /* A = J^T A J */
+                    const double akp = A[k * n + p], akq = A[k * n + q];
+                    A[k * n + p] = c * akp - s * akq;
+                    A[k * n + q] = s * akp + c * akq;
+                }
+                for (int k = 0; k < n; k++) {
+                    const double apk = A[p * n + k], aqk = A[q * n + k];
+                    A[p * n + k] = c * apk - s * aqk;
+                    A[q * n + k] = s * apk + c * aqk;
+                }
+                for (int k = 0; k < n; k++) {
+                    const double vkp = V[k * n + p], vkq = V[k * n + q];
+                    V[k * n + p] = c * vkp - s * vkq;
+                    V[k * n + q] = s * vkp + c * vkq;
+                }
+            }
+    }
+    int *ord = lethe_xmalloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) ord[i] = i;
+    for (int i = 0; i < n; i++) /* selection sort, descending (n <= 256) */
+        for (int j = i + 1; j < n; j++)
+            if (A[ord[j] * n + ord[j]] > A[ord[i] * n + ord[i]]) {
+                int t = ord[i];
+                ord[i] = ord[j], ord[j] = t;
+            }
+    double *Vs = lethe_xmalloc((size_t)n * n * sizeof(double));
+    for (int i = 0; i < n; i++) {
+        w[i] = A[ord[i] * n + ord[i]];
+        for (int k = 0; k < n; k++) Vs[k * n + i] = V[k * n + ord[i]];
+    }
+    memcpy(V, Vs, (size_t)n * n * sizeof(double));
+    free(Vs), free(ord);
+}
+
+/* ---- safetensors writer: u64 header length, JSON header (8-byte padded), F32 data ---- */
+
+lethe_status lethe_fit_write_safetensors(const char *path, const lethe_fit_tensor *e, size_t n_e,
+                                         const char *meta_json) {
+    lethe_sbuf h = {0};
+    lethe_sbuf_puts(&h, "{\"__metadata__\":");
+    lethe_sbuf_puts(&h, meta_json);
+    size_t off = 0;
+    char tmp[256];
+    for (size_t i = 0; i < n_e; i++) {
+        LETHE_ASSERT(e[i].n_dims >= 1 && e[i].n_dims <= 3);
+        snprintf(tmp, sizeof(tmp), ",\"%s\":{\"dtype\":\"F32\",\"shape\":[", e[i].name);
+        lethe_sbuf_puts(&h, tmp);
+        for (int d = 0; d < e[i].n_dims; d++) {
+            snprintf(tmp, sizeof(tmp), "%s%lld", d ? "," : "", (long long)e[i].shape[d]);
+            lethe_sbuf_puts(&h, tmp);
+        }
+        snprintf(tmp, sizeof(tmp), "],\"data_offsets\":[%zu,%zu]}", off, off + e[i].n * sizeof(float));
+        lethe_sbuf_puts(&h, tmp);
+        off += e[i].n * sizeof(float);
+    }
+    lethe_sbuf_puts(&h, "}");
+    while (h.n % 8) lethe_sbuf_puts(&h, " ");
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        free(h.s);
+        return lethe_errorf(LETHE_ERR_IO, "lethe fit: cannot write %s: %s", path, strerror(errno));
+    }
+    const uint64_t hl = h.n;
+    bool ok = fwrite(&hl, 8, 1, f) == 1 && fwrite(h.s, 1, h.n, f) == h.n;
+    for (size_t i = 0; ok && i < n_e; i++) ok = fwrite(e[i].data, sizeof(float), e[i].n, f) == e[i].n;
+    ok = fclose(f) == 0 && ok;
+    free(h.s);
+    return ok ? LETHE_OK : lethe_errorf(LETHE_ERR_IO, "lethe fit: writing %s failed", path);
+}
+
 /* ---- the command ---- */
 
 static const char *k_usage = "lethe fit <method> MODEL [options]";
@@ -174,11 +265,13 @@ int lethe_cmd_fit(int argc, char **argv) {
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
         fprintf(argc < 2 ? stderr : stdout,
                 "usage: %s\n\nFits the offline assets of a sparse method from the model's weights and a "
-                "calibration text.\nmethods:\n  palu   low-rank K / V factors (whitened SVD per head group)\n"
-                "`lethe fit palu --help` for its options.\n", k_usage);
+                "calibration text.\nmethods:\n  palu      low-rank K / V factors (whitened SVD per head group)\n"
+                "  deltakv   residual compressor (PCA of KV minus the mean of its nearest centers)\n"
+                "`lethe fit METHOD --help` for its options.\n", k_usage);
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "palu")) return lethe_fit_palu(argc - 1, argv + 1);
-    fprintf(stderr, "lethe fit: no fitting for method '%s' (methods: palu)\n", argv[1]);
+    if (!strcmp(argv[1], "deltakv")) return lethe_fit_deltakv(argc - 1, argv + 1);
+    fprintf(stderr, "lethe fit: no fitting for method '%s' (methods: palu, deltakv)\n", argv[1]);
     return 2;
 }

@@ -5,6 +5,7 @@
 #define LETHE_TOOLS_FIT_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "backend/backend.h"
@@ -44,6 +45,23 @@ typedef void (*lethe_fit_kv_fn)(void *user, int32_t layer, const float *k, const
  * from position 0), calling fn for every layer. */
 lethe_status lethe_fit_forward(lethe_fit_ctx *c, const lethe_fit_params *fp, lethe_fit_kv_fn fn, void *user);
 
-int lethe_fit_palu(int argc, char **argv); /* fit_palu.c */
+/* cyclic Jacobi: A [n][n] symmetric (destroyed) -> eigenvalues w
+ * (descending) and eigenvectors as the columns of V [n][n] */
+void lethe_fit_jacobi(double *A, int n, double *w, double *V);
+
+/* one F32 tensor of an asset file */
+typedef struct lethe_fit_tensor {
+    char name[48];
+    int n_dims;               /* 1 .. 3 */
+    int64_t shape[3];
+    const float *data;
+    size_t n;                 /* elements */
+} lethe_fit_tensor;
+/* writes the tensors as a safetensors file with {"__metadata__": meta_json} */
+lethe_status lethe_fit_write_safetensors(const char *path, const lethe_fit_tensor *e, size_t n_e,
+                                         const char *meta_json);
+
+int lethe_fit_palu(int argc, char **argv);    /* fit_palu.c */
+int lethe_fit_deltakv(int argc, char **argv); /* fit_deltakv.c */
 
 #endif /* LETHE_TOOLS_FIT_H */

@@ -57,59 +57,6 @@ static void acc_kv(void *user, int32_t layer, const float *k, const float *v, in
     if (layer == 0) a->n_tok += n;
 }
 
-/* cyclic Jacobi: A [n][n] symmetric (destroyed) -> eigenvalues w (descending)
- * and eigenvectors as the columns of V */
-static void jacobi(double *A, int n, double *w, double *V) {
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < n; j++) V[i * n + j] = i == j;
-    for (int sweep = 0; sweep < 60; sweep++) {
-        double off = 0, diag = 0;
-        for (int i = 0; i < n; i++) {
-            diag += A[i * n + i] * A[i * n + i];
-            for (int j = i + 1; j < n; j++) off += A[i * n + j] * A[i * n + j];
-        }
-        if (off <= 1e-30 * diag) break;
-        for (int p = 0; p < n; p++)
-            for (int q = p + 1; q < n; q++) {
-                const double apq = A[p * n + q];
-                if (fabs(apq) < 1e-300) continue;
-                const double theta = (A[q * n + q] - A[p * n + p]) / (2 * apq);
-                const double t = (theta >= 0 ? 1 : -1) / (fabs(theta) + sqrt(theta * theta + 1));
-                const double c = 1 / sqrt(t * t + 1), s = t * c;
-                for (int k = 0; k < n; k++) { /* A = J^T A J */
-                    const double akp = A[k * n + p], akq = A[k * n + q];
-                    A[k * n + p] = c * akp - s * akq;
-                    A[k * n + q] = s * akp + c * akq;
-                }
-                for (int k = 0; k < n; k++) {
-                    const double apk = A[p * n + k], aqk = A[q * n + k];
-                    A[p * n + k] = c * apk - s * aqk;
-                    A[q * n + k] = s * apk + c * aqk;
-                }
-                for (int k = 0; k < n; k++) {
-                    const double vkp = V[k * n + p], vkq = V[k * n + q];
-                    V[k * n + p] = c * vkp - s * vkq;
-                    V[k * n + q] = s * vkp + c * vkq;
-                }
-            }
-    }
-    int *ord = lethe_xmalloc((size_t)n * sizeof(int));
-    for (int i = 0; i < n; i++) ord[i] = i;
-    for (int i = 0; i < n; i++) /* selection sort, descending (n <= 256) */
-        for (int j = i + 1; j < n; j++)
-            if (A[ord[j] * n + ord[j]] > A[ord[i] * n + ord[i]]) {
-                int t = ord[i];
-                ord[i] = ord[j], ord[j] = t;
-            }
-    double *Vs = lethe_xmalloc((size_t)n * n * sizeof(double));
-    for (int i = 0; i < n; i++) {
-        w[i] = A[ord[i] * n + ord[i]];
-        for (int k = 0; k < n; k++) Vs[k * n + i] = V[k * n + ord[i]];
-    }
-    memcpy(V, Vs, (size_t)n * n * sizeof(double));
-    free(Vs), free(ord);
-}
-
 /* down [r][gd] = Sigma_r^(-1/2) U_r^T, up [gd][r] = U_r Sigma_r^(1/2) with
  * Sigma = sqrt(eigenvalues of the normalized covariance); returns the energy kept */
 static double factor(double *C, int gd, int r, int64_t n_tok, float *down, float *up) {
@@ -117,7 +64,7 @@ static double factor(double *C, int gd, int r, int64_t n_tok, float *down, float
         for (int j = 0; j < i; j++) C[i * gd + j] = C[j * gd + i]; /* the upper triangle was accumulated */
     for (int i = 0; i < gd * gd; i++) C[i] /= (double)n_tok;
     double *w = lethe_xmalloc((size_t)gd * sizeof(double)), *U = lethe_xmalloc((size_t)gd * gd * sizeof(double));
-    jacobi(C, gd, w, U);
+    lethe_fit_jacobi(C, gd, w, U);
     double total = 0, kept = 0;
     for (int i = 0; i < gd; i++) total += fmax(w[i], 0);
     const double floor_ = fmax(w[0], 1e-30) * 1e-10; /* rank-deficient directions: bounded scale */
@@ -131,43 +78,6 @@ static double factor(double *C, int gd, int r, int64_t n_tok, float *down, float
     }
     free(w), free(U);
     return total > 0 ? kept / total : 1.0;
-}
-
-/* ---- safetensors writer: u64 header length, JSON header (8-byte padded), data ---- */
-
-typedef struct st_entry {
-    char name[48];
-    int64_t shape[3];
-    const float *data;
-    size_t n;
-} st_entry;
-
-static lethe_status write_safetensors(const char *path, const st_entry *e, size_t n_e, const char *meta_json) {
-    lethe_sbuf h = {0};
-    lethe_sbuf_puts(&h, "{\"__metadata__\":");
-    lethe_sbuf_puts(&h, meta_json);
-    size_t off = 0;
-    char tmp[256];
-    for (size_t i = 0; i < n_e; i++) {
-        snprintf(tmp, sizeof(tmp), ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld,%lld,%lld],\"data_offsets\":[%zu,%zu]}",
-                 e[i].name, (long long)e[i].shape[0], (long long)e[i].shape[1], (long long)e[i].shape[2], off,
-                 off + e[i].n * sizeof(float));
-        lethe_sbuf_puts(&h, tmp);
-        off += e[i].n * sizeof(float);
-    }
-    lethe_sbuf_puts(&h, "}");
-    while (h.n % 8) lethe_sbuf_puts(&h, " ");
-    FILE *f = fopen(path, "wb");
-    if (!f) {
-        free(h.s);
-        return lethe_errorf(LETHE_ERR_IO, "lethe fit palu: cannot write %s: %s", path, strerror(errno));
-    }
-    const uint64_t hl = h.n;
-    bool ok = fwrite(&hl, 8, 1, f) == 1 && fwrite(h.s, 1, h.n, f) == h.n;
-    for (size_t i = 0; ok && i < n_e; i++) ok = fwrite(e[i].data, sizeof(float), e[i].n, f) == e[i].n;
-    ok = fclose(f) == 0 && ok;
-    free(h.s);
-    return ok ? LETHE_OK : lethe_errorf(LETHE_ERR_IO, "lethe fit palu: writing %s failed", path);
 }
 
 static int32_t rank_of(int32_t gd, int32_t hd, double ratio) {
@@ -236,7 +146,7 @@ int lethe_fit_palu(int argc, char **argv) {
     else default_out(fp.model, ratio, dir, sizeof(dir));
     if (st == LETHE_OK && mkdir(dir, 0755) && errno != EEXIST)
         st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: mkdir %s: %s", dir, strerror(errno));
-    st_entry *ents = lethe_xcalloc((size_t)a.L * 4, sizeof(st_entry));
+    lethe_fit_tensor *ents = lethe_xcalloc((size_t)a.L * 4, sizeof(lethe_fit_tensor));
     float *bufs = lethe_xmalloc((size_t)a.L * 4 * a.ng * r * a.gd * sizeof(float));
     double ek = 0, ev = 0, ek_min = 1, ev_min = 1;
     for (int32_t l = 0; l < a.L && st == LETHE_OK; l++) {
@@ -251,10 +161,10 @@ int lethe_fit_palu(int argc, char **argv) {
         const char *what[4] = {"k_down", "k_up", "v_down", "v_up"};
         float *data[4] = {kd, ku, vd, vu};
         for (int i = 0; i < 4; i++) {
-            st_entry *e = &ents[4 * l + i];
+            lethe_fit_tensor *e = &ents[4 * l + i];
             snprintf(e->name, sizeof(e->name), "layers.%d.%s", l, what[i]);
             const bool down = i % 2 == 0;
-            e->shape[0] = a.ng, e->shape[1] = down ? r : a.gd, e->shape[2] = down ? a.gd : r;
+            e->n_dims = 3, e->shape[0] = a.ng, e->shape[1] = down ? r : a.gd, e->shape[2] = down ? a.gd : r;
             e->data = data[i];
             e->n = (size_t)a.ng * r * a.gd;
         }
@@ -262,7 +172,7 @@ int lethe_fit_palu(int argc, char **argv) {
     const double n_groups_total = (double)a.L * a.ng;
     if (st == LETHE_OK) {
         snprintf(path, sizeof(path), "%s/palu.safetensors", dir);
-        st = write_safetensors(path, ents, (size_t)a.L * 4, "{\"format\":\"lethe-palu-1\"}");
+        st = lethe_fit_write_safetensors(path, ents, (size_t)a.L * 4, "{\"format\":\"lethe-palu-1\"}");
     }
     if (st == LETHE_OK) {
         cJSON *j = cJSON_CreateObject();
