@@ -3,8 +3,8 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,stepprof,mmcmp,replay,basecmp
-# (default: build,test,bench,dev,peer,plot,profile; sparse, prefill, stepprof,
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,basecmp
+# (default: build,test,bench,dev,peer,plot,profile; sparse, prefill, compress, stepprof,
 # mmcmp, replay and basecmp only when named).
 #
 #   basecmp before vs after in one call: the tree of an earlier commit, carried
@@ -34,6 +34,16 @@
 #           8K chunks. ~3 min. PREFILL_ARGS adds/overrides flags (e.g.
 #           "--method-config flashprefill:flashprefill_threshold=0.01").
 #           -> $OUT/prefill.{log,json}
+#   compress  the compression methods vs dense, dummy Llama-3.1-8B: first
+#           `lethe fit palu` ON THE DUMMY WEIGHTS (rank ratio 0.5; README.md +
+#           docs/architecture.md as calibration text; factors of random weights:
+#           speed and capacity only, never quality) into /tmp, then `bench
+#           sparse --parts matched` of turboquant (4 bit), palu (those
+#           factors), deltakv (@random compressor, latent 128: random
+#           projections with the real shapes, speed only; s 64, r 512) at
+#           batch 8 x 32K and batch 2 x 128K (COMPRESS_INPUTS). Prints KV bytes
+#           per token, tokens per GiB, slots, reserve, decode tok/s per method.
+#           -> $OUT/compress-L.{log,json}. COMPRESS_ARGS adds flags.
 #   stepprof  ncu over one real decode step (LETHE_PROFILE_STEP=${PROF_STEP:-20})
 #           of each engine of `lethe bench sparse --parts matched` (dense,
 #           then ${PROF_METHODS:-quest,omnikv}) at batch 8 x 32K: per step the
@@ -199,6 +209,23 @@ if has prefill; then
         ${PREFILL_ARGS:-} --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log"
     add_gpu "$OUT/prefill.json"
     log "prefill: ($(( $(date +%s) - t0 ))s)"
+fi
+if has compress; then
+    t0=$(date +%s)
+    cfg=configs/llama-3.1-8b-instruct/config.json
+    ./build/lethe fit palu $cfg --load-format dummy --tokenizer .deb/tokenizers/llama3 --device cuda \
+        --calib README.md --calib docs/architecture.md --samples 2 --seq-len 1024 --rank-ratio 0.5 \
+        --out /tmp/palu-dummy-0.50 >"$OUT/compress-fit.log" 2>&1 || echo "compress: fit palu rc=$?" >>"$OUT/summary.txt"
+    for spec in ${COMPRESS_INPUTS:-8x32768 2x130560}; do
+        b=${spec%x*}; L=${spec#*x}
+        ./build/lethe bench sparse -m $cfg --load-format dummy --device cuda --parts matched --budget 2048 \
+            --matched-methods turboquant,palu,deltakv --matched-batch "$b" --matched-input "$L" --matched-output 64 \
+            --method-config turboquant:turboquant_bits=4 --method-config palu:palu_factors=/tmp/palu-dummy-0.50 \
+            --method-config deltakv:deltakv_compressor=@random,deltakv_latent=128 \
+            --no-progress ${COMPRESS_ARGS:-} --json "$OUT/compress-$L.json" 2>&1 | tee "$OUT/compress-$L.log"
+        add_gpu "$OUT/compress-$L.json"
+    done
+    log "compress: ($(( $(date +%s) - t0 ))s)"
 fi
 if has stepprof; then
     t0=$(date +%s)
