@@ -9,9 +9,12 @@
  *   - same seed -> identical codes; quant / dequant scales with the norm;
  *     a zero vector stays zero without NaN;
  *   - fp16 conversion equals the compiler's _Float16 on every half value and
- *     on random floats (round to nearest even). */
+ *     on random floats (round to nearest even).
+ * `test_tq_codec --dump FILE` writes codebooks, distortions and quantized
+ * vectors for the numpy reference tests/ref/test_turboquant_ref.py. */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -133,7 +136,40 @@ static void test_fp16(void) {
     }
 }
 
-int main(void) {
+/* per (bits 1..4, d 64 / 128): int32 bits, d; f32 centroids [2^b], bounds
+ * [2^b - 1]; f64 distortion; then rotation (seed 3) f32 [d][d] and 16 vectors:
+ * f32 x [d], f32 dequantized [d], u16 norm, u8 codes unpacked [d] */
+static int dump(const char *path) {
+    FILE *f = fopen(path, "wb");
+    CHECK(f);
+    for (int32_t b = 1; b <= 4; b++)
+        for (int32_t d = 64; d <= 128; d += 64) {
+            float c[16], bd[15], *rot = lethe_xmalloc((size_t)d * d * sizeof(float)), x[128], xh[128];
+            lethe_tq_codebook(b, d, c, bd);
+            const double dist = lethe_tq_distortion(b, d);
+            fwrite((int32_t[2]){b, d}, 4, 2, f);
+            fwrite(c, 4, (size_t)1 << b, f);
+            fwrite(bd, 4, ((size_t)1 << b) - 1, f);
+            fwrite(&dist, 8, 1, f);
+            lethe_tq_rotation(3, d, rot);
+            fwrite(rot, 4, (size_t)d * d, f);
+            for (int v = 0; v < 16; v++) {
+                uint8_t codes[128], un[128];
+                uint16_t n;
+                for (int32_t i = 0; i < d; i++) x[i] = (float)gauss() * (1.0f + (float)v);
+                lethe_tq_quant_vec(x, d, b, rot, bd, codes, &n);
+                lethe_tq_dequant_vec(codes, n, d, b, rot, c, xh);
+                for (int32_t i = 0; i < d; i++) un[i] = (uint8_t)lethe_tq_code(codes, i, b);
+                fwrite(x, 4, (size_t)d, f), fwrite(xh, 4, (size_t)d, f), fwrite(&n, 2, 1, f), fwrite(un, 1, (size_t)d, f);
+            }
+            free(rot);
+        }
+    fclose(f);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && !strcmp(argv[1], "--dump")) return dump(argv[2]);
     TEST_RUN(test_rotation);
     TEST_RUN(test_codebooks);
     TEST_RUN(test_mse_unit_vectors);
