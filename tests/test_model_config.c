@@ -75,6 +75,19 @@ static void test_qwen_family(void) {
     CHECK_EQ_INT(c.n_layers, 64);
     CHECK_EQ_INT(c.head_dim, 256);
     CHECK(c.rope.theta == 1e7f); /* from rope_parameters */
+    /* hybrid: 16 x (3 DeltaNet + 1 gated attention), partial rotary 0.25 */
+    CHECK_EQ_INT(c.n_linear_layers, 48);
+    for (int32_t l = 0; l < c.n_layers; l++) CHECK(lethe_layer_is_linear(&c, l) == ((l + 1) % 4 != 0));
+    CHECK_EQ_INT(c.lin_k_heads, 16);
+    CHECK_EQ_INT(c.lin_v_heads, 48);
+    CHECK_EQ_INT(c.lin_k_dim, 128);
+    CHECK_EQ_INT(c.lin_v_dim, 128);
+    CHECK_EQ_INT(c.lin_conv, 4);
+    CHECK_EQ_INT(lethe_lin_conv_dim(&c), 10240);
+    CHECK_EQ_INT(c.rope.rot_dim, 64);
+    CHECK(c.attn_out_gate && c.norm_unit_offset && c.qk_norm && !c.tie_embeddings);
+    CHECK_EQ_INT(c.n_kv_heads, 4);
+    CHECK_EQ_INT(c.eos_ids[0], 248046);
 }
 
 /* writes `json` as <dir>/config.json in a fresh temp dir; returns the config path */

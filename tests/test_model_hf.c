@@ -14,6 +14,12 @@
  *  - tiny-glm4-moe-lite (latent attention, sigmoid group routing, a shared
  *    expert, an unused multi-token-prediction layer): the same three checks,
  *    the GGUF as llama.cpp's deepseek2.
+ *  - tiny-qwen3_5 (hybrid: Gated DeltaNet + gated attention with partial
+ *    RoPE, zero-centred norms, the multimodal layout with a vision tensor to
+ *    skip): the short sequences split at 7/16 and at 64 tokens vs HF and
+ *    bit-identical batched; a 2,000-token sequence (32 delta-rule chunks):
+ *    top-1 everywhere, rel err, one call == chunks of 512; 64 greedy tokens
+ *    after it and after seq0 (the one-step decode update) vs HF generate.
  *  - SmolLM2-135M-Instruct (the default GGUF, Q4_1 blocks kept as stored;
  *    first checked bit-identical to the same file dequantized at load): 3 chat
  *    prompts, one of 2,200 tokens, prefilled in chunks of up to 512 tokens:
@@ -94,11 +100,15 @@ static const ref_array *ref_get(const ref_file *f, const char *name) {
 
 /* ---- a model with a dense contiguous KV cache ------------------------------------- */
 
+#define HARNESS_STATES 8
+
 typedef struct harness {
     lethe_backend *be;
     lethe_model m;
     int32_t n_slots;
-    void **k, **v;        /* per-layer caches [n_slots, kv_dim] */
+    void **k, **v;        /* per-layer caches [n_slots, kv_dim]; linear-attention layers:
+                           * their recurrent / conv states [HARNESS_STATES] */
+    int32_t state_slots[8]; /* sequence s of a batch owns state slot s */
     /* the plan of the current forward (same for every layer) */
     int32_t *store, *sel, sel_begin[8];
 } harness;
@@ -125,9 +135,13 @@ static void harness_open_w(harness *h, const char *path, int32_t n_slots, int32_
     h->k = lethe_xcalloc(c->n_layers, sizeof(void *));
     h->v = lethe_xcalloc(c->n_layers, sizeof(void *));
     for (int l = 0; l < c->n_layers; l++) {
-        CHECK(h->be->ops->alloc(h->be, kv_bytes, &h->k[l]) == LETHE_OK);
-        CHECK(h->be->ops->alloc(h->be, kv_bytes, &h->v[l]) == LETHE_OK);
+        const bool lin = lethe_layer_is_linear(c, l);
+        CHECK(h->be->ops->alloc(h->be, lin ? lethe_model_state_rec_bytes(c, HARNESS_STATES) : kv_bytes,
+                                &h->k[l]) == LETHE_OK);
+        CHECK(h->be->ops->alloc(h->be, lin ? lethe_model_state_conv_bytes(c, HARNESS_STATES) : kv_bytes,
+                                &h->v[l]) == LETHE_OK);
     }
+    for (int s = 0; s < 8; s++) h->state_slots[s] = s;
     h->store = lethe_xmalloc((size_t)n_slots * sizeof(int32_t));
     h->sel = lethe_xmalloc((size_t)n_slots * sizeof(int32_t));
 }
@@ -170,7 +184,8 @@ static void run_batch(harness *h, int n_seqs, const int32_t *const *tokens, cons
         CHECK(e <= h->n_slots);
     }
     lethe_fwd_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .n_seqs = n_seqs,
-                         .seq_begin = seq_begin, .n_logits = n, .logit_rows = rows};
+                         .seq_begin = seq_begin, .n_logits = n, .logit_rows = rows,
+                         .state_slots = h->m.cfg.n_linear_layers > 0 ? h->state_slots : NULL};
     lethe_fwd_hooks hooks = {.ctx = h, .plan_layer = plan_layer};
     lethe_model_forward(&h->m, &b, h->k, h->v, &hooks, logits);
     free(tok), free(pos), free(rows);
@@ -440,6 +455,141 @@ static void test_tiny_qwen3_moe(void) {
 static void test_tiny_qwen2(void) { check_tiny("qwen2"); }
 static void test_tiny_qwen3(void) { check_tiny("qwen3"); }
 
+/* ---- hybrid linear attention (qwen3_5) --------------------------------------------- */
+
+/* The three short sequences: (a) alone in chunks of 7 then 16 tokens (the
+ * DeltaNet state and conv state carried across calls, a chunk boundary of
+ * the delta rule inside a call) vs HF; (b) alone in chunks of 64 and (c) all
+ * three in one ragged batch: bit-identical to each other (calls split at
+ * multiples of LETHE_GDN_CHUNK run the same arithmetic) and to HF. */
+static void test_tiny_qwen3_5(void) {
+    ref_file rf;
+    ref_load(&rf, "tests/data/hf-ref/tiny-qwen3_5.bin");
+    harness h;
+    harness_open(&h, "tests/data/tiny-qwen3_5", 3 * 128, 160);
+    const lethe_model_config *c = &h.m.cfg;
+    CHECK(c->n_linear_layers == 3 && !lethe_layer_is_linear(c, 2) && c->rope.rot_dim == 8);
+    CHECK(h.m.w.layers[0].wq == NULL && h.m.w.layers[2].wq_gate != NULL);
+    const int32_t V = c->n_vocab;
+    const int32_t *tokens[3];
+    int32_t T[3], total = 0;
+    const float *ref[3];
+    for (int s = 0; s < 3; s++) {
+        char name[32];
+        snprintf(name, sizeof(name), "seq%d.tokens", s);
+        const ref_array *a = ref_get(&rf, name);
+        tokens[s] = a->data, T[s] = (int32_t)a->n, total += T[s];
+        snprintf(name, sizeof(name), "seq%d.logits", s);
+        ref[s] = ref_get(&rf, name)->data;
+    }
+    float *split = lethe_xmalloc((size_t)total * V * 4), *alone = lethe_xmalloc((size_t)total * V * 4);
+    for (int pass = 0; pass < 2; pass++) {
+        float *out = pass ? alone : split;
+        for (int s = 0; s < 3; s++) {
+            for (int32_t at = 0; at < T[s];) {
+                int32_t len = LETHE_MIN(pass ? LETHE_GDN_CHUNK : at == 0 ? 7 : 16, T[s] - at);
+                int32_t base = 0;
+                run_batch(&h, 1, &tokens[s], &at, &len, &base, out + (size_t)at * V);
+                at += len;
+            }
+            for (int32_t i = 0; i < T[s]; i++)
+                CHECK_MSG(argmax_row(out + (size_t)i * V, V) == argmax_row(ref[s] + (size_t)i * V, V),
+                          "qwen3_5 seq %d pos %d: top-1 differs", s, i);
+            double err = rel_err(out, ref[s], (size_t)T[s] * V);
+            fprintf(stderr, "    qwen3_5 seq %d (%d tokens, chunks of %s): rel err %.2e\n", s, T[s],
+                    pass ? "64" : "7/16", err);
+            CHECK_MSG(err <= 1e-4, "qwen3_5 seq %d: rel err %g", s, err);
+            out += (size_t)T[s] * V;
+        }
+    }
+    float *batched = lethe_xmalloc((size_t)total * V * 4);
+    int32_t start[3] = {0, 0, 0}, base[3] = {0, 128, 256};
+    run_batch(&h, 3, tokens, start, T, base, batched);
+    CHECK_MSG(!memcmp(batched, alone, (size_t)total * V * 4), "qwen3_5: batched != alone");
+    free(split), free(alone), free(batched);
+    ref_free(&rf);
+    harness_close(&h);
+}
+
+/* Greedy decode of `n_gen` tokens after tokens[0..T) (prefilled in chunks of
+ * `chunk`), one token per forward through the one-step delta rule, vs HF. */
+static void hybrid_greedy(harness *h, const int32_t *prompt, int32_t T, int32_t chunk,
+                          const ref_array *want, const ref_array *gap, const char *what) {
+    const int32_t V = h->m.cfg.n_vocab, G = (int32_t)want->n;
+    int32_t *seq = lethe_xmalloc((size_t)(T + G) * 4);
+    memcpy(seq, prompt, (size_t)T * 4);
+    float *logits = lethe_xmalloc((size_t)chunk * V * 4);
+    const int32_t *tp = seq;
+    int32_t base = 0;
+    for (int32_t at = 0; at < T;) {
+        int32_t len = LETHE_MIN(chunk, T - at);
+        run_batch(h, 1, &tp, &at, &len, &base, logits);
+        at += len;
+        if (at == T) seq[T] = argmax_row(logits + (size_t)(len - 1) * V, V);
+    }
+    for (int32_t g = 1; g < G; g++) {
+        int32_t at = T + g - 1, len = 1;
+        run_batch(h, 1, &tp, &at, &len, &base, logits);
+        seq[T + g] = argmax_row(logits, V);
+    }
+    const int32_t *w = want->data;
+    for (int32_t g = 0; g < G; g++)
+        CHECK_MSG(seq[T + g] == w[g], "qwen3_5 %s: greedy token %d is %d, HF %d (HF gap %g)", what,
+                  g, seq[T + g], w[g], ((const float *)gap->data)[g]);
+    fprintf(stderr, "    qwen3_5 %s: %d greedy tokens identical to HF\n", what, G);
+    free(seq), free(logits);
+}
+
+/* The 2,000-token sequence: prefilled in chunks of 512 (32 delta-rule chunks
+ * in all), top-1 identical to HF at every position and rel err <= 1e-4 over
+ * the stored rows; the same prompt in one call is bit-identical; then 64
+ * greedy tokens after it and after seq0, identical to HF generate. */
+static void test_tiny_qwen3_5_long(void) {
+    ref_file rf;
+    ref_load(&rf, "tests/data/hf-ref/tiny-qwen3_5.bin");
+    const ref_array *tok_a = ref_get(&rf, "long.tokens"), *top1 = ref_get(&rf, "long.top1");
+    const ref_array *gap = ref_get(&rf, "long.gap"), *pos_a = ref_get(&rf, "long.pos");
+    const ref_array *lg = ref_get(&rf, "long.logits");
+    const int32_t T = (int32_t)tok_a->n, P = (int32_t)pos_a->n, CH = 512;
+    CHECK(T == 2000 && T > 30 * LETHE_GDN_CHUNK);
+    harness h;
+    harness_open(&h, "tests/data/tiny-qwen3_5", T + 64, T);
+    const int32_t V = h.m.cfg.n_vocab;
+    float *chunked = lethe_xmalloc((size_t)T * V * 4), *whole = lethe_xmalloc((size_t)T * V * 4);
+    const int32_t *tp = tok_a->data;
+    int32_t base = 0;
+    for (int32_t at = 0; at < T;) {
+        int32_t len = LETHE_MIN(CH, T - at);
+        run_batch(&h, 1, &tp, &at, &len, &base, chunked + (size_t)at * V);
+        at += len;
+    }
+    int32_t at = 0, len = T;
+    run_batch(&h, 1, &tp, &at, &len, &base, whole);
+    CHECK_MSG(!memcmp(chunked, whole, (size_t)T * V * 4), "qwen3_5 long: chunked != one call");
+    const int32_t *r1 = top1->data, *pos = pos_a->data;
+    float min_gap = 1e30f;
+    for (int32_t i = 0; i < T; i++) {
+        const int32_t t = argmax_row(chunked + (size_t)i * V, V);
+        CHECK_MSG(t == r1[i], "qwen3_5 long pos %d: top-1 %d vs HF %d (HF gap %g)", i, t, r1[i],
+                  ((const float *)gap->data)[i]);
+        min_gap = LETHE_MIN(min_gap, ((const float *)gap->data)[i]);
+    }
+    float *ours = lethe_xmalloc((size_t)P * V * 4);
+    for (int32_t i = 0; i < P; i++) memcpy(ours + (size_t)i * V, chunked + (size_t)pos[i] * V, (size_t)V * 4);
+    double err = rel_err(ours, lg->data, (size_t)P * V);
+    fprintf(stderr, "    qwen3_5 long: %d tokens, top-1 identical everywhere (HF min gap %.2e), "
+            "rel err %.2e over %d rows\n", T, min_gap, err, P);
+    CHECK_MSG(err <= 1e-4, "qwen3_5 long: rel err %g", err);
+    hybrid_greedy(&h, tok_a->data, T, CH, ref_get(&rf, "long.greedy"), ref_get(&rf, "long.greedy_gap"),
+                  "after 2,000 tokens");
+    const ref_array *s0 = ref_get(&rf, "seq0.tokens");
+    hybrid_greedy(&h, s0->data, (int32_t)s0->n, CH, ref_get(&rf, "greedy"), ref_get(&rf, "greedy_gap"),
+                  "after seq0");
+    free(chunked), free(whole), free(ours);
+    ref_free(&rf);
+    harness_close(&h);
+}
+
 /* ---- SmolLM2-135M ------------------------------------------------------------------ */
 
 #define SMOL_CHUNK 512
@@ -650,6 +800,8 @@ int main(void) {
     TEST_RUN(test_tiny_qwen3_moe_gguf);
     TEST_RUN(test_tiny_glm4_moe_lite);
     TEST_RUN(test_tiny_glm4_moe_lite_gguf);
+    TEST_RUN(test_tiny_qwen3_5);
+    TEST_RUN(test_tiny_qwen3_5_long);
     TEST_RUN(test_smollm2);
     fprintf(stderr, "test_model_hf: ok\n");
     return 0;

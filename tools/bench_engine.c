@@ -16,7 +16,10 @@
  * device copy and an 8192^3 GEMM). KV layout: contiguous slots per sequence
  * (slot = seq * capacity + position), dense selection; steps go through
  * lethe_model_forward_uniform, so decode steps replay CUDA graphs unless
- * --no-graph. --attention adds attention-only sweeps of the backend's
+ * --no-graph. Hybrid models (linear-attention layers): those layers hold
+ * one state slot per sequence instead of KV; the roofline's bytes count their
+ * states read and written once per decode step, and the attention FLOPs and
+ * KV bytes count the full-attention layers only. --attention adds attention-only sweeps of the backend's
  * attention op (the kernels the engine runs): decode (vs copy bandwidth) and
  * prefill (causal, vs the GEMM peak); dev/cuda/attn_bench compares the CUDA
  * kernel generations side by side. --profile wraps one call per attention
@@ -107,7 +110,13 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     void **kc = lethe_xcalloc((size_t)c->n_layers, sizeof(void *));
     void **vc = lethe_xcalloc((size_t)c->n_layers, sizeof(void *));
     lethe_status st = LETHE_OK;
+    const int32_t kv_layers = c->n_layers - c->n_linear_layers;
     for (int l = 0; l < c->n_layers && st == LETHE_OK; l++) {
+        if (lethe_layer_is_linear(c, l)) { /* states of the B sequences (state slot = sequence) */
+            st = be->ops->alloc(be, lethe_model_state_rec_bytes(c, B), &kc[l]);
+            if (st == LETHE_OK) st = be->ops->alloc(be, lethe_model_state_conv_bytes(c, B), &vc[l]);
+            continue;
+        }
         st = be->ops->alloc(be, kv_bytes, &kc[l]);
         if (st == LETHE_OK && !k_only) st = be->ops->alloc(be, kv_bytes, &vc[l]);
     }
@@ -119,6 +128,8 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     int32_t *seq_begin = lethe_xmalloc(((size_t)n_buf + 1) * sizeof(int32_t));
     int32_t *sel_begin = lethe_xmalloc(((size_t)n_buf + 1) * sizeof(int32_t));
     int32_t *logit_rows = lethe_xmalloc((size_t)n_buf * sizeof(int32_t));
+    int32_t *state_slots = lethe_xmalloc((size_t)n_buf * sizeof(int32_t));
+    const bool hybrid = c->n_linear_layers > 0;
     int32_t *sel = lethe_xmalloc((size_t)B * cap * sizeof(int32_t));
     float *logits = lethe_xmalloc((size_t)n_buf * c->n_vocab * sizeof(float));
     uint64_t rng = o->seed ^ 0x5eedull;
@@ -145,6 +156,7 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
             n_sel += done_tok + take;
             n += take;
             logit_rows[S] = n - 1;
+            state_slots[S] = s;
             seq_begin[++S] = n;
             sel_begin[S] = n_sel;
             done_tok += take;
@@ -154,7 +166,8 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
             }
         }
         lethe_fwd_batch b = {.n_tokens = n, .tokens = tok, .pos = pos, .n_seqs = S,
-                             .seq_begin = seq_begin, .n_logits = S, .logit_rows = logit_rows};
+                             .seq_begin = seq_begin, .n_logits = S, .logit_rows = logit_rows,
+                             .state_slots = hybrid ? state_slots : NULL};
         lethe_layer_plan plan = {.store_slots = store, .sel_begin = sel_begin, .sel_slots = sel};
         lethe_model_forward_uniform(m, &b, kc, vc, &plan, false, gs, logits);
     }
@@ -163,7 +176,7 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     /* q.k and p.v per (query, key) pair and head; latent attention: k over the
      * latent + RoPE key, v over the latent (the absorbed form the model runs) */
     const double kv_w = k_only ? (double)c->head_dim + c->kv_lora_rank : 2.0 * c->head_dim;
-    double attn_flops = 2.0 * c->n_layers * c->n_heads * kv_w * ((double)in * (in + 1) / 2);
+    double attn_flops = 2.0 * kv_layers * c->n_heads * kv_w * ((double)in * (in + 1) / 2);
     double flops = (double)B * (in * matmul_flops_per_token(c) + attn_flops) +
                    2.0 * B * (double)c->n_vocab * c->dim;
     pt->prefill_tflops = flops / pt->prefill_s * 1e-12;
@@ -180,13 +193,15 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
             pos[q] = ctx;
             store[q] = q * cap + ctx;
             logit_rows[q] = q;
+            state_slots[q] = q;
             seq_begin[q + 1] = q + 1;
             for (int32_t e = 0; e <= ctx; e++) sel[n_sel + e] = q * cap + e;
             n_sel += ctx + 1;
             sel_begin[q + 1] = n_sel;
         }
         lethe_fwd_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .n_seqs = B,
-                             .seq_begin = seq_begin, .n_logits = B, .logit_rows = logit_rows};
+                             .seq_begin = seq_begin, .n_logits = B, .logit_rows = logit_rows,
+                             .state_slots = hybrid ? state_slots : NULL};
         lethe_layer_plan plan = {.store_slots = store, .sel_begin = sel_begin, .sel_slots = sel};
         const bool prof = o->profile && step == out - 1 && lethe_backend_has(be, LETHE_BE_PROFILER);
         if (prof) be->ops->profile_range(be, true);
@@ -205,8 +220,9 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     const double ws = m->matrix_bytes ? (double)m->matrix_bytes / lethe_model_params_read(c, 1 << 20)
                                       : (double)be->ops->kv_size;
     pt->decode_bytes = weight_bytes(c, ws, B) +
-                       (double)B * mean_ctx * c->n_layers * (k_only ? 1.0 : 2.0) * kv_dim *
-                           be->ops->kv_size;
+                       (double)B * mean_ctx * kv_layers * (k_only ? 1.0 : 2.0) * kv_dim *
+                           be->ops->kv_size +
+                       2.0 * B * c->n_linear_layers * (double)lethe_lin_state_bytes(c);
     pt->decode_gbs = pt->step_ms > 0 ? pt->decode_bytes / (pt->step_ms * 1e-3) * 1e-9 : 0;
     pt->decode_frac = copy_bps > 0 && pt->step_ms > 0
                           ? pt->decode_bytes / copy_bps / (pt->step_ms * 1e-3) : 0;
@@ -220,6 +236,7 @@ done:
         if (vc[l]) be->ops->release(be, vc[l]);
     }
     free(kc), free(vc), free(tok), free(pos), free(store), free(seq_begin), free(sel_begin);
+    free(state_slots);
     free(logit_rows), free(sel), free(logits), free(gs);
     return st;
 }

@@ -413,6 +413,53 @@ typedef struct lethe_moe_args {
 size_t lethe_moe_ws_bytes(const lethe_backend *be, int32_t n, int32_t k, int32_t dim, int32_t ffn,
                           int32_t n_experts);
 
+/* ---- hybrid linear attention: Gated DeltaNet (ops->gdn_conv, ops->gdn_rule;
+ * backend/cpu/gdn.c, backend/cuda/gdn.cu) ----
+ * Hk = n_k_heads, Hv = n_v_heads (a multiple of Hk: k head h / (Hv / Hk)
+ * serves v head h), dk = k_dim, dv = v_dim, C = conv_dim = 2 Hk dk + Hv dv,
+ * K = kernel. Sequence s is batch rows [q_begin[s], q_begin[s+1]) at
+ * consecutive positions, with state slot state_slots[s]; a sequence whose
+ * first row is at position 0 starts from zero states (a new request), any
+ * other continues from its slot's states. Both states are f32 backend memory.
+ *
+ * gdn_conv: depthwise causal conv + SiLU over x [n_tokens, C] (q | k | v
+ *   projections), each channel c of a sequence's rows preceded by the K - 1
+ *   inputs of its conv state (oldest first):
+ *     xc[t, c] = silu(sum_j conv_w[c, j] win[t + j]),  win = state | x rows
+ *   then the state becomes the last K - 1 entries of win.
+ *   conv_state f32 [n_slots, K - 1, C]; conv_w [C, K] weights.
+ * gdn_rule: the gated delta rule over q = xc[:, 0:Hk dk], k = xc[:, Hk dk:
+ *   2 Hk dk], v = xc[:, 2 Hk dk:] (per head), with q, k L2-normalised (eps
+ *   1e-6 inside the rsqrt), q scaled by dk^-1/2, beta = sigmoid(b), g =
+ *   A softplus(a + dt_bias) (A = -exp(A_log) < 0, per v head); per token:
+ *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q
+ *   S = state[slot][h] f32 [dk, dv]. Rows are processed in segments cut at
+ *   positions that are multiples of LETHE_GDN_CHUNK: a segment of one row
+ *   takes the one-step update above; longer segments the chunked form
+ *   (parallel within the segment: a triangular solve for the in-chunk delta
+ *   corrections, then one state read and one state update per chunk), equal
+ *   up to rounding. Cutting at absolute positions makes the arithmetic of a
+ *   row independent of how a prompt is split into steps at chunk boundaries.
+ *   out [n_tokens, Hv, dv] activations; a, b [n_tokens, Hv] activations;
+ *   A, dt_bias [Hv] weights. */
+#define LETHE_GDN_CHUNK 64
+typedef struct lethe_gdn_args {
+    int32_t n_tokens, n_seqs;
+    const int32_t *q_begin;     /* host [n_seqs + 1] */
+    const int32_t *state_slots; /* host [n_seqs] */
+    const int32_t *pos;         /* host [n_tokens] */
+    const void *x;              /* gdn_conv input [n_tokens, C] */
+    void *xc;                   /* gdn_conv output, gdn_rule input [n_tokens, C] */
+    const void *conv_w;         /* [C, K] */
+    void *conv_state;           /* f32 [n_slots, K - 1, C] */
+    int32_t conv_dim, kernel;
+    const void *a, *b;          /* [n_tokens, Hv] */
+    const void *A, *dt_bias;    /* [Hv] */
+    void *state;                /* f32 [n_slots, Hv, dk, dv] */
+    void *out;                  /* [n_tokens, Hv, dv] */
+    int32_t n_k_heads, n_v_heads, k_dim, v_dim;
+} lethe_gdn_args;
+
 /* ---- capabilities (ops->caps) ----
  * What a backend is, as bits, so that code above the backend asks for a
  * property instead of testing the backend's name (ops->name is for messages).
@@ -628,6 +675,18 @@ typedef struct lethe_backend_ops {
      * mean of the indexed rows (a token's fathers), +1 / n_idx adds it back. */
     void (*gather_sum)(lethe_backend *be, void *out, const void *src, const int32_t *idx, int32_t n,
                        int32_t n_idx, int32_t dim, float scale);
+    /* ---- hybrid linear attention (lethe_gdn_args; cpu/gdn.c, cuda/gdn.cu) ----
+     * gdn_conv / gdn_rule: see lethe_gdn_args. rmsnorm_gated: out = rmsnorm(x)
+     * * w * silu(z) over rows of dim (the DeltaNet output norm; x, z, out
+     * [n_rows, dim], out may alias x). sigmoid_mul: x[i] *= sigmoid(g[i])
+     * (the gated attention's output gate). state_copy: row dst := row src of
+     * a state buffer of rows of row_bytes (snapshots of a request's states). */
+    void (*gdn_conv)(lethe_backend *be, const lethe_gdn_args *a);
+    void (*gdn_rule)(lethe_backend *be, const lethe_gdn_args *a);
+    void (*rmsnorm_gated)(lethe_backend *be, void *out, const void *x, const void *z,
+                          const void *w, int32_t n_rows, int32_t dim, float eps);
+    void (*sigmoid_mul)(lethe_backend *be, void *x, const void *g, size_t n);
+    void (*state_copy)(lethe_backend *be, void *buf, size_t row_bytes, int32_t dst, int32_t src);
     /* ---- weights in their stored format (optional, NULL = not offered) ----
      * A matrix weight as the file stores it (w->type: a GGUF block format,
      * f16 or bf16; rows in HF order). On LETHE_OK *out is backend weight

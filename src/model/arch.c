@@ -12,8 +12,10 @@
 
 extern const lethe_arch lethe_arch_llama; /* arch_llama.c: llama, qwen2, qwen3, qwen3_moe */
 extern const lethe_arch lethe_arch_mla;   /* arch_mla.c: glm4_moe_lite (deepseek2) */
+extern const lethe_arch lethe_arch_hybrid; /* arch_hybrid.c: qwen3_5 (Gated DeltaNet hybrid) */
 
-static const lethe_arch *const g_archs[] = {&lethe_arch_llama, &lethe_arch_mla};
+static const lethe_arch *const g_archs[] = {&lethe_arch_llama, &lethe_arch_mla,
+                                            &lethe_arch_hybrid};
 
 const lethe_arch *lethe_arch_find(const char *arch) {
     if (!arch || !arch[0]) {

@@ -32,9 +32,15 @@ bool lethe_layer_is_moe(const lethe_model_config *c, int32_t l) {
     return (l + 1) % c->moe_step == 0;
 }
 
-/* attention projections of one layer (MLA: the low-rank factors) */
-static double attn_params(const lethe_model_config *c) {
+/* attention projections of layer l (MLA: the low-rank factors; a DeltaNet
+ * layer: its q/k/v, z, a, b and output projections; a gated attention layer:
+ * q_proj is twice as wide) */
+static double attn_params(const lethe_model_config *c, int32_t l) {
     const double dim = c->dim, H = c->n_heads;
+    if (lethe_layer_is_linear(c, l)) {
+        const double vd = (double)c->lin_v_heads * c->lin_v_dim;
+        return dim * (lethe_lin_conv_dim(c) + vd + 2.0 * c->lin_v_heads) + vd * dim;
+    }
     if (c->kv_lora_rank > 0) {
         const double qk = c->qk_nope_dim + c->qk_rope_dim;
         const double q = c->q_lora_rank > 0 ? dim * c->q_lora_rank + c->q_lora_rank * H * qk
@@ -43,7 +49,7 @@ static double attn_params(const lethe_model_config *c) {
                c->kv_lora_rank * H * (c->qk_nope_dim + c->v_head_dim) + H * c->v_head_dim * dim;
     }
     const double qd = H * c->head_dim, kvd = (double)c->n_kv_heads * c->head_dim;
-    return dim * qd + 2 * dim * kvd + qd * dim;
+    return dim * qd * (c->attn_out_gate ? 2 : 1) + 2 * dim * kvd + qd * dim;
 }
 
 /* FFN of layer l: fixed part (dense MLP, or router + shared experts) and one expert */
@@ -61,7 +67,7 @@ double lethe_model_params_per_token(const lethe_model_config *c) {
     for (int32_t l = 0; l < c->n_layers; l++) {
         double fixed, expert;
         ffn_params(c, l, &fixed, &expert);
-        p += attn_params(c) + fixed + c->n_experts_used * expert;
+        p += attn_params(c, l) + fixed + c->n_experts_used * expert;
     }
     return p;
 }
@@ -76,7 +82,7 @@ double lethe_model_params_read(const lethe_model_config *c, double n_tokens) {
             const double E = c->n_experts, k = c->n_experts_used;
             used = n_tokens <= 1 ? k : E * (1.0 - pow(1.0 - k / E, n_tokens));
         }
-        p += attn_params(c) + fixed + used * expert;
+        p += attn_params(c, l) + fixed + used * expert;
     }
     return p;
 }
@@ -171,6 +177,25 @@ lethe_status lethe_model_config_validate(const lethe_model_config *c, const char
                                 "%s: llama3 rope scaling needs 0 < low_freq_factor (%g) < "
                                 "high_freq_factor (%g)", source,
                                 (double)c->rope.low_freq_factor, (double)c->rope.high_freq_factor);
+    }
+    if (c->rope.rot_dim < 0 || c->rope.rot_dim > c->head_dim || c->rope.rot_dim % 2)
+        return bad(source, "rotary dim (head_dim * partial_rotary_factor)", c->rope.rot_dim,
+                   "must be even and at most head_dim");
+    if (c->n_linear_layers < 0 || c->n_linear_layers > c->n_layers ||
+        (c->n_linear_layers > 0 && c->n_layers > LETHE_MAX_LAYERS))
+        return bad(source, "linear-attention layers", c->n_linear_layers, "out of range");
+    if (c->n_linear_layers > 0) {
+        struct { const char *name; int32_t v; } lin[] = {
+            {"linear_num_key_heads", c->lin_k_heads}, {"linear_num_value_heads", c->lin_v_heads},
+            {"linear_key_head_dim", c->lin_k_dim},    {"linear_value_head_dim", c->lin_v_dim},
+        };
+        for (size_t i = 0; i < sizeof(lin) / sizeof(lin[0]); i++)
+            if (lin[i].v <= 0 || lin[i].v > 4096) return bad(source, lin[i].name, lin[i].v, "must be in 1..4096");
+        if (c->lin_v_heads % c->lin_k_heads)
+            return bad(source, "linear_num_value_heads", c->lin_v_heads,
+                       "must be a multiple of linear_num_key_heads");
+        if (c->lin_conv < 2 || c->lin_conv > 16)
+            return bad(source, "linear_conv_kernel_dim", c->lin_conv, "must be in 2..16");
     }
     if (c->bos_id < -1 || c->bos_id >= c->n_vocab)
         return bad(source, "bos_token_id", c->bos_id, "outside the vocabulary");

@@ -26,11 +26,16 @@ typedef struct lethe_rope_config {
     float low_freq_factor;             /* llama3 */
     float high_freq_factor;            /* llama3 */
     int32_t original_max_pos;          /* llama3: original_max_position_embeddings */
+    /* partial rotary (qwen3_5: partial_rotary_factor 0.25): only the first
+     * rot_dim values of each head are rotated, with frequencies computed for
+     * rot_dim; the rest pass through. 0 = the whole head. */
+    int32_t rot_dim;
 } lethe_rope_config;
 
 #define LETHE_ARCH_NAME_MAX 64
 #define LETHE_MAX_EOS_IDS 8
 #define LETHE_MAX_MLP_ONLY 64
+#define LETHE_MAX_LAYERS 512 /* layer_linear[] bound (hybrid layer types) */
 
 enum { LETHE_MOE_SOFTMAX = 0, LETHE_MOE_SIGMOID = 1 };
 
@@ -76,6 +81,17 @@ typedef struct lethe_model_config {
     int32_t qk_nope_dim, qk_rope_dim, v_head_dim;
     int32_t n_nextn_layers; /* multi-token-prediction layers after n_layers (ignored) */
     bool rope_interleave;   /* the checkpoint's RoPE pairs are (2j, 2j+1) (MLA) */
+    /* Hybrid linear attention (qwen3_5: Gated DeltaNet layers between gated
+     * full-attention layers; 0 linear layers = none). Layer l is a DeltaNet
+     * layer when layer_linear[l]: it keeps a recurrent state [lin_v_heads,
+     * lin_k_dim, lin_v_dim] (f32) and a causal-conv state [lin_conv - 1,
+     * conv_dim] per request, and no KV. conv_dim = 2 lin_k_heads lin_k_dim +
+     * lin_v_heads lin_v_dim. */
+    int32_t n_linear_layers;
+    uint8_t layer_linear[LETHE_MAX_LAYERS];
+    int32_t lin_k_heads, lin_v_heads, lin_k_dim, lin_v_dim, lin_conv;
+    bool attn_out_gate;     /* q_proj also yields a per-head gate: att *= sigmoid(gate) */
+    bool norm_unit_offset;  /* RMSNorm weights are stored as w - 1 (applied as 1 + w) */
     /* special tokens from generation_config.json / GGUF metadata; -1 when unknown */
     int32_t bos_id;
     int32_t eos_ids[LETHE_MAX_EOS_IDS];
@@ -87,6 +103,20 @@ void lethe_model_config_init(lethe_model_config *c); /* zero + sane defaults (-1
 
 /* the KV of a slot is one K row (latent attention), no V buffer */
 static inline bool lethe_kv_k_only(const lethe_model_config *c) { return c->kv_lora_rank > 0; }
+
+/* true when layer l is a linear-attention (DeltaNet) layer: state, no KV */
+static inline bool lethe_layer_is_linear(const lethe_model_config *c, int32_t l) {
+    return c->n_linear_layers > 0 && c->layer_linear[l];
+}
+/* channels of a DeltaNet layer's causal conv: q, k and v projections */
+static inline int32_t lethe_lin_conv_dim(const lethe_model_config *c) {
+    return 2 * c->lin_k_heads * c->lin_k_dim + c->lin_v_heads * c->lin_v_dim;
+}
+/* bytes of one request's state in one DeltaNet layer (recurrent + conv, f32) */
+static inline size_t lethe_lin_state_bytes(const lethe_model_config *c) {
+    return 4u * ((size_t)c->lin_v_heads * c->lin_k_dim * c->lin_v_dim +
+                 (size_t)(c->lin_conv - 1) * lethe_lin_conv_dim(c));
+}
 
 /* true when layer l has routed experts (see the MoE fields) */
 bool lethe_layer_is_moe(const lethe_model_config *c, int32_t l);

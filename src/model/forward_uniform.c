@@ -54,11 +54,12 @@ void lethe_model_forward_uniform(lethe_model *m, const lethe_fwd_batch *b, void 
     lethe_fwd_hooks hooks = {.ctx = &uc, .plan_layer = uniform_plan, .after_attn = NULL};
 
     const int32_t n = b->n_tokens, S = b->n_seqs;
-    const int32_t *arrays[7] = {b->tokens,   b->pos,         b->seq_begin, b->logit_rows,
-                                plan->store_slots, plan->sel_begin, plan->sel_slots};
-    size_t counts[7] = {(size_t)n, (size_t)n, (size_t)S + 1, (size_t)b->n_logits,
-                        (size_t)n, (size_t)S + 1, (size_t)plan->sel_begin[S]};
-    o->stage_step(be, arrays, counts, 7);
+    /* hybrid models: the sequences' state slots too (the linear-attention ops read them) */
+    const int32_t *arrays[8] = {b->tokens,   b->pos,         b->seq_begin, b->logit_rows,
+                                plan->store_slots, plan->sel_begin, plan->sel_slots, b->state_slots};
+    size_t counts[8] = {(size_t)n, (size_t)n, (size_t)S + 1, (size_t)b->n_logits,
+                        (size_t)n, (size_t)S + 1, (size_t)plan->sel_begin[S], (size_t)S};
+    o->stage_step(be, arrays, counts, b->state_slots ? 8 : 7);
 
     const bool graphable = use_graph && gs && n == S && b->n_logits == S &&
                            S <= LETHE_GRAPH_MAX_BATCH;

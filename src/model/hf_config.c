@@ -256,6 +256,64 @@ static lethe_status read_moe(const cJSON *o, const char *path, lethe_model_confi
     return LETHE_OK;
 }
 
+/* Hybrid linear attention (qwen3_5): the layer types (layer_types, else every
+ * full_attention_interval-th layer is full attention), the DeltaNet sizes,
+ * the attention output gate, partial rotary and the zero-centred norms. */
+static lethe_status read_hybrid(const cJSON *o, const char *path, lethe_model_config *c) {
+    lethe_status s;
+    const cJSON *lt = get(o, "layer_types");
+    int32_t interval = 4;
+    if ((s = jint(o, "full_attention_interval", false, path, &interval))) return s;
+    if (c->n_layers > LETHE_MAX_LAYERS)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "%s: %d layers > %d (hybrid layer table)", path,
+                            c->n_layers, LETHE_MAX_LAYERS);
+    if (cJSON_IsArray(lt)) {
+        if (cJSON_GetArraySize(lt) != c->n_layers)
+            return lethe_errorf(LETHE_ERR_FORMAT, "%s: 'layer_types' has %d entries for %d layers",
+                                path, cJSON_GetArraySize(lt), c->n_layers);
+        int32_t l = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, lt) {
+            const bool lin = cJSON_IsString(it) && !strcmp(it->valuestring, "linear_attention");
+            if (!lin && !(cJSON_IsString(it) && !strcmp(it->valuestring, "full_attention")))
+                return lethe_errorf(LETHE_ERR_FORMAT,
+                                    "%s: layer_types[%d] must be \"linear_attention\" or "
+                                    "\"full_attention\"",
+                                    path, l);
+            c->layer_linear[l++] = lin;
+        }
+    } else {
+        if (interval < 1)
+            return lethe_errorf(LETHE_ERR_FORMAT, "%s: full_attention_interval %d must be >= 1",
+                                path, interval);
+        for (int32_t l = 0; l < c->n_layers; l++) c->layer_linear[l] = (l + 1) % interval != 0;
+    }
+    c->n_linear_layers = 0;
+    for (int32_t l = 0; l < c->n_layers; l++) c->n_linear_layers += c->layer_linear[l];
+    c->lin_conv = 4;
+    if ((s = jint(o, "linear_num_key_heads", true, path, &c->lin_k_heads))) return s;
+    if ((s = jint(o, "linear_num_value_heads", true, path, &c->lin_v_heads))) return s;
+    if ((s = jint(o, "linear_key_head_dim", true, path, &c->lin_k_dim))) return s;
+    if ((s = jint(o, "linear_value_head_dim", true, path, &c->lin_v_dim))) return s;
+    if ((s = jint(o, "linear_conv_kernel_dim", false, path, &c->lin_conv))) return s;
+    c->attn_out_gate = true;
+    if ((s = jbool(o, "attn_output_gate", path, &c->attn_out_gate))) return s;
+    float prf = 1.0f;
+    if ((s = jfloat(o, "partial_rotary_factor", false, path, &prf))) return s;
+    const cJSON *rp = get(o, "rope_parameters");
+    if (cJSON_IsObject(rp) && (s = jfloat(rp, "partial_rotary_factor", false, path, &prf))) return s;
+    if (!(prf > 0.0f && prf <= 1.0f))
+        return lethe_errorf(LETHE_ERR_FORMAT, "%s: partial_rotary_factor %g must be in (0, 1]", path,
+                            (double)prf);
+    c->rope.rot_dim = (int32_t)((float)c->head_dim * prf); /* HF: int(head_dim * factor) */
+    if (c->rope.rot_dim == c->head_dim) c->rope.rot_dim = 0;
+    c->norm_unit_offset = true;
+    c->qk_norm = true;
+    return LETHE_OK;
+}
+
+static bool is_hybrid_arch(const char *a) { return !strcmp(a, "qwen3_5") || !strcmp(a, "qwen3_5_text"); }
+
 static lethe_status read_config(const cJSON *root, const char *path, lethe_model_config *c) {
     const cJSON *mt = get(root, "model_type");
     if (!mt) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing key 'model_type'", path);
@@ -307,6 +365,7 @@ static lethe_status read_config(const cJSON *root, const char *path, lethe_model
     if (!strcmp(c->arch, "qwen2")) c->qkv_bias = true;
     if (!strcmp(c->arch, "qwen3") || !strcmp(c->arch, "qwen3_moe")) c->qk_norm = true;
     if ((s = jbool(o, "attention_bias", path, &c->qkv_bias))) return s;
+    if (is_hybrid_arch(c->arch) && (s = read_hybrid(o, path, c))) return s;
     if ((s = jbool(root, "tie_word_embeddings", path, &c->tie_embeddings))) return s;
     if (o != root && (s = jbool(o, "tie_word_embeddings", path, &c->tie_embeddings))) return s;
 

@@ -17,10 +17,12 @@
  * rotate-half RoPE, so those rows are put back on load. qwen2/qwen3 GGUFs are
  * not permuted. Tied embeddings: lm_head is the tok_embd pointer. */
 #include <inttypes.h>
+#include <math.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/log.h"
 #include "core/util.h"
 #include "model/dummy.h"
 #include "model/gguf.h"
@@ -59,6 +61,11 @@ typedef struct weight_spec {
     int64_t src_rows, src_cols;
     int32_t sel_block, sel_off, sel_len;
     bool sel_unperm, sel_transpose;
+    /* value conversion after reading a checkpoint (qwen3_5): PLUS_ONE for
+     * norms stored as w - 1 (not for dummy weights, which are the applied
+     * values already); NEG_EXP for A_log -> A = -exp(A_log) (dummy too) */
+    enum { XF_NONE = 0, XF_PLUS_ONE, XF_NEG_EXP } xform;
+    bool squeeze_mid;       /* HF tensor [rows, 1, cols] (a depthwise conv's taps) */
 } weight_spec;
 
 typedef struct source {
@@ -245,6 +252,65 @@ static int add_mla_specs(weight_spec *s, int n, const lethe_model_config *c, int
     return add_ffn_specs(s, n, c, l, L);
 }
 
+/* hybrid linear attention (arch_hybrid.c): a DeltaNet layer, or a gated
+ * attention layer whose q_proj rows hold per head [query hd | gate hd] */
+static int add_hybrid_specs(weight_spec *s, int n, const lethe_model_config *c, int32_t l,
+                            lethe_layer_weights *L) {
+    const int64_t dim = c->dim, hd = c->head_dim, H = c->n_heads, kvd = (int64_t)c->n_kv_heads * hd;
+    const int64_t C = lethe_lin_conv_dim(c), Hv = c->lin_v_heads, vd = Hv * c->lin_v_dim;
+    char g[64], h[96];
+#define NM(gn, hn) \
+    (snprintf(g, sizeof(g), "blk.%d." gn, l), snprintf(h, sizeof(h), "model.layers.%d." hn, l))
+    NM("attn_norm.weight", "input_layernorm.weight");
+    n = add_spec(s, n, &L->attn_norm, g, h, dim, 0, LETHE_DUMMY_NORM, 0);
+    if (lethe_layer_is_linear(c, l)) {
+        NM("ssm_qkv.weight", "linear_attn.in_proj_qkv.weight");
+        n = add_spec(s, n, &L->lin_qkv, g, h, C, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("ssm_z.weight", "linear_attn.in_proj_z.weight");
+        n = add_spec(s, n, &L->lin_z, g, h, vd, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("ssm_b.weight", "linear_attn.in_proj_b.weight");
+        n = add_spec(s, n, &L->lin_b, g, h, Hv, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("ssm_a.weight", "linear_attn.in_proj_a.weight");
+        n = add_spec(s, n, &L->lin_a, g, h, Hv, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("ssm_conv1d.weight", "linear_attn.conv1d.weight");
+        n = add_spec(s, n, &L->lin_conv, g, h, C, c->lin_conv, LETHE_DUMMY_MATRIX, 0);
+        s[n - 1].squeeze_mid = true;
+        NM("ssm_dt.bias", "linear_attn.dt_bias");
+        n = add_spec(s, n, &L->lin_dt_bias, g, h, Hv, 0, LETHE_DUMMY_BIAS, 0);
+        NM("ssm_a_log", "linear_attn.A_log");
+        n = add_spec(s, n, &L->lin_A, g, h, Hv, 0, LETHE_DUMMY_BIAS, 0);
+        s[n - 1].xform = XF_NEG_EXP;
+        NM("ssm_norm.weight", "linear_attn.norm.weight");
+        n = add_spec(s, n, &L->lin_norm, g, h, c->lin_v_dim, 0, LETHE_DUMMY_NORM, 0);
+        NM("ssm_out.weight", "linear_attn.out_proj.weight");
+        n = add_spec(s, n, &L->lin_out, g, h, dim, vd, LETHE_DUMMY_MATRIX, 0);
+    } else {
+        NM("attn_q.weight", "self_attn.q_proj.weight");
+        if (c->attn_out_gate) {
+            n = add_sel(s, n, &L->wq, g, h, H * 2 * hd, dim, (int32_t)(2 * hd), 0, (int32_t)hd,
+                        false, false);
+            n = add_sel(s, n, &L->wq_gate, g, h, H * 2 * hd, dim, (int32_t)(2 * hd), (int32_t)hd,
+                        (int32_t)hd, false, false);
+        } else {
+            n = add_spec(s, n, &L->wq, g, h, H * hd, dim, LETHE_DUMMY_MATRIX, 0);
+        }
+        NM("attn_k.weight", "self_attn.k_proj.weight");
+        n = add_spec(s, n, &L->wk, g, h, kvd, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("attn_v.weight", "self_attn.v_proj.weight");
+        n = add_spec(s, n, &L->wv, g, h, kvd, dim, LETHE_DUMMY_MATRIX, 0);
+        NM("attn_q_norm.weight", "self_attn.q_norm.weight");
+        n = add_spec(s, n, &L->q_norm, g, h, hd, 0, LETHE_DUMMY_NORM, 0);
+        NM("attn_k_norm.weight", "self_attn.k_norm.weight");
+        n = add_spec(s, n, &L->k_norm, g, h, hd, 0, LETHE_DUMMY_NORM, 0);
+        NM("attn_output.weight", "self_attn.o_proj.weight");
+        n = add_spec(s, n, &L->wo, g, h, dim, H * hd, LETHE_DUMMY_MATRIX, 0);
+    }
+    NM("ffn_norm.weight", "post_attention_layernorm.weight");
+    n = add_spec(s, n, &L->ffn_norm, g, h, dim, 0, LETHE_DUMMY_NORM, 0);
+#undef NM
+    return add_ffn_specs(s, n, c, l, L);
+}
+
 static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
     const lethe_model_config *c = &m->cfg;
     const int64_t dim = c->dim, hd = c->head_dim, qd = (int64_t)c->n_heads * hd,
@@ -262,6 +328,10 @@ static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
         lethe_layer_weights *L = &m->w.layers[l];
         if (c->kv_lora_rank > 0) {
             n = add_mla_specs(s, n, c, l, L);
+            continue;
+        }
+        if (c->n_linear_layers > 0) {
+            n = add_hybrid_specs(s, n, c, l, L);
             continue;
         }
         char g[64], h[96];
@@ -291,6 +361,12 @@ static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
           LETHE_DUMMY_NORM, 0);
         n = add_ffn_specs(s, n, c, l, L);
 #undef W
+    }
+    /* zero-centred norms (qwen3_5): every RMSNorm but the DeltaNet output norm */
+    for (int i = 0; c->norm_unit_offset && i < n; i++) {
+        bool gated = false;
+        for (int32_t l = 0; l < c->n_layers && !gated; l++) gated = s[i].slot == &m->w.layers[l].lin_norm;
+        if (s[i].kind == LETHE_DUMMY_NORM && !gated) s[i].xform = XF_PLUS_ONE;
     }
     *n_out = n;
     return s;
@@ -366,7 +442,20 @@ static lethe_status fetch_sel(source *src, const weight_spec *w, float *buf, flo
     return LETHE_OK;
 }
 
+static lethe_status fetch_raw(source *src, const weight_spec *w, float *buf, float *tmp);
+
 static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *tmp) {
+    lethe_status s = fetch_raw(src, w, buf, tmp);
+    const uint64_t n = (uint64_t)spec_elems(w);
+    if (s || w->xform == XF_NONE) return s;
+    if (w->xform == XF_NEG_EXP)
+        for (uint64_t i = 0; i < n; i++) buf[i] = -expf(buf[i]);
+    else if (src->fmt != LETHE_LOAD_DUMMY)
+        for (uint64_t i = 0; i < n; i++) buf[i] = 1.0f + buf[i];
+    return LETHE_OK;
+}
+
+static lethe_status fetch_raw(source *src, const weight_spec *w, float *buf, float *tmp) {
     uint64_t n = (uint64_t)spec_elems(w);
     if (w->src_rows && src->fmt != LETHE_LOAD_DUMMY) return fetch_sel(src, w, buf, tmp);
     if (src->fmt == LETHE_LOAD_DUMMY) {
@@ -406,6 +495,8 @@ static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *
     if (!t) return lethe_errorf(LETHE_ERR_FORMAT, "%s: missing tensor '%s'", src->path, w->hf);
     bool ok = w->cols ? (t->n_dims == 2 && t->shape[0] == w->rows && t->shape[1] == w->cols)
                       : (t->n_dims == 1 && t->shape[0] == w->rows);
+    if (w->squeeze_mid)
+        ok = t->n_dims == 3 && t->shape[0] == w->rows && t->shape[1] == 1 && t->shape[2] == w->cols;
     if (!ok) return shape_mismatch(src->path, w->hf, w, t->n_dims, t->shape);
     return lethe_st_to_f32(&src->st, t, buf);
 }
@@ -417,8 +508,8 @@ static lethe_status fetch(source *src, const weight_spec *w, float *buf, float *
 static lethe_status upload_raw(source *src, const weight_spec *w, lethe_backend *be,
                                void **slot, size_t *bytes) {
     /* whole 2-D tensors only: not expert stacks, not row selections (MLA's kv_b parts) */
-    if (!be->ops->weight_upload_raw || !w->cols || w->stack || w->src_rows ||
-        src->fmt == LETHE_LOAD_DUMMY)
+    if (!be->ops->weight_upload_raw || !w->cols || w->stack || w->src_rows || w->xform ||
+        w->squeeze_mid || src->fmt == LETHE_LOAD_DUMMY)
         return LETHE_ERR_UNSUPPORTED;
     lethe_weight_raw r = {.rows = w->rows, .cols = w->cols};
     if (src->fmt == LETHE_LOAD_GGUF) {
@@ -471,9 +562,35 @@ static void progress(int done, int total, double mb, double total_mb, double t0)
     fflush(stderr);
 }
 
+/* A multimodal checkpoint (Qwen3_5ForConditionalGeneration) keeps the text
+ * model under model.language_model.; its vision tower (model.visual.) and
+ * multi-token-prediction head (mtp.) are not loaded. */
+static void hf_text_prefix(source *src, weight_spec *specs, int n) {
+    if (src->fmt != LETHE_LOAD_HF) return;
+    if (lethe_st_find(&src->st, "model.language_model.embed_tokens.weight")) {
+        for (int i = 0; i < n; i++) {
+            if (strncmp(specs[i].hf, "model.", 6)) continue;
+            char name[sizeof(specs[i].hf)];
+            snprintf(name, sizeof(name), "model.language_model.%s", specs[i].hf + 6);
+            snprintf(specs[i].hf, sizeof(specs[i].hf), "%s", name);
+        }
+    }
+    size_t vision = 0, mtp = 0;
+    for (size_t i = 0; i < src->st.n_tensors; i++) {
+        const char *t = src->st.tensors[i].name;
+        if (!strncmp(t, "model.visual.", 13) || !strncmp(t, "visual.", 7)) vision++;
+        if (!strncmp(t, "mtp.", 4)) mtp++;
+    }
+    if (vision)
+        LOG_INFO("%s: %zu vision-tower tensors skipped (lethe serves the text model only)",
+                 src->path, vision);
+    if (mtp) LOG_INFO("%s: %zu multi-token-prediction tensors skipped", src->path, mtp);
+}
+
 static lethe_status load_weights(lethe_model *m, source *src, bool show) {
     int n;
     weight_spec *specs = build_specs(m, src->permute, &n);
+    hf_text_prefix(src, specs, n);
     uint64_t max_n = 0, max_perm = 0;
     double total_mb = 0;
     for (int i = 0; i < n; i++) {
@@ -559,6 +676,11 @@ lethe_status lethe_model_load(const lethe_model_load_params *p, lethe_backend *b
         if (s) goto fail;
     }
     if ((s = check_arch(out, p->path))) goto fail;
+    if (fmt == LETHE_LOAD_GGUF && out->cfg.n_linear_layers > 0) {
+        s = lethe_errorf(LETHE_ERR_UNSUPPORTED, "%s: hybrid linear-attention models load from HF "
+                         "safetensors folders only (not GGUF)", p->path);
+        goto fail;
+    }
     if (fmt == LETHE_LOAD_HF && (s = lethe_st_open_dir(p->path, &src.st))) goto fail;
     out->w.layers = lethe_xcalloc((size_t)out->cfg.n_layers, sizeof(lethe_layer_weights));
     if ((s = load_weights(out, &src, p->progress))) goto fail;
@@ -589,7 +711,9 @@ void lethe_model_free(lethe_model *m) {
                           L->router_bias, L->exp_gate, L->exp_up,  L->exp_down,  L->sh_gate,
                           L->sh_up,       L->sh_down,  L->q_a,     L->q_a_norm,  L->q_b_nope,
                           L->q_b_pe,      L->kv_a_lat, L->kv_a_pe, L->kv_a_norm, L->w_kbt,
-                          L->w_vb};
+                          L->w_vb,        L->wq_gate,  L->lin_qkv, L->lin_z,     L->lin_a,
+                          L->lin_b,       L->lin_conv, L->lin_A,   L->lin_dt_bias, L->lin_norm,
+                          L->lin_out};
             for (size_t i = 0; i < LETHE_ARRAY_LEN(lw); i++)
                 if (lw[i]) be->ops->release(be, lw[i]);
         }

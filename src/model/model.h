@@ -46,6 +46,18 @@ typedef struct lethe_layer_weights {
     void *kv_a_norm;          /* [C] */
     void *w_kbt;              /* [H, C, Nd]: W_kb[h]^T, absorbs the key into the query */
     void *w_vb;               /* [H, Vd, C] */
+    /* hybrid linear attention (arch_hybrid.c). Gated attention layers: the
+     * gate half of q_proj [n_heads*head_dim, dim] (wq holds the query half).
+     * DeltaNet layers (lethe_layer_is_linear; Hv v heads of dv, C conv
+     * channels, K conv taps) instead of wq / wk / wv / wo: */
+    void *wq_gate;
+    void *lin_qkv;            /* [C, dim] q | k | v projections (in_proj_qkv) */
+    void *lin_z;              /* [Hv*dv, dim] output-norm gate (in_proj_z) */
+    void *lin_a, *lin_b;      /* [Hv, dim] decay / beta inputs (in_proj_a, in_proj_b) */
+    void *lin_conv;           /* [C, K] depthwise conv taps */
+    void *lin_A, *lin_dt_bias;/* [Hv]: A = -exp(A_log) (converted on load), dt_bias */
+    void *lin_norm;           /* [dv] gated RMSNorm weight */
+    void *lin_out;            /* [dim, Hv*dv] out_proj */
 } lethe_layer_weights;
 
 typedef struct lethe_weights {
@@ -64,6 +76,13 @@ typedef struct lethe_fwd_batch {
     const int32_t *seq_begin;   /* [n_seqs + 1] rows of sequence s: [seq_begin[s], seq_begin[s+1]) */
     int32_t n_logits;
     const int32_t *logit_rows;  /* [n_logits] rows whose next-token logits are wanted */
+    /* models with linear-attention layers (lethe_layer_is_linear): the state
+     * slot of each sequence [n_seqs]; NULL otherwise. The per-layer "KV
+     * cache" of such a layer is its state: k_cache[l] = recurrent states f32
+     * [n_state_slots, Hv, dk, dv], v_cache[l] = conv states f32
+     * [n_state_slots, K - 1, C] (backend.h lethe_gdn_args). A sequence whose
+     * first row is at position 0 starts from zero states. */
+    const int32_t *state_slots;
 } lethe_fwd_batch;
 
 /* How a layer whose KV payload is not the backend's K / V (a method's
@@ -185,6 +204,11 @@ void lethe_model_workspace_free(lethe_model *m);
  * k_cache[l] / v_cache[l] are the per-layer KV buffers (backend memory). */
 void lethe_model_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
                          void *const *v_cache, const lethe_fwd_hooks *hooks, float *logits_out);
+
+/* Bytes of the per-layer state buffers of a linear-attention layer for
+ * n_slots state slots: recurrent (k_cache) and conv (v_cache), f32. */
+size_t lethe_model_state_rec_bytes(const lethe_model_config *c, int32_t n_slots);
+size_t lethe_model_state_conv_bytes(const lethe_model_config *c, int32_t n_slots);
 
 /* Families: one file each (arch_llama.c serves llama, qwen2, qwen3, qwen3_moe). */
 struct lethe_arch {

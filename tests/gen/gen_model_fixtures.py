@@ -51,11 +51,25 @@ File format of tests/data/hf-ref/*.bin ("named arrays", little-endian):
                                  routed scaling 1.8, layer 0 dense, plus an unused
                                  multi-token-prediction layer (num_nextn_predict_layers 1)
 
-Needs: torch, transformers (>= 5: qwen3_moe, glm4_moe_lite), gguf, safetensors,
+1c. A tiny hybrid linear-attention checkpoint (`hybrid`): tests/data/tiny-qwen3_5/, the
+   Qwen3.5 / 3.6 family (model_type qwen3_5): 4 layers [DeltaNet, DeltaNet, gated full
+   attention, DeltaNet], DeltaNet with 2 key heads / 4 value heads of 16 (grouped value
+   heads), conv kernel 4, attention 4 q / 2 kv heads of 32 with partial rotary 0.25 (8
+   rotated dims), zero-centred norms. Saved in the published multimodal layout
+   (Qwen3_5ForConditionalGeneration: config under text_config, tensors under
+   model.language_model., plus one stand-in vision-tower tensor model.visual.* the
+   loaders must skip); the reference runs Qwen3_5ForCausalLM on the same tensors.
+   tests/data/hf-ref/tiny-qwen3_5.bin: seq0..2 (20, 45, 70 tokens) full logits, `greedy` /
+   `greedy_gap` (64 tokens after seq0), and a 2,000-token sequence crossing 32 chunks of
+   the chunked delta rule: long.tokens [2000], long.top1 / long.gap [2000], long.pos
+   (every 8th position and the last) with long.logits [P, V] there, long.greedy /
+   long.greedy_gap (64 tokens after it).
+
+Needs: torch, transformers (>= 5: qwen3_moe, glm4_moe_lite; qwen3_5), gguf, safetensors,
 accelerate (GGUF loading), in tests/gen/.venv (ignored):
   python3 -m venv tests/gen/.venv && tests/gen/.venv/bin/pip install torch transformers \
       safetensors gguf accelerate
-Run from anywhere: tests/gen/.venv/bin/python tests/gen/gen_model_fixtures.py [tiny] [moe] [smollm2]
+Run from anywhere: tests/gen/.venv/bin/python tests/gen/gen_model_fixtures.py [tiny] [moe] [hybrid] [smollm2]
 """
 import json
 import os
@@ -346,6 +360,121 @@ def gen_moe():
             print(f"  {fam}/{f}: {os.path.getsize(os.path.join(out_dir, f))} bytes")
 
 
+# ---- 1c. tiny hybrid linear-attention checkpoint (qwen3_5) -------------------------
+
+HYB_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
+def hybrid_config():
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=4, layer_types=HYB_LAYERS,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_conv_kernel_dim=4, max_position_embeddings=4096,
+                             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                             tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "partial_rotary_factor": 0.25})
+
+
+def redraw_hybrid(model, seed):
+    """O(1) activations as redraw_weights for the qwen3_5 layout: its RMSNorms store w - 1
+    (0.1 randn: applied as 1 + w), the DeltaNet output norm stores w (1 + 0.1 randn), the
+    decay A = exp(A_log) uniform in [0.01, 1] (memory over hundreds of tokens), dt_bias
+    0.1 randn, conv taps [C, 1, K] randn / sqrt(K)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(0.01 + 0.99 * torch.rand(p.shape, generator=g)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # Linear [out, in], conv1d [C, 1, K]
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def to_multimodal_layout(out_dir):
+    """Rewrites a saved Qwen3_5ForCausalLM folder as Qwen3_5ForConditionalGeneration
+    publishes it: config.json wraps the text config under text_config, text tensors move
+    under model.language_model., and a (stand-in) vision tensor sits beside them."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(out_dir, "model.safetensors")
+    t = load_file(path)
+    out = {}
+    for k, v in t.items():
+        out["model.language_model." + k[len("model."):] if k.startswith("model.") else k] = v
+    out["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2, 2)
+    save_file(out, path, metadata={"format": "pt"})
+    c = json.load(open(os.path.join(out_dir, "config.json")))
+    text = {k: v for k, v in c.items() if k not in ("architectures", "transformers_version")}
+    wrapped = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": c["tie_word_embeddings"], "text_config": text,
+               "transformers_version": c.get("transformers_version")}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(wrapped, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def greedy_arrays(model, ids, prefix):
+    gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_GEN,
+                         min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    greedy = gen.sequences[0, ids.shape[1]:]
+    assert greedy.shape[0] == N_GEN, greedy.shape
+    g2 = torch.topk(torch.stack([x[0] for x in gen.scores]).float(), 2, dim=-1).values
+    gap = (g2[:, 0] - g2[:, 1]).numpy().astype(np.float32)
+    print(f"hybrid {prefix}greedy: min gap {float(gap.min()):.2e}")
+    return [(f"{prefix}greedy", greedy.numpy().astype(np.int32)), (f"{prefix}greedy_gap", gap)]
+
+
+def gen_hybrid():
+    from transformers import Qwen3_5ForCausalLM
+    cfg = hybrid_config()
+    torch.manual_seed(500)
+    cfg._attn_implementation = "eager"
+    model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
+    redraw_hybrid(model, 5000)
+    out_dir = os.path.join(DATA, "tiny-qwen3_5")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(out_dir)
+    model = Qwen3_5ForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(6000)
+    arrays = []
+    for s, n in enumerate((20, 45, 70)):
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g)
+        with torch.no_grad():
+            logits = model(ids).logits[0].float().numpy()
+        arrays += [(f"seq{s}.tokens", ids[0].numpy().astype(np.int32)),
+                   (f"seq{s}.logits", logits.astype(np.float32))]
+    arrays += greedy_arrays(model, torch.tensor(arrays[0][1][None].astype(np.int64)), "")
+    T = 2000
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    top2 = torch.topk(logits, 2, dim=-1)
+    pos = sorted(set(range(0, T, 8)) | {T - 1})
+    gap = (top2.values[:, 0] - top2.values[:, 1]).numpy().astype(np.float32)
+    print(f"hybrid long: {T} tokens, min top-1 gap {float(gap.min()):.2e}")
+    arrays += [("long.tokens", ids[0].numpy().astype(np.int32)),
+               ("long.top1", top2.indices[:, 0].numpy().astype(np.int32)), ("long.gap", gap),
+               ("long.pos", np.array(pos, dtype=np.int32)),
+               ("long.logits", logits[pos].numpy().astype(np.float32))]
+    arrays += greedy_arrays(model, ids, "long.")
+    write_arrays(os.path.join(REF, "tiny-qwen3_5.bin"), arrays)
+    to_multimodal_layout(out_dir)
+    for f in sorted(os.listdir(out_dir)):
+        print(f"  qwen3_5/{f}: {os.path.getsize(os.path.join(out_dir, f))} bytes")
+
+
 # ---- 2. SmolLM2-135M --------------------------------------------------------------
 
 def speech_prompt(tok, min_tokens=2000):
@@ -413,11 +542,13 @@ def gen_smollm2():
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["tiny", "moe", "smollm2"]
+    what = sys.argv[1:] or ["tiny", "moe", "hybrid", "smollm2"]
     os.makedirs(REF, exist_ok=True)
     if "tiny" in what:
         gen_tiny()
     if "moe" in what:
         gen_moe()
+    if "hybrid" in what:
+        gen_hybrid()
     if "smollm2" in what:
         gen_smollm2()

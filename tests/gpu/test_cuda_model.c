@@ -8,7 +8,10 @@
  *     chunks, the second extending its cached prefix), then greedy decode
  *     steps of both; every logits row within bf16 error (relative error
  *     <= 3e-2) and the same argmax wherever the CPU's top-2 gap is clear.
- *  2. Dummy Llama-3.1-8B-, Qwen3-30B-A3B- and GLM-4.7-Flash-shaped models (configs/, random
+ *     tiny-qwen3_5 (hybrid: DeltaNet layers keep their states in 8 state slots,
+ *     slot = sequence) runs the same steps: chunked prefill, the extension
+ *     continuing the states, one-step decode.
+ *  2. Dummy Llama-3.1-8B-, Qwen3-30B-A3B-, GLM-4.7-Flash- and Qwen3.6-27B-shaped models (configs/, random
  *     weights): greedy generation of a batch of 4 for 24 steps,
  *     eager decode vs CUDA-graph decode (lethe_model_forward_uniform),
  *     identical tokens and bit-identical logits; the graph path must have
@@ -36,6 +39,11 @@ static kv_bufs kv_alloc(lethe_model *m, size_t slots) {
                   lethe_xcalloc((size_t)m->cfg.n_layers, sizeof(void *)), m->cfg.n_layers, m->be};
     size_t bytes = slots * m->cfg.n_kv_heads * m->cfg.head_dim * m->be->ops->kv_size;
     for (int l = 0; l < kv.n; l++) {
+        if (lethe_layer_is_linear(&m->cfg, l)) { /* states of up to 8 sequences */
+            CHECK(m->be->ops->alloc(m->be, lethe_model_state_rec_bytes(&m->cfg, 8), &kv.k[l]) == LETHE_OK);
+            CHECK(m->be->ops->alloc(m->be, lethe_model_state_conv_bytes(&m->cfg, 8), &kv.v[l]) == LETHE_OK);
+            continue;
+        }
         CHECK(m->be->ops->alloc(m->be, bytes, &kv.k[l]) == LETHE_OK);
         CHECK(m->be->ops->alloc(m->be, bytes, &kv.v[l]) == LETHE_OK);
     }
@@ -54,7 +62,7 @@ static void kv_free(kv_bufs *kv) {
  * len[s].., attends to all its slots; logits of each sequence's last row. */
 typedef struct stepper {
     int32_t cap;
-    int32_t tok[512], pos[512], store[512], seq_begin[9], sel_begin[9], logit_rows[8];
+    int32_t tok[512], pos[512], store[512], seq_begin[9], sel_begin[9], logit_rows[8], states[8];
     int32_t sel[8 * 512];
 } stepper;
 
@@ -75,9 +83,11 @@ static void run_step(lethe_model *m, kv_bufs *kv, stepper *st, int S, const int3
         st->logit_rows[s] = n - 1;
         st->seq_begin[s + 1] = n;
         st->sel_begin[s + 1] = ns;
+        st->states[s] = s;
     }
     lethe_fwd_batch b = {.n_tokens = n, .tokens = st->tok, .pos = st->pos, .n_seqs = S,
-                         .seq_begin = st->seq_begin, .n_logits = S, .logit_rows = st->logit_rows};
+                         .seq_begin = st->seq_begin, .n_logits = S, .logit_rows = st->logit_rows,
+                         .state_slots = m->cfg.n_linear_layers > 0 ? st->states : NULL};
     lethe_layer_plan plan = {.store_slots = st->store, .sel_begin = st->sel_begin,
                              .sel_slots = st->sel};
     lethe_model_forward_uniform(m, &b, kv->k, kv->v, &plan, graph, gs, logits);
@@ -170,6 +180,7 @@ static void test_tiny(void) {
     tiny_vs_cpu("tests/data/tiny-qwen3", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-qwen3-moe", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-glm4-moe-lite", cpu, gpu);
+    tiny_vs_cpu("tests/data/tiny-qwen3_5", cpu, gpu);
     lethe_backend_destroy(gpu);
     lethe_backend_destroy(cpu);
 }
@@ -260,7 +271,14 @@ static void test_graph_glm_4_7_flash(void) {
     graph_vs_eager("configs/glm-4.7-flash/config.json", "glm-4.7-flash");
 }
 
+/* Gated DeltaNet (gdn.cu: conv, one-step rule, staged state slots) + gated
+ * attention with partial RoPE inside the graph */
+static void test_graph_qwen3_6_27b(void) {
+    graph_vs_eager("configs/qwen3.6-27b/config.json", "qwen3.6-27b");
+}
+
 int main(void) {
+    TEST_RUN(test_graph_qwen3_6_27b);
     TEST_RUN(test_graph_llama8b);
     TEST_RUN(test_graph_qwen3_30b_a3b);
     TEST_RUN(test_graph_glm_4_7_flash);

@@ -23,6 +23,7 @@
  *   sample.c       the sample op (and the row function the host sampler uses)
  *   moe.c          mixture-of-experts FFN: routing, expert-sorted SwiGLU, weighted sum
  *   mla.c          latent attention: per-head matmul, column-block copy, latent-V attention
+ *   gdn.c          Gated DeltaNet: causal conv, delta rule (one-step, chunked), gated norm
  *
  * Every op with a parallel loop uses at most cpu_threads(be) threads (pool.c),
  * and each output element is computed by the same sequence of float
@@ -218,6 +219,13 @@ void lethe_cpu_moe_route_row(const float *logits, const float *bias, int32_t n_e
                              int32_t scoring, bool norm_topk, float scale, int32_t n_group,
                              int32_t topk_group, int32_t *ids, float *wts);
 void lethe_cpu_sample_free(lethe_cpu_ctx *c);
+/* gdn.c: hybrid linear attention (backend.h lethe_gdn_args) */
+void lethe_cpu_gdn_conv(lethe_backend *be, const lethe_gdn_args *a);
+void lethe_cpu_gdn_rule(lethe_backend *be, const lethe_gdn_args *a);
+void lethe_cpu_rmsnorm_gated(lethe_backend *be, void *out, const void *x, const void *z,
+                             const void *w, int32_t n_rows, int32_t dim, float eps);
+void lethe_cpu_sigmoid_mul(lethe_backend *be, void *x, const void *g, size_t n);
+void lethe_cpu_state_copy(lethe_backend *be, void *buf, size_t row_bytes, int32_t dst, int32_t src);
 
 /* RoPE inverse frequencies [head_dim/2] exactly as HF computes them in fp32
  * (rope_type default / linear / llama3). Shared with tests and the CUDA

@@ -18,6 +18,8 @@
  *            otherwise, s = (original_max_pos / wavelen - low_freq_factor)
  *                           / (high_freq_factor - low_freq_factor)
  *                       -> (1 - s) * inv_freq / factor + s * inv_freq
+ * Partial rotary (rope->rot_dim = r > 0): d above is r, the first r values
+ * of each head rotate and the other head_dim - r pass through unchanged.
  * The table is d/2 powf calls, recomputed per call (negligible next to the
  * rotation itself); cos/sin are computed once per token and shared by heads. */
 #include <math.h>
@@ -81,11 +83,12 @@ static void rope_task(void *ctx, int t, int worker) {
 
 void lethe_cpu_rope(lethe_backend *be, void *x_, const int32_t *pos, int32_t n, int32_t n_heads,
                     int32_t head_dim, const lethe_rope_config *rope) {
-    LETHE_ASSERT(head_dim % 2 == 0 && head_dim / 2 <= ROPE_HALF_MAX);
+    const int32_t rd = rope->rot_dim > 0 ? rope->rot_dim : head_dim;
+    LETHE_ASSERT(rd % 2 == 0 && rd <= head_dim && rd / 2 <= ROPE_HALF_MAX);
     float *x = x_;
-    const int half = head_dim / 2;
+    const int half = rd / 2;
     float inv_freq[ROPE_HALF_MAX];
-    lethe_rope_inv_freq(rope, head_dim, inv_freq);
+    lethe_rope_inv_freq(rope, rd, inv_freq);
     const int nt = (size_t)n * n_heads * head_dim < 65536 ? 1 : lethe_cpu_threads(be);
     rope_job j = {x, pos, inv_freq, n_heads, half, head_dim};
     lethe_cpu_parallel(be, nt, n, rope_task, &j);

@@ -544,6 +544,12 @@ static const lethe_backend_ops cuda_ops = {
     /* .cluster_scores */ lethe_cuda_cluster_scores,
     /* .cluster_attention */ lethe_cuda_cluster_attention,
     /* .gather_sum */ lethe_cuda_gather_sum,
+    /* hybrid linear attention (gdn.cu) */
+    /* .gdn_conv */ lethe_cuda_gdn_conv,
+    /* .gdn_rule */ lethe_cuda_gdn_rule,
+    /* .rmsnorm_gated */ lethe_cuda_rmsnorm_gated,
+    /* .sigmoid_mul */ lethe_cuda_sigmoid_mul,
+    /* .state_copy */ lethe_cuda_state_copy,
     /* .weight_upload_raw */ NULL,
     /* host KV tier (transfer.cu) */
     /* .rows_to_host */ lethe_cuda_rows_to_host,

@@ -32,7 +32,8 @@
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
  *   select.cu        device-side selection: segmented exact top-k, select_expand
  *   moe.cu           mixture-of-experts FFN: routing, expert sort, expert GEMV / cuBLAS GEMMs
- *   mla.cu           latent attention: per-head batched GEMM, block copy, latent-V split-K */
+ *   mla.cu           latent attention: per-head batched GEMM, block copy, latent-V split-K
+ *   gdn.cu           Gated DeltaNet: causal conv, chunked / one-step delta rule, gated norm */
 #ifndef LETHE_BACKEND_CUDA_COMMON_CUH
 #define LETHE_BACKEND_CUDA_COMMON_CUH
 
@@ -247,6 +248,13 @@ void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const int32_t *ro
                               const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                               int32_t unit);
 void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a); /* moe.cu */
+/* gdn.cu: hybrid linear attention (backend.h lethe_gdn_args) */
+void lethe_cuda_gdn_conv(lethe_backend *be, const lethe_gdn_args *a);
+void lethe_cuda_gdn_rule(lethe_backend *be, const lethe_gdn_args *a);
+void lethe_cuda_rmsnorm_gated(lethe_backend *be, void *out, const void *x, const void *z,
+                              const void *w, int32_t n_rows, int32_t dim, float eps);
+void lethe_cuda_sigmoid_mul(lethe_backend *be, void *x, const void *g, size_t n);
+void lethe_cuda_state_copy(lethe_backend *be, void *buf, size_t row_bytes, int32_t dst, int32_t src);
 /* mla.cu: latent attention */
 void lethe_cuda_matmul_heads(lethe_backend *be, void *y, int32_t y_ld, int32_t y_hs, const void *x,
                              int32_t x_ld, int32_t x_hs, const void *w, int32_t n, int32_t n_heads,

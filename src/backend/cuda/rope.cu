@@ -5,6 +5,9 @@
  *   x'[j]        = x[j] cos - x[j + half] sin
  *   x'[j + half] = x[j + half] cos + x[j] sin
  *
+ * Partial rotary (rope->rot_dim = r > 0): only the first r values of each
+ * head rotate (half = r / 2, frequencies for r); the rest pass through.
+ *
  * inv_freq comes from lethe_rope_inv_freq (the CPU backend's host function:
  * default / linear / llama3 scaling computed exactly as HF does in fp32) and
  * travels by value in the kernel parameters, so a captured graph keeps it. */
@@ -21,8 +24,7 @@ struct rope_freqs {
 };
 
 __global__ void rope_kernel(bf16 *__restrict__ x, const int32_t *__restrict__ pos, int32_t n,
-                            int32_t n_heads, int32_t head_dim, const rope_freqs f) {
-    const int32_t half = head_dim / 2;
+                            int32_t n_heads, int32_t head_dim, int32_t half, const rope_freqs f) {
     const size_t total = (size_t)n * n_heads * half;
     for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < total;
          t += (size_t)gridDim.x * blockDim.x) {
@@ -41,14 +43,15 @@ __global__ void rope_kernel(bf16 *__restrict__ x, const int32_t *__restrict__ po
 extern "C" void lethe_cuda_rope(lethe_backend *be, void *x, const int32_t *pos, int32_t n,
                                 int32_t n_heads, int32_t head_dim, const lethe_rope_config *rope) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(head_dim % 2 == 0 && head_dim / 2 <= ROPE_MAX_HALF);
+    const int32_t rd = rope->rot_dim > 0 ? rope->rot_dim : head_dim;
+    LETHE_ASSERT(rd % 2 == 0 && rd <= head_dim && rd / 2 <= ROPE_MAX_HALF);
     if (n <= 0) return;
     rope_freqs f;
-    lethe_rope_inv_freq(rope, head_dim, f.inv_freq);
+    lethe_rope_inv_freq(rope, rd, f.inv_freq);
     const int32_t *d_pos = lethe_cuda_stage_idx(c, pos, (size_t)n);
-    size_t total = (size_t)n * n_heads * (head_dim / 2);
+    size_t total = (size_t)n * n_heads * (rd / 2);
     unsigned blocks = lethe_cuda_blocks(total, 256);
     if (blocks > (unsigned)c->n_sms * 16) blocks = (unsigned)c->n_sms * 16;
-    rope_kernel<<<blocks, 256, 0, c->stream>>>((bf16 *)x, d_pos, n, n_heads, head_dim, f);
+    rope_kernel<<<blocks, 256, 0, c->stream>>>((bf16 *)x, d_pos, n, n_heads, head_dim, rd / 2, f);
     CU_LAUNCH_CHECK();
 }
