@@ -1,6 +1,7 @@
 /* cmd_methods.c - `lethe methods [NAME] [--json]`: the registered sparse
  * methods with their aliases, kind (dense / eviction / selection /
- * quantization), one-line summary and knobs with defaults, straight from the
+ * quantization), one-line summary, whether it applies to hybrid models
+ * (linear-attention layers; lethe_sparse_hybrid_refusal) and knobs with defaults, straight from the
  * registry (src/sparse/registry.c), so the listing cannot drift from what
  * --sparse-method / --sparse-config accept. */
 #include <cjson/cJSON.h>
@@ -31,6 +32,9 @@ static void print_text(const lethe_sparse_ops *o) {
     printf("%s", o->name);
     for (int a = 0; a < 4 && o->aliases[a]; a++) printf("%s%s", a ? ", " : "  (aliases: ", o->aliases[a]);
     printf("%s\n  kind: %s\n  %s\n", o->aliases[0] ? ")" : "", lethe_sparse_kind_name(o->kind), o->summary);
+    const char *no_hybrid = lethe_sparse_hybrid_refusal(o);
+    printf("  hybrid models: %s%s\n", no_hybrid ? "no, " : "yes (full-attention layers only)",
+           no_hybrid ? no_hybrid : "");
     for (size_t i = 0; i < sizeof(shared) / sizeof(shared[0]); i++)
         if (o->shared_knobs & shared[i].bit)
             printf("    %-30s int    %-8d %s\n", shared[i].name, shared[i].def, shared[i].help);
@@ -49,6 +53,9 @@ static cJSON *to_json(const lethe_sparse_ops *o) {
     for (int a = 0; a < 4 && o->aliases[a]; a++) cJSON_AddItemToArray(al, cJSON_CreateString(o->aliases[a]));
     cJSON_AddStringToObject(m, "kind", lethe_sparse_kind_name(o->kind));
     cJSON_AddStringToObject(m, "summary", o->summary);
+    const char *no_hybrid = lethe_sparse_hybrid_refusal(o);
+    cJSON_AddBoolToObject(m, "hybrid", no_hybrid == NULL);
+    if (no_hybrid) cJSON_AddStringToObject(m, "hybrid_refusal", no_hybrid);
     cJSON *kn = cJSON_AddArrayToObject(m, "knobs");
     for (size_t i = 0; i < sizeof(shared) / sizeof(shared[0]); i++) {
         if (!(o->shared_knobs & shared[i].bit)) continue;

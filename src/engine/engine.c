@@ -105,13 +105,23 @@ static lethe_status eng_check_kv_layout(lethe_engine *e) {
     return LETHE_OK;
 }
 
+/* Bytes of every request's states (hybrid models: recurrent + conv state in
+ * each linear-attention layer, one state slot per running request plus the
+ * padding scratch one), taken off the KV budget before token slots. */
+size_t eng_state_bytes(const lethe_engine *e, int32_t n_state_slots) {
+    const lethe_model_config *c = &e->runner.cfg;
+    return (size_t)c->n_linear_layers * (size_t)n_state_slots * lethe_lin_state_bytes(c);
+}
+
 static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     const lethe_model_config *c = &e->runner.cfg;
     size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
+    /* layers with KV: linear-attention layers keep states, no token slots */
+    const int32_t kv_layers = c->n_layers - c->n_linear_layers;
     /* real bytes per token of the method's storage format (quantized KV: more slots),
      * plus what the method keeps per slot (Quest's page bounds) */
     size_t tok_bytes = (e->kv_layouts ? lethe_kv_layouts_token_bytes(e->kv_layouts, c->n_layers)
-                                      : lethe_kv_token_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size,
+                                      : lethe_kv_token_bytes(kv_layers, c->n_kv_heads, c->head_dim, kv_size,
                                                              lethe_sparse_kv_format(e->method))) +
                        lethe_sparse_slot_overhead(e->method);
     size_t budget;
@@ -167,6 +177,18 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
         budget -= reserve;
         e->kv_reserve = reserve;
     }
+    if (c->n_linear_layers > 0) {
+        const size_t sb = eng_state_bytes(e, e->n_state_slots);
+        if (sb >= budget)
+            return lethe_errorf(LETHE_ERR_CAPACITY,
+                                "the recurrent states of %d requests (%d linear-attention layers, %.1f MB each) "
+                                "need %.1f MB, more than the KV budget of %.1f MB: lower --max-num-seqs or raise "
+                                "--kv-cache-bytes%s",
+                                e->p.max_num_seqs, c->n_linear_layers,
+                                (double)eng_state_bytes(e, 1) / 1e6, (double)sb / 1e6, (double)budget / 1e6,
+                                device_mem ? " / --gpu-memory-utilization" : "");
+        budget -= sb;
+    }
     int64_t slots = (int64_t)(budget / tok_bytes);
     int64_t cap = (int64_t)e->p.max_num_seqs * e->max_model_len;
     if (slots > cap) slots = cap;
@@ -183,7 +205,7 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
                             "KV cache budget of %zu bytes holds %lld tokens (%zu bytes each over %d layers), "
                             "fewer than the %d one request of max_model_len %d needs: raise --kv-cache-bytes%s "
                             "or lower --max-model-len",
-                            budget, (long long)slots, tok_bytes, c->n_layers, need, e->max_model_len,
+                            budget, (long long)slots, tok_bytes, kv_layers, need, e->max_model_len,
                             device_mem ? " / --gpu-memory-utilization" : "");
     *n_slots = (int32_t)slots;
     return LETHE_OK;
@@ -279,8 +301,12 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         free(e->kv_layouts);
         e->kv_layouts = NULL;
     }
-    if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
     const bool scratch = e->fwd.max_bucket > 0;
+    if (c->n_linear_layers > 0) {
+        if ((st = eng_check_hybrid(e)) != LETHE_OK) goto fail;
+        e->n_state_slots = e->p.max_num_seqs + scratch; /* one per running request */
+    }
+    if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
     lethe_kv_pool_params pp = {
         .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
         .n_slots = n_slots + scratch, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
@@ -288,6 +314,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
         .be = e->runner.be, .format = lethe_sparse_kv_format(e->method), .scratch_slot = scratch,
         .kivi_res_blocks = e->kivi_res_blocks, .layouts = e->kv_layouts,
         .head_masks = (ops->flags & LETHE_SPARSE_HEAD_ROWS) != 0,
+        .state_layers = c->n_linear_layers > 0 ? c->layer_linear : NULL,
+        .state_k_bytes = lethe_model_state_rec_bytes(c, 1),
+        .state_v_bytes = lethe_model_state_conv_bytes(c, 1),
+        .n_state_slots = e->n_state_slots,
     };
     if ((st = lethe_kv_pool_create(&pp, &e->pool)) != LETHE_OK) goto fail;
     e->method->env.pool = e->pool;
@@ -295,7 +325,8 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     if ((st = eng_cache_init(e)) != LETHE_OK) goto fail;
     lethe_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
                              .max_num_batched_tokens = e->p.max_num_batched_tokens,
-                             .split_prefill_decode = e->p.split_prefill_decode};
+                             .split_prefill_decode = e->p.split_prefill_decode,
+                             .chunk_align = c->n_linear_layers > 0 ? LETHE_GDN_CHUNK : 0};
     e->sched = lethe_sched_create(&sp, e->pool, e->pcache, e->method);
     if ((st = lethe_sampler_ws_init(&e->sws, e->n_vocab)) != LETHE_OK) goto fail;
     /* padded decode steps produce max_bucket logits rows (engine_forward.c) */
@@ -323,6 +354,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->stats.n_spaces = lethe_kv_n_spaces(e->pool);
     e->stats.spaces = lethe_xcalloc((size_t)e->stats.n_spaces, sizeof(*e->stats.spaces));
     eng_publish_stats(e);
+    if (c->n_linear_layers > 0)
+        LOG_INFO("engine: %d of %d layers are linear attention: no KV, %d state slots of %.1f MB (%.1f MB)",
+                 c->n_linear_layers, c->n_layers, e->n_state_slots, (double)eng_state_bytes(e, 1) / 1e6,
+                 (double)eng_state_bytes(e, e->n_state_slots) / 1e6);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
              e->kv_layouts ? ops->name : lethe_kv_format_name(pp.format), e->max_model_len,
@@ -802,6 +837,7 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->step.tokens);
     free(e->step.pos);
     free(e->step.seq_begin);
+    free(e->step.state_slots);
     free(e->step.logit_rows);
     free(e->step.seqs);
     free(e->step.seq_req);

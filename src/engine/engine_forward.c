@@ -31,7 +31,8 @@
  *
  * Padding: sequences B .. bucket-1 are dummies: token 0 at position 0, K/V
  * stored into the pool's reserved scratch slot (lethe_kv_scratch_slot, owned
- * by no request) and a selection of only that slot; their logits rows land
+ * by no request) and a selection of only that slot (hybrid models: the
+ * scratch state slot, reset every step since the dummies sit at position 0); their logits rows land
  * after the real ones in e->step.logits and are never read. Every op computes a
  * row (or a sequence's attention) independently of the others, so real
  * requests get the same logits as unpadded (bit-identical on the CPU backend,
@@ -98,6 +99,7 @@ static void pad_batch(lethe_engine *e, lethe_fwd_batch *b, lethe_layer_plan *pla
         e->plan.store[i] = scratch;
         e->plan.sel[n_sel++] = scratch;
         e->plan.sel_begin[i + 1] = n_sel;
+        if (b->state_slots) e->step.state_slots[i] = lethe_kv_scratch_state(e->pool);
     }
     b->n_tokens = b->n_seqs = b->n_logits = bucket;
     e->stats.cur.padded_seqs += bucket - S;

@@ -74,6 +74,7 @@ typedef struct eng_step_state {
     int32_t cap_rows, cap_seqs;       /* capacity of the arrays below (eng_ensure_caps) */
     int32_t *tokens, *pos, *logit_rows; /* [cap_rows] */
     int32_t *seq_begin;               /* [cap_seqs + 1] */
+    int32_t *state_slots;             /* [cap_seqs] hybrid models: each sequence's state slot */
     lethe_sparse_seq *seqs;           /* [cap_seqs] */
     eng_req **seq_req;                /* [cap_seqs] */
     lethe_fwd_batch batch;            /* points into the arrays above */
@@ -174,6 +175,7 @@ struct lethe_engine {
     char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
     int32_t max_model_len, n_vocab;
     int32_t kivi_res_blocks;          /* KIVI residual blocks (engine.c size_pool), else 0 */
+    int32_t n_state_slots;            /* hybrid models: per-request state slots (engine_hybrid.c) */
     lethe_kv_layout *kv_layouts;      /* [n_layers] the method's payload layout, or NULL */
     size_t kv_reserve;                /* the method's fixed reserve (kv_reserve_bytes, engine.c size_pool) */
 
@@ -277,5 +279,10 @@ void eng_diag_report(const lethe_engine *e);                 /* at destroy: the 
 lethe_status eng_seldump_init(lethe_engine *e);              /* at create: opens the file */
 void eng_seldump_layer(lethe_engine *e, int32_t layer, const lethe_layer_plan *plan);
 void eng_seldump_close(lethe_engine *e);                     /* at destroy */
+
+/* engine_hybrid.c: checks for hybrid (linear-attention) models; the state bytes of
+ * n_state_slots requests (engine.c) */
+lethe_status eng_check_hybrid(lethe_engine *e);
+size_t eng_state_bytes(const lethe_engine *e, int32_t n_state_slots);
 
 #endif /* LETHE_ENGINE_INTERNAL_H */

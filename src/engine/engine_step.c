@@ -40,6 +40,7 @@ void eng_ensure_caps(lethe_engine *e, int32_t n_rows, int32_t n_seqs) {
     if (n_seqs > e->step.cap_seqs) {
         e->step.cap_seqs = LETHE_MAX(n_seqs, 2 * e->step.cap_seqs);
         e->step.seq_begin = lethe_xrealloc(e->step.seq_begin, (size_t)(e->step.cap_seqs + 1) * sizeof(int32_t));
+        e->step.state_slots = lethe_xrealloc(e->step.state_slots, (size_t)e->step.cap_seqs * sizeof(int32_t));
         e->plan.sel_begin = lethe_xrealloc(e->plan.sel_begin, (size_t)(e->step.cap_seqs + 1) * sizeof(int32_t));
         e->plan.rows_begin = lethe_xrealloc(e->plan.rows_begin, (size_t)(e->step.cap_seqs + 1) * sizeof(int32_t));
         e->step.seqs = lethe_xrealloc(e->step.seqs, (size_t)e->step.cap_seqs * sizeof(*e->step.seqs));
@@ -200,6 +201,7 @@ static void build_batch(lethe_engine *e, const lethe_sched_out *out) {
         const lethe_sched_item *it = &out->items[i];
         lethe_req *r = it->req;
         s->seq_begin[i] = row;
+        s->state_slots[i] = lethe_kv_has_states(e->pool) ? lethe_kv_row_state(e->pool, r->row) : -1;
         lethe_sched_seq_view(r, it->n, row, &s->seqs[i]);
         s->seq_req[i] = (eng_req *)r;
         for (int32_t j = 0; j < it->n; j++) {
@@ -217,7 +219,8 @@ static void build_batch(lethe_engine *e, const lethe_sched_out *out) {
                                  .n_seqs = out->n_items,
                                  .seq_begin = s->seq_begin,
                                  .n_logits = n_logits,
-                                 .logit_rows = s->logit_rows};
+                                 .logit_rows = s->logit_rows,
+                                 .state_slots = lethe_kv_has_states(e->pool) ? s->state_slots : NULL};
     s->st = (lethe_sparse_step){
         .index = s->index, .n_seqs = out->n_items, .seqs = s->seqs, .batch = &s->batch};
 }

@@ -14,7 +14,10 @@
  *  - the scratch slot (if reserved) has exactly the pool's one reference and
  *    no row holds it;
  *  - a row never holds the same slot twice; positions strictly ascend;
- *  - unused rows are empty. */
+ *  - unused rows are empty;
+ *  - per-request states: every state slot is on the free list exactly once or
+ *    owned by exactly one row in use, every row in use owns one, no row owns
+ *    the scratch state, and the counts add up. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -158,6 +161,35 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
                 goto out;
             }
         }
+    }
+
+    if (pool->state_layers) {
+        const int32_t nst = pool->p.n_state_slots, scratch = lethe_kv_scratch_state(pool);
+        int32_t *own = calloc((size_t)nst, sizeof(int32_t)), owned = 0;
+        if (!own) { st = lethe_errorf(LETHE_ERR_NOMEM, "kv check: out of memory"); goto out; }
+        for (int32_t i = 0; i < pool->n_state_free && st == LETHE_OK; i++) {
+            const int32_t x = pool->state_free[i];
+            if (x < 0 || x >= nst || x == scratch || own[x]++)
+                st = lethe_errorf(LETHE_ERR_INVALID, "kv check: state free list: bad or repeated state slot %d", x);
+        }
+        for (int32_t row = 0; row < pool->max_rows && st == LETHE_OK; row++) {
+            const int32_t x = pool->row_state[row];
+            if (!pool->row_used[row]) {
+                if (x != -1) st = lethe_errorf(LETHE_ERR_INVALID, "kv check: unused row %d owns state slot %d", row, x);
+                continue;
+            }
+            if (x < 0 || x >= nst || x == scratch)
+                st = lethe_errorf(LETHE_ERR_INVALID, "kv check: row %d owns state slot %d (none, out of range or "
+                                  "the scratch one)", row, x);
+            else if (own[x]++)
+                st = lethe_errorf(LETHE_ERR_INVALID, "kv check: state slot %d owned twice (free list or another "
+                                  "row)", x);
+            owned++;
+        }
+        if (st == LETHE_OK && pool->n_state_free + owned + (scratch >= 0) != nst)
+            st = lethe_errorf(LETHE_ERR_INVALID, "kv check: %d free + %d owned state slots (+ scratch) != %d",
+                              pool->n_state_free, owned, nst);
+        free(own);
     }
 
 out:

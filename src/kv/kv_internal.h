@@ -51,6 +51,13 @@ struct lethe_kv_pool {
     int64_t n_dropped;   /* row entries lethe_kv_keep dropped, over every space */
     struct kv_prot **prot; /* [n_prot] per row: protected positions (kv_protect.c), NULL = none */
     int32_t n_prot;
+    /* per-request states (kv_pool.h): state_layers [n_layers] (NULL = none),
+     * buffers per layer, the free stack of state slots, each row's slot */
+    uint8_t *state_layers;
+    void **state_k, **state_v;   /* [n_layers] */
+    int32_t *state_free;         /* [n_state_slots], top at n_state_free - 1 */
+    int32_t n_state_free;
+    int32_t *row_state;          /* [max_rows], -1 = none */
 };
 
 /* kv_protect.c: a released row drops its protection; destroy frees the table */

@@ -43,6 +43,16 @@
  * per-head selections: lethe_attn_args.head_sel_*). Head h's row length is
  * the number of entries with bit h (lethe_kv_head_len).
  *
+ * Per-request states (hybrid models: linear-attention layers keep a fixed
+ * recurrent + conv state per request instead of per-token KV): layers with
+ * state_layers[l] take no token slots and hold no planes; instead every row
+ * owns one state slot for its whole life (taken by lethe_kv_row_alloc, given
+ * back by lethe_kv_row_release, so finish, abort and preemption release it
+ * with the row), and lethe_kv_k / lethe_kv_v of such a layer are its state
+ * buffers [n_state_slots][state_k_bytes] / [n_state_slots][state_v_bytes].
+ * Admission asks lethe_kv_state_n_free first. With scratch_slot the last
+ * state slot is reserved the same way (padding sequences write it).
+ *
  * Storage format (backend.h lethe_kv_format), chosen by the sparse method:
  * NATIVE stores the backend's kv type; FP8_E4M3 stores 1-byte codes in K[l] /
  * V[l] plus per-(slot, KV head) f32 scales (lethe_kv_quant_of). Bytes per
@@ -93,6 +103,10 @@ typedef struct lethe_kv_pool_params {
      * must then be NATIVE). NULL = the format's planes. */
     const lethe_kv_layout *layouts;
     bool head_masks;          /* per-entry KV-head masks (above); needs n_kv_heads <= 64 */
+    /* per-request states (above): [n_layers] 1 = a state layer, copied; NULL = none */
+    const uint8_t *state_layers;
+    size_t state_k_bytes, state_v_bytes; /* per state slot of one state layer */
+    int32_t n_state_slots;    /* incl. the scratch one (scratch_slot) */
 } lethe_kv_pool_params;
 
 /* Bytes one token costs across all layers with payload layouts [n_layers]
@@ -150,8 +164,18 @@ const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer
  * [n_slots], INT32_MIN = never stored); NULL for other formats / no backend. */
 lethe_kivi_plan *lethe_kv_kivi_plan(lethe_kv_pool *pool);
 
+/* ---- per-request states ---- */
+bool lethe_kv_has_states(const lethe_kv_pool *pool);
+bool lethe_kv_is_state_layer(const lethe_kv_pool *pool, int32_t layer);
+int32_t lethe_kv_state_n_free(const lethe_kv_pool *pool); /* INT32_MAX without states */
+int32_t lethe_kv_n_state_slots(const lethe_kv_pool *pool);
+int32_t lethe_kv_row_state(const lethe_kv_pool *pool, int32_t row); /* -1 without states */
+int32_t lethe_kv_scratch_state(const lethe_kv_pool *pool); /* -1 without states / scratch */
+
 /* ---- rows ---- */
-int32_t lethe_kv_row_alloc(lethe_kv_pool *pool);            /* a fresh empty row id */
+/* A fresh empty row id (with a state slot when the pool has states: the
+ * caller checked lethe_kv_state_n_free > 0). */
+int32_t lethe_kv_row_alloc(lethe_kv_pool *pool);
 void lethe_kv_row_release(lethe_kv_pool *pool, int32_t row); /* drops every entry, frees the id */
 bool lethe_kv_row_in_use(const lethe_kv_pool *pool, int32_t row);
 int32_t lethe_kv_max_rows(const lethe_kv_pool *pool);         /* row ids are < this */
@@ -244,7 +268,10 @@ typedef struct lethe_kv_holder {
 
 /* Verifies: every slot is free (count 0, on its free list exactly once) or
  * referenced exactly `count` times by rows + holders (+ the pool's own
- * reference on the scratch slot); no row points at a free slot, at the
+ * reference on the scratch slot); every state slot free exactly once or owned
+ * by exactly one row in use (every row in use owns one), the scratch state by
+ * none;
+ * no row points at a free slot, at the
  * scratch slot or twice at the same slot; positions ascend; free-list sizes add up.
  * Returns LETHE_OK or LETHE_ERR_INVALID with a message naming the violation. */
 lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *holders,

@@ -228,10 +228,21 @@ static int32_t shrink_to_fit(const lethe_sched *s, const lethe_req *r, int32_t n
 /* Prefill policy of the method: the final prompt chunk holds at least
  * min_final_chunk tokens (SnapKV scores with a window that must lie in it).
  * Returns the chunk to run now; <= 0 means "not this step". */
-static int32_t respect_final_chunk(const lethe_sched *s, int32_t n, int32_t remaining) {
+/* n tokens of a prefill chunk starting at token `start` of r: the method's
+ * minimum final chunk; with chunk_align (hybrid models) the linear-attention
+ * layers must see the same segments however a prompt is split
+ * (backend.h lethe_gdn_args): a chunk inside the user's prompt ends at its
+ * end or at a multiple of chunk_align positions (0 tokens: not this step),
+ * and past it (generated tokens re-prefilled after a preemption) one token
+ * per step, as they were decoded. */
+static int32_t respect_final_chunk(const lethe_sched *s, const lethe_req *r, int32_t start, int32_t n,
+                                   int32_t remaining) {
     int32_t mfc = s->m ? lethe_sparse_min_final_chunk(s->m) : 0;
-    if (mfc <= 0 || n >= remaining || remaining - n >= mfc) return n;
-    return remaining - mfc;
+    if (mfc > 0 && n < remaining && remaining - n < mfc) n = remaining - mfc;
+    const int32_t a = s->p.chunk_align;
+    if (a <= 1 || n <= 0) return n;
+    const int32_t end = start < r->n_prompt ? r->n_prompt : start + 1;
+    return start + n >= end ? end - start : (start + n) / a * a - start;
 }
 
 /* Takes `n` new slots at the next positions (evicting from the cache if needed). */
@@ -293,14 +304,15 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
         int32_t remaining = r->n_tokens - r->n_computed;
         int32_t n = LETHE_MIN(remaining, budget);
         LETHE_ASSERT(n >= 1);
-        if (prefill && (n = respect_final_chunk(s, n, remaining)) <= 0) continue;
+        if (prefill && (n = respect_final_chunk(s, r, r->n_computed, n, remaining)) <= 0) continue;
         int32_t res = resident(s, r);
         for (;;) {
             int64_t avail = lethe_sched_available(s);
             int32_t peak = peak_for(s, r, res, n);
             if (peak <= avail) break;
             if (prefill) {
-                int32_t k = respect_final_chunk(s, shrink_to_fit(s, r, res, n, avail), remaining);
+                int32_t k = respect_final_chunk(s, r, r->n_computed, shrink_to_fit(s, r, res, n, avail),
+                                                remaining);
                 if (k > 0) { n = k; break; }
             }
             lethe_req *victim = s->running[s->n_running - 1];
@@ -324,7 +336,9 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
 }
 
 static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budget) {
-    while (s->wait_head && budget > 0 && s->n_running < s->p.max_num_seqs) {
+    /* hybrid models: a row comes with a state slot (kv_pool.h); none free, no admission */
+    while (s->wait_head && budget > 0 && s->n_running < s->p.max_num_seqs &&
+           lethe_kv_state_n_free(s->pool) > 0) {
         lethe_req *r = s->wait_head;
         /* what the prefix cache can supply (read-only): shared blocks, or a
          * chain turn's resident row (possibly compacted: resident < hit) */
@@ -333,7 +347,7 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         lethe_pcache_match(s->pc, &v, &m);
         int32_t hit = m.tokens;
         int32_t res0 = m.resident; /* resident entries before the first chunk (max over slot spaces) */
-        int32_t n = respect_final_chunk(s, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);
+        int32_t n = respect_final_chunk(s, r, hit, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);
         if (n <= 0) break; /* the final chunk needs more budget than this step has left */
         int64_t avail = lethe_sched_available(s) - m.pinned;
         /* peak of the first chunk, asked with the state it will have */
@@ -343,7 +357,8 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         int32_t peak = peak_for(s, r, res0, n);
         if (peak > avail) {
             bool alone = s->n_running == 0 && out->n_items == 0;
-            int32_t k = alone ? respect_final_chunk(s, shrink_to_fit(s, r, res0, n, avail), r->n_tokens - hit) : 0;
+            int32_t k = alone ? respect_final_chunk(s, r, hit, shrink_to_fit(s, r, res0, n, avail), r->n_tokens - hit)
+                              : 0;
             if (k == 0) {
                 r->n_computed = saved_computed;
                 r->n_prefill = saved_prefill;

@@ -42,6 +42,10 @@ typedef struct lethe_sched_params {
     int32_t max_num_seqs;
     int32_t max_num_batched_tokens;
     bool split_prefill_decode;
+    /* > 1 (hybrid models: LETHE_GDN_CHUNK): a prefill chunk inside the
+     * user's prompt ends at its end or at a multiple of this many positions,
+     * past it (a recompute after preemption) one token per step */
+    int32_t chunk_align;
 } lethe_sched_params;
 
 typedef struct lethe_sched_item {

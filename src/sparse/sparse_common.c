@@ -13,6 +13,16 @@
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
 
+const char *lethe_sparse_hybrid_refusal(const lethe_sparse_ops *ops) {
+    if (ops->flags & LETHE_SPARSE_HEAD_ROWS)
+        return "it keeps per-KV-head rows in every layer, the state layers included";
+    if (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS)
+        return "it keeps a row per layer, and the linear-attention layers have no token rows";
+    if (ops->kind == LETHE_SPARSE_KIND_COMPRESSION)
+        return "its own KV payload replaces the output projection the attention output gate feeds";
+    return NULL;
+}
+
 const char *lethe_sparse_kind_name(lethe_sparse_kind k) {
     switch (k) {
     case LETHE_SPARSE_KIND_DENSE: return "dense";
