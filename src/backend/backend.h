@@ -274,6 +274,11 @@ enum {
     LETHE_SCORES_QMEAN = 1 << 4,
 };
 
+/* The largest head_dim a device backend's score kernels take (attn_scores,
+ * page_scores, key_redundancy): latent KV rows (MLA: GLM-4.7-Flash's 512
+ * latent + 64 RoPE = 576) fit. The CPU twins take any head_dim. */
+#define LETHE_SCORES_HEAD_DIM_MAX 640
+
 /* One sequence's request; int32 fields only (a device backend stages it as an index array). */
 typedef struct lethe_score_seq {
     int32_t q_row, n_rows;       /* scored batch rows [q_row, q_row + n_rows), n_rows >= 1 */

@@ -72,8 +72,8 @@ static const char *base_name(const char *path) {
  * naming both: latent KV (one row of latent + RoPE key per token, no V: the
  * model's payload) has no per-head K / V for the quantization methods (KIVI's
  * per-channel key groups, FP8's per-head scales), no per-KV-head rows, nor a
- * place for a compression method's own payload; and the CUDA score / page
- * kernels take head_dim <= 256. */
+ * place for a compression method's own payload; and a device backend's
+ * score / page kernels take head_dim <= LETHE_SCORES_HEAD_DIM_MAX. */
 static lethe_status eng_check_kv_layout(lethe_engine *e) {
     const lethe_model_config *c = &e->runner.cfg;
     const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method);
@@ -96,12 +96,14 @@ static lethe_status eng_check_kv_layout(lethe_engine *e) {
             "cannot use method %s: it keeps per-KV-head rows",
             model, c->arch, c->head_dim, ops->name);
     const bool scores = ops->needs_scores || ops->select_layer;
-    if (scores && !lethe_backend_has(e->runner.be, LETHE_BE_HOST_MEMORY) && c->head_dim > 256)
+    if (scores && !lethe_backend_has(e->runner.be, LETHE_BE_HOST_MEMORY) &&
+        c->head_dim > LETHE_SCORES_HEAD_DIM_MAX)
         return lethe_errorf(
             LETHE_ERR_UNSUPPORTED,
             "model %s (%s, latent KV of head_dim %d) cannot use method %s on the %s "
-            "backend: its score kernels take head_dim <= 256",
-            model, c->arch, c->head_dim, ops->name, e->runner.be->ops->name);
+            "backend: its score kernels take head_dim <= %d",
+            model, c->arch, c->head_dim, ops->name, e->runner.be->ops->name,
+            LETHE_SCORES_HEAD_DIM_MAX);
     return LETHE_OK;
 }
 

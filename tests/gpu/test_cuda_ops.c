@@ -12,8 +12,9 @@
  * sparse (subset) selections, the pre-staged (stage_step) path, contexts
  * >= 16K (split-K; head_dim 64 / 128 run the v2 kernels, the others the
  * generic split-K kernel; dev/cuda compares v1 too), attn_scores (every mode, up to 40K
- * candidates; single-row shapes on both logits kernels), the Quest page ops
- * (page_minmax: exact; page_scores: fp32 reassociation only, both kernels), the sample op (exact token equality, see
+ * candidates; single-row shapes on all logits kernels; MLA's latent rows of
+ * head_dim 576 shared by 4..40 heads), key_redundancy (up to head_dim 576), the Quest page ops
+ * (page_minmax: exact; page_scores: fp32 reassociation only, both kernels, head_dim up to 576), the sample op (exact token equality, see
  * test_sample), and the device-side selection ops topk / select_expand
  * (exact int equality, -7-poisoned outputs: many segments up to 300K with
  * ties / NaN / +-inf / +-0; chains page_scores or attn_scores with
@@ -109,7 +110,8 @@ static double compare(const pair *p, size_t n, double thr, const char *what) {
  * with planted copies (the newest-copy rule fires) and a near-copy; the
  * newest copies must come out lower than their older copies on both. */
 static void test_key_redundancy(void) {
-    static const int shapes[][3] = {{1, 64, 40}, {2, 128, 700}, {8, 128, 3000}, {3, 96, 257}, {2, 256, 130}};
+    static const int shapes[][3] = {{1, 64, 40},  {2, 128, 700}, {8, 128, 3000},
+                                    {3, 96, 257}, {2, 256, 130}, {1, 576, 300}}; /* last: MLA latent */
     for (size_t si = 0; si < LETHE_ARRAY_LEN(shapes); si++) {
         const int KV = shapes[si][0], D = shapes[si][1], n = shapes[si][2], n_slots = 2 * n + 7;
         const size_t kvd = (size_t)KV * D;
@@ -570,6 +572,14 @@ static void test_attn_scores(void) {
         {"decode d64 g5", 20, 4, 64, 2, {1, 1}, {700, 31}, {1, 0}, {0, 3}, 0},
         {"decode d128 g16 generic", 32, 2, 128, 2, {1, 1}, {700, 300}, {0, 1}, {0, 1}, 0},
         {"decode d96 generic", 12, 4, 96, 2, {1, 1}, {600, 33}, {2, 0}, {5, 0}, 0},
+        /* latent KV (MLA, GLM-4.7-Flash: 20 heads over one 576-wide latent + RoPE row):
+         * sc1_logits_lat_kernel<G> (G = 24, 8, 32), a group above 32 left to the
+         * generic kernel, and SnapKV / H2O windows on the general path */
+        {"mla decode d576 h20", 20, 1, 576, 3, {1, 1, 1}, {6000, 300, 5}, {64, 0, 1}, {512, 0, 1}, 1},
+        {"mla decode d576 h4", 4, 1, 576, 2, {1, 1}, {700, 257}, {0, 3}, {10, 1}, 0},
+        {"mla decode d576 h32", 32, 1, 576, 2, {1, 1}, {1000, 9}, {0, 2}, {0, 1}, 1},
+        {"mla decode d576 h40 generic", 40, 1, 576, 1, {1}, {500}, {3}, {4}, 1},
+        {"mla window d576 h20", 20, 1, 576, 2, {32, 8}, {3000, 100}, {64, 4}, {512, 8}, 1},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_score_case(&cases[i]);
     run_score_case(&cases[1]); /* fresh inputs: a race shows up as a moving error */
@@ -694,6 +704,8 @@ static void test_page_ops(void) {
         /* page_scores_kernel: head_dim not a power of two, kv_dim above 1024 */
         {"hd80 fallback", 8, 2, 80, 2, {40, 3}},
         {"kv_dim 2048 fallback", 16, 16, 128, 1, {20}},
+        /* latent KV (MLA): one 576-wide row shared by 20 heads, 9 channel pairs a lane */
+        {"mla latent hd576", 20, 1, 576, 3, {40, 1, 70}},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_page_case(&cases[i]);
     run_page_case(&cases[0]); /* fresh inputs: a race shows up as a moving error */

@@ -26,7 +26,8 @@
  *    group), max over (r, j); the max across heads takes the offsets cph .. 16.
  *    The query row stays bf16 in shared memory (16-byte reads by consecutive
  *    lanes: conflict-free for cph >= 8), converted on use (exact).
- *  - page_scores_kernel (any other shape, head_dim <= 256): per KV head the
+ *  - page_scores_kernel (any other shape, head_dim <= 640, e.g. MLA's latent
+ *    rows of 576): per KV head the
  *    lanes hold channel pairs of min / max in registers, then for every query
  *    head of the group a per-lane partial sum and a warp all-reduce; query
  *    row in shared memory as fp32.
@@ -111,7 +112,7 @@ extern "C" void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void
 
 #define PS_WARPS 8
 #define PS_PAGES_PER_BLOCK 32 /* a tile: 4 pages per warp */
-#define PS_MAX_PAIRS 4        /* channel pairs per lane: head_dim <= 2 * 32 * 4 */
+#define PS_MAX_PAIRS 10       /* channel pairs per lane: head_dim <= 2 * 32 * 10 (latent KV: 576) */
 #define PS_VEC_MAX_R 4        /* vector kernel: chunks per lane, kv_dim <= 8 * 32 * 4 */
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -297,6 +298,7 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
     lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads);
     LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
+    static_assert(2 * 32 * PS_MAX_PAIRS >= LETHE_SCORES_HEAD_DIM_MAX, "page_scores head_dim");
     if (n_seqs == 0) return;
     LETHE_ASSERT(n_seqs <= 65535);
     const int32_t total = page_begin[n_seqs];

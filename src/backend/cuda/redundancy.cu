@@ -19,7 +19,7 @@
 #include <stdlib.h>
 
 #define RD_ROWS 8 /* warps (keys i) per block */
-#define RD_DMAX 256
+#define RD_DMAX LETHE_SCORES_HEAD_DIM_MAX /* latent KV rows (576) fit */
 
 __global__ void rd_norms_kernel(const bf16 *__restrict__ kc, const int32_t *__restrict__ slots,
                                 int32_t n, int n_kv, int D, float *__restrict__ nrm) {

@@ -216,7 +216,9 @@ __global__ void sc_reduce_kernel(const sc_desc *__restrict__ descs, const int32_
  *     of expf(raw - max), over the raw range.
  *  V. values: a thread per (group, candidate) folds the group's heads in
  *     head order, as sc_values + sc_reduce do for one row.
- * K is read once per KV head instead of once per query head and pass. */
+ * K is read once per KV head instead of once per query head and pass.
+ * head_dim up to LETHE_SCORES_HEAD_DIM_MAX (latent KV rows, 576 for MLA:
+ * scored from the absorbed queries' latent-space logits). */
 #define SC1_KEYS 256         /* keys (threads) per logits block */
 #define SC1_STAT_THREADS 512
 
@@ -347,6 +349,67 @@ sc1_logits_d_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict
 #pragma unroll
     for (int h = 0; h < G; h++)
         if (h < g) o[(int64_t)h * n_raw] = acc[h] * scale;
+}
+
+/* sc1_logits_kernel for latent KV (one KV head shared by G >= g query heads,
+ * MLA: 20 heads over a 576-wide row): each thread streams its key's row in
+ * 16-byte chunks (the next one in flight during the current one's math), and
+ * every chunk, converted once, advances the g heads' fmaf chains in d order
+ * (row_dots' order: the same values as sc1_logits_kernel), so the row is
+ * read from memory once for all heads instead of once per head. Shared
+ * memory: the queries [G][D] fp32, rows g..G-1 zero (computed and dropped). */
+template <int G>
+__global__ void __launch_bounds__(SC1_KEYS)
+sc1_logits_lat_kernel(const sc_desc *__restrict__ descs, const int32_t *__restrict__ work,
+                      const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
+                      const int32_t *__restrict__ slots, int H, int D, float scale,
+                      float *__restrict__ raw) {
+    extern __shared__ float4 Qs4[]; /* [G][D / 4] */
+    const sc_desc sd = descs[work[2 * blockIdx.x]];
+    const int32_t e0 = work[2 * blockIdx.x + 1];
+    int32_t lo, hi;
+    sc1_range(sd, &lo, &hi);
+    const int32_t n_raw = hi - lo, nk = min(SC1_KEYS, n_raw - e0);
+    float *Qs = (float *)Qs4;
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x)
+        Qs[idx] = idx < H * D ? __bfloat162float(q[(size_t)sd.q_row * H * D + idx]) : 0.0f;
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t >= nk) return;
+    const int32_t slot = slots[sd.key_begin + lo + e0 + t];
+    const uint4 *k8 = (const uint4 *)(kc + (size_t)slot * D);
+    const int nc = D / 8, d4 = D / 4;
+    float acc[G];
+#pragma unroll
+    for (int h = 0; h < G; h++) acc[h] = 0.0f;
+    uint4 cur = __ldg(k8);
+    for (int c8 = 0; c8 < nc; c8++) {
+        const uint4 nxt = c8 + 1 < nc ? __ldg(k8 + c8 + 1) : cur;
+        const uint32_t kw[4] = {cur.x, cur.y, cur.z, cur.w};
+        float kf[8];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            kf[2 * p] = __uint_as_float(kw[p] << 16), kf[2 * p + 1] = __uint_as_float(kw[p] & 0xffff0000u);
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            const float4 qa = Qs4[h * d4 + 2 * c8], qb = Qs4[h * d4 + 2 * c8 + 1];
+            float x = acc[h];
+            x = fmaf(qa.x, kf[0], x);
+            x = fmaf(qa.y, kf[1], x);
+            x = fmaf(qa.z, kf[2], x);
+            x = fmaf(qa.w, kf[3], x);
+            x = fmaf(qb.x, kf[4], x);
+            x = fmaf(qb.y, kf[5], x);
+            x = fmaf(qb.z, kf[6], x);
+            x = fmaf(qb.w, kf[7], x);
+            acc[h] = x;
+        }
+        cur = nxt;
+    }
+    float *o = raw + sd.hv_off + e0 + t;
+#pragma unroll
+    for (int h = 0; h < G; h++)
+        if (h < H) o[(int64_t)h * n_raw] = acc[h] * scale;
 }
 
 /* grid: x = sequence, y = query head; SC1_STAT_THREADS threads */
@@ -513,10 +576,13 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
     float *raw = p->hv;
 
     /* logits: head_dim 64 / 128 with KV groups up to 8 take the unrolled kernel
-     * (queries padded to G = 4 or 8 heads), other shapes the generic one */
+     * (queries padded to G = 4 or 8 heads); one KV head of a wide row (latent
+     * KV) with up to 32 query heads the streaming one (padded to G = 8 .. 32
+     * in steps of 8); other shapes the generic one */
     const bf16 *q = (const bf16 *)a->q, *kc = (const bf16 *)a->k_cache;
     const dim3 l_grid((unsigned)p->n_items[0], (unsigned)n_kv);
-    const int G = (D == 64 || D == 128) && g <= 8 ? (g <= 4 ? 4 : 8) : 0;
+    const int GL = n_kv == 1 && D > 128 && g <= 32 ? (g + 7) / 8 * 8 : 0;
+    const int G = (D == 64 || D == 128) && g <= 8 ? (g <= 4 ? 4 : 8) : GL;
     const size_t smem = (size_t)(G ? G : g) * D * sizeof(float);
     LETHE_ASSERT(smem <= c->smem_optin && "attn_scores: a KV group's queries do not fit in shared memory");
 #define SC1_D_LAUNCH(DD, GG)                                                                        \
@@ -525,7 +591,18 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
         sc1_logits_d_kernel<DD, GG><<<l_grid, SC1_KEYS, smem, c->stream>>>(                        \
             d_desc, d_l, q, kc, d_slots, H, n_kv, a->scale, raw);                                  \
     } while (0)
-    if (D == 128 && G == 4) SC1_D_LAUNCH(128, 4);
+#define SC1_LAT_LAUNCH(GG)                                                                          \
+    do {                                                                                           \
+        sc_smem_optin((const void *)sc1_logits_lat_kernel<GG>, smem);                              \
+        sc1_logits_lat_kernel<GG><<<l_grid, SC1_KEYS, smem, c->stream>>>(d_desc, d_l, q, kc,       \
+                                                                         d_slots, H, D, a->scale,  \
+                                                                         raw);                     \
+    } while (0)
+    if (GL == 8) SC1_LAT_LAUNCH(8);
+    else if (GL == 16) SC1_LAT_LAUNCH(16);
+    else if (GL == 24) SC1_LAT_LAUNCH(24);
+    else if (GL == 32) SC1_LAT_LAUNCH(32);
+    else if (D == 128 && G == 4) SC1_D_LAUNCH(128, 4);
     else if (D == 128 && G == 8) SC1_D_LAUNCH(128, 8);
     else if (D == 64 && G == 4) SC1_D_LAUNCH(64, 4);
     else if (D == 64 && G == 8) SC1_D_LAUNCH(64, 8);
@@ -535,6 +612,7 @@ static void attn_scores_single_rows(cuda_ctx *c, const lethe_attn_scores_args *a
                                                                   D, a->scale, raw);
     }
 #undef SC1_D_LAUNCH
+#undef SC1_LAT_LAUNCH
     CU_LAUNCH_CHECK();
     sc1_stats_kernel<<<dim3((unsigned)a->n_seqs, (unsigned)H), SC1_STAT_THREADS, 0, c->stream>>>(
         d_desc, raw, p->stats);
@@ -606,7 +684,7 @@ extern "C" void lethe_cuda_attn_scores(lethe_backend *be, const lethe_attn_score
         free(sq);
         return;
     }
-    LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= 256);
+    LETHE_ASSERT(a->head_dim >= 2 && a->head_dim % 2 == 0 && a->head_dim <= LETHE_SCORES_HEAD_DIM_MAX);
     /* sc1_logits reads K rows 8 channels (16 bytes) at a time */
     bool single = a->n_seqs > 0 && a->head_dim % 8 == 0;
     for (int32_t s = 0; s < a->n_seqs; s++) single &= a->seqs[s].n_rows == 1;
