@@ -197,9 +197,9 @@ static void test_rmsnorm(void) {
 
 static void test_rope(void) {
     lethe_rope_config cfgs[3] = {
-        {10000.0f, LETHE_ROPE_SCALING_NONE, 1, 0, 0, 0},
-        {1000000.0f, LETHE_ROPE_SCALING_LINEAR, 4.0f, 0, 0, 0},
-        {500000.0f, LETHE_ROPE_SCALING_LLAMA3, 8.0f, 1.0f, 4.0f, 8192},
+        {10000.0f, LETHE_ROPE_SCALING_NONE, 1, 0, 0, 0, 0},
+        {1000000.0f, LETHE_ROPE_SCALING_LINEAR, 4.0f, 0, 0, 0, 0},
+        {500000.0f, LETHE_ROPE_SCALING_LLAMA3, 8.0f, 1.0f, 4.0f, 8192, 0},
     };
     static const int shapes[][3] = {{1, 32, 128}, {37, 8, 64}, {5, 3, 96}, {300, 4, 128}, {2, 2, 256}};
     for (int ci = 0; ci < 3; ci++)
