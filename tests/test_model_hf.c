@@ -13,7 +13,9 @@
  *    written as a qwen3moe GGUF with llama.cpp's names (stacked expert tensors).
  *  - tiny-glm4-moe-lite (latent attention, sigmoid group routing, a shared
  *    expert, an unused multi-token-prediction layer): the same three checks,
- *    the GGUF as llama.cpp's deepseek2.
+ *    the GGUF as llama.cpp's deepseek2, once with kv_b whole and once split
+ *    into attn_k_b / attn_v_b as its converter writes it; and with the
+ *    expanded (decompressed K / V) prefill forced, vs HF and vs the absorbed form.
  *  - tiny-qwen3_5 (hybrid: Gated DeltaNet + gated attention with partial
  *    RoPE, zero-centred norms, the multimodal layout with a vision tensor to
  *    skip): the short sequences split at 7/16 and at 64 tokens vs HF and
@@ -322,8 +324,13 @@ static const char *const g_gguf_names[][2] = {
  * deepseek2 for glm4_moe_lite with its MLA and routing keys), routed experts
  * stacked into blk.<l>.ffn_{gate,up,down}_exps [E, rows, cols], as llama.cpp's
  * converter lays them out; tensors of layers past n_layers (multi-token
- * prediction) are left out. Returns the file path (caller frees). */
-static char *write_moe_gguf(const char *hf_dir, const char *arch) {
+ * prediction) are left out. kv_split (MLA): kv_b is written the way llama.cpp's
+ * converter writes it for absorbed attention, split per head into attn_k_b
+ * [H, C, Nd] (W_kb transposed) and attn_v_b [H, Vd, C], with no attn_kv_b, and
+ * that converter's metadata for such files (key_length C + R, value_length C,
+ * the head's own sizes in key_length_mla / value_length_mla, head_count_kv 1).
+ * Returns the file path (caller frees). */
+static char *write_moe_gguf(const char *hf_dir, const char *arch, bool kv_split) {
     char cp[256];
     snprintf(cp, sizeof(cp), "%s/config.json", hf_dir);
     lethe_model_config c;
@@ -352,10 +359,18 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
     if (c.kv_lora_rank > 0) {
         gw_kv_u32(&w, KEY("attention.q_lora_rank"), (uint32_t)c.q_lora_rank);
         gw_kv_u32(&w, KEY("attention.kv_lora_rank"), (uint32_t)c.kv_lora_rank);
-        gw_kv_u32(&w, KEY("attention.key_length"), (uint32_t)(c.qk_nope_dim + c.qk_rope_dim));
-        gw_kv_u32(&w, KEY("attention.value_length"), (uint32_t)c.v_head_dim);
+        const uint32_t kl = (uint32_t)(c.qk_nope_dim + c.qk_rope_dim), vl = (uint32_t)c.v_head_dim;
+        if (kv_split) {
+            gw_kv_u32(&w, KEY("attention.key_length"), (uint32_t)c.head_dim);
+            gw_kv_u32(&w, KEY("attention.value_length"), (uint32_t)c.kv_lora_rank);
+            gw_kv_u32(&w, KEY("attention.key_length_mla"), kl);
+            gw_kv_u32(&w, KEY("attention.value_length_mla"), vl);
+        } else {
+            gw_kv_u32(&w, KEY("attention.key_length"), kl);
+            gw_kv_u32(&w, KEY("attention.value_length"), vl);
+        }
         gw_kv_u32(&w, KEY("rope.dimension_count"), (uint32_t)c.qk_rope_dim);
-        gw_kv_u32(&w, KEY("attention.head_count_kv"), (uint32_t)c.n_heads);
+        gw_kv_u32(&w, KEY("attention.head_count_kv"), kv_split ? 1u : (uint32_t)c.n_heads);
         gw_kv_u32(&w, KEY("expert_shared_count"), (uint32_t)c.n_shared_experts);
         gw_kv_u32(&w, KEY("leading_dense_block_count"), (uint32_t)c.moe_first_layer);
         gw_kv_f32(&w, KEY("expert_weights_scale"), c.moe_scale);
@@ -366,7 +381,7 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
         gw_kv_u32(&w, KEY("nextn_predict_layers"), (uint32_t)c.n_nextn_layers);
     }
 #undef KEY
-    float **bufs = lethe_xcalloc((size_t)st.n_tensors + 3 * (size_t)c.n_layers, sizeof(float *));
+    float **bufs = lethe_xcalloc((size_t)st.n_tensors + 4 * (size_t)c.n_layers, sizeof(float *));
     int nb = 0;
     const size_t E = (size_t)c.n_experts, F = (size_t)c.moe_ffn_dim, D = (size_t)c.dim;
     for (size_t i = 0; i < st.n_tensors; i++) {
@@ -384,6 +399,30 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
             continue; /* stacked below */
         } else if (sscanf(t->name, "model.layers.%d.%127s", &l, rest) == 2) {
             if (l >= c.n_layers) continue; /* multi-token prediction: not for generation */
+            if (kv_split && !strcmp(rest, "self_attn.kv_b_proj.weight")) {
+                /* [H * (Nd + Vd), C] -> k_b [H, C, Nd] (transposed), v_b [H, Vd, C] */
+                const size_t H = (size_t)c.n_heads, C = (size_t)c.kv_lora_rank;
+                const size_t Nd = (size_t)c.qk_nope_dim, Vd = (size_t)c.v_head_dim;
+                CHECK(t->n_elems == H * (Nd + Vd) * C);
+                float *kv = lethe_xmalloc(t->n_elems * sizeof(float));
+                CHECK(lethe_st_to_f32(&st, t, kv) == LETHE_OK);
+                float *kb = bufs[nb++] = lethe_xmalloc(H * C * Nd * sizeof(float));
+                float *vb = bufs[nb++] = lethe_xmalloc(H * Vd * C * sizeof(float));
+                for (size_t h = 0; h < H; h++) {
+                    const float *blk = kv + h * (Nd + Vd) * C;
+                    for (size_t i = 0; i < Nd; i++)
+                        for (size_t j = 0; j < C; j++) kb[(h * C + j) * Nd + i] = blk[i * C + j];
+                    memcpy(vb + h * Vd * C, blk + Nd * C, Vd * C * sizeof(float));
+                }
+                free(kv);
+                char kn[64], vn[64];
+                snprintf(kn, sizeof(kn), "blk.%d.attn_k_b.weight", l);
+                snprintf(vn, sizeof(vn), "blk.%d.attn_v_b.weight", l);
+                const uint64_t ke[3] = {Nd, C, H}, ve[3] = {C, Vd, H};
+                gw_tensor_add(&w, kn, 0, 3, ke, kb, H * C * Nd * sizeof(float));
+                gw_tensor_add(&w, vn, 0, 3, ve, vb, H * Vd * C * sizeof(float));
+                continue;
+            }
             for (size_t k = 0; k < LETHE_ARRAY_LEN(g_gguf_names); k++)
                 if (!strcmp(rest, g_gguf_names[k][0]))
                     snprintf(name, sizeof(name), "blk.%d.%s", l, g_gguf_names[k][1]);
@@ -429,7 +468,7 @@ static char *write_moe_gguf(const char *hf_dir, const char *arch) {
 }
 
 static void test_tiny_qwen3_moe_gguf(void) {
-    char *path = write_moe_gguf("tests/data/tiny-qwen3-moe", "qwen3moe");
+    char *path = write_moe_gguf("tests/data/tiny-qwen3-moe", "qwen3moe", false);
     check_tiny_at("qwen3-moe", path);
     unlink(path);
     free(path);
@@ -441,7 +480,49 @@ static void test_tiny_glm4_moe_lite(void) {
 }
 
 static void test_tiny_glm4_moe_lite_gguf(void) {
-    char *path = write_moe_gguf("tests/data/tiny-glm4-moe-lite", "deepseek2");
+    char *path = write_moe_gguf("tests/data/tiny-glm4-moe-lite", "deepseek2", false);
+    check_tiny_at("glm4-moe-lite", path);
+    unlink(path);
+    free(path);
+}
+
+/* latent attention's expanded prefill forced (every step with more than one
+ * query per sequence): vs HF and batch-invariant as the absorbed form, the
+ * greedy continuation (prefill expanded, decode absorbed) as HF's; then the
+ * 70-token sequence both ways: a different computation (not bit-identical)
+ * of the same logits (rel <= 1e-5) */
+static void test_tiny_glm4_moe_lite_expanded(void) {
+    setenv("LETHE_MLA_EXPAND_MIN_Q", "1", 1);
+    check_tiny("glm4-moe-lite");
+    check_tiny_greedy("glm4-moe-lite");
+    ref_file rf;
+    ref_load(&rf, "tests/data/hf-ref/tiny-glm4-moe-lite.bin");
+    const ref_array *ta = ref_get(&rf, "seq2.tokens");
+    const int32_t *tokens = ta->data, T = (int32_t)ta->n, start = 0, base = 0;
+    float *out[2] = {NULL, NULL};
+    for (int mode = 0; mode < 2; mode++) {
+        setenv("LETHE_MLA_EXPAND_MIN_Q", mode ? "1" : "0", 1);
+        harness h;
+        harness_open(&h, "tests/data/tiny-glm4-moe-lite", 128, 128);
+        out[mode] = lethe_xmalloc((size_t)T * h.m.cfg.n_vocab * 4);
+        run_batch(&h, 1, &tokens, &start, &T, &base, out[mode]);
+        if (mode) {
+            const size_t n = (size_t)T * h.m.cfg.n_vocab;
+            double e = rel_err(out[1], out[0], n);
+            fprintf(stderr, "    expanded vs absorbed (%d tokens): rel err %.2e\n", T, e);
+            CHECK_MSG(memcmp(out[0], out[1], n * 4) != 0, "expanded form did not run");
+            CHECK_MSG(e <= 1e-5, "expanded vs absorbed: rel err %g", e);
+        }
+        harness_close(&h);
+    }
+    unsetenv("LETHE_MLA_EXPAND_MIN_Q");
+    free(out[0]), free(out[1]);
+    ref_free(&rf);
+}
+
+/* kv_b stored as llama.cpp's attn_k_b / attn_v_b pair */
+static void test_tiny_glm4_moe_lite_gguf_kv_split(void) {
+    char *path = write_moe_gguf("tests/data/tiny-glm4-moe-lite", "deepseek2", true);
     check_tiny_at("glm4-moe-lite", path);
     unlink(path);
     free(path);
@@ -802,6 +883,8 @@ int main(void) {
     TEST_RUN(test_tiny_glm4_moe_lite_gguf);
     TEST_RUN(test_tiny_qwen3_5);
     TEST_RUN(test_tiny_qwen3_5_long);
+    TEST_RUN(test_tiny_glm4_moe_lite_gguf_kv_split);
+    TEST_RUN(test_tiny_glm4_moe_lite_expanded);
     TEST_RUN(test_smollm2);
     fprintf(stderr, "test_model_hf: ok\n");
     return 0;

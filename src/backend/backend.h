@@ -222,6 +222,12 @@ typedef struct lethe_attn_args {
     int32_t v_dim;
     /* block-sparse prefill (lethe_block_sparse above); NULL = dense */
     const lethe_block_sparse *bsp;
+    /* the selection is the identity (sel_slots[i] == i): sequence s's keys are
+     * the cache rows sel_begin[s] .. sel_begin[s + 1] - 1, e.g. latent
+     * attention's expanded prefill over its decompressed K / V (arch_mla.c). A
+     * device backend may then run the attention as GEMMs (cuda/attention_gemm.cu);
+     * the result is the same attention. Native KV, no per-head selections. */
+    bool sel_dense;
 } lethe_attn_args;
 
 /* ---- attention scores for sparse methods (ops->attn_scores) ----
@@ -626,8 +632,8 @@ typedef struct lethe_backend_ops {
     void (*select_expand)(lethe_backend *be, int32_t *out, const int32_t *rows, const int32_t *picks,
                           const lethe_expand_seq *seqs, int32_t n_seqs, int32_t unit);
     /* ---- mixture of experts (lethe_moe_args): routing + the chosen experts'
-     * SwiGLU FFNs + their weighted sum, asynchronous (no host sync on CUDA
-     * for n <= LETHE_MOE_SMALL_N tokens, so decode steps stay in graphs) ---- */
+     * SwiGLU FFNs + their weighted sum, asynchronous (no host sync on CUDA,
+     * so steps stay in graphs) ---- */
     void (*moe)(lethe_backend *be, const lethe_moe_args *a);
     /* ---- multi-head latent attention (cpu/mla.c, cuda/mla.cu) ----
      * matmul_heads: y[t, h, o] = sum_i W[h][o, i] x[t, h, i] for t < n, h <
@@ -714,7 +720,8 @@ typedef struct lethe_backend_ops {
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */
 #define LETHE_MOE_MAX_EXPERTS 512
-/* ops->moe token count up to which the CUDA twin needs no host sync */
+/* ops->moe token count up to which the CUDA twin streams the experts'
+ * weights with GEMV kernels (decode); above it, a grouped GEMM */
 #define LETHE_MOE_SMALL_N 256
 
 struct lethe_backend {

@@ -10,6 +10,8 @@
  *   active  int32 [E + 1]      experts with pairs, ascending; active[E] = their count
  *   perm    int32 [P]          pairs sorted by expert (stable: ascending p per expert)
  *   inv     int32 [P]          sorted position of pair p
+ *   tiles   int32 [E + 1]      exclusive prefix sum of ceil(counts / LETHE_MOE_TILE_M):
+ *                              the row tiles of the grouped GEMM (CUDA; unused on the CPU)
  *   xs      act   [P, dim]     x rows of the sorted pairs
  *   hg, hu  act   [P, ffn]     gate / up activations, hg then silu(hg) * hu
  *   ys      act   [P, dim]     expert outputs, sorted order */
@@ -19,8 +21,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* rows of a grouped-GEMM tile (cuda/moe.cu) */
+#define LETHE_MOE_TILE_M 64
+
 typedef struct lethe_moe_layout {
-    size_t ids, wts, counts, offsets, active, perm, inv, xs, hg, hu, ys, total;
+    size_t ids, wts, counts, offsets, active, perm, inv, tiles, xs, hg, hu, ys, total;
 } lethe_moe_layout;
 
 static inline size_t lethe_moe_align_(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -38,6 +43,7 @@ static inline lethe_moe_layout lethe_moe_layout_of(size_t act, int32_t n, int32_
     LETHE_MOE_PART_(active, (E + 1) * 4);
     LETHE_MOE_PART_(perm, P * 4);
     LETHE_MOE_PART_(inv, P * 4);
+    LETHE_MOE_PART_(tiles, (E + 1) * 4);
     LETHE_MOE_PART_(xs, P * (size_t)dim * act);
     LETHE_MOE_PART_(hg, P * (size_t)ffn * act);
     LETHE_MOE_PART_(hu, P * (size_t)ffn * act);

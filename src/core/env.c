@@ -38,6 +38,11 @@ static const lethe_env_var g_vars[LETHE_ENV_N] = {
          "testing: append to this file one JSON line per decode sequence and layer with the "
          "positions attention reads (per KV head where rows keep per-head lengths), for the "
          "reference comparisons of tests/ref; CPU backend only (empty: off)"},
+    [LETHE_ENV_MLA_EXPAND_MIN_Q] =
+        {"LETHE_MLA_EXPAND_MIN_Q", LETHE_ENV_UINT, "64", NULL, "model",
+         "latent attention (GLM-4.7-Flash): a layer's attention runs in the expanded form "
+         "(per-head K / V decompressed by GEMMs) when its batch has at least N queries per "
+         "key on average, else absorbed (0: always absorbed; side-by-side benchmarks)"},
 };
 
 const lethe_env_var *lethe_env_var_of(lethe_env_id id) {

@@ -34,6 +34,7 @@ typedef enum lethe_env_id {
     LETHE_ENV_FAULT_TOKEN,    /* engine.c -> runner.c (testing) */
     LETHE_ENV_CPU_ISA,        /* backend/cpu/backend_cpu.c */
     LETHE_ENV_DUMP_SELECTIONS, /* engine_seldump.c */
+    LETHE_ENV_MLA_EXPAND_MIN_Q, /* model/arch_mla.c */
     LETHE_ENV_N
 } lethe_env_id;
 

@@ -19,12 +19,32 @@
  * scale = (N + R)^-1/2. The reference's RoPE pairs are interleaved (rope_interleave);
  * the loader permutes the rows of Wqb_pe and Wkv_pe into rotate-half order,
  * which gives the same q_pe . k_pe. The latent norms use eps 1e-6 (the
- * reference constructs them without the config's eps). Prefill runs the same
- * absorbed form (the expanded form, decompressing the context's K / V per head,
- * is not built). Multi-token-prediction layers after n_layers are not loaded. */
+ * reference constructs them without the config's eps).
+ *
+ * Expanded form (long prefill): absorbed attention costs (2C + R) per query,
+ * key and head, every one on the attention kernel; decompressing the keys
+ * costs C (Nd + Vd) per key and head once, as GEMMs, after which a query-key
+ * pair costs Nd + R + Vd (GLM-4.7-Flash: 1088 vs 512, the decompression
+ * paid back at ~200 queries per key in multiply-adds, sooner on tensor
+ * cores). A layer whose batch averages at least LETHE_MLA_EXPAND_MIN_Q
+ * queries per selected key (env.h, default 64; 0: never), with at most
+ * MLA_EXPAND_MAX_KEYS selected slots, runs (decode steps, one query per
+ * sequence, always run absorbed):
+ *   g = k_cache[l][sel]                          [M, Dk]  M = all selected slots
+ *   K[j, h] = [W_kb[h] g_j[:C] | g_j[C:]]        [M, H, De]  (Nd + R used)
+ *   V[j, h] = W_vb[h] g_j[:C]                    [M, H, De]  (Vd used)
+ *   Q[t, h] = [q_nope[t, h] | q_pe[t, h]]        [n, H, De]
+ *   att = attention(Q, K, V, identity selection: sel_dense) [n, H, Vd]
+ * De = max(Nd + R, Vd); the padding columns stay zero (zero q / k columns
+ * add nothing; extra V columns only reach output columns that are dropped).
+ * The scores are those of the absorbed form (q_abs . slot = q . k exactly),
+ * so plan_layer / after_attn see the absorbed query and the latent cache,
+ * and sparse methods score as in decode. Multi-token-prediction layers after
+ * n_layers are not loaded. */
 #include <math.h>
 #include <string.h>
 
+#include "core/env.h"
 #include "core/log.h"
 #include "core/util.h"
 #include "model/model.h"
@@ -32,6 +52,7 @@
 
 #define LOGIT_CHUNK 64
 #define LATENT_NORM_EPS 1e-6f
+#define MLA_EXPAND_MAX_KEYS 65536 /* selected slots of one expanded layer (scratch bound) */
 
 typedef struct mla_ws {
     void *x, *xn;    /* [N, dim] */
@@ -47,7 +68,17 @@ typedef struct mla_ws {
     void *rows;      /* [LOGIT_CHUNK, dim] */
     void *logits;    /* [max(LOGIT_CHUNK, n_logits_dev), n_vocab] */
     lethe_moe_bufs moe;
+    /* expanded form (see the top): queries per key from which it runs (0: never) */
+    int64_t expand_min_q;
+    void *q_exp, *o_exp;  /* [N, H, De] (o_exp only when Vd < De; else att is the output) */
+    void *g, *k_exp, *v_exp; /* [M, Dk], [M, H, De] x 2, M <= exp_cap; grown on use */
+    int32_t *iota;           /* host [exp_cap]: the identity selection */
+    int32_t exp_cap;
 } mla_ws;
+
+static int32_t mla_de(const lethe_model_config *c) {
+    return LETHE_MAX(c->qk_nope_dim + c->qk_rope_dim, c->v_head_dim);
+}
 
 static lethe_status mla_check(const lethe_model_config *c) {
     if (c->kv_lora_rank <= 0 || c->qk_rope_dim <= 0 || c->qk_nope_dim <= 0 || c->v_head_dim <= 0)
@@ -83,11 +114,14 @@ static void mla_workspace_free(lethe_model *m) {
     mla_ws *ws = m->ws;
     if (!ws) return;
     lethe_backend *be = m->be;
-    void *bufs[] = {ws->x,   ws->xn,    ws->qa,  ws->q_nope, ws->q_pe, ws->q_abs, ws->lat,
-                    ws->kpe, ws->o_lat, ws->att, ws->gate,   ws->up,   ws->rows,  ws->logits};
+    void *bufs[] = {ws->x,     ws->xn,    ws->qa,   ws->q_nope, ws->q_pe,  ws->q_abs,
+                    ws->lat,   ws->kpe,   ws->o_lat, ws->att,   ws->gate,  ws->up,
+                    ws->rows,  ws->logits, ws->q_exp, ws->o_exp, ws->g,     ws->k_exp,
+                    ws->v_exp};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(bufs); i++)
         if (bufs[i]) be->ops->release(be, bufs[i]);
     lethe_moe_bufs_free(m, &ws->moe);
+    free(ws->iota);
     free(ws);
     m->ws = NULL;
     m->logits_dev = NULL;
@@ -132,6 +166,7 @@ static lethe_status mla_workspace_init(lethe_model *m, int32_t n) {
         }
     }
     lethe_status st = lethe_moe_bufs_alloc(m, n, &ws->moe);
+    if (st == LETHE_OK) st = lethe_env_uint(LETHE_ENV_MLA_EXPAND_MIN_Q, &ws->expand_min_q);
     if (st != LETHE_OK) {
         mla_workspace_free(m);
         return st;
@@ -142,6 +177,111 @@ static lethe_status mla_workspace_init(lethe_model *m, int32_t n) {
                  "generation (not loaded)",
                  c->arch, c->n_nextn_layers);
     return LETHE_OK;
+}
+
+/* zeroes n activations at p (the expanded buffers' padding columns) */
+static lethe_status mla_zero(lethe_backend *be, void *p, size_t n) {
+    const size_t chunk = (size_t)1 << 20;
+    float *z = calloc(LETHE_MIN(n, chunk), sizeof(float));
+    if (!z) return lethe_errorf(LETHE_ERR_NOMEM, "latent attention: out of host memory");
+    for (size_t i = 0; i < n; i += chunk)
+        be->ops->act_from_host(be, (char *)p + i * be->ops->act_size, z, LETHE_MIN(chunk, n - i));
+    free(z);
+    return LETHE_OK;
+}
+
+/* the expanded form's buffers for n rows and M selected slots; false when
+ * they cannot be had (the layer then runs absorbed) */
+static bool mla_expand_reserve(lethe_model *m, int32_t n_rows, int32_t M) {
+    const lethe_model_config *c = &m->cfg;
+    lethe_backend *be = m->be;
+    mla_ws *ws = m->ws;
+    const size_t a = be->ops->act_size, H = (size_t)c->n_heads, De = (size_t)mla_de(c);
+    const bool pad = (int32_t)De != c->qk_nope_dim + c->qk_rope_dim || (int32_t)De != c->v_head_dim;
+    const size_t nq = (size_t)n_rows * H * De;
+    if (!ws->q_exp) {
+        const bool ok = be->ops->alloc(be, nq * a, &ws->q_exp) == LETHE_OK &&
+                        (!pad || mla_zero(be, ws->q_exp, nq) == LETHE_OK) &&
+                        ((int32_t)De == c->v_head_dim ||
+                         be->ops->alloc(be, nq * a, &ws->o_exp) == LETHE_OK);
+        if (!ok) {
+            if (ws->q_exp) be->ops->release(be, ws->q_exp);
+            if (ws->o_exp) be->ops->release(be, ws->o_exp);
+            ws->q_exp = ws->o_exp = NULL;
+            return false;
+        }
+    }
+    if (M <= ws->exp_cap) return true;
+    const int32_t cap = LETHE_MIN(MLA_EXPAND_MAX_KEYS, LETHE_MAX(M, ws->exp_cap * 2));
+    void **bufs[] = {&ws->g, &ws->k_exp, &ws->v_exp};
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(bufs); i++)
+        if (*bufs[i]) be->ops->release(be, *bufs[i]), *bufs[i] = NULL;
+    ws->exp_cap = 0;
+    int32_t *iota = realloc(ws->iota, (size_t)cap * sizeof(int32_t));
+    if (!iota) return false;
+    ws->iota = iota;
+    for (int32_t i = 0; i < cap; i++) iota[i] = i;
+    const size_t kv = (size_t)cap * H * De;
+    if (be->ops->alloc(be, (size_t)cap * (c->kv_lora_rank + c->qk_rope_dim) * a, &ws->g) ||
+        be->ops->alloc(be, kv * a, &ws->k_exp) || be->ops->alloc(be, kv * a, &ws->v_exp))
+        return false;
+    if (pad && (mla_zero(be, ws->k_exp, kv) || mla_zero(be, ws->v_exp, kv))) return false;
+    ws->exp_cap = cap;
+    return true;
+}
+
+/* whether layer attention `a` (absorbed arguments) runs expanded: enough
+ * queries per selected key, and its scratch at hand */
+static bool mla_expand_wanted(lethe_model *m, const lethe_attn_args *a) {
+    const mla_ws *ws = m->ws;
+    if (ws->expand_min_q <= 0 || a->n_tokens == a->n_seqs) return false; /* decode: absorbed */
+    int64_t pairs = 0;
+    const int64_t M = a->sel_begin[a->n_seqs];
+    for (int32_t s = 0; s < a->n_seqs; s++)
+        pairs += (int64_t)(a->q_begin[s + 1] - a->q_begin[s]) *
+                 (a->sel_begin[s + 1] - a->sel_begin[s]);
+    if (M == 0 || M > MLA_EXPAND_MAX_KEYS || pairs < ws->expand_min_q * M) return false;
+    return mla_expand_reserve(m, m->n_tokens_max, (int32_t)M);
+}
+
+/* the layer's attention in the expanded form (see the top): ws->att [n, H, Vd] */
+static void mla_attend_expanded(lethe_model *m, const lethe_layer_weights *L,
+                                const lethe_attn_args *ab) {
+    const lethe_model_config *c = &m->cfg;
+    lethe_backend *be = m->be;
+    const lethe_backend_ops *o = be->ops;
+    mla_ws *ws = m->ws;
+    const int32_t n = ab->n_tokens, H = c->n_heads, C = c->kv_lora_rank, R = c->qk_rope_dim;
+    const int32_t Nd = c->qk_nope_dim, Vd = c->v_head_dim, Dk = C + R, De = mla_de(c);
+    const int32_t M = ab->sel_begin[ab->n_seqs];
+    const size_t a = o->act_size;
+    o->gather_rows(be, ws->g, ab->k_cache, ab->sel_slots, M, Dk);
+    /* x head stride 0: every head reads the row's latent */
+    o->matmul_heads(be, ws->k_exp, H * De, De, ws->g, Dk, 0, L->w_kb, M, H, Nd, C);
+    for (int32_t h = 0; h < H; h++)
+        o->copy_block(be, (char *)ws->k_exp + (size_t)h * De * a, H * De, Nd, NULL,
+                      (const char *)ws->g + (size_t)C * a, Dk, M, R);
+    o->matmul_heads(be, ws->v_exp, H * De, De, ws->g, Dk, 0, L->w_vb, M, H, Vd, C);
+    o->copy_block(be, ws->q_exp, De, 0, NULL, ws->q_nope, Nd, n * H, Nd);
+    o->copy_block(be, ws->q_exp, De, Nd, NULL, ws->q_pe, R, n * H, R);
+    lethe_attn_args e = {
+        .out = ws->o_exp ? ws->o_exp : ws->att,
+        .q = ws->q_exp,
+        .k_cache = ws->k_exp,
+        .v_cache = ws->v_exp,
+        .n_tokens = n,
+        .n_seqs = ab->n_seqs,
+        .q_begin = ab->q_begin,
+        .sel_begin = ab->sel_begin,
+        .sel_slots = ws->iota,
+        .n_heads = H,
+        .n_kv_heads = H,
+        .head_dim = De,
+        .scale = ab->scale,
+        .sel_dense = true,
+    };
+    o->attention(be, &e);
+    if (ws->o_exp) o->copy_block(be, ws->att, Vd, 0, NULL, ws->o_exp, De, n * H, Vd);
 }
 
 static void mla_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
@@ -197,9 +337,14 @@ static void mla_forward(lethe_model *m, const lethe_fwd_batch *b, void *const *k
             .scale = scale,
             .v_dim = C,
         };
-        o->attention(be, &args);
-        if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &args);
-        o->matmul_heads(be, ws->att, H * Vd, Vd, ws->o_lat, H * C, C, L->w_vb, n, H, Vd, C);
+        if (L->w_kb && mla_expand_wanted(m, &args)) {
+            mla_attend_expanded(m, L, &args);
+            if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &args);
+        } else {
+            o->attention(be, &args);
+            if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &args);
+            o->matmul_heads(be, ws->att, H * Vd, Vd, ws->o_lat, H * C, C, L->w_vb, n, H, Vd, C);
+        }
         o->matmul(be, ws->xn, ws->att, L->wo, n, c->dim, H * Vd);
         o->add(be, ws->x, ws->xn, (size_t)n * c->dim);
 

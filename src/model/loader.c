@@ -66,6 +66,9 @@ typedef struct weight_spec {
      * values already); NEG_EXP for A_log -> A = -exp(A_log) (dummy too) */
     enum { XF_NONE = 0, XF_PLUS_ONE, XF_NEG_EXP } xform;
     bool squeeze_mid;       /* HF tensor [rows, 1, cols] (a depthwise conv's taps) */
+    /* GGUF stack stored transposed: the file holds [stack, cols, rows], each
+     * matrix is transposed into [rows, cols] on load */
+    bool stack_t;
 } weight_spec;
 
 typedef struct source {
@@ -209,9 +212,13 @@ static int add_sel(weight_spec *s, int n, void **slot, const char *gguf, const c
 }
 
 /* latent attention (arch_mla.c): q / kv low-rank factors split into their
- * no-RoPE and RoPE rows, kv_b split per head into W_kb^T and W_vb */
+ * no-RoPE and RoPE rows, kv_b split per head into W_kb^T and W_vb. kv_split:
+ * the GGUF stores them split already (llama.cpp's converter since MLA
+ * absorption: blk.<l>.attn_k_b [H, C, Nd] = W_kb^T per head, attn_v_b
+ * [H, Vd, C], no attn_kv_b), read as head stacks in the layout the forward
+ * uses. */
 static int add_mla_specs(weight_spec *s, int n, const lethe_model_config *c, int32_t l,
-                         lethe_layer_weights *L) {
+                         lethe_layer_weights *L, bool kv_split) {
     const int64_t dim = c->dim, H = c->n_heads, C = c->kv_lora_rank, R = c->qk_rope_dim;
     const int64_t Nd = c->qk_nope_dim, Vd = c->v_head_dim, qk = Nd + R;
     const int64_t q_in = c->q_lora_rank > 0 ? c->q_lora_rank : dim;
@@ -239,11 +246,28 @@ static int add_mla_specs(weight_spec *s, int n, const lethe_model_config *c, int
                 c->rope_interleave, false);
     NM("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight");
     n = add_spec(s, n, &L->kv_a_norm, g, h, C, 0, LETHE_DUMMY_NORM, 0);
-    NM("attn_kv_b.weight", "self_attn.kv_b_proj.weight");
-    n = add_sel(s, n, &L->w_kbt, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), 0, (int32_t)Nd, false,
-                true);
-    n = add_sel(s, n, &L->w_vb, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), (int32_t)Nd,
-                (int32_t)Vd, false, false);
+    /* W_kb^T [H, C, Nd] absorbs the key into the query; W_kb [H, Nd, C] and
+     * W_vb [H, Vd, C] decompress the latent into per-head K / V (the expanded
+     * prefill, arch_mla.c) */
+    if (kv_split) {
+        NM("attn_k_b.weight", "self_attn.kv_b_proj.weight");
+        n = add_spec(s, n, &L->w_kbt, g, h, C, Nd, LETHE_DUMMY_MATRIX, 0);
+        s[n - 1].stack = H;
+        n = add_spec(s, n, &L->w_kb, g, h, Nd, C, LETHE_DUMMY_MATRIX, 0);
+        s[n - 1].stack = H;
+        s[n - 1].stack_t = true;
+        NM("attn_v_b.weight", "self_attn.kv_b_proj.weight");
+        n = add_spec(s, n, &L->w_vb, g, h, Vd, C, LETHE_DUMMY_MATRIX, 0);
+        s[n - 1].stack = H;
+    } else {
+        NM("attn_kv_b.weight", "self_attn.kv_b_proj.weight");
+        n = add_sel(s, n, &L->w_kbt, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), 0, (int32_t)Nd,
+                    false, true);
+        n = add_sel(s, n, &L->w_kb, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), 0, (int32_t)Nd,
+                    false, false);
+        n = add_sel(s, n, &L->w_vb, g, h, H * (Nd + Vd), C, (int32_t)(Nd + Vd), (int32_t)Nd,
+                    (int32_t)Vd, false, false);
+    }
     NM("attn_output.weight", "self_attn.o_proj.weight");
     n = add_spec(s, n, &L->wo, g, h, dim, H * Vd, LETHE_DUMMY_MATRIX, 0);
     NM("ffn_norm.weight", "post_attention_layernorm.weight");
@@ -311,7 +335,17 @@ static int add_hybrid_specs(weight_spec *s, int n, const lethe_model_config *c, 
     return add_ffn_specs(s, n, c, l, L);
 }
 
-static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
+/* a GGUF that stores layer l's kv_b as attn_k_b / attn_v_b (see add_mla_specs) */
+static bool gguf_kv_split(const source *src, int32_t l) {
+    if (src->fmt != LETHE_LOAD_GGUF) return false;
+    char k[64], kv[64];
+    snprintf(k, sizeof(k), "blk.%d.attn_k_b.weight", l);
+    snprintf(kv, sizeof(kv), "blk.%d.attn_kv_b.weight", l);
+    return !lethe_gguf_find_tensor(&src->gguf, kv) && lethe_gguf_find_tensor(&src->gguf, k);
+}
+
+static weight_spec *build_specs(lethe_model *m, const source *src, int *n_out) {
+    const bool permute = src->permute;
     const lethe_model_config *c = &m->cfg;
     const int64_t dim = c->dim, hd = c->head_dim, qd = (int64_t)c->n_heads * hd,
                   kvd = (int64_t)c->n_kv_heads * hd;
@@ -327,7 +361,7 @@ static weight_spec *build_specs(lethe_model *m, bool permute, int *n_out) {
     for (int32_t l = 0; l < c->n_layers; l++) {
         lethe_layer_weights *L = &m->w.layers[l];
         if (c->kv_lora_rank > 0) {
-            n = add_mla_specs(s, n, c, l, L);
+            n = add_mla_specs(s, n, c, l, L, gguf_kv_split(src, l));
             continue;
         }
         if (c->n_linear_layers > 0) {
@@ -382,7 +416,7 @@ static void shape_str(char *buf, size_t n, int nd, const int64_t *d) {
 static lethe_status shape_mismatch(const char *path, const char *name, const weight_spec *w,
                                    int nd, const int64_t *found) {
     char e[64], f[96];
-    int64_t exp[3] = {w->stack, w->rows, w->cols};
+    int64_t exp[3] = {w->stack, w->stack_t ? w->cols : w->rows, w->stack_t ? w->rows : w->cols};
     const bool stacked = w->stack && nd == 3; /* a GGUF expert tensor: [experts, rows, cols] */
     shape_str(e, sizeof(e), stacked ? 3 : w->cols ? 2 : 1, stacked ? exp : exp + 1);
     shape_str(f, sizeof(f), nd, found);
@@ -470,12 +504,12 @@ static lethe_status fetch_raw(source *src, const weight_spec *w, float *buf, flo
         int64_t found[4];
         int nd = (int)t->n_dims;
         for (int i = 0; i < nd; i++) found[i] = (int64_t)t->ne[nd - 1 - i]; /* to [rows, cols] */
-        bool ok = w->stack  ? (nd == 3 && found[0] == w->stack && found[1] == w->rows &&
-                              found[2] == w->cols)
+        const int64_t r = w->stack_t ? w->cols : w->rows, cc = w->stack_t ? w->rows : w->cols;
+        bool ok = w->stack  ? (nd == 3 && found[0] == w->stack && found[1] == r && found[2] == cc)
                   : w->cols ? (nd == 2 && found[0] == w->rows && found[1] == w->cols)
                             : (nd == 1 && found[0] == w->rows);
         if (!ok) return shape_mismatch(src->path, w->gguf, w, nd, found);
-        float *dst = w->permute_heads ? tmp : buf;
+        float *dst = w->permute_heads || w->stack_t ? tmp : buf;
         if ((s = lethe_ggml_dequantize(t->type, t->data, dst, n))) {
             char why[512];
             snprintf(why, sizeof(why), "%s", lethe_last_error());
@@ -487,6 +521,12 @@ static lethe_status fetch_raw(source *src, const weight_spec *w, float *buf, flo
                                     "split into %d heads of even size", src->path, w->gguf,
                                     w->rows, w->permute_heads);
             unpermute_rows(buf, tmp, w->rows, w->cols, w->permute_heads);
+        }
+        for (int64_t e = 0; w->stack_t && e < w->stack; e++) {
+            const float *from = tmp + (uint64_t)e * w->rows * w->cols; /* [cols, rows] */
+            float *to = buf + (uint64_t)e * w->rows * w->cols;          /* [rows, cols] */
+            for (int64_t i = 0; i < w->rows; i++)
+                for (int64_t j = 0; j < w->cols; j++) to[i * w->cols + j] = from[j * w->rows + i];
         }
         return LETHE_OK;
     }
@@ -589,14 +629,14 @@ static void hf_text_prefix(source *src, weight_spec *specs, int n) {
 
 static lethe_status load_weights(lethe_model *m, source *src, bool show) {
     int n;
-    weight_spec *specs = build_specs(m, src->permute, &n);
+    weight_spec *specs = build_specs(m, src, &n);
     hf_text_prefix(src, specs, n);
     uint64_t max_n = 0, max_perm = 0;
     double total_mb = 0;
     for (int i = 0; i < n; i++) {
         uint64_t e = (uint64_t)spec_elems(&specs[i]);
         max_n = LETHE_MAX(max_n, e);
-        if (specs[i].permute_heads) max_perm = LETHE_MAX(max_perm, e);
+        if (specs[i].permute_heads || specs[i].stack_t) max_perm = LETHE_MAX(max_perm, e);
         if (specs[i].src_rows)
             max_perm = LETHE_MAX(max_perm, (uint64_t)specs[i].src_rows * specs[i].src_cols);
         total_mb += (double)e * 4 / 1e6;
@@ -713,7 +753,7 @@ void lethe_model_free(lethe_model *m) {
                           L->q_b_pe,      L->kv_a_lat, L->kv_a_pe, L->kv_a_norm, L->w_kbt,
                           L->w_vb,        L->wq_gate,  L->lin_qkv, L->lin_z,     L->lin_a,
                           L->lin_b,       L->lin_conv, L->lin_A,   L->lin_dt_bias, L->lin_norm,
-                          L->lin_out};
+                          L->lin_out,     L->w_kb};
             for (size_t i = 0; i < LETHE_ARRAY_LEN(lw); i++)
                 if (lw[i]) be->ops->release(be, lw[i]);
         }

@@ -45,6 +45,7 @@ typedef struct lethe_layer_weights {
     void *kv_a_lat, *kv_a_pe; /* [C, dim], [R, dim] */
     void *kv_a_norm;          /* [C] */
     void *w_kbt;              /* [H, C, Nd]: W_kb[h]^T, absorbs the key into the query */
+    void *w_kb;               /* [H, Nd, C]: W_kb[h], decompresses latents into keys */
     void *w_vb;               /* [H, Vd, C] */
     /* hybrid linear attention (arch_hybrid.c). Gated attention layers: the
      * gate half of q_proj [n_heads*head_dim, dim] (wq holds the query half).

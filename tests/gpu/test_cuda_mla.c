@@ -8,7 +8,10 @@
  *  - attention over latent KV (v_cache NULL, V = the first v_dim columns of
  *    each slot): decode batches at contexts up to 20K (split-K + merge),
  *    ragged prefill / extend chunks over permuted slots, tiny head counts;
- *    the decode call captured in a CUDA graph and replayed bit-identically.
+ *    the decode call captured in a CUDA graph and replayed bit-identically;
+ *  - attention over dense per-sequence K / V (sel_dense, the expanded
+ *    prefill: cuda/attention_gemm.cu) at GLM-4.7-Flash's expanded heads,
+ *    chunks over cached prefixes, a K / V head shared by all heads, tiny shapes.
  * Inputs are bf16-rounded on the host; outputs NaN-poisoned. Needs a GPU. */
 #include <math.h>
 #include <stdint.h>
@@ -210,6 +213,60 @@ static void test_attention_latent(void) {
     }
 }
 
+/* attention over dense per-sequence K / V rows (sel_dense: the selection is
+ * the identity), the expanded prefill's call: CUDA's GEMM path vs the CPU
+ * attention. n_kv 0: one K / V head per query head (expanded MLA), else that
+ * many KV heads (1: shared by every head). */
+static void run_dense(int H, int KV, int D, int n_seqs, const int *q_len, const int *ctx,
+                      const char *what) {
+    int32_t qb[9] = {0}, sb[9] = {0};
+    int n_tok = 0, n_sel = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        n_tok += q_len[s], n_sel += ctx[s];
+        qb[s + 1] = n_tok, sb[s + 1] = n_sel;
+    }
+    int32_t *iota = lethe_xmalloc((size_t)n_sel * sizeof(int32_t));
+    for (int i = 0; i < n_sel; i++) iota[i] = i;
+    float *q = rand_bf16((size_t)n_tok * H * D, 1.0f);
+    float *k = rand_bf16((size_t)n_sel * KV * D, 1.0f), *v = rand_bf16((size_t)n_sel * KV * D, 1.0f);
+    pair pq = act(q, (size_t)n_tok * H * D), pk = act(k, (size_t)n_sel * KV * D);
+    pair pv = act(v, (size_t)n_sel * KV * D), po = act(NULL, (size_t)n_tok * H * D);
+    lethe_attn_args a = {.n_tokens = n_tok,
+                         .n_seqs = n_seqs,
+                         .q_begin = qb,
+                         .sel_begin = sb,
+                         .sel_slots = iota,
+                         .n_heads = H,
+                         .n_kv_heads = KV,
+                         .head_dim = D,
+                         .scale = 2.0f / sqrtf((float)D),
+                         .sel_dense = true};
+    lethe_attn_args ac = a, ag = a;
+    ac.out = po.c, ac.q = pq.c, ac.k_cache = pk.c, ac.v_cache = pv.c;
+    ag.out = po.g, ag.q = pq.g, ag.k_cache = pk.g, ag.v_cache = pv.g;
+    g_cpu->ops->attention(g_cpu, &ac);
+    g_gpu->ops->attention(g_gpu, &ag);
+    compare(&po, 2e-2, what);
+    free(iota), free(q), free(k), free(v);
+    release(&pq), release(&pk), release(&pv), release(&po);
+}
+
+static void test_attention_dense(void) {
+    { /* GLM-4.7-Flash expanded: 20 heads of 192 + 64 (V 256): a 1000-token prompt
+       * alone, then prefill chunks over cached prefixes (the causal offset) */
+        int ql[1] = {1000}, cx[1] = {1000};
+        run_dense(20, 20, 256, 1, ql, cx, "glm expanded prefill 1000");
+        int ql3[3] = {300, 64, 2}, cx3[3] = {2300, 64, 700};
+        run_dense(20, 20, 256, 3, ql3, cx3, "glm expanded chunks over prefixes");
+    }
+    { /* one K / V row shared by every head (stride 0), and the tiny checkpoint (4 x 24) */
+        int ql[2] = {50, 7}, cx[2] = {80, 7};
+        run_dense(8, 1, 192, 2, ql, cx, "shared K / V head");
+        int qt[2] = {9, 20}, ct[2] = {9, 45};
+        run_dense(4, 4, 24, 2, qt, ct, "tiny expanded shapes");
+    }
+}
+
 int main(void) {
     lethe_backend_params pc = {.device = "cpu", .n_threads = 0};
     lethe_backend_params pgp = {.device = "cuda", .device_index = 0};
@@ -219,6 +276,7 @@ int main(void) {
     TEST_RUN(test_matmul_heads);
     TEST_RUN(test_copy_block);
     TEST_RUN(test_attention_latent);
+    TEST_RUN(test_attention_dense);
     lethe_backend_destroy(g_gpu);
     lethe_backend_destroy(g_cpu);
     fprintf(stderr, "test_cuda_mla: all passed\n");

@@ -7,7 +7,9 @@
  *     sequences prefilled together in one ragged batch (one of them in two
  *     chunks, the second extending its cached prefix), then greedy decode
  *     steps of both; every logits row within bf16 error (relative error
- *     <= 3e-2) and the same argmax wherever the CPU's top-2 gap is clear.
+ *     <= 3e-2) and the same argmax wherever the CPU's top-2 gap is clear;
+ *     tiny-glm4-moe-lite once more with the expanded latent prefill forced
+ *     (LETHE_MLA_EXPAND_MIN_Q=1) on both backends.
  *     tiny-qwen3_5 (hybrid: DeltaNet layers keep their states in 8 state slots,
  *     slot = sequence) runs the same steps: chunked prefill, the extension
  *     continuing the states, one-step decode.
@@ -181,6 +183,10 @@ static void test_tiny(void) {
     tiny_vs_cpu("tests/data/tiny-qwen3-moe", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-glm4-moe-lite", cpu, gpu);
     tiny_vs_cpu("tests/data/tiny-qwen3_5", cpu, gpu);
+    /* latent attention's expanded prefill on both (the prefill and extend steps) */
+    setenv("LETHE_MLA_EXPAND_MIN_Q", "1", 1);
+    tiny_vs_cpu("tests/data/tiny-glm4-moe-lite", cpu, gpu);
+    unsetenv("LETHE_MLA_EXPAND_MIN_Q");
     lethe_backend_destroy(gpu);
     lethe_backend_destroy(cpu);
 }

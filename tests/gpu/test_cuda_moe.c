@@ -6,8 +6,8 @@
  * keeps the expert activations in bf16. Shapes: Qwen3-30B-A3B's (128 experts,
  * 8 per token, dim 2048, expert FFN 768) at batch 1 and 64, GLM-4.7-Flash's
  * router (sigmoid + selection bias, normalized, scale 1.8), group-limited
- * routing (4 groups, 2 kept), a token count above LETHE_MOE_SMALL_N (the
- * cuBLAS path with its host sync), and the decode path captured in a CUDA
+ * routing (4 groups, 2 kept), token counts above LETHE_MOE_SMALL_N (the
+ * grouped-GEMM path), and the decode path captured in a CUDA
  * graph and replayed (bit-identical to the eager call). The output buffer is
  * NaN-poisoned, so an unwritten row fails. Needs a CUDA device. */
 #include <math.h>
@@ -157,12 +157,18 @@ static void test_moe(void) {
         {3, 64, 32, 8, 2, LETHE_MOE_SOFTMAX, false, false, 1.0f, 1, 1, "tiny, unnormalized"},
         {8, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1, "glm-4.7-flash router"},
         {17, 128, 64, 16, 4, LETHE_MOE_SIGMOID, true, true, 2.5f, 4, 2, "group-limited 4/2"},
-        {300, 256, 96, 32, 4, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1, "300 tokens (cuBLAS)"},
+        /* the grouped GEMM: output widths off its 64-column tiles (96), experts with
+         * fewer pairs than a row tile, prefill at both models' expert shapes */
+        {300, 256, 96, 32, 4, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1, "300 tokens (grouped)"},
         {1000, 512, 128, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
-         "1000 tokens (cuBLAS)"},
+         "1000 tokens (grouped)"},
+        {512, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
+         "qwen3-30b-a3b prefill 512 (grouped)"},
+        {300, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1,
+         "glm-4.7-flash prefill 300 (grouped)"},
     };
-    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++)
-        run_case(&cases[i], cases[i].n <= LETHE_MOE_SMALL_N);
+    /* every path is graph-capturable (no host sync): each case replays its capture */
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_case(&cases[i], true);
 }
 
 int main(void) {

@@ -8,6 +8,8 @@
  * [n_slots, n_kv_heads, D], all bf16; softmax and accumulation in fp32.
  *
  * Dispatch (lethe_cuda_attention): quantized KV goes to attention_quant.cu;
+ * dense per-sequence K / V (sel_dense) outside decode, for head_dims v2 does
+ * not take, to attention_gemm.cu (cuBLAS GEMMs);
  * per-KV-head selections (head_sel_begin) to attention_varlen.cu;
  * head_dim 64 / 128 where the v2 kernels' shared memory fits the device goes
  * to attention_v2.cu (tensor-core decode and prefill; block-sparse prefill,
@@ -317,6 +319,13 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     for (int s = 0; s < a->n_seqs; s++)
         if (a->q_begin[s + 1] - a->q_begin[s] != 1) decode = false;
     if (a->n_tokens == 0) return;
+    /* dense per-sequence K / V (latent attention's expanded prefill): GEMMs,
+     * unless the tensor-core v2 prefill kernel takes the head_dim */
+    if (a->sel_dense && !decode && !a->head_sel_begin && !a->bsp && !c->capturing && !lethe_cuda_attn_v2_fits(c, D) &&
+        (a->n_kv_heads == 1 || a->n_kv_heads == a->n_heads)) {
+        lethe_cuda_attn_gemm(c, a);
+        return;
+    }
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     if (a->head_sel_begin) { /* per-KV-head selections: attention_varlen.cu */
         lethe_cuda_attn_varlen(c, a, d_qb);

@@ -68,6 +68,9 @@ void lethe_cuda_attn_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t 
  * decode kernel (one block per KV head group and split instead of a 128-row
  * tile per head), the rest to the prefill kernel. */
 bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D);
+/* sel_dense prefill as cuBLAS GEMMs (attention_gemm.cu): n_kv_heads 1 or
+ * n_heads, no per-head selections, not in graph capture */
+void lethe_cuda_attn_gemm(cuda_ctx *c, const lethe_attn_args *a);
 /* per-KV-head selections (attention_varlen.cu); d_qb: staged q_begin */
 void lethe_cuda_attn_varlen(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb);
 void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,

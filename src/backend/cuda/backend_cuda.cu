@@ -471,6 +471,7 @@ static void cuda_destroy(lethe_backend *be) {
         if (c->bsp_ws) cudaFree(c->bsp_ws);
         if (c->qmean_ws) cudaFree(c->qmean_ws);
         if (c->tq_ws) cudaFree(c->tq_ws);
+        if (c->gemm_attn_ws) cudaFree(c->gemm_attn_ws);
         free(c->tq_iota);
         if (c->sample_ws) cudaFree(c->sample_ws);
         if (c->xfer_d) cudaFree(c->xfer_d);

@@ -140,6 +140,10 @@ typedef struct cuda_ctx {
     void *bsp_ws;
     size_t bsp_ws_cap;           /* bytes */
 
+    /* GEMM attention scratch (attention_gemm.cu): S fp32 + P bf16 of a row block */
+    void *gemm_attn_ws;
+    size_t gemm_attn_ws_cap;     /* bytes */
+
     /* attn_scores scratch (scores.cu), fp32; mean queries (LETHE_SCORES_QMEAN), bf16 */
     float *scores_d;
     size_t scores_cap;           /* bytes */

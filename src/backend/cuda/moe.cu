@@ -16,12 +16,21 @@
  *                  and writes h = silu(x Wg^T) * (x Wu^T) [P, ffn] (bf16)
  *   down_kernel    the same over W_down[e]: ys = h W_down[e]^T [P, dim]
  * Only the active experts' weights are read: at batch 1 that is the k
- * experts the token chose. For more tokens (prefill), the offsets come to
- * the host (one sync per layer) and each active expert runs as cuBLAS GEMMs
- * over its gathered rows (tensor cores) instead.
+ * experts the token chose. For more tokens (prefill), a grouped GEMM on
+ * tensor cores (WMMA bf16, fp32 accumulation) over all experts at once, its
+ * grid fixed from n (no host sync, graph-capturable):
+ *   grid y = row tiles: expert e owns tiles [tiles[e], tiles[e+1]) of
+ *            LETHE_MOE_TILE_M sorted pairs (sort_kernel's prefix sum), at
+ *            most ceil(P / TILE_M) + min(P, E) in all (blocks past tiles[E]
+ *            exit); grid x = GG_BN output columns
+ *   gg_gate_up_kernel  h = silu(x Wg[e]^T) * (x Wu[e]^T) [P, ffn], the x rows
+ *                      gathered through perm as the A tile loads, both
+ *                      products from one A tile, SwiGLU in fp32 in the epilogue
+ *   gg_down_kernel     ys = h W_down[e]^T [P, dim]
  *   combine_kernel out[t] = sum_j wts[t, j] * ys[inv[t k + j]] (fp32, j ascending). */
 #include "backend/cuda/cuda_common.cuh"
 
+#include <mma.h>
 #include <stdio.h>
 
 extern "C" {
@@ -132,7 +141,7 @@ __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 __global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t E,
                             int32_t *__restrict__ counts, int32_t *__restrict__ offsets,
                             int32_t *__restrict__ active, int32_t *__restrict__ perm,
-                            int32_t *__restrict__ inv) {
+                            int32_t *__restrict__ inv, int32_t *__restrict__ tiles) {
     __shared__ int32_t chunk[2048];
     __shared__ int32_t scan[LETHE_MOE_MAX_EXPERTS + 1], ascan[LETHE_MOE_MAX_EXPERTS + 1];
     const int e = threadIdx.x;
@@ -147,15 +156,17 @@ __global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t 
     if (e < E) scan[e] = cnt, ascan[e] = cnt > 0;
     __syncthreads();
     if (threadIdx.x == 0) { /* E <= 512: a serial scan is a few hundred adds */
-        int32_t s = 0, a = 0;
+        int32_t s = 0, a = 0, tl = 0;
         for (int i = 0; i < E; i++) {
             const int32_t c = scan[i], f = ascan[i];
             scan[i] = s, ascan[i] = a;
-            s += c, a += f;
+            tiles[i] = tl;
+            s += c, a += f, tl += (c + LETHE_MOE_TILE_M - 1) / LETHE_MOE_TILE_M;
         }
         scan[E] = s, ascan[E] = a;
         offsets[E] = s;
         active[E] = a;
+        tiles[E] = tl;
     }
     __syncthreads();
     if (e < E) {
@@ -269,17 +280,174 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
     }
 }
 
-/* xs[i] = x[perm[i] / k] (rows of dim, 8-bf16 vectors) */
-__global__ void gather_pairs_kernel(bf16 *__restrict__ xs, const bf16 *__restrict__ x,
-                                    const int32_t *__restrict__ perm, int32_t P, int32_t k,
-                                    int32_t dim) {
-    const int32_t nv = dim / 8;
-    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < (size_t)P * nv;
-         t += (size_t)gridDim.x * blockDim.x) {
-        const int32_t i = (int32_t)(t / nv), v = (int32_t)(t % nv);
-        ((uint4 *)(xs + (size_t)i * dim))[v] = ((const uint4 *)(x +
-                                                                (size_t)(perm[i] / k) * dim))[v];
+/* ---- the grouped GEMM (prefill) ----
+ * A block computes a GG_BM x GG_BN tile of one expert's output rows (sorted
+ * pairs) with 4 warps of 32 x 32 (2 x 2 WMMA 16 x 16 x 16 fragments), K in
+ * steps of GG_BK through shared memory (rows padded by 8 bf16: 80-byte rows
+ * keep the fragments' 32-byte alignment and spread the banks). Rows past the
+ * expert's pairs and columns past the output width load zeros and are not
+ * stored. */
+#define GG_BM LETHE_MOE_TILE_M
+#define GG_BN 64
+#define GG_BK 32
+#define GG_LD (GG_BK + 8)
+#define GG_THREADS 128
+
+namespace wmma = nvcuda::wmma;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> gg_frag_a;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> gg_frag_b;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> gg_frag_c;
+
+/* the block's expert (tiles[e] <= tile < tiles[e + 1]) and its first row; false past the last tile */
+__device__ static bool gg_tile(const int32_t *tiles, int32_t E, int32_t tile, int32_t *e_out,
+                               int32_t *m0) {
+    if (tile >= tiles[E]) return false;
+    int32_t lo = 0, hi = E - 1;
+    while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) / 2;
+        if (tiles[mid] <= tile) lo = mid;
+        else hi = mid - 1;
     }
+    *e_out = lo;
+    *m0 = (tile - tiles[lo]) * GG_BM;
+    return true;
+}
+
+/* rows [n0, n0 + GG_BN) x columns [k0, k0 + GG_BK) of W [n_rows, K] into Bs (zeros past the edges) */
+__device__ static inline void gg_load_b(bf16 (*Bs)[GG_LD], const bf16 *__restrict__ w, int32_t n0,
+                                        int32_t n_rows, int32_t k0, int32_t K) {
+    for (int i = threadIdx.x; i < GG_BN * (GG_BK / 8); i += GG_THREADS) {
+        const int r = i / (GG_BK / 8), v = i % (GG_BK / 8);
+        const int32_t kk = k0 + v * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (n0 + r < n_rows && kk < K) val = __ldg((const uint4 *)(w + (size_t)(n0 + r) * K + kk));
+        *(uint4 *)&Bs[r][v * 8] = val;
+    }
+}
+
+/* A tile rows: sorted pair rows [m0, m0 + GG_BM) of an expert with m pairs;
+ * row r is src + row_of(r) * K (gather: the token's x row; else the pair's own) */
+__device__ static inline void gg_load_a(bf16 (*As)[GG_LD], const bf16 *__restrict__ src,
+                                        const int32_t *__restrict__ perm, int32_t k, int32_t o,
+                                        int32_t m0, int32_t m, int32_t k0, int32_t K) {
+    for (int i = threadIdx.x; i < GG_BM * (GG_BK / 8); i += GG_THREADS) {
+        const int r = i / (GG_BK / 8), v = i % (GG_BK / 8);
+        const int32_t kk = k0 + v * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (m0 + r < m && kk < K) {
+            const int32_t row = perm ? perm[o + m0 + r] / k : o + m0 + r;
+            val = __ldg((const uint4 *)(src + (size_t)row * K + kk));
+        }
+        *(uint4 *)&As[r][v * 8] = val;
+    }
+}
+
+/* acc[i][j] += A rows (warp's 32) x B rows (warp's 32)^T over one GG_BK step */
+__device__ static inline void gg_mma(gg_frag_c (*acc)[2], const bf16 (*As)[GG_LD],
+                                     const bf16 (*Bs)[GG_LD], int wm, int wn) {
+#pragma unroll
+    for (int kf = 0; kf < GG_BK; kf += 16) {
+        gg_frag_a a[2];
+        gg_frag_b b[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) wmma::load_matrix_sync(a[i], &As[wm * 32 + i * 16][kf], GG_LD);
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::load_matrix_sync(b[j], &Bs[wn * 32 + j * 16][kf], GG_LD);
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+}
+
+/* h[o + row] = silu(x Wg[e]^T) * (x Wu[e]^T) for the block's tile (grid: x = ffn / GG_BN, y = tiles) */
+__global__ void __launch_bounds__(GG_THREADS)
+    gg_gate_up_kernel(bf16 *__restrict__ h, const bf16 *__restrict__ x, const bf16 *__restrict__ wg,
+                      const bf16 *__restrict__ wu, const int32_t *__restrict__ offsets,
+                      const int32_t *__restrict__ tiles, const int32_t *__restrict__ perm, int32_t E,
+                      int32_t k, int32_t dim, int32_t ffn) {
+    __shared__ __align__(32) bf16 As[GG_BM][GG_LD];
+    __shared__ __align__(32) bf16 Bg[GG_BN][GG_LD];
+    __shared__ __align__(32) bf16 Bu[GG_BN][GG_LD];
+    __shared__ __align__(32) float stage[GG_THREADS / 32][2][16 * 16];
+    int32_t e, m0;
+    if (!gg_tile(tiles, E, blockIdx.y, &e, &m0)) return;
+    const int32_t o = offsets[e], m = offsets[e + 1] - o, n0 = blockIdx.x * GG_BN;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = warp / 2, wn = warp % 2;
+    gg_frag_c cg[2][2], cu[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(cg[i][j], 0.0f), wmma::fill_fragment(cu[i][j], 0.0f);
+    const bf16 *wge = wg + (size_t)e * ffn * dim, *wue = wu + (size_t)e * ffn * dim;
+    for (int32_t k0 = 0; k0 < dim; k0 += GG_BK) {
+        gg_load_a(As, x, perm, k, o, m0, m, k0, dim);
+        gg_load_b(Bg, wge, n0, ffn, k0, dim);
+        gg_load_b(Bu, wue, n0, ffn, k0, dim);
+        __syncthreads();
+        gg_mma(cg, As, Bg, wm, wn);
+        gg_mma(cu, As, Bu, wm, wn);
+        __syncthreads();
+    }
+    float *sg = stage[warp][0], *su = stage[warp][1];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wmma::store_matrix_sync(sg, cg[i][j], 16, wmma::mem_row_major);
+            wmma::store_matrix_sync(su, cu[i][j], 16, wmma::mem_row_major);
+            __syncwarp();
+            for (int q = lane; q < 256; q += 32) {
+                const int32_t row = m0 + wm * 32 + i * 16 + q / 16;
+                const int32_t col = n0 + wn * 32 + j * 16 + q % 16;
+                if (row < m && col < ffn) {
+                    const float g = sg[q], u = su[q];
+                    h[(size_t)(o + row) * ffn + col] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+                }
+            }
+            __syncwarp();
+        }
+}
+
+/* ys[o + row] = h[o + row] W_down[e]^T for the block's tile (grid: x = dim / GG_BN, y = tiles) */
+__global__ void __launch_bounds__(GG_THREADS)
+    gg_down_kernel(bf16 *__restrict__ ys, const bf16 *__restrict__ h, const bf16 *__restrict__ wd,
+                   const int32_t *__restrict__ offsets, const int32_t *__restrict__ tiles, int32_t E,
+                   int32_t dim, int32_t ffn) {
+    __shared__ __align__(32) bf16 As[GG_BM][GG_LD];
+    __shared__ __align__(32) bf16 Bs[GG_BN][GG_LD];
+    __shared__ __align__(32) float stage[GG_THREADS / 32][16 * 16];
+    int32_t e, m0;
+    if (!gg_tile(tiles, E, blockIdx.y, &e, &m0)) return;
+    const int32_t o = offsets[e], m = offsets[e + 1] - o, n0 = blockIdx.x * GG_BN;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = warp / 2, wn = warp % 2;
+    gg_frag_c acc[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    const bf16 *wde = wd + (size_t)e * dim * ffn;
+    for (int32_t k0 = 0; k0 < ffn; k0 += GG_BK) {
+        gg_load_a(As, h, NULL, 1, o, m0, m, k0, ffn);
+        gg_load_b(Bs, wde, n0, dim, k0, ffn);
+        __syncthreads();
+        gg_mma(acc, As, Bs, wm, wn);
+        __syncthreads();
+    }
+    float *st = stage[warp];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wmma::store_matrix_sync(st, acc[i][j], 16, wmma::mem_row_major);
+            __syncwarp();
+            for (int q = lane; q < 256; q += 32) {
+                const int32_t row = m0 + wm * 32 + i * 16 + q / 16;
+                const int32_t col = n0 + wn * 32 + j * 16 + q % 16;
+                if (row < m && col < dim) ys[(size_t)(o + row) * dim + col] = __float2bfloat16(st[q]);
+            }
+            __syncwarp();
+        }
 }
 
 /* out[t, d] = sum_j wts[t, j] * ys[inv[t k + j], d], j ascending, fp32 */
@@ -297,23 +465,6 @@ __global__ void combine_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ 
     }
 }
 
-static void gemm_check(cublasStatus_t st, const char *what, int32_t m, int32_t n, int32_t kk) {
-    if (st == CUBLAS_STATUS_SUCCESS) return;
-    char buf[128];
-    snprintf(buf, sizeof buf, "moe %s cublasGemmEx(m=%d, n=%d, k=%d)", what, m, n, kk);
-    lethe_cuda_fatal_(buf, cublasGetStatusString(st), __FILE__, __LINE__);
-}
-
-/* y[m, out] = x[m, in] W^T, W [out, in] bf16 (the matmul.cu convention) */
-static void expert_gemm(cuda_ctx *c, bf16 *y, const bf16 *x, const bf16 *w, int32_t m, int32_t out,
-                        int32_t in, const char *what) {
-    const float alpha = 1.0f, beta = 0.0f;
-    gemm_check(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, out, m, in, &alpha, w, CUDA_R_16BF,
-                            in, x, CUDA_R_16BF, in, &beta, y, CUDA_R_16BF, out, CUBLAS_COMPUTE_32F,
-                            CUBLAS_GEMM_DEFAULT),
-               what, out, m, in);
-}
-
 extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
     cuda_ctx *c = cuda_ctx_of(be);
     const int32_t n = a->n, k = a->k, E = a->n_experts, dim = a->dim, ffn = a->ffn;
@@ -326,9 +477,9 @@ extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
     int32_t *ids = (int32_t *)(ws + L.ids), *counts = (int32_t *)(ws + L.counts);
     int32_t *offsets = (int32_t *)(ws + L.offsets), *active = (int32_t *)(ws + L.active);
     int32_t *perm = (int32_t *)(ws + L.perm), *inv = (int32_t *)(ws + L.inv);
+    int32_t *tiles = (int32_t *)(ws + L.tiles);
     float *wts = (float *)(ws + L.wts);
-    bf16 *xs = (bf16 *)(ws + L.xs), *hg = (bf16 *)(ws + L.hg), *hu = (bf16 *)(ws + L.hu);
-    bf16 *ys = (bf16 *)(ws + L.ys);
+    bf16 *hg = (bf16 *)(ws + L.hg), *ys = (bf16 *)(ws + L.ys);
     const int32_t P = n * k;
 
     route_kernel<<<(unsigned)((n + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, 0,
@@ -336,7 +487,7 @@ extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
                                 a->scoring, a->norm_topk, a->scale, a->n_group, a->topk_group);
     CU_LAUNCH_CHECK();
     sort_kernel<<<1, (unsigned)((E + 31) / 32 * 32), 0, c->stream>>>(ids, P, E, counts, offsets,
-                                                                     active, perm, inv);
+                                                                     active, perm, inv, tiles);
     CU_LAUNCH_CHECK();
     const bf16 *wg = (const bf16 *)a->w_gate, *wu = (const bf16 *)a->w_up;
     const bf16 *wd = (const bf16 *)a->w_down;
@@ -350,34 +501,16 @@ extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
         down_kernel<<<g2, MV_WARPS * 32, 0, c->stream>>>(ys, hg, wd, offsets, active, E, dim, ffn);
         CU_LAUNCH_CHECK();
     } else {
-        LETHE_ASSERT(!c->capturing && "moe: more than LETHE_MOE_SMALL_N tokens in a graph");
-        void *host = NULL;
-        lethe_cuda_ring_alloc(c, (size_t)(E + 1) * sizeof(int32_t), &host);
-        int32_t *h_off = (int32_t *)host;
-        CU_CHECK(cudaMemcpyAsync(h_off, offsets, (size_t)(E + 1) * sizeof(int32_t),
-                                 cudaMemcpyDeviceToHost, c->stream));
-        gather_pairs_kernel<<<lethe_cuda_blocks((size_t)P * (dim / 8), 256) <
-                                      (unsigned)c->n_sms * 16
-                                  ? lethe_cuda_blocks((size_t)P * (dim / 8), 256)
-                                  : (unsigned)c->n_sms * 16,
-                              256, 0, c->stream>>>(xs, (const bf16 *)a->x, perm, P, k, dim);
+        /* row tiles: each expert's last one may be partial */
+        const int64_t max_tiles = ((int64_t)P + GG_BM - 1) / GG_BM + (P < E ? P : E);
+        LETHE_ASSERT(max_tiles <= 65535 && "moe: too many tokens for one grouped GEMM grid");
+        dim3 g1((unsigned)((ffn + GG_BN - 1) / GG_BN), (unsigned)max_tiles);
+        gg_gate_up_kernel<<<g1, GG_THREADS, 0, c->stream>>>(hg, (const bf16 *)a->x, wg, wu, offsets,
+                                                             tiles, perm, E, k, dim, ffn);
         CU_LAUNCH_CHECK();
-        CU_CHECK(cudaStreamSynchronize(c->stream));
-        for (int32_t e = 0; e < E; e++) {
-            const int32_t o = h_off[e], m = h_off[e + 1] - o;
-            if (!m) continue;
-            expert_gemm(c, hg + (size_t)o * ffn, xs + (size_t)o * dim, wg + (size_t)e * ffn * dim,
-                        m, ffn, dim, "gate");
-            expert_gemm(c, hu + (size_t)o * ffn, xs + (size_t)o * dim, wu + (size_t)e * ffn * dim,
-                        m, ffn, dim, "up");
-        }
-        lethe_cuda_swiglu(be, hg, hg, hu, (size_t)P * ffn);
-        for (int32_t e = 0; e < E; e++) {
-            const int32_t o = h_off[e], m = h_off[e + 1] - o;
-            if (!m) continue;
-            expert_gemm(c, ys + (size_t)o * dim, hg + (size_t)o * ffn, wd + (size_t)e * dim * ffn,
-                        m, dim, ffn, "down");
-        }
+        dim3 g2((unsigned)((dim + GG_BN - 1) / GG_BN), (unsigned)max_tiles);
+        gg_down_kernel<<<g2, GG_THREADS, 0, c->stream>>>(ys, hg, wd, offsets, tiles, E, dim, ffn);
+        CU_LAUNCH_CHECK();
     }
     const size_t total = (size_t)n * dim;
     unsigned blocks = lethe_cuda_blocks(total, 256);
