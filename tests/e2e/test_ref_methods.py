@@ -3,7 +3,7 @@ for every case of tests/ref/compare.py (kvzip shared / pair / pair with a
 ratio, rkv, skipkv, quest), `lethe generate` runs a teacher-forced decode with
 LETHE_DUMP_SELECTIONS, the float64 numpy reference runs the same token ids,
 and the positions every decode query reads (per step, layer and KV head) must
-agree: mean Jaccard >= 0.98 (the issue's target where the granularity is the
+agree: mean Jaccard >= 0.98 (the required agreement where the granularity is the
 same). The other granularity (the paper's per-head sets where lethe keeps one
 shared set, and the reverse) is measured, not asserted: it is the size of the
 deliberate difference (docs/quality.md, reference comparison)."""
