@@ -10,10 +10,11 @@
  *    clusters with f32 tables, GQA 1 / 4 / 8, lists of 1 .. 5000 keys;
  *    relative error < 1e-2 (bf16 output) vs the CPU twin; other rows of out
  *    stay untouched;
- *  - engine: tiny Llama (dummy weights), 120-token prompt, 6 tokens: with
- *    every cluster retrieved greedy tokens and logits equal dense on CUDA bit
- *    for bit; small budgets (and the host tier with a tiny cluster cache) run
- *    with finite logits and return every slot.
+ *  - engine: tiny Llama (dummy weights), 100-token prompt, 24 tokens (the
+ *    index extended twice), CUDA against the CPU backend (test_engine):
+ *    every cluster retrieved equals dense on CUDA bit for bit; lossy budgets
+ *    teacher-forced match the CPU twin; the host tier equals the device path
+ *    bit for bit; every run returns every slot.
  * Needs a CUDA device (make test-gpu). */
 #include <math.h>
 #include <stdint.h>
@@ -230,7 +231,11 @@ static void test_scores_attention(void) {
 
 /* ---- the method through the engine ---- */
 
-enum { NPROMPT = 120, NGEN = 6, VOCAB = 256 };
+/* A 100-token prompt and 24 decode tokens: the prompt index is 2 segments of
+ * 47 keys (12 clusters each) per layer and KV head, and decode extends it by
+ * two 8-token segments (at row lengths 108 and 116), so the device path runs
+ * the prompt clustering, the extensions and the three zones. */
+enum { NPROMPT = 100, NGEN = 24, VOCAB = 256 };
 typedef struct run_out {
     int32_t tokens[NGEN];
     float logits[NGEN][VOCAB];
@@ -246,14 +251,16 @@ static void on_event(void *user, const lethe_event *ev) {
     o->n++;
 }
 
-static void run(const char *method, const char *cfg, run_out *o) {
+/* one request on `device`: greedy, or teacher-forced to `forced` [NGEN] */
+static void run(const char *device, const char *method, const char *cfg, const int32_t *forced,
+                run_out *o) {
     memset(o, 0, sizeof(*o));
     lethe_engine_params p;
     lethe_engine_default_params(&p);
     p.model = "tests/data/tiny-llama/config.json";
     p.load_format = "dummy";
     p.seed = 11;
-    p.device = "cuda";
+    p.device = device;
     p.kv_cache_bytes = (size_t)16 << 20;
     p.max_model_len = 128;
     p.max_num_batched_tokens = 48;
@@ -266,8 +273,13 @@ static void run(const char *method, const char *cfg, run_out *o) {
     CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s: %s", method, lethe_engine_last_error());
     int32_t ids[NPROMPT];
     for (int i = 0; i < NPROMPT; i++) ids[i] = 3 + (int32_t)((i * 37 + 5) % 250);
-    lethe_request_params rp = {
-        .prompt = ids, .n_prompt = NPROMPT, .cb = on_event, .user = o, .want_logits = true};
+    lethe_request_params rp = {.prompt = ids,
+                               .n_prompt = NPROMPT,
+                               .cb = on_event,
+                               .user = o,
+                               .want_logits = true,
+                               .forced = forced,
+                               .n_forced = forced ? NGEN : 0};
     lethe_sampling_default_params(&rp.sampling);
     rp.sampling.temperature = 0;
     rp.sampling.max_tokens = NGEN;
@@ -283,34 +295,75 @@ static void run(const char *method, const char *cfg, run_out *o) {
     lethe_engine_destroy(e);
 }
 
+/* relative L2 error of a's logits against b's, over every step */
+static double logits_rel(const run_out *a, const run_out *b) {
+    double num = 0, den = 0;
+    for (int t = 0; t < NGEN; t++)
+        for (int j = 0; j < VOCAB; j++) {
+            CHECK(isfinite(a->logits[t][j]));
+            const double d = (double)a->logits[t][j] - b->logits[t][j];
+            num += d * d;
+            den += (double)b->logits[t][j] * b->logits[t][j];
+        }
+    return sqrt(num / den);
+}
+
 #define SMALL                                                                                \
     "retroinfer_sink=2,retroinfer_recent=4,retroinfer_cluster_size=4,retroinfer_segment=32," \
     "retroinfer_update=8,retroinfer_min_tokens=32"
+#define LOSSY ",retroinfer_retrieve=0.2,retroinfer_estimate=0.3"
 
+/* The engine on CUDA against the engine on the CPU backend (the twin):
+ *  - retrieve = 1: bit-identical to dense on CUDA (greedy);
+ *  - the other budgets are teacher-forced to CUDA dense's tokens: a budget
+ *    this small flips the greedy argmax of a random-weight model (flat
+ *    logits) within a few steps, and after one different token the two runs
+ *    decode different contexts, so free-running logits are not comparable
+ *    (the old 6-token greedy check read 0.92 "vs dense" on both backends
+ *    for that reason; teacher-forced, the loss is ~0.45). Checks: CUDA vs
+ *    CPU retroinfer within CPU_TWIN_TOL; CUDA's loss vs dense within
+ *    TWIN_LOSS_TOL of the CPU's and below LOSSY_MAX; the host tier (large
+ *    and 16-row cluster caches) bit-identical to the device path on CUDA
+ *    (the same bf16 keys in the same order, read from the ring); 90% of the
+ *    clusters retrieved within 0.1 of dense.
+ * CUDA differs from the CPU by bf16 activations (dense ~4e-3 here) and by
+ * k-means assignments / cluster ranks flipping at near-ties: the CPU backend
+ * with its matmul outputs rounded to bf16 reads 0.060 vs the plain CPU on
+ * the lossy budget, 0.005 on the near-dense one. */
+#define CPU_TWIN_TOL 0.15
+#define TWIN_LOSS_TOL 0.1
+#define LOSSY_MAX 0.7
 static void test_engine(void) {
-    static run_out dense, o;
-    run("dense", NULL, &dense);
-    run("retroinfer", SMALL ",retroinfer_retrieve=1", &o);
+    static run_out dense, dense_cpu, o, oc, dev_path;
+    run("cuda", "dense", NULL, NULL, &dense);
+    run("cpu", "dense", NULL, dense.tokens, &dense_cpu);
+    const double d0 = logits_rel(&dense, &dense_cpu);
+    fprintf(stderr, "    dense: cuda vs cpu logits rel err %.2e\n", d0);
+    CHECK(d0 < 3e-2);
+    run("cuda", "retroinfer", SMALL ",retroinfer_retrieve=1", NULL, &o);
     CHECK(!memcmp(o.tokens, dense.tokens, sizeof(o.tokens)));
     CHECK(!memcmp(o.logits, dense.logits, sizeof(o.logits)));
-    const char *cfgs[] = {
-        SMALL ",retroinfer_retrieve=0.2,retroinfer_estimate=0.3",
-        SMALL ",retroinfer_retrieve=0.2,retroinfer_estimate=0.3,retroinfer_host_kv=true",
-        SMALL ",retroinfer_retrieve=0.2,retroinfer_estimate=0.3,retroinfer_host_kv=true,"
-              "retroinfer_cache_rows=16"};
+    const char *cfgs[] = {SMALL LOSSY, SMALL LOSSY ",retroinfer_host_kv=true",
+                          SMALL LOSSY ",retroinfer_host_kv=true,retroinfer_cache_rows=16",
+                          SMALL ",retroinfer_retrieve=0.9,retroinfer_estimate=0.1"};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cfgs); i++) {
-        run("retroinfer", cfgs[i], &o);
-        double num = 0, den = 0;
-        for (int t = 0; t < NGEN; t++)
-            for (int j = 0; j < VOCAB; j++) {
-                CHECK(isfinite(o.logits[t][j]));
-                num += (o.logits[t][j] - dense.logits[t][j]) *
-                       (double)(o.logits[t][j] - dense.logits[t][j]);
-                den += (double)dense.logits[t][j] * dense.logits[t][j];
-            }
-        fprintf(stderr, "    retroinfer %s: logits rel err vs dense %.3f\n",
-                cfgs[i] + strlen(SMALL), sqrt(num / den));
-        CHECK(sqrt(num / den) < 0.5);
+        const char *name = cfgs[i] + strlen(SMALL) + 1;
+        run("cuda", "retroinfer", cfgs[i], dense.tokens, &o);
+        run("cpu", "retroinfer", cfgs[i], dense.tokens, &oc);
+        const double twin = logits_rel(&o, &oc), e_gpu = logits_rel(&o, &dense),
+                     e_cpu = logits_rel(&oc, &dense_cpu);
+        fprintf(stderr,
+                "    retroinfer %s: cuda vs cpu %.2e; vs dense: cuda %.3f, cpu %.3f\n", name,
+                twin, e_gpu, e_cpu);
+        CHECK_MSG(twin < CPU_TWIN_TOL, "%s: cuda vs cpu retroinfer %.3f", name, twin);
+        CHECK_MSG(fabs(e_gpu - e_cpu) < TWIN_LOSS_TOL, "%s: loss vs dense cuda %.3f, cpu %.3f",
+                  name, e_gpu, e_cpu);
+        if (i == 0) dev_path = o;
+        if (i == 1 || i == 2)
+            CHECK_MSG(!memcmp(o.logits, dev_path.logits, sizeof(o.logits)),
+                      "%s: host tier differs from the device path", name);
+        if (i < 3) CHECK_MSG(e_gpu < LOSSY_MAX, "%s: loss vs dense %.3f", name, e_gpu);
+        if (i == 3) CHECK_MSG(e_gpu < 0.1, "%s: near-dense budget %.3f vs dense", name, e_gpu);
     }
 }
 
