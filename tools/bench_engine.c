@@ -5,7 +5,9 @@
  * (--load-format dummy). For every (batch, input length, output length) of
  * the sweep it prefills `batch` prompts of `input` random tokens (packed into
  * steps of up to --max-num-batched-tokens), then decodes `output` steps of
- * the whole batch, and reports:
+ * the whole batch (a point B:I:O:s skips the prefill and decodes over a
+ * synthetic context of I tokens: large batches at long contexts without
+ * paying their prefill), and reports:
  *   prefill tokens/s and the fraction of the compute roofline
  *       (matmul + causal attention FLOPs / measured bf16 GEMM peak);
  *   decode tokens/s, median step time and the fraction of the memory
@@ -95,13 +97,15 @@ static double matmul_flops_per_token(const lethe_model_config *c) {
 
 typedef struct point {
     int32_t batch, input, output;
+    bool synthetic;  /* decode over a synthetic context of `input` tokens, no prefill */
     double prefill_s, prefill_tok_s, prefill_tflops, prefill_frac;
     double step_ms, decode_tok_s, decode_bytes, decode_frac, decode_gbs;
     int64_t replays, captures, eager;
 } point;
 
 static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, int32_t in,
-                              int32_t out, double copy_bps, double gemm_fps, point *pt) {
+                              int32_t out, bool synthetic, double copy_bps, double gemm_fps,
+                              point *pt) {
     const lethe_model_config *c = &m->cfg;
     lethe_backend *be = m->be;
     const int32_t cap = in + out, kv_dim = c->n_kv_heads * c->head_dim;
@@ -137,9 +141,12 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     if (st != LETHE_OK) goto done;
 
     /* prefill: whole prompts packed into steps of <= maxb tokens; a prompt
-     * longer than maxb is split into chunks that extend its own prefix */
+     * longer than maxb is split into chunks that extend its own prefix. A
+     * synthetic point skips it: decode reads `in` slots per sequence (and the
+     * states) as the memory holds them; the time of a step does not depend
+     * on the values, and no real prefill of B x in tokens is paid for. */
     double t0 = lethe_time_s();
-    int32_t s = 0, done_tok = 0; /* next sequence and its prefilled length */
+    int32_t s = synthetic ? B : 0, done_tok = 0; /* next sequence and its prefilled length */
     while (s < B) {
         int32_t n = 0, S = 0;
         seq_begin[0] = 0;
@@ -171,16 +178,16 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
         lethe_layer_plan plan = {.store_slots = store, .sel_begin = sel_begin, .sel_slots = sel};
         lethe_model_forward_uniform(m, &b, kc, vc, &plan, false, gs, logits);
     }
-    pt->prefill_s = lethe_time_s() - t0;
-    pt->prefill_tok_s = (double)B * in / pt->prefill_s;
+    pt->prefill_s = synthetic ? 0 : lethe_time_s() - t0;
+    pt->prefill_tok_s = synthetic ? 0 : (double)B * in / pt->prefill_s;
     /* q.k and p.v per (query, key) pair and head; latent attention: k over the
      * latent + RoPE key, v over the latent (the absorbed form the model runs) */
     const double kv_w = k_only ? (double)c->head_dim + c->kv_lora_rank : 2.0 * c->head_dim;
     double attn_flops = 2.0 * kv_layers * c->n_heads * kv_w * ((double)in * (in + 1) / 2);
     double flops = (double)B * (in * matmul_flops_per_token(c) + attn_flops) +
                    2.0 * B * (double)c->n_vocab * c->dim;
-    pt->prefill_tflops = flops / pt->prefill_s * 1e-12;
-    pt->prefill_frac = gemm_fps > 0 ? flops / gemm_fps / pt->prefill_s : 0;
+    pt->prefill_tflops = synthetic ? 0 : flops / pt->prefill_s * 1e-12;
+    pt->prefill_frac = gemm_fps > 0 && !synthetic ? flops / gemm_fps / pt->prefill_s : 0;
 
     /* decode: `out` steps of the whole batch */
     double *steps = lethe_xmalloc((size_t)(out ? out : 1) * sizeof(double));
@@ -416,7 +423,7 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--batch", "-b", LETHE_OPT_STR, &o.batch, "LIST", "batch sizes, comma separated", 1, 0},
         {"--input-len", "-i", LETHE_OPT_STR, &o.input, "LIST", "prompt lengths", 1, 0},
         {"--output-len", "-o", LETHE_OPT_STR, &o.output, "LIST", "decode steps", 1, 0},
-        {"--points", NULL, LETHE_OPT_STR, &o.points, "B:I:O,...", "explicit (batch:input:output) points instead of the sweep", 1, 0},
+        {"--points", NULL, LETHE_OPT_STR, &o.points, "B:I:O,...", "explicit (batch:input:output) points instead of the sweep; B:I:O:s decodes over a synthetic context of I tokens (no prefill)", 1, 0},
         {"--max-num-batched-tokens", NULL, LETHE_OPT_INT, &o.max_batched, "N", "tokens per prefill step", 1, 1 << 20},
         {"--no-graph", "--enforce-eager", LETHE_OPT_BOOL, &o.no_graph, NULL, "decode eagerly (no CUDA graphs)", 1, 0},
         {"--attention", NULL, LETHE_OPT_BOOL, &o.attention, NULL, "also time decode attention alone", 1, 0},
@@ -445,6 +452,7 @@ int lethe_bench_engine(int argc, char **argv) {
     if (nb < 0 || ni < 0 || no < 0 || nab < 0 || nac < 0 || napf < 0) return 2;
     /* the run list: explicit points, or the cross product of the sweep lists */
     int32_t pb[MAX_SWEEP * MAX_SWEEP], pi[MAX_SWEEP * MAX_SWEEP], po[MAX_SWEEP * MAX_SWEEP];
+    bool psyn[MAX_SWEEP * MAX_SWEEP] = {false};
     int np = 0;
     if (o.points) {
         const char *p = o.points;
@@ -456,8 +464,12 @@ int lethe_bench_engine(int argc, char **argv) {
                         o.points);
                 return 2;
             }
-            np++;
             p += consumed;
+            if (!strncmp(p, ":s", 2) && (p[2] == ',' || !p[2])) { /* B:I:O:s = synthetic context */
+                psyn[np] = true;
+                p += 2;
+            }
+            np++;
             if (*p == ',') p++;
             else if (*p) {
                 fprintf(stderr, "lethe bench engine: --points '%s': unexpected '%c'\n", o.points, *p);
@@ -534,8 +546,9 @@ int lethe_bench_engine(int argc, char **argv) {
     printf("%6s %7s %6s | %12s %8s %6s | %9s %12s %9s %6s\n", "batch", "input", "output",
            "prefill t/s", "TFLOP/s", "of pk", "step ms", "decode t/s", "GB/s", "of bw");
     for (int i = 0; i < np; i++) {
-                point pt = {.batch = pb[i], .input = pi[i], .output = po[i]};
-                if (run_point(&m, &o, pb[i], pi[i], po[i], copy_bps, gemm_fps, &pt) != LETHE_OK) {
+                point pt = {.batch = pb[i], .input = pi[i], .output = po[i], .synthetic = psyn[i]};
+                if (run_point(&m, &o, pb[i], pi[i], po[i], psyn[i], copy_bps, gemm_fps, &pt) !=
+                    LETHE_OK) {
                     fprintf(stderr, "batch %d input %d output %d skipped: %s\n", pb[i], pi[i],
                             po[i], lethe_last_error());
                     continue;
@@ -549,6 +562,7 @@ int lethe_bench_engine(int argc, char **argv) {
                 cJSON_AddNumberToObject(e, "batch", pt.batch);
                 cJSON_AddNumberToObject(e, "input", pt.input);
                 cJSON_AddNumberToObject(e, "output", pt.output);
+                cJSON_AddBoolToObject(e, "synthetic_context", pt.synthetic);
                 cJSON_AddNumberToObject(e, "prefill_s", pt.prefill_s);
                 cJSON_AddNumberToObject(e, "prefill_tok_s", pt.prefill_tok_s);
                 cJSON_AddNumberToObject(e, "prefill_tflops", pt.prefill_tflops);
