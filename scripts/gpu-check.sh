@@ -303,6 +303,29 @@ if has replay; then
     cp /tmp/lethe-replay-*.log "$OUT/" 2>/dev/null
     log "replay: ${REPLAY_SET:-base} ($(( $(date +%s) - t0 ))s)"
 fi
+if has hybrid; then
+    t0=$(date +%s)
+    hcfg=configs/qwen3.6-27b/config.json
+    hp=",${HYBRID_PARTS:-gdn,engine,snapkv},"
+    if [ "${hp#*,gdn,}" != "$hp" ]; then
+        ./build/dev/cuda/gdn_bench --json "$OUT/hybrid-gdn.json" 2>&1 | tee "$OUT/hybrid-gdn.log"
+        add_gpu "$OUT/hybrid-gdn.json"
+    fi
+    if [ "${hp#*,engine,}" != "$hp" ]; then
+        ./build/lethe bench engine --model $hcfg --load-format dummy --device cuda --max-num-batched-tokens 8192 \
+            --points ${HYBRID_POINTS:-1:32768:64,1:131072:8,8:32768:64:s,32:32768:32:s,64:16384:32:s,64:32768:32:s} \
+            --json "$OUT/hybrid-engine.json" 2>&1 | tee "$OUT/hybrid-engine.log"
+        add_gpu "$OUT/hybrid-engine.json"
+    fi
+    if [ "${hp#*,snapkv,}" != "$hp" ]; then
+        ./build/lethe bench sparse -m $hcfg --load-format dummy --device cuda --parts capacity \
+            --budget 2048 --capacity-method snapkv --capacity-inputs ${HYBRID_SNAPKV_INPUTS:-130560} \
+            --capacity-output 256 --engine-tokens 131072 --no-progress ${SPARSE_ARGS:-} \
+            --json "$OUT/hybrid-snapkv.json" 2>&1 | tee "$OUT/hybrid-snapkv.log"
+        add_gpu "$OUT/hybrid-snapkv.json"
+    fi
+    log "hybrid: ${HYBRID_PARTS:-gdn,engine,snapkv} ($(( $(date +%s) - t0 ))s)"
+fi
 if has basecmp && [ -n "${base_pid:-}" ]; then
     wait "$base_pid"
     log "basecmp: base $(basename "$base_tar") build $(tail -1 "$OUT/base-build.log") ($(( $(date +%s) - t_start ))s)"
@@ -411,3 +434,6 @@ grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/stepprof.txt" ] && { echo; cat "$OUT/stepprof.txt"; }
 [ -s "$OUT/mmcmp.txt" ] && { echo; cat "$OUT/mmcmp.txt"; }
 [ -s "$OUT/basecmp.txt" ] && { echo; cat "$OUT/basecmp.txt"; }
+[ -s "$OUT/hybrid-gdn.log" ] && { echo; echo "hybrid: dev/cuda/gdn_bench"; grep -E "^(device|shape|prefill|decode| )" "$OUT/hybrid-gdn.log"; }
+[ -s "$OUT/hybrid-engine.log" ] && { echo; echo "hybrid: bench engine (Qwen3.6-27B dummy)"; grep -A8 "^ batch" "$OUT/hybrid-engine.log"; grep skipped "$OUT/hybrid-engine.log"; }
+[ -s "$OUT/hybrid-snapkv.log" ] && { echo; echo "hybrid: SnapKV 2K vs dense"; grep -B1 -A4 "^   input |" "$OUT/hybrid-snapkv.log"; }
