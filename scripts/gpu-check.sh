@@ -24,9 +24,14 @@
 #   sparse  `lethe bench sparse`: SnapKV 2K largest batch + decode
 #           tok/s vs dense at 32K and 128K, Quest / OmniKV vs dense at batch
 #           8 x 32K; then RetroInfer (device index, and the host tier as
-#           retro_infer) vs dense at 8 x ${RETRO_INPUT:-32768} -> sparse-retroinfer.json.
-#           ~3-4 min of GPU time (+ ~3 min RetroInfer). SPARSE_ARGS adds/overrides flags
-#           (e.g. "--matched-input 16384" to halve the matched part).
+#           retro_infer) vs dense at ${RETRO_BATCH:-8} x ${RETRO_INPUT:-32768}
+#           (RETRO_METHODS, default retroinfer,retro_infer) -> sparse-retroinfer.json.
+#           ~3-4 min of GPU time (+ ~3 min RetroInfer). SPARSE_SET=retro runs only the
+#           RetroInfer part. SPARSE_ARGS adds/overrides flags (e.g. "--matched-input
+#           16384" to halve the matched part).
+#           Issue 17's list (compression + RetroInfer host tier at 32K / 128K), ~4-5 min:
+#             COMPRESS_INPUTS="2x32768 1x130560" SPARSE_SET=retro RETRO_BATCH=1 \
+#             RETRO_INPUT=130560 RETRO_METHODS=retro_infer scripts/gpu-check.sh build,compress,sparse
 #           -> $OUT/sparse.json (copy to docs/results/, run gen_docs.py)
 #   prefill `lethe bench prefill`: one prompt of 32K and one of 128K alone in
 #           the engine, prefill time (submit -> first token) of flashprefill
@@ -187,16 +192,17 @@ EOF2
 }
 if has sparse; then
     t0=$(date +%s)
-    ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+    [ "${SPARSE_SET:-all}" = retro ] || ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
         --budget 2048 --capacity-method snapkv --capacity-inputs ${SPARSE_INPUTS:-32768,130560} --capacity-output 256 \
         --engine-tokens 131072 --matched-methods quest,omnikv --matched-batch 8 --matched-input 32768 \
         --matched-output 64 ${SPARSE_ARGS:-} --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.log"
     add_gpu "$OUT/sparse.json"
-    # RetroInfer: decode vs dense at matched batch 8 x 32K (dense, the device index, the host tier
-    # through the alias retro_infer) and each engine's pool slots per layer (capacity)
+    # RetroInfer: decode vs dense at matched batch RETRO_BATCH x RETRO_INPUT (dense, the device
+    # index, the host tier through the alias retro_infer), each engine's pool slots per layer and
+    # the device slots a request holds after its prompt (capacity)
     ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
-        --parts matched --budget 2048 --matched-methods retroinfer,retro_infer --matched-batch 8 \
-        --matched-input ${RETRO_INPUT:-32768} --matched-output 64 \
+        --parts matched --budget 2048 --matched-methods ${RETRO_METHODS:-retroinfer,retro_infer} \
+        --matched-batch ${RETRO_BATCH:-8} --matched-input ${RETRO_INPUT:-32768} --matched-output 64 --no-progress \
         --method-config retro_infer:retroinfer_host_kv=true,retroinfer_host_gib=96 \
         ${SPARSE_ARGS:-} --json "$OUT/sparse-retroinfer.json" 2>&1 | tee "$OUT/sparse-retroinfer.log"
     add_gpu "$OUT/sparse-retroinfer.json"

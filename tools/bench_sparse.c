@@ -36,6 +36,9 @@
  *   every request was decoding (all had their first token, none had
  *   finished) / the time of those steps; max_tokens = --matched-output plus
  *   the prefill steps, so that window holds at least --matched-output steps.
+ *   Also the most device slots any layer of a request holds when its first
+ *   token is published (resident_after_prompt_max: below the input for a
+ *   method that moves or frees KV after the prompt).
  *
  * Every method gets the same total budget --budget T per layer: sink 64 +
  * recent 512 + decode_keep_tokens (T - 576) (SnapKV keeps that many slots,
@@ -527,12 +530,21 @@ static int part_matched(const sb_opts *o, cJSON *root) {
                "reserve %.2f GiB\n", m, lo.kv_token_bytes, lo.kv_slot_overhead_bytes,
                slot_b ? 1073741824.0 / slot_b : 0.0, lo.kv_slots_per_layer, lo.kv_reserve_bytes / 1073741824.0);
         sb_run r;
-        int er = engine_run(e, m, B, L, max_tokens, o->seed, false, !o->no_progress, &r);
+        int er = engine_run(e, m, B, L, max_tokens, o->seed, true, !o->no_progress, &r);
         lethe_engine_destroy(e);
         cJSON *rj = run_json(&r);
         cJSON *it;
         cJSON_ArrayForEach(it, rj) cJSON_AddItemToObject(row, it->string, cJSON_Duplicate(it, true));
         cJSON_Delete(rj);
+        /* device slots a request holds per layer once its prompt is done (a
+         * method that frees slots, e.g. RetroInfer's host tier, holds fewer
+         * than its input); requests per pool = slots / (that + output) */
+        if (er == 0 && r.res_max > 0) {
+            cJSON_AddNumberToObject(row, "resident_after_prompt_max", r.res_max);
+            printf("%-10s | %d device slots per layer per request after the prompt (input %d): "
+                   "%.0f such requests per pool\n",
+                   m, r.res_max, L, (double)lo.kv_slots_per_layer / (r.res_max + max_tokens));
+        }
         if (!strcmp(m, "dense") && er == 0) dense_tok_s = r.decode_tok_s;
         double ratio = er == 0 ? r.decode_tok_s / dense_tok_s : NAN;
         cJSON_AddNumberToObject(row, "decode_vs_dense", ratio);
