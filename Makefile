@@ -8,7 +8,8 @@
 #                   FUZZ_SECONDS=N per harness (default 60), FUZZ_RUNS=N executions instead
 #   make soak       tests/soak/soak.py: SOAK_CLIENTS concurrent clients (default 64) on
 #                   `lethe serve` for SOAK_SECONDS (default 60); SOAK_ARGS="..." passes more
-#   make dev        dev/cuda programs: attention kernel generations side by side (nvcc)
+#   make dev        dev/cuda programs (attention kernel generations side by side, nvcc) and
+#                   dev/cpu microbenchmarks (qdot_bench: the CPU stored-format matmul)
 #   make lib        build/liblethe.so: the public API (include/lethe.h) as a shared
 #                   library, for the Python package (python/, pip install ./python)
 #   make run        start the server on the default model
@@ -95,6 +96,8 @@ BENCH_SRC := $(shell find bench -maxdepth 1 -name '*.c' 2>/dev/null | sort)
 # dev/cuda/*.c is a program linked with every dev/cuda/*.cu
 DEV_CU_SRC := $(shell find dev/cuda -maxdepth 1 -name '*.cu' 2>/dev/null | sort)
 DEV_C_SRC  := $(shell find dev/cuda -maxdepth 1 -name '*.c' 2>/dev/null | sort)
+# dev/cpu: CPU kernel microbenchmarks, one program per file, built by `all`
+DEV_CPU_SRC := $(shell find dev/cpu -maxdepth 1 -name '*.c' 2>/dev/null | sort)
 
 OBJ       := $(SRC:%.c=$(BUILD)/%.o) $(CXX_SRC:%.cc=$(BUILD)/%.cc.o)
 CU_OBJ    := $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
@@ -103,6 +106,7 @@ TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
 DEV_CU_OBJ := $(DEV_CU_SRC:%.cu=$(BUILD)/%.cu.o)
 DEV_BIN    := $(DEV_C_SRC:%.c=$(BUILD)/%)
+DEV_CPU_BIN := $(DEV_CPU_SRC:%.c=$(BUILD)/%)
 
 LIB := $(BUILD)/liblethe.a
 ifeq ($(CUDA),1)
@@ -112,7 +116,7 @@ endif
 .PHONY: all test test-c test-asan test-gpu run clean deps model fixtures bench fuzz fuzz-build dev soak lib
 # with CUDA, `all` also compiles the GPU tests (they only run under test-gpu)
 # and the dev/cuda programs (make dev)
-all: $(BUILD)/lethe $(BUILD)/liblethe.so $(TEST_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
+all: $(BUILD)/lethe $(BUILD)/liblethe.so $(TEST_BIN) $(DEV_CPU_BIN) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BIN) $(DEV_BIN))
 
 $(SIMD_AVX2_SRC:%.c=$(BUILD)/%.o): CFLAGS += $(SIMD_AVX2_FLAGS)
 $(SIMD_VNNI_SRC:%.c=$(BUILD)/%.o): CFLAGS += $(SIMD_VNNI_FLAGS)
@@ -159,8 +163,12 @@ $(BUILD)/dev/%.o: CFLAGS += -Itools
 $(DEV_BIN): $(BUILD)/dev/cuda/%: $(BUILD)/dev/cuda/%.o $(DEV_CU_OBJ) $(BUILD)/tools/options.o $(LIB) $(LIB_CUDA)
 	$(CC) $(CFLAGS) -o $@ $< $(DEV_CU_OBJ) $(BUILD)/tools/options.o -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
 
+$(DEV_CPU_BIN): $(BUILD)/dev/cpu/%: dev/cpu/%.c $(LIB) $(LIB_CUDA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< -Wl,--start-group $(LIB) $(LIB_CUDA) -Wl,--end-group $(LDLIBS)
+
 ifeq ($(CUDA),1)
-dev: $(DEV_BIN)
+dev: $(DEV_BIN) $(DEV_CPU_BIN)
 else
 dev:
 	@echo "make dev: dev/cuda needs nvcc (CUDA=1)" >&2; exit 1

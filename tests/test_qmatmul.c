@@ -13,7 +13,7 @@
  * the embed op decodes the same rows; the registry refuses what it cannot
  * hold (fp32 mode, f32 type, odd shapes) and a pointer into a stored weight
  * is not mistaken for an f32 weight. That is the exact mode; the default
- * (native) mode's 8-bit activations are checked by test_q8_formats. Also
+ * (native) mode's 16-bit activations are checked by test_q8_formats. Also
  * the thread pool (pool.c). */
 #include <math.h>
 #include <stdint.h>

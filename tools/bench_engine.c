@@ -419,7 +419,7 @@ int lethe_bench_engine(int argc, char **argv) {
         {"--load-format", NULL, LETHE_OPT_STR, &o.load_format, "FMT", "auto | gguf | hf | dummy", 1, 0},
         {"--device", NULL, LETHE_OPT_STR, &o.device, "DEV", "cuda | cpu", 1, 0},
         {"--threads", "-t", LETHE_OPT_INT, &o.threads, "N", "CPU threads (0 = all)", 0, 4096},
-        {"--cpu-weights", NULL, LETHE_OPT_STR, &o.cpu_weights, "native|exact|fp32", "CPU weights as stored with 8-bit activations (native), as stored with f32 activations (exact) or dequantized at load (fp32)", 1, 0},
+        {"--cpu-weights", NULL, LETHE_OPT_STR, &o.cpu_weights, "native|exact|fp32", "CPU weights as stored with 16-bit activations (native), as stored with f32 activations (exact) or dequantized at load (fp32)", 1, 0},
         {"--batch", "-b", LETHE_OPT_STR, &o.batch, "LIST", "batch sizes, comma separated", 1, 0},
         {"--input-len", "-i", LETHE_OPT_STR, &o.input, "LIST", "prompt lengths", 1, 0},
         {"--output-len", "-o", LETHE_OPT_STR, &o.output, "LIST", "decode steps", 1, 0},

@@ -190,7 +190,7 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     ROW("--threads", "-t", LETHE_OPT_INT, &p->n_threads, "N", "CPU threads, 0 = all cores", 0, 4096);
     ROW("--cpu-weights", NULL, LETHE_OPT_STR, &p->cpu_weights, "native|exact|fp32",
         "CPU weights: native keeps GGUF blocks / f16 / bf16 as stored and multiplies block "
-        "formats with 8-bit activations (default, as llama.cpp); exact keeps them as stored "
+        "formats with 16-bit integer activations (default); exact keeps them as stored "
         "with f32 activations; fp32 dequantizes at load (exact and fp32: the same bits)", 1, 0);
     ROW("--max-model-len", NULL, LETHE_OPT_INT, &p->max_model_len, "N",
         "max prompt + output tokens per request, 0 = the model's", 0, 1 << 24);

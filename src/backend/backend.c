@@ -43,7 +43,7 @@ lethe_status lethe_cpu_weights_parse(const char *s, int *out) {
     else
         return lethe_errorf(LETHE_ERR_INVALID,
                             "--cpu-weights %s: unknown (expected native: GGUF blocks, f16 and "
-                            "bf16 kept as stored, 8-bit activations; exact: kept as stored, f32 "
+                            "bf16 kept as stored, 16-bit activations; exact: kept as stored, f32 "
                             "activations; or fp32: dequantized at load, the reference)",
                             s ? s : "(null)");
     return LETHE_OK;

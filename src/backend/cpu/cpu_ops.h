@@ -105,7 +105,7 @@ void lethe_cpu_qweight_free_all(lethe_cpu_ctx *c);
 /* y [n, rows] = x [n, cols] W^T for a stored-format W. With cpu_weights
  * EXACT (and for f16 / bf16 / formats without a qdot kernel) every element
  * is bit-identical to the f32 matmul on lethe_ggml_dequantize(W); with
- * NATIVE, block formats use 8-bit activations (qdot.h: error bound there) */
+ * NATIVE, block formats use 16-bit activations (qdot.h: error bound there) */
 void lethe_cpu_qmatmul(lethe_backend *be, const lethe_cpu_qweight *w, float *y, const float *x,
                        int32_t n);
 /* f32 rows [r0, r1) of W into dst [(r1 - r0), cols] */

@@ -77,8 +77,9 @@ void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t
 }
 
 size_t lethe_cpu_qdot_scratch_bytes(int32_t cols) {
-    return (size_t)QDOT_QR * ((size_t)cols * 2 + (size_t)(cols / 32) * 2 * sizeof(float) +
-                              (size_t)ns_of(cols) * sizeof(float)) + 64;
+    const size_t nb = (size_t)(cols / 32);
+    return (size_t)QDOT_QR * ((size_t)cols * 2 + (size_t)ns_of(cols) * sizeof(float)) +
+           nb * 2 * QDOT_QR * (1 + QDOT_XT_MAX) * sizeof(float) + 64;
 }
 
 /* ---- the portable twin ---- */
@@ -189,18 +190,18 @@ void lethe_cpu_qdot_rows(lethe_cpu_isa isa, const lethe_cpu_qweight *w, int32_t 
     LETHE_ASSERT(0 <= j0 && j0 <= j1 && j1 <= w->rows && x->cols == w->cols);
     LETHE_ASSERT(lethe_cpu_qdot_supported(w->type, w->cols));
     if (isa >= LETHE_ISA_AVX2) {
-        /* QDOT_QR rows: wq [cols] int16, ws [nb * 2], wo [ns] floats each */
+        /* QDOT_QR rows: wq [cols] int16 and wo [ns] floats each; then s4, p */
         const int32_t nb = w->cols / 32;
         uint8_t *p = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-        qdot_row rows[QDOT_QR];
+        qdot_scratch sc;
         for (int c = 0; c < QDOT_QR; c++) {
-            rows[c].wq = (int16_t *)p, p += (size_t)w->cols * 2;
-            rows[c].ws = (float *)p, p += (size_t)nb * 2 * sizeof(float);
-            rows[c].wo = (float *)p, p += (size_t)x->ns * sizeof(float);
-            rows[c].ns = x->ns;
+            sc.rows[c].wq = (int16_t *)p, p += (size_t)w->cols * 2;
+            sc.rows[c].wo = (float *)p, p += (size_t)x->ns * sizeof(float);
         }
-        if (isa >= LETHE_ISA_AVX2_VNNI) lethe_cpu_qdot_vnni(w, j0, j1, x, y, ldy, rows);
-        else lethe_cpu_qdot_avx2(w, j0, j1, x, y, ldy, rows);
+        sc.s4 = (float *)p, p += (size_t)nb * 2 * QDOT_QR * sizeof(float);
+        sc.p = (float *)p;
+        if (isa >= LETHE_ISA_AVX2_VNNI) lethe_cpu_qdot_vnni(w, j0, j1, x, y, ldy, &sc);
+        else lethe_cpu_qdot_avx2(w, j0, j1, x, y, ldy, &sc);
         return;
     }
     for (int32_t j = j0; j < j1; j++)

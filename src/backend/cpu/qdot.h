@@ -32,7 +32,7 @@ typedef struct lethe_qx_rows {
 
 /* One decoded W row, per 32-element unit u (nb = cols / 32 units):
  *   wq [32u .. 32u+31]  the unit's integers (0..63; Q8_0: -128..127);
- *   ws [2u], [2u+1]     the scales of its halves (elements 0-15, 16-31;
+ *   (s4 of qdot_scratch: the scales of its halves, elements 0-15, 16-31;
  *                       equal except for Q6_K);
  *   wo [2u], [2u+1]     the offset coefficient of each half (the m of Q4_1,
  *                       -8 d of Q4_0, ...), zero-padded to ns.
@@ -41,9 +41,19 @@ typedef struct lethe_qx_rows {
  * where the two halves' integers are summed first when ws_0 == ws_1 by format. */
 typedef struct qdot_row {
     int16_t *wq;
-    float *ws, *wo;
-    int ns;
+    float *wo;
 } qdot_row;
+
+#define QDOT_XT_MAX 4 /* x rows per register tile, at most (qdot_kernel.h) */
+
+/* The kernels' scratch (lethe_cpu_qdot_scratch_bytes): QDOT_QR decoded W
+ * rows; their half scales unit-major, s4 [nb][2][QDOT_QR]; and p [nb][2]
+ * [QDOT_XT_MAX][QDOT_QR], those scales times the block scales of the x rows
+ * of the current tile */
+typedef struct qdot_scratch {
+    qdot_row rows[QDOT_QR];
+    float *s4, *p;
+} qdot_scratch;
 
 /* 6-bit scale and min j (0..7) of Q4_K / Q5_K, packed in 12 bytes */
 static inline void qdot_scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
@@ -61,7 +71,7 @@ bool lethe_cpu_qdot_supported(lethe_ggml_type t, int32_t cols);
 size_t lethe_cpu_qx_bytes(int32_t n, int32_t cols);
 void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t cols,
                            void *scratch, lethe_qx_rows *out);
-/* scratch for QDOT_QR decoded rows of `cols` */
+/* scratch for QDOT_QR decoded rows of `cols` and the tile scales */
 size_t lethe_cpu_qdot_scratch_bytes(int32_t cols);
 /* y[i*ldy + j - j0] = x row i . W row j for i < x->n, j in [j0, j1) */
 void lethe_cpu_qdot_rows(lethe_cpu_isa isa, const lethe_cpu_qweight *w, int32_t j0, int32_t j1,
@@ -71,8 +81,8 @@ void lethe_cpu_qx_quantize_avx2(const float *x, int32_t n, int32_t cols, int16_t
                                 float *s, int32_t ns);
 /* the tiers (qdot_avx2.c, qdot_vnni.c); scratch: QDOT_QR rows set up by qdot.c */
 void lethe_cpu_qdot_avx2(const lethe_cpu_qweight *w, int32_t j0, int32_t j1,
-                         const lethe_qx_rows *x, float *y, int32_t ldy, qdot_row *scratch);
+                         const lethe_qx_rows *x, float *y, int32_t ldy, qdot_scratch *scratch);
 void lethe_cpu_qdot_vnni(const lethe_cpu_qweight *w, int32_t j0, int32_t j1,
-                         const lethe_qx_rows *x, float *y, int32_t ldy, qdot_row *scratch);
+                         const lethe_qx_rows *x, float *y, int32_t ldy, qdot_scratch *scratch);
 
 #endif /* LETHE_BACKEND_CPU_QDOT_H */

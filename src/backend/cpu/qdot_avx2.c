@@ -2,6 +2,7 @@
  * vpmaddwd multiplies 16-bit pairs and sums each pair into 32 bits, exact
  * (|w| <= 128, |x| <= 32767: four products per lane stay below 2^31). */
 #define QDOT_NAME lethe_cpu_qdot_avx2
+#define QDOT_XT 2 /* x rows per tile: 4 x 2 accumulators of 16 registers */
 #define QDOT_DOT1(w, x) _mm256_madd_epi16((w), (x))
 #define QDOT_DOT2(wl, xl, wh, xh) _mm256_add_epi32(_mm256_madd_epi16((wl), (xl)), _mm256_madd_epi16((wh), (xh)))
 #include "backend/cpu/qdot_kernel.h"

@@ -167,80 +167,186 @@ qk_fused(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const lethe_qx_rows
     }
 }
 
-/* Rows [j0, j1) for any n: QDOT_QR rows decoded into scratch once (wq:
- * 16-bit integers, ws: the two half scales per unit, wo: offsets), then
- * every x row against them, two at a time, 4 x 2 accumulators in registers. */
+/* QDOT_QR rows [j, j + nr) of W decoded into scratch: wq the 16-bit
+ * integers, wo the offsets (zero-padded to ns), s4 [nb][2][QDOT_QR] the
+ * half scales unit-major (rows past nr repeat the last row) */
+static inline __attribute__((always_inline)) void
+qk_decode_rows(const lethe_cpu_qweight *w, int32_t j, int nr, int nb, int ns, qdot_scratch *sc,
+               int is_signed, __m256i (*unit)(const uint8_t *, int, float *, float *, float *)) {
+    for (int c = 0; c < QDOT_QR; c++) {
+        const uint8_t *r = w->data + (size_t)(j + LETHE_MIN(c, nr - 1)) * w->row_bytes;
+        qdot_row *row = &sc->rows[c];
+        for (int u = 0; u < nb; u++) {
+            float lo, hi;
+            __m256i wl, wh;
+            qk_widen(unit(r, u, &lo, &hi, row->wo + 2 * u), is_signed, &wl, &wh);
+            _mm256_storeu_si256((__m256i *)(row->wq + 32 * u), wl);
+            _mm256_storeu_si256((__m256i *)(row->wq + 32 * u + 16), wh);
+            sc->s4[(2 * u) * QDOT_QR + c] = lo, sc->s4[(2 * u + 1) * QDOT_QR + c] = hi;
+        }
+        for (int h = 2 * nb; h < ns; h++) row->wo[h] = 0.0f;
+    }
+}
+
+/* p [nb][2][xt][QDOT_QR] = the scale of each (unit, half, x row, W row):
+ * s4 times the x row's block scale, the very product (one f32 multiply)
+ * that the decode path computes in registers; the tile loops read it back
+ * as a broadcast from memory, a load instead of a multiply and a shuffle */
+static inline __attribute__((always_inline)) void
+qk_products(const qdot_scratch *sc, const float *const *xd, int nb, int split) {
+    const float *restrict s4 = sc->s4;
+    float *restrict p = sc->p;
+    const float *restrict d0 = xd[0], *restrict d1 = xd[1];
+#if QDOT_XT == 4
+    const float *restrict d2 = xd[2], *restrict d3 = xd[3];
+#endif
+    for (int u = 0; u < nb; u++)
+        for (int h = 0; h < (split ? 2 : 1); h++) {
+            const __m128 v = _mm_loadu_ps(s4 + (2 * u + h) * QDOT_QR);
+            float *q = p + (2 * u + h) * QDOT_XT * QDOT_QR;
+            _mm_storeu_ps(q, _mm_mul_ps(v, _mm_set1_ps(d0[u])));
+            _mm_storeu_ps(q + QDOT_QR, _mm_mul_ps(v, _mm_set1_ps(d1[u])));
+#if QDOT_XT == 4
+            _mm_storeu_ps(q + 2 * QDOT_QR, _mm_mul_ps(v, _mm_set1_ps(d2[u])));
+            _mm_storeu_ps(q + 3 * QDOT_QR, _mm_mul_ps(v, _mm_set1_ps(d3[u])));
+#endif
+        }
+}
+
+/* acc += the unit's dot with the scales read from p */
+#define QK_TILE_ACC(acc, wl, wh, xl, xh, pl, ph)                                                  \
+    do {                                                                                          \
+        if (!split) {                                                                             \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT2(wl, xl, wh, xh)),                 \
+                                  _mm256_set1_ps(*(pl)), acc);                                    \
+        } else {                                                                                  \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT1(wl, xl)), _mm256_set1_ps(*(pl)), acc); \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT1(wh, xh)), _mm256_set1_ps(*(ph)), acc); \
+        }                                                                                         \
+    } while (0)
+
+/* lethe_hsum8 of four vectors at once, the same additions in the same
+ * tree: {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)} */
+static inline __m128 qk_hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    /* lanes 0-3 + lanes 4-7: [a0 | a1] and [a2 | a3] */
+    const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
+                                     _mm256_permute2f128_ps(a0, a1, 0x31));
+    const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20),
+                                     _mm256_permute2f128_ps(a2, a3, 0x31));
+    /* (0+4)+(2+6), (1+5)+(3+7): [a0, a0, a2, a2 | a1, a1, a3, a3] */
+    const __m256 q = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 r = _mm256_hadd_ps(q, q); /* [a0, a2, a0, a2 | a1, a3, a1, a3] */
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+}
+
+/* x row k's four accumulators (W rows 0-3): the offsets, then the sums to
+ * y[0 .. nr) */
+static inline __attribute__((always_inline)) void
+qk_finish(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const qdot_scratch *sc, const float *xs,
+          int ns, int nr, float *y) {
+    for (int h = 0; h < ns; h += 8) {
+        const __m256 v = _mm256_loadu_ps(xs + h);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[0].wo + h), v, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[1].wo + h), v, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[2].wo + h), v, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[3].wo + h), v, a3);
+    }
+    const __m128 r = qk_hsum8x4(a0, a1, a2, a3);
+    if (nr == QDOT_QR) {
+        _mm_storeu_ps(y, r);
+    } else {
+        float t[QDOT_QR];
+        _mm_storeu_ps(t, r);
+        for (int c = 0; c < nr; c++) y[c] = t[c];
+    }
+}
+
+/* Rows [j0, j1) for any n: QDOT_QR rows decoded into scratch once, then
+ * every x row against them, QDOT_XT at a time (2 on AVX2's 16 vector
+ * registers, 4 with AVX-512VL's 32), QDOT_QR x QDOT_XT accumulators in
+ * registers (named: an array would live in memory). The float operations
+ * of each (W row, x row) pair are the decode path's, in its order. */
 static inline __attribute__((always_inline)) void
 qk_decoded(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const lethe_qx_rows *x, float *y,
-           int32_t ldy, qdot_row *rows, int is_signed, int split,
+           int32_t ldy, qdot_scratch *sc, int is_signed, int split,
            __m256i (*unit)(const uint8_t *, int, float *, float *, float *)) {
+    enum { XT = QDOT_XT };
     const int nb = x->cols / 32, ns = x->ns;
     for (int32_t j = j0; j < j1; j += QDOT_QR) {
         const int nr = LETHE_MIN(QDOT_QR, j1 - j);
-        for (int c = 0; c < QDOT_QR; c++) {
-            const uint8_t *r = w->data + (size_t)(j + LETHE_MIN(c, nr - 1)) * w->row_bytes;
-            for (int u = 0; u < nb; u++) {
-                float lo, hi;
-                __m256i wl, wh;
-                qk_widen(unit(r, u, &lo, &hi, rows[c].wo + 2 * u), is_signed, &wl, &wh);
-                _mm256_storeu_si256((__m256i *)(rows[c].wq + 32 * u), wl);
-                _mm256_storeu_si256((__m256i *)(rows[c].wq + 32 * u + 16), wh);
-                rows[c].ws[2 * u] = lo, rows[c].ws[2 * u + 1] = hi;
+        qk_decode_rows(w, j, nr, nb, ns, sc, is_signed, unit);
+        const int16_t *wq0 = sc->rows[0].wq, *wq1 = sc->rows[1].wq, *wq2 = sc->rows[2].wq,
+                      *wq3 = sc->rows[3].wq;
+        for (int32_t i = 0; i < x->n; i += XT) {
+            const int m = LETHE_MIN(XT, x->n - i);
+            const int16_t *xq[XT];
+            const float *xd[XT], *xs[XT];
+            for (int k = 0; k < XT; k++) { /* rows past m repeat the last (not stored) */
+                const int32_t r = i + LETHE_MIN(k, m - 1);
+                xq[k] = x->q + (size_t)r * x->cols, xd[k] = x->d + (size_t)r * nb;
+                xs[k] = x->s + (size_t)r * ns;
             }
-            for (int h = 2 * nb; h < ns; h++) rows[c].wo[h] = 0.0f;
-        }
-        for (int32_t i = 0; i < x->n; i += 2) {
-            const int m = LETHE_MIN(2, x->n - i);
-            const int16_t *xq0 = x->q + (size_t)i * x->cols, *xq1 = xq0 + (m > 1 ? x->cols : 0);
-            const float *xd0 = x->d + (size_t)i * nb, *xd1 = xd0 + (m > 1 ? nb : 0);
-            /* 4 W rows x 2 x rows in registers (named: an array would live in memory) */
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-#define QK_STEP(c, ac, bc)                                                                       \
-    do {                                                                                         \
-        const __m256i wl = _mm256_loadu_si256((const __m256i *)(rows[c].wq + 32 * u));          \
-        const __m256i wh = _mm256_loadu_si256((const __m256i *)(rows[c].wq + 32 * u + 16));     \
-        const float lo = rows[c].ws[2 * u], hi = rows[c].ws[2 * u + 1];                          \
-        ac = qk_acc(ac, wl, wh, xq0 + 32 * u, lo * xd0[u], hi * xd0[u], split);                  \
-        bc = qk_acc(bc, wl, wh, xq1 + 32 * u, lo * xd1[u], hi * xd1[u], split);                  \
+            qk_products(sc, xd, nb, split);
+            const float *p = sc->p;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+            /* a{W row}{x row}; with QDOT_XT 2 the x rows 2, 3 stay unused */
+            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+            __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+            __m256 a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+            for (int u = 0; u < nb; u++) {
+                const float *pl = p + (2 * u) * XT * QDOT_QR, *ph = pl + XT * QDOT_QR;
+                const __m256i x0l = _mm256_loadu_si256((const __m256i *)(xq[0] + 32 * u));
+                const __m256i x0h = _mm256_loadu_si256((const __m256i *)(xq[0] + 32 * u + 16));
+                const __m256i x1l = _mm256_loadu_si256((const __m256i *)(xq[1] + 32 * u));
+                const __m256i x1h = _mm256_loadu_si256((const __m256i *)(xq[1] + 32 * u + 16));
+#if QDOT_XT == 4
+                const __m256i x2l = _mm256_loadu_si256((const __m256i *)(xq[2] + 32 * u));
+                const __m256i x2h = _mm256_loadu_si256((const __m256i *)(xq[2] + 32 * u + 16));
+                const __m256i x3l = _mm256_loadu_si256((const __m256i *)(xq[3] + 32 * u));
+                const __m256i x3h = _mm256_loadu_si256((const __m256i *)(xq[3] + 32 * u + 16));
+#endif
+#if QDOT_XT == 4
+#define QK_XROWS(c, A0, A1, A2, A3)                                                               \
+    QK_TILE_ACC(A0, wl, wh, x0l, x0h, pl + 0 * QDOT_QR + c, ph + 0 * QDOT_QR + c);                \
+    QK_TILE_ACC(A1, wl, wh, x1l, x1h, pl + 1 * QDOT_QR + c, ph + 1 * QDOT_QR + c);                \
+    QK_TILE_ACC(A2, wl, wh, x2l, x2h, pl + 2 * QDOT_QR + c, ph + 2 * QDOT_QR + c);                \
+    QK_TILE_ACC(A3, wl, wh, x3l, x3h, pl + 3 * QDOT_QR + c, ph + 3 * QDOT_QR + c)
+#else
+#define QK_XROWS(c, A0, A1, A2, A3)                                                               \
+    QK_TILE_ACC(A0, wl, wh, x0l, x0h, pl + 0 * QDOT_QR + c, ph + 0 * QDOT_QR + c);                \
+    QK_TILE_ACC(A1, wl, wh, x1l, x1h, pl + 1 * QDOT_QR + c, ph + 1 * QDOT_QR + c)
+#endif
+#define QK_WROW(c, wqc, A0, A1, A2, A3)                                                           \
+    do {                                                                                          \
+        const __m256i wl = _mm256_loadu_si256((const __m256i *)(wqc + 32 * u));                   \
+        const __m256i wh = _mm256_loadu_si256((const __m256i *)(wqc + 32 * u + 16));              \
+        QK_XROWS(c, A0, A1, A2, A3);                                                              \
     } while (0)
-            for (int u = 0; u < nb; u++) {
-                QK_STEP(0, a0, b0);
-                QK_STEP(1, a1, b1);
-                QK_STEP(2, a2, b2);
-                QK_STEP(3, a3, b3);
+                QK_WROW(0, wq0, a00, a01, a02, a03);
+                QK_WROW(1, wq1, a10, a11, a12, a13);
+                QK_WROW(2, wq2, a20, a21, a22, a23);
+                QK_WROW(3, wq3, a30, a31, a32, a33);
+#undef QK_WROW
+#undef QK_XROWS
             }
-#undef QK_STEP
-            const float *xs0 = x->s + (size_t)i * ns, *xs1 = xs0 + (m > 1 ? ns : 0);
-            for (int h = 0; h < ns; h += 8) {
-                const __m256 v0 = _mm256_loadu_ps(xs0 + h), v1 = _mm256_loadu_ps(xs1 + h);
-                __m256 o = _mm256_loadu_ps(rows[0].wo + h);
-                a0 = _mm256_fmadd_ps(o, v0, a0), b0 = _mm256_fmadd_ps(o, v1, b0);
-                o = _mm256_loadu_ps(rows[1].wo + h);
-                a1 = _mm256_fmadd_ps(o, v0, a1), b1 = _mm256_fmadd_ps(o, v1, b1);
-                o = _mm256_loadu_ps(rows[2].wo + h);
-                a2 = _mm256_fmadd_ps(o, v0, a2), b2 = _mm256_fmadd_ps(o, v1, b2);
-                o = _mm256_loadu_ps(rows[3].wo + h);
-                a3 = _mm256_fmadd_ps(o, v0, a3), b3 = _mm256_fmadd_ps(o, v1, b3);
-            }
-            const __m256 ra[QDOT_QR] = {a0, a1, a2, a3}, rb[QDOT_QR] = {b0, b1, b2, b3};
-            float *y0 = y + (size_t)i * ldy + (j - j0);
-            for (int c = 0; c < nr; c++) {
-                y0[c] = lethe_hsum8(ra[c]);
-                if (m > 1) y0[ldy + c] = lethe_hsum8(rb[c]);
-            }
+            float *yi = y + (size_t)i * ldy + (j - j0);
+            qk_finish(a00, a10, a20, a30, sc, xs[0], ns, nr, yi);
+            if (m > 1) qk_finish(a01, a11, a21, a31, sc, xs[1], ns, nr, yi + ldy);
+            if (m > 2) qk_finish(a02, a12, a22, a32, sc, xs[2], ns, nr, yi + 2 * (size_t)ldy);
+            if (m > 3) qk_finish(a03, a13, a23, a33, sc, xs[3], ns, nr, yi + 3 * (size_t)ldy);
         }
     }
 }
 
 #define QK_CASE(T, fn, sg, split)                                                            \
     case T:                                                                                  \
-        if (x->n <= 2) qk_fused(w, j0, j1, x, y, ldy, scratch[0].wo, sg, split, fn);         \
+        if (x->n <= 2) qk_fused(w, j0, j1, x, y, ldy, scratch->rows[0].wo, sg, split, fn);         \
         else qk_decoded(w, j0, j1, x, y, ldy, scratch, sg, split, fn);                       \
         return;
 
 void QDOT_NAME(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const lethe_qx_rows *x,
-               float *y, int32_t ldy, qdot_row *scratch) {
+               float *y, int32_t ldy, qdot_scratch *scratch) {
     switch (w->type) {
         QK_CASE(LETHE_GGML_Q4_0, qk_q4_0, 0, 0)
         QK_CASE(LETHE_GGML_Q4_1, qk_q4_1, 0, 0)

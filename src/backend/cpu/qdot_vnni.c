@@ -4,6 +4,7 @@
  * cpu_isa.c's probe ran it. The same integers and float operations as
  * qdot_avx2.c: the same bits. */
 #define QDOT_NAME lethe_cpu_qdot_vnni
+#define QDOT_XT 4 /* x rows per tile: 4 x 4 accumulators of 32 registers */
 #define QDOT_DOT1(w, x) _mm256_madd_epi16((w), (x))
 #define QDOT_DOT2(wl, xl, wh, xh) _mm256_dpwssd_epi32(_mm256_madd_epi16((wl), (xl)), (wh), (xh))
 #include "backend/cpu/qdot_kernel.h"
