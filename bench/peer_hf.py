@@ -9,7 +9,10 @@ same call (scripts/gpu-check.sh):
     (flash backend where it takes the shape, else PyTorch's default choice)
     on the shapes of lethe's attention sweep: q [B, H, 1, D], K/V
     [B, KV, ctx, D] bf16, GQA.
-Reads lethe's --json output and prints the ratios side by side: the ratio
+--no-attention skips part 2 (latent attention, MoE runs: the attention
+sweep's K / V heads do not exist there); --reps N takes the best of N
+generate calls per length (default 2). Reads lethe's --json output and
+prints the ratios side by side: the ratio
 column is lethe's attention (the entry's "us"); JSON from before the v1
 kernels moved to dev/cuda carries every generation ("kernels": v1, v2) and
 their ratios follow."""
@@ -39,7 +42,7 @@ def time_cuda(fn, reps=20, warm=3):
     return statistics.median(ts)
 
 
-def hf_decode(cfg_dir, batch, prompt, new):
+def hf_decode(cfg_dir, batch, prompt, new, reps=2):
     cfg = AutoConfig.from_pretrained(cfg_dir)
     cfg.torch_dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -60,8 +63,8 @@ def hf_decode(cfg_dir, batch, prompt, new):
         return time.perf_counter() - t
 
     gen(2)  # warm-up
-    t1 = min(gen(1) for _ in range(2))
-    tn = min(gen(new) for _ in range(2))
+    t1 = min(gen(1) for _ in range(reps))
+    tn = min(gen(new) for _ in range(reps))
     del model
     torch.cuda.empty_cache()
     return batch * (new - 1) / (tn - t1), (tn - t1) / (new - 1)
@@ -96,6 +99,8 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--no-attention", action="store_true")
     a = ap.parse_args()
     lethe = {}
     if a.lethe_json:
@@ -112,6 +117,8 @@ def main():
     att = []
     shapes = lethe.get("attention") or [{"batch": b, "ctx": c, "us": float("nan")}
                                          for b in (8, 32) for c in (16384, 32768)]
+    if a.no_attention:
+        shapes = []
     for e in shapes:
         t, used = sdpa_decode(e["batch"], H, KV, D, e["ctx"])
         att.append((e, t, used))
@@ -121,7 +128,7 @@ def main():
                                  "speedup": t * 1e6 / e["us"],
                                  "speedup_per_kernel": {k: t * 1e6 / v["us"] for k, v in
                                                         e.get("kernels", {}).items()}})
-    tok_s, step = hf_decode(a.config, a.batch, a.input_len, a.output_len)
+    tok_s, step = hf_decode(a.config, a.batch, a.input_len, a.output_len, a.reps)
     mine = [p for p in lethe.get("points", [])
             if p["batch"] == a.batch and p["input"] == a.input_len]
     res["decode"] = {"batch": a.batch, "input": a.input_len, "output": a.output_len,
@@ -135,8 +142,9 @@ def main():
               f"{d['lethe_tok_s'] / tok_s:.2f}x")
     else:
         print(f"decode b{a.batch}: HF transformers {tok_s:.0f} tok/s (no lethe point to compare)")
-    print(f"{'batch':>6} {'ctx':>7} {'lethe us':>10} {'torch us':>10} {'torch/lethe':>12}  backend"
-          "  (lethe kernel; per kernel)")
+    if att:
+        print(f"{'batch':>6} {'ctx':>7} {'lethe us':>10} {'torch us':>10} {'torch/lethe':>12}  backend"
+              "  (lethe kernel; per kernel)")
     for e, t, used in att:
         per = " ".join(f"{k} {t * 1e6 / v['us']:.2f}x" for k, v in e.get("kernels", {}).items())
         print(f"{e['batch']:>6} {e['ctx']:>7} {e['us']:>10.1f} {t * 1e6:>10.1f} "

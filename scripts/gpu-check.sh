@@ -3,9 +3,8 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,basecmp
-# (default: build,test,bench,dev,peer,plot,profile; sparse, prefill, compress, stepprof,
-# mmcmp, replay and basecmp only when named).
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,basecmp,hybrid,moe,moeprof
+# (default: build,test,bench,dev,peer,plot,profile; the others only when named).
 #
 #   basecmp before vs after in one call: the tree of an earlier commit, carried
 #           as .deb/base-COMMIT.tar (`git archive -o .deb/base-COMMIT.tar COMMIT`),
@@ -75,6 +74,23 @@
 #                     -> $OUT/replay-branch.json (~5 min);
 #             host    dense-radix with a KV cache of 0.2 x memory, without and
 #                     with --host-cache-bytes 64G -> $OUT/replay-host.json (~6 min).
+#   moe     the mixture-of-experts / latent-attention models with dummy weights,
+#           per model of ${MOE_MODELS:-qwen3-30b-a3b glm-4.7-flash} (configs/):
+#           `lethe bench engine`: decode at batch 1, 8, 64 x 4K and 32K (+ 32 x
+#           512, HF's point) over synthetic contexts (B:I:O:s: random KV rows, no
+#           prefill; a point that does not fit is reported and skipped) and a
+#           prefill-only point 1 x 8192; latent attention also that prefill with
+#           LETHE_MLA_EXPAND_MIN_Q=0 (absorbed) next to the default (expanded);
+#           bench/peer_hf.py: HF transformers from the same config (random
+#           bf16 weights, full size) at batch 32 x 512, +${MOE_HF_OUT:-32} tokens;
+#           `lethe bench sparse --parts capacity`: SnapKV 2K vs dense at 32K.
+#           MOE_PARTS (default engine,hf,snapkv) picks parts. Table:
+#           scripts/moe_table.py -> $OUT/moe.txt; JSON moe-MODEL*.json.
+#           ~2.5-3 min per model (mostly model loads: 3-4 per model).
+#   moeprof ncu (durations only) over one eager decode step of each
+#           ${MOE_MODELS} model at batch ${MOE_PROF_BATCH:-1} x 4K (synthetic context):
+#           kernel count, summed time and top kernels (scripts/ncu_steps.py,
+#           one range per model) -> $OUT/moeprof.txt. ~1-2 min per model.
 #   profile Nsight Compute (ncu --clock-control none; this GPU machine is a
 #           VM) on the decode attention kernels (v1 and v2, dev/cuda/attn_bench)
 #           at b8 x 32K, the prefill attention kernels at 8K, and one eager
@@ -384,6 +400,56 @@ if sb and sn:
 EOF2
     log "basecmp: ($(( $(date +%s) - t0 ))s) -> basecmp.txt"
 fi
+if has moe; then
+    t0=$(date +%s)
+    : >"$OUT/moe.txt"
+    mparts=",${MOE_PARTS:-engine,hf,snapkv},"
+    for mm in ${MOE_MODELS:-qwen3-30b-a3b glm-4.7-flash}; do
+        cfg=configs/$mm/config.json
+        latent=$(python3 -c "import json,sys; print(int('kv_lora_rank' in json.load(open(sys.argv[1]))))" "$cfg")
+        if [[ $mparts == *,engine,* ]]; then
+            ./build/lethe bench engine -m $cfg --load-format dummy \
+                --points ${MOE_POINTS:-1:4096:24:s,8:4096:24:s,64:4096:16:s,1:32768:24:s,8:32768:16:s,64:32768:8:s,32:512:24:s,1:8192:0} \
+                --json "$OUT/moe-$mm.json" 2>&1 | tee "$OUT/moe-$mm.log"
+            [ "$latent" = 1 ] && LETHE_MLA_EXPAND_MIN_Q=0 ./build/lethe bench engine -m $cfg --load-format dummy \
+                --points 1:8192:0 --json "$OUT/moe-$mm-absorbed.json" 2>&1 | tee "$OUT/moe-$mm-absorbed.log"
+            log "moe $mm engine: ($(( $(date +%s) - t0 ))s)"
+        fi
+        if [[ $mparts == *,hf,* ]]; then
+            PYTHONUNBUFFERED=1 python3 bench/peer_hf.py --config configs/$mm --no-attention --batch 32 \
+                --input-len 512 --output-len ${MOE_HF_OUT:-32} --reps 1 --lethe-json "$OUT/moe-$mm.json" \
+                --json "$OUT/moe-$mm-hf.json" 2>&1 | tee "$OUT/moe-$mm-hf.log"
+            log "moe $mm hf: ($(( $(date +%s) - t0 ))s)"
+        fi
+        if [[ $mparts == *,snapkv,* ]]; then
+            ./build/lethe bench sparse -m $cfg --load-format dummy --device cuda --parts capacity \
+                --budget 2048 --capacity-method snapkv --capacity-inputs 32768 --capacity-output 256 \
+                --engine-tokens 65536 --no-progress --json "$OUT/moe-$mm-snapkv.json" 2>&1 | tee "$OUT/moe-$mm-snapkv.log"
+            add_gpu "$OUT/moe-$mm-snapkv.json"
+            log "moe $mm snapkv: ($(( $(date +%s) - t0 ))s)"
+        fi
+    done
+    python3 scripts/moe_table.py "$OUT" ${MOE_MODELS:-qwen3-30b-a3b glm-4.7-flash} >"$OUT/moe.txt" 2>&1
+    log "moe: ($(( $(date +%s) - t0 ))s) -> moe.txt"
+fi
+if has moeprof; then
+    t0=$(date +%s)
+    NCU=$(find_ncu)
+    : >"$OUT/moeprof.txt"
+    for mm in ${MOE_MODELS:-qwen3-30b-a3b glm-4.7-flash}; do
+        [ -z "$NCU" ] && { echo "ncu not found: no moeprof" >>"$OUT/moeprof.txt"; break; }
+        timeout 300 "$NCU" --clock-control none --profile-from-start off --force-overwrite \
+            --metrics gpu__time_duration.sum -o "$OUT/ncu-moe-$mm" \
+            ./build/lethe bench engine -m configs/$mm/config.json --load-format dummy \
+            --no-graph --profile --points ${MOE_PROF_BATCH:-1}:4096:3:s >"$OUT/ncu-moe-$mm.log" 2>&1
+        echo "moeprof $mm: ncu rc=$?" >>"$OUT/moeprof.txt"
+        "$NCU" --import "$OUT/ncu-moe-$mm.ncu-rep" --csv --page raw --print-units base \
+            >"$OUT/ncu-moe-$mm.csv" 2>>"$OUT/ncu-moe-$mm.log"
+        python3 scripts/ncu_steps.py "$mm" "$OUT/ncu-moe-$mm.csv" ${PROF_TOP:-24} >>"$OUT/moeprof.txt" 2>&1
+        rm -f "$OUT/ncu-moe-$mm.ncu-rep"
+    done
+    log "moeprof: ($(( $(date +%s) - t0 ))s) -> moeprof.txt"
+fi
 if has plot; then
     python3 scripts/plot_bench.py "$OUT/bench.json" "$OUT/bench.png" >>"$OUT/summary.txt" 2>&1
 fi
@@ -439,6 +505,8 @@ grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }
 [ -s "$OUT/stepprof.txt" ] && { echo; cat "$OUT/stepprof.txt"; }
 [ -s "$OUT/mmcmp.txt" ] && { echo; cat "$OUT/mmcmp.txt"; }
+[ -s "$OUT/moe.txt" ] && { echo; cat "$OUT/moe.txt"; }
+[ -s "$OUT/moeprof.txt" ] && { echo; cat "$OUT/moeprof.txt"; }
 [ -s "$OUT/basecmp.txt" ] && { echo; cat "$OUT/basecmp.txt"; }
 [ -s "$OUT/hybrid-gdn.log" ] && { echo; echo "hybrid: dev/cuda/gdn_bench"; grep -E "^(device|shape|prefill|decode| )" "$OUT/hybrid-gdn.log"; }
 [ -s "$OUT/hybrid-engine.log" ] && { echo; echo "hybrid: bench engine (Qwen3.6-27B dummy)"; grep -A8 "^ batch" "$OUT/hybrid-engine.log"; grep skipped "$OUT/hybrid-engine.log"; }

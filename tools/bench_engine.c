@@ -95,6 +95,43 @@ static double matmul_flops_per_token(const lethe_model_config *c) {
 
 /* ---- one (batch, input, output) point --------------------------------------- */
 
+#define FILL_ROWS 4096 /* rows of the random block a synthetic context's KV is tiled with */
+
+static void upload_random(lethe_backend *be, void *dst, size_t n);
+
+/* A synthetic context's KV: rows [0, n_slots) of every attention layer's K
+ * (and V) buffer [n_slots, width] := copies of one random block of
+ * FILL_ROWS rows. Finite values in [-1, 1): memory as cudaMalloc hands it
+ * out may hold NaNs, and NaN attention output would route every token of a
+ * mixture-of-experts layer to the same first experts (NaN never wins a
+ * comparison), so a batch would read fewer expert bytes than the roofline
+ * counts. Linear-attention states are left as the memory holds them. */
+static lethe_status fill_kv_random(lethe_backend *be, const lethe_model_config *c, void **kc,
+                                   void **vc, size_t n_slots, int32_t width) {
+    if (be->ops->act_size != be->ops->kv_size)
+        return lethe_errorf(LETHE_ERR_UNSUPPORTED, "synthetic context: the %s backend stores KV "
+                                                   "in another type than activations",
+                            be->ops->name);
+    void *blk = NULL;
+    lethe_status st = be->ops->alloc(be, (size_t)FILL_ROWS * width * be->ops->act_size, &blk);
+    if (st != LETHE_OK) return st;
+    upload_random(be, blk, (size_t)FILL_ROWS * width);
+    int32_t *rows = lethe_xmalloc(FILL_ROWS * sizeof(int32_t));
+    for (size_t r0 = 0; r0 < n_slots; r0 += FILL_ROWS) {
+        const int32_t nr = (int32_t)LETHE_MIN((size_t)FILL_ROWS, n_slots - r0);
+        for (int32_t i = 0; i < nr; i++) rows[i] = (int32_t)(r0 + (size_t)i);
+        for (int l = 0; l < c->n_layers; l++) {
+            if (lethe_layer_is_linear(c, l)) continue; /* kc / vc hold its states */
+            if (kc[l]) be->ops->copy_block(be, kc[l], width, 0, rows, blk, width, nr, width);
+            if (vc[l]) be->ops->copy_block(be, vc[l], width, 0, rows, blk, width, nr, width);
+        }
+    }
+    be->ops->sync(be);
+    free(rows);
+    be->ops->release(be, blk);
+    return LETHE_OK;
+}
+
 typedef struct point {
     int32_t batch, input, output;
     bool synthetic;  /* decode over a synthetic context of `input` tokens, no prefill */
@@ -139,11 +176,13 @@ static lethe_status run_point(lethe_model *m, const bench_opts *o, int32_t B, in
     uint64_t rng = o->seed ^ 0x5eedull;
     lethe_graph_state *gs = lethe_xcalloc(1, sizeof(*gs));
     if (st != LETHE_OK) goto done;
+    if (synthetic && (st = fill_kv_random(be, c, kc, vc, (size_t)B * cap, kv_dim)) != LETHE_OK)
+        goto done;
 
     /* prefill: whole prompts packed into steps of <= maxb tokens; a prompt
      * longer than maxb is split into chunks that extend its own prefix. A
-     * synthetic point skips it: decode reads `in` slots per sequence (and the
-     * states) as the memory holds them; the time of a step does not depend
+     * synthetic point skips it: decode reads `in` slots per sequence (random
+     * rows, fill_kv_random; states as the memory holds them); the time of a step does not depend
      * on the values, and no real prefill of B x in tokens is paid for. */
     double t0 = lethe_time_s();
     int32_t s = synthetic ? B : 0, done_tok = 0; /* next sequence and its prefilled length */
