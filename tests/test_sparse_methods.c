@@ -918,9 +918,17 @@ static void test_registry_rules(void) {
 
     o = (lethe_sparse_ops){.name = "sel", .summary = "x", .kind = LETHE_SPARSE_KIND_SELECTION,
                            .test_configs = {.small = "decode_keep_tokens=8"}};
-    expect_broken(&o, "a SELECTION method must provide select_layer or build_decode_selection");
+    expect_broken(&o, "a SELECTION method must provide select_layer, build_decode_selection or block_sparse");
     o.select_layer = stub_select_layer;
     CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    /* a prefill-axis method narrows prompt chunks only: no state, no decode selection */
+    o.flags = LETHE_SPARSE_PREFILL_AXIS;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+    o.request_init = lethe_sparse_find("h2o")->request_init;
+    o.request_finished = lethe_sparse_find("h2o")->request_finished;
+    expect_broken(&o, "a LETHE_SPARSE_PREFILL_AXIS method narrows prompt chunks only");
+    o.request_init = NULL;
+    o.request_finished = NULL;
     o.flags = LETHE_SPARSE_UNIFORM;
     expect_broken(&o, "select_layer needs shared rows");
 

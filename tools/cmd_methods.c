@@ -3,7 +3,10 @@
  * quantization), one-line summary, whether it applies to hybrid models
  * (linear-attention layers; lethe_sparse_hybrid_refusal) and knobs with defaults, straight from the
  * registry (src/sparse/registry.c), so the listing cannot drift from what
- * --sparse-method / --sparse-config accept. */
+ * --sparse-method / --sparse-config accept. Each method has an axis: prefill
+ * (LETHE_SPARSE_PREFILL_AXIS, only cheaper prompt chunks) or decode; NAME may
+ * be a pair PREFILL+DECODE (src/sparse/combined.c), listed as its two
+ * methods, or the reason the pair cannot work. */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +35,20 @@ static void print_text(const lethe_sparse_ops *o) {
     printf("%s", o->name);
     for (int a = 0; a < 4 && o->aliases[a]; a++) printf("%s%s", a ? ", " : "  (aliases: ", o->aliases[a]);
     printf("%s\n  kind: %s\n  %s\n", o->aliases[0] ? ")" : "", lethe_sparse_kind_name(o->kind), o->summary);
+    if (o->flags & LETHE_SPARSE_PREFILL_AXIS) {
+        printf("  axis: prefill; pairs with decode methods: --sparse-method %s+DECODE, e.g.", o->name);
+        int shown = 0;
+        for (int32_t i = 0; i < lethe_sparse_n_methods() && shown < 4; i++) {
+            char pair[160];
+            const lethe_sparse_ops *p, *d = lethe_sparse_method_at(i);
+            if (d->flags & LETHE_SPARSE_PREFILL_AXIS || d->kind == LETHE_SPARSE_KIND_DENSE) continue;
+            snprintf(pair, sizeof(pair), "%s+%s", o->name, d->name);
+            if (lethe_sparse_combine(pair, &p, &d) == LETHE_OK) printf("%s %s", shown++ ? "," : "", pair);
+        }
+        printf("\n");
+    } else {
+        printf("  axis: decode\n");
+    }
     const char *no_hybrid = lethe_sparse_hybrid_refusal(o);
     printf("  hybrid models: %s%s\n", no_hybrid ? "no, " : "yes (full-attention layers only)",
            no_hybrid ? no_hybrid : "");
@@ -53,6 +70,7 @@ static cJSON *to_json(const lethe_sparse_ops *o) {
     for (int a = 0; a < 4 && o->aliases[a]; a++) cJSON_AddItemToArray(al, cJSON_CreateString(o->aliases[a]));
     cJSON_AddStringToObject(m, "kind", lethe_sparse_kind_name(o->kind));
     cJSON_AddStringToObject(m, "summary", o->summary);
+    cJSON_AddStringToObject(m, "axis", o->flags & LETHE_SPARSE_PREFILL_AXIS ? "prefill" : "decode");
     const char *no_hybrid = lethe_sparse_hybrid_refusal(o);
     cJSON_AddBoolToObject(m, "hybrid", no_hybrid == NULL);
     if (no_hybrid) cJSON_AddStringToObject(m, "hybrid_refusal", no_hybrid);
@@ -96,6 +114,31 @@ int lethe_cmd_methods(int argc, char **argv) {
                               pos, &n_pos, 1);
     if (pr != 0) return pr > 0 ? 0 : 2;
     const lethe_sparse_ops *only = NULL;
+    if (n_pos == 1 && strchr(pos[0], '+')) { /* a pair: its two methods */
+        const lethe_sparse_ops *p, *d;
+        if (lethe_sparse_combine(pos[0], &p, &d) != LETHE_OK) {
+            fprintf(stderr, "lethe methods: %s\n", lethe_last_error());
+            return 2;
+        }
+        if (json) {
+            cJSON *o = cJSON_CreateObject();
+            char name[160];
+            snprintf(name, sizeof(name), "%s+%s", p->name, d->name);
+            cJSON_AddStringToObject(o, "name", name);
+            cJSON_AddItemToObject(o, "prefill", to_json(p));
+            cJSON_AddItemToObject(o, "decode", to_json(d));
+            char *s = cJSON_Print(o);
+            printf("%s\n", s);
+            free(s);
+            cJSON_Delete(o);
+        } else {
+            printf("%s+%s: prefill chunks by %s, decode and the KV by %s; the knobs of both in one "
+                   "--sparse-config\n\n", p->name, d->name, p->name, d->name);
+            print_text(p);
+            print_text(d);
+        }
+        return 0;
+    }
     if (n_pos == 1 && !(only = lethe_sparse_find(pos[0]))) {
         fprintf(stderr, "lethe methods: %s\n", lethe_last_error());
         return 2;

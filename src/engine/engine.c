@@ -76,7 +76,7 @@ static const char *base_name(const char *path) {
  * score / page kernels take head_dim <= LETHE_SCORES_HEAD_DIM_MAX. */
 static lethe_status eng_check_kv_layout(lethe_engine *e) {
     const lethe_model_config *c = &e->runner.cfg;
-    const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method);
+    const lethe_sparse_ops *ops = lethe_sparse_find_kv(e->sparse_method); /* a pair: its decode method */
     if (!lethe_kv_k_only(c) || !ops) return LETHE_OK; /* unknown names: lethe_sparse_create says */
     const char *model = e->model_path ? e->model_path : c->arch;
     if (ops->kind == LETHE_SPARSE_KIND_QUANTIZATION || ops->kind == LETHE_SPARSE_KIND_COMPRESSION ||

@@ -27,7 +27,7 @@ int lethe_engine_create(const lethe_engine_params *p, lethe_engine **out) {
         if (ws) return ws;
     } else {
         /* a method that multiplies with model weights as activations needs them in f32 */
-        const lethe_sparse_ops *mo = lethe_sparse_find(p->sparse_method ? p->sparse_method : "dense");
+        const lethe_sparse_ops *mo = lethe_sparse_find_kv(p->sparse_method ? p->sparse_method : "dense");
         if (mo && (mo->flags & LETHE_SPARSE_F32_WEIGHTS)) bp.cpu_weights = LETHE_CPU_WEIGHTS_FP32;
     }
     lethe_backend *be = NULL;

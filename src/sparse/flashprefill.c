@@ -85,20 +85,13 @@ static const lethe_block_sparse *fp_block_sparse(const lethe_sparse_method *m, i
     return &PRIV(m)->bsp;
 }
 
-/* every entry is selected; build_prefill_selection is the default's, named
- * so that the contract sees a SELECTION method (its reads shrink inside
- * attention, per block) */
-static int32_t fp_prefill_selection(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
-                                    int32_t seq, int32_t *sel, int32_t cap) {
-    return lethe_sparse_select_all(m, layer, st->seqs[seq].row, sel, cap);
-}
-
 const lethe_sparse_ops lethe_sparse_flashprefill = {
     .name = "flashprefill",
     .aliases = {"flashprefill_v2", "block_sparse_prefill", NULL},
     .summary = "block-sparse prefill attention (128 x 128 blocks, sink/window/last-query blocks "
                "always, a threshold on block scores, mean correction); decode dense, KV whole",
     .kind = LETHE_SPARSE_KIND_SELECTION,
+    .flags = LETHE_SPARSE_PREFILL_AXIS, /* pairs with decode methods: flashprefill+snapkv */
     .knob_table = knobs,
     .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
     .test_configs = {.identity = "flashprefill_threshold=0,flashprefill_min_q=2,flashprefill_block=32",
@@ -109,6 +102,5 @@ const lethe_sparse_ops lethe_sparse_flashprefill = {
     .configure = fp_configure,
     .destroy = fp_destroy,
     .set_knob = fp_set_knob,
-    .build_prefill_selection = fp_prefill_selection,
     .block_sparse = fp_block_sparse,
 };

@@ -210,7 +210,7 @@ const lethe_sparse_ops lethe_sparse_omnikv_prefill = {
     .summary = "chunked prefill: filter layers pick the top history tokens by chunk-mean logits, the "
                "following sparse layers read sink + them + recent + the chunk; decode dense, KV whole",
     .kind = LETHE_SPARSE_KIND_SELECTION,
-    .flags = 0,
+    .flags = LETHE_SPARSE_PREFILL_AXIS, /* pairs with decode methods: omnikv_prefill+quest */
     .knob_table = knobs,
     .n_knob_table = (int32_t)(sizeof(knobs) / sizeof(knobs[0])),
     .test_configs = {.identity = "omnikv_prefill_keep_tokens=4096",

@@ -199,6 +199,11 @@ lethe_status lethe_sparse_parse_config(lethe_sparse_method *m, const char *confi
 lethe_status lethe_sparse_create(const char *name, const char *config, const lethe_sparse_env *env,
                                  lethe_sparse_method **out) {
     *out = NULL;
+    if (name && strchr(name, '+')) { /* PREFILL+DECODE (combined.c) */
+        const lethe_sparse_ops *p, *d;
+        lethe_status st = lethe_sparse_combine(name, &p, &d);
+        return st == LETHE_OK ? lethe_sparse_create_combined(p, d, config, env, out) : st;
+    }
     const lethe_sparse_ops *ops = lethe_sparse_find(name);
     if (!ops) return LETHE_ERR_NOT_FOUND; /* (registered tables passed lethe_sparse_validate) */
     lethe_sparse_method *m = lethe_xcalloc(1, sizeof(*m));

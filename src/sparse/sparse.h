@@ -209,6 +209,12 @@ enum {
      * absorbs its value factors into W_o), so the CPU backend loads the
      * weights dequantized to f32 (--cpu-weights fp32) for it. */
     LETHE_SPARSE_F32_WEIGHTS = 1u << 7,
+    /* A prefill-axis method: it only narrows what prompt chunks read (a
+     * SELECTION method: select_layer or block_sparse), keeps no per-request
+     * state, never changes the KV and leaves decode dense, so it pairs with
+     * any decode method as --sparse-method PREFILL+DECODE (combined.c;
+     * registry checks). */
+    LETHE_SPARSE_PREFILL_AXIS = 1u << 8,
 };
 
 /* Configurations the method-generic test suites run every registered method
@@ -406,10 +412,28 @@ extern const char *const lethe_sparse_shared_knob_names[3];
  * to the method's set_knob. Unknown knobs and bad values are errors. */
 lethe_status lethe_sparse_parse_config(lethe_sparse_method *m, const char *config);
 
-/* Creates the method `name` (NULL = "dense") with `config` for an engine. */
+/* Creates the method `name` (NULL = "dense") with `config` for an engine.
+ * `name` may be a pair PREFILL+DECODE (a LETHE_SPARSE_PREFILL_AXIS method,
+ * then any decode method: flashprefill+snapkv), one method whose table is
+ * synthesized from both (combined.c), `config` holding the knobs of both. */
 lethe_status lethe_sparse_create(const char *name, const char *config, const lethe_sparse_env *env,
                                  lethe_sparse_method **out);
 void lethe_sparse_destroy(lethe_sparse_method *m); /* NULL-safe */
+
+/* ---- prefill + decode pairs (combined.c) ---- */
+
+/* Splits `name` into its prefill-axis and decode-axis methods: "a+b" gives
+ * both (or an error saying why the pair cannot work: order, two methods of
+ * one axis, a decode method whose KV the prefill method cannot read); a
+ * single name gives one of the two (the other NULL). */
+lethe_status lethe_sparse_combine(const char *name, const lethe_sparse_ops **prefill,
+                                  const lethe_sparse_ops **decode);
+/* The table that decides the KV of `name` (a pair's decode method, else the
+ * method itself), for checks before the method exists; NULL when unknown. */
+const lethe_sparse_ops *lethe_sparse_find_kv(const char *name);
+lethe_status lethe_sparse_create_combined(const lethe_sparse_ops *prefill, const lethe_sparse_ops *decode,
+                                          const char *config, const lethe_sparse_env *env,
+                                          lethe_sparse_method **out);
 
 /* ---- hooks with their defaults applied (sparse_common.c): what the engine
  * and the scheduler call instead of testing the table for NULL ---- */

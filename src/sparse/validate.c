@@ -84,7 +84,7 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "kind %d is not a lethe_sparse_kind", (int)o->kind);
     const unsigned known = LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_PREFIX_CACHE |
                            LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM | LETHE_SPARSE_KV_PRE_ROPE |
-                           LETHE_SPARSE_HEAD_ROWS | LETHE_SPARSE_F32_WEIGHTS;
+                           LETHE_SPARSE_HEAD_ROWS | LETHE_SPARSE_F32_WEIGHTS | LETHE_SPARSE_PREFILL_AXIS;
     RULE((o->flags & ~known) == 0, "flags has bits other than LETHE_SPARSE_*");
     lethe_status st = check_knobs(o);
     if (st != LETHE_OK) return st;
@@ -105,11 +105,22 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "LETHE_SPARSE_HEAD_ROWS needs LETHE_SPARSE_PER_LAYER_ROWS and native KV (no kv_format, no kv_layout)");
     /* selection */
     RULE(o->kind != LETHE_SPARSE_KIND_SELECTION || o->select_layer || o->build_decode_selection ||
-             o->build_prefill_selection,
-         "a SELECTION method must provide select_layer or build_decode_selection (the default "
-         "selects every resident slot)");
-    RULE(!o->block_sparse || (o->kind == LETHE_SPARSE_KIND_SELECTION && !uniform && !o->kv_layout),
-         "block_sparse is for SELECTION methods over the backend's K / V, not LETHE_SPARSE_UNIFORM");
+             o->build_prefill_selection || o->block_sparse,
+         "a SELECTION method must provide select_layer, build_decode_selection or block_sparse (the "
+         "default selects every resident slot)");
+    /* (a pair PREFILL+DECODE carries its prefill method's block_sparse under
+     * the decode method's kind) */
+    RULE(!o->block_sparse || (o->kind != LETHE_SPARSE_KIND_DENSE && !uniform && !o->kv_layout && !o->kv_format),
+         "block_sparse reads the backend's native K / V: not with kv_layout, kv_format or "
+         "LETHE_SPARSE_UNIFORM");
+    RULE(!(o->flags & LETHE_SPARSE_PREFILL_AXIS) ||
+             (o->kind == LETHE_SPARSE_KIND_SELECTION && (o->select_layer || o->block_sparse) &&
+              !per_layer && !(o->flags & LETHE_SPARSE_PREFIX_CACHE) && !o->request_init &&
+              !o->build_decode_selection && !o->kv_layout && !o->prefill_peak_slots &&
+              !o->max_resident && !o->slot_overhead_bytes && !o->kv_reserve_bytes),
+         "a LETHE_SPARSE_PREFILL_AXIS method narrows prompt chunks only: a SELECTION method with "
+         "select_layer or block_sparse, shared rows, no per-request state, no decode selection, "
+         "no storage or capacity hooks of its own");
     RULE(!o->select_layer || (!per_layer && !uniform), "select_layer needs shared rows: not with "
          "LETHE_SPARSE_PER_LAYER_ROWS or LETHE_SPARSE_UNIFORM");
     RULE(!uniform || !(o->needs_scores || o->after_attn || o->layer_end),

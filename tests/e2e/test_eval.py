@@ -66,6 +66,24 @@ def test_eval_dense_vs_snapkv(tmp_path):
     assert "snapkv" in p.stdout and "passkey" in p.stdout
 
 
+def test_eval_prefill_decode_pair(tmp_path):
+    """A PREFILL+DECODE pair runs like any method, the knobs of both in one --sparse-config:
+    with flashprefill reading every block and a budget above the context it equals dense."""
+    out = tmp_path / "r.json"
+    p = subprocess.run(
+        [LETHE, "eval", "--model", MODEL, "--corpus", CORPUS, "--context-lengths", "256",
+         "--samples", "1", "--forced-tokens", "8", "--tasks", "ppl", "--methods", "dense,flashprefill+snapkv",
+         "--budgets", "16,4096", "--sparse-config",
+         "sink_keep_tokens=8,recent_keep_tokens=16,flashprefill_threshold=0,flashprefill_min_q=2",
+         "--threads", "2", "--no-progress", "--result-json", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    rows = {(x["method"], x["budget"]): x for x in json.loads(out.read_text())["rows"]}
+    same = rows[("flashprefill+snapkv", 4096)]
+    assert "error" not in same and same["kl_mean"] < 1e-4 and same["top1_agree"] == 1.0
+    assert rows[("flashprefill+snapkv", 16)]["kl_mean"] > 1e-3
+
+
 def test_eval_flag_errors():
     p = subprocess.run([LETHE, "eval", "--model", MODEL], capture_output=True, text=True)
     assert p.returncode == 2 and "--corpus" in p.stderr

@@ -64,3 +64,24 @@ def test_one_method_by_alias_and_unknown():
     assert "sink_keep_tokens" in p.stdout and "decode_keep_tokens" not in p.stdout
     p = run("no-such-method")
     assert p.returncode == 2 and "unknown method" in p.stderr
+
+
+def test_prefill_decode_pairs():
+    """A prefill-axis method pairs with a decode method as PREFILL+DECODE: the listing names
+    both tables (axis prefill / decode), a pair that cannot work exits 2 with the reason."""
+    p = run("--json")
+    axes = {m["name"]: m["axis"] for m in json.loads(p.stdout)}
+    assert axes["flashprefill"] == axes["omnikv_prefill"] == "prefill"
+    assert axes["snapkv"] == axes["dense"] == axes["quest"] == "decode"
+    p = run("--json", "flashprefill+snapkv")
+    assert p.returncode == 0, p.stderr
+    pair = json.loads(p.stdout)
+    assert pair["name"] == "flashprefill+snapkv"
+    assert pair["prefill"]["name"] == "flashprefill" and pair["decode"]["name"] == "snapkv"
+    assert "flashprefill_threshold" in {k["name"] for k in pair["prefill"]["knobs"]}
+    p = run("omnikv_prefill+quest")
+    assert p.returncode == 0 and p.stdout.startswith("omnikv_prefill+quest:"), p.stderr
+    for bad, why in (("snapkv+flashprefill", "prefill method comes first"),
+                     ("flashprefill+kivi", "native K / V"), ("flashprefill+nope", "unknown method")):
+        q = run(bad)
+        assert q.returncode == 2 and why in q.stderr, (bad, q.stderr)

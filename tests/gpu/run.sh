@@ -23,6 +23,9 @@ for t in "$build"/tests/gpu/test_*; do
     [ -x "$t" ] || continue
     run "$(basename "$t")" "$t"
 done
+# the engine-level CPU suites that also take LETHE_TEST_DEVICE: the same
+# expectations on the CUDA backend
+run test_sparse_pairs_cuda env LETHE_TEST_DEVICE=cuda "$build/tests/test_sparse_pairs"
 for t in tests/gpu/test_*.py; do
     [ -f "$t" ] || continue
     run "$(basename "$t" .py)" python3 "$t" "$build"
