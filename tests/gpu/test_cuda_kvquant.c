@@ -9,7 +9,9 @@
  *    (prefix tokens first, then the step's tokens over permuted slots).
  *  - attention over the FP8 codes: CUDA vs CPU, NaN-poisoned output, ragged
  *    batches mixing decode, prefill and extend, sparse selections, GQA
- *    1/3/4/16, head_dim 32/64/96/128/256, and the pre-staged path;
+ *    1/3/4/12/16/32, head_dim 32/64/96/128/256, rows up to 33K keys (decode at
+ *    head_dim 64 / 128 is the tensor-core kernel of attention_fp8.cu, the rest
+ *    attention_quant.cu's), and the pre-staged path;
  *    ||gpu - cpu|| / ||cpu|| < 1.5e-2 (bf16 q and output, as for dense).
  *  - KIVI (2/4/8 bits, G 16/32/64): three steps (prefill, extend mixed with
  *    decode, decode) of 2-3 ragged sequences over scattered slots, planned
@@ -208,6 +210,14 @@ static void test_fp8(void) {
         {"extend d64 gqa3", 9, 3, 64, 2, {33, 70}, {100, 500}, 0},
         {"sparse decode", 32, 8, 128, 2, {1, 1}, {600, 2000}, 1},
         {"sparse extend", 8, 2, 128, 2, {17, 3}, {400, 90}, 1},
+        /* decode at head_dim 64 / 128 runs the tensor-core kernel (attention_fp8.cu):
+         * long rows (many splits and warp tiles), G = 1, 12 (a partial M tile), 32
+         * (two head chunks), 6 ragged rows with tile tails of 1..15 keys */
+        {"decode long b4", 32, 8, 128, 4, {1, 1, 1, 1}, {16384, 20000, 16385, 33000}, 0},
+        {"decode mha d128 b6", 8, 8, 128, 6, {1, 1, 1, 1, 1, 1}, {16, 17, 64, 65, 1000, 3}, 0},
+        {"decode gqa12 d128", 12, 1, 128, 2, {1, 1}, {1, 5000}, 0},
+        {"decode gqa32 d64", 64, 2, 64, 2, {1, 1}, {100, 1500}, 0},
+        {"sparse decode d64", 16, 4, 64, 3, {1, 1, 1}, {50, 3000, 9000}, 1},
     };
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_case(&cases[i], 0);
     run_case(&cases[1], 1);

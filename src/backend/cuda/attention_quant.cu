@@ -41,7 +41,10 @@
  * rows of its 32 keys (a lane owns D/32 dims) for P V. Partial outputs and
  * log-sum-exps of the splits are merged by qmerge_kernel. The grid is fixed by
  * the batch shape (effective split count from the row length on the device),
- * so the decode step stays capturable in a CUDA graph. Prefill reads each key
+ * so the decode step stays capturable in a CUDA graph. FP8 decode batches at
+ * head_dim 64 / 128 go to the tensor-core kernel of attention_fp8.cu instead;
+ * this kernel keeps FP8 prefill / extend / mixed rows, other head dims and
+ * KIVI. Prefill reads each key
  * tile once per query row (no tensor cores): correct but slower than the
  * dense WMMA prefill; see docs/sparse-methods.md. */
 #include "backend/cuda/cuda_common.cuh"
@@ -630,6 +633,12 @@ extern "C" void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_a
         if (D <= 64) launch_qsplit<64, true>(c, a, d_qb, d_sb, d_sel, kv);
         else if (D <= 128) launch_qsplit<128, true>(c, a, d_qb, d_sb, d_sel, kv);
         else launch_qsplit<256, true>(c, a, d_qb, d_sb, d_sel, kv);
+        return;
+    }
+    bool decode = a->n_tokens == a->n_seqs; /* every sequence one query */
+    for (int s = 0; decode && s < a->n_seqs; s++) decode = a->q_begin[s + 1] - a->q_begin[s] == 1;
+    if (decode && lethe_cuda_attn_fp8_fits(c, D)) { /* tensor cores: attention_fp8.cu */
+        lethe_cuda_attn_decode_fp8(c, a, d_qb, d_sb, d_sel);
         return;
     }
     if (D <= 64) launch_qsplit<64, false>(c, a, d_qb, d_sb, d_sel, kv);

@@ -24,6 +24,7 @@
  *   attention.cu     dispatch, generic split-K flash attention (any head_dim), LSE merge
  *   attention_v2.cu  v2: mma.sync + cp.async decode and prefill (head_dim 64/128)
  *   attention_quant.cu  kv_store + attention over quantized KV (FP8 E4M3, KIVI)
+ *   attention_fp8.cu FP8 E4M3 decode attention on tensor cores (head_dim 64/128)
  *   attention_tq.cu  kv_store + attention over TurboQuant KV (rotated codebook codes)
  *   scores.cu        attn_scores: reduced per-key scores for the sparse methods
  *   elementwise.cu   embed, gather_rows, gather_sum, add, add_bias, swiglu, kv_store, casts
@@ -221,6 +222,11 @@ void lethe_cuda_kv_store_quant(lethe_backend *be, const lethe_kv_quant *kvq, voi
                                void *v_cache, const void *k, const void *v, const int32_t *slots,
                                int32_t n, int32_t n_kv_heads, int32_t head_dim);
 void lethe_cuda_attention_quant(lethe_backend *be, const lethe_attn_args *a);
+/* attention_fp8.cu: FP8 E4M3 decode (every sequence one query) at head_dim 64
+ * / 128 on tensor cores; fits: the kernel's shared memory fits this device */
+bool lethe_cuda_attn_fp8_fits(const cuda_ctx *c, int D);
+void lethe_cuda_attn_decode_fp8(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                const int32_t *d_sb, const int32_t *d_sel);
 /* attention_tq.cu: TurboQuant KV (dispatched from the two above) */
 void lethe_cuda_kv_store_tq(lethe_backend *be, const lethe_kv_quant *kvq, void *k_cache,
                             void *v_cache, const void *k, const void *v, const int32_t *slots,
