@@ -20,7 +20,14 @@
  * measured copy bandwidth (decode), TFLOP/s and the fraction of the measured
  * GEMM peak (prefill); plus the relative difference of the v1 and v2 outputs.
  * --profile adds one call per generation and shape inside the profiler range
- * (ncu --profile-from-start off). --json writes everything. */
+ * (ncu --profile-from-start off). --json writes everything.
+ *
+ * Decode by KV format (--kv, default bf16,fp8,kivi4,kivi2): for every
+ * --batch x --ctx, decode attention alone through lethe's op over bf16 K / V
+ * and over the same K / V quantized to FP8 E4M3 and KIVI (kv_store_quant):
+ * bytes read (payload + scales / parameters), time, GB/s, the fraction of
+ * the copy bandwidth in bytes read, the speed-up over bf16 and the output's
+ * difference from bf16's (the quantization error, a sanity check). */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -323,6 +330,181 @@ static void bench_prefill(int H, int KV, int D, int32_t L, double gemm_fps, int 
     free(sel);
 }
 
+/* ---- bench: decode attention by KV format (lethe's op) ------------------------ */
+
+/* KV formats of the format table: bf16 (the native cache), FP8 E4M3, KIVI */
+#define FMT_BF16 0
+#define FMT_FP8 1
+#define FMT_KIVI 2 /* + bits in the low byte of the list entry */
+#define MAX_FMTS 8
+
+static const char *fmt_name(int f, char *buf, size_t n) {
+    if (f == FMT_BF16) return "bf16";
+    if (f == FMT_FP8) return "fp8_e4m3";
+    snprintf(buf, n, "kivi%d", f >> 8);
+    return buf;
+}
+
+static void *alloc_dev(size_t n_bytes) {
+    void *p = NULL;
+    if (g_gpu->ops->alloc(g_gpu, n_bytes ? n_bytes : 1, &p) != LETHE_OK) {
+        fprintf(stderr, "attn_bench: %s\n", lethe_last_error());
+        exit(1);
+    }
+    return p;
+}
+
+/* Decode attention alone at one (batch, ctx) for every format in fmts, all
+ * through ops->attention: bf16 over random K / V; FP8 and KIVI over codes
+ * quantized from that same K / V by ops->kv_store_quant (KIVI: every complete
+ * group of G consecutive slots packed, the tail in the residual), so each
+ * output is compared with the bf16 one. Bytes read per call: the K and V
+ * payload (bf16 values / codes) plus the scales or group parameters
+ * (FP8: 2 x 4 bytes per slot and KV head; KIVI: per-token V params and the K
+ * group table), not the slot indices (4 bytes per entry for every format). */
+static void bench_formats(int H, int KV, int D, int32_t B, int32_t L, int G, const int *fmts,
+                          int n_fmts, double copy_bps, int reps, bool profile, cJSON *arr) {
+    const size_t slots = (size_t)B * L, kv_n = slots * KV * D, q_n = (size_t)B * H * D;
+    const size_t C = (size_t)KV * D;
+    void *kb = upload_random(kv_n), *vb = upload_random(kv_n);
+    lethe_attn_args a = {.q = upload_random(q_n), .out = upload(g_gpu, NULL, q_n), .n_tokens = B,
+                         .n_seqs = B, .n_heads = H, .n_kv_heads = KV, .head_dim = D,
+                         .scale = 1.0f / sqrtf((float)D)};
+    int32_t *qb = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
+    int32_t *sb = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
+    int32_t *sel = lethe_xmalloc(slots * sizeof(int32_t));
+    for (int32_t s = 0; s <= B; s++) qb[s] = s, sb[s] = s * L;
+    for (size_t e = 0; e < slots; e++) sel[e] = (int32_t)e;
+    a.q_begin = qb, a.sel_begin = sb, a.sel_slots = sel;
+    const int32_t *arrays[3] = {qb, sb, sel};
+    const size_t counts[3] = {(size_t)B + 1, (size_t)B + 1, slots};
+    float *ref = lethe_xmalloc(q_n * sizeof(float)), *outh = lethe_xmalloc(q_n * sizeof(float));
+    double t_bf16 = 0;
+    bool have_ref = false;
+    /* kv_store_quant in chunks of CH tokens (a multiple of every G) */
+    const size_t CH = 65536;
+    int32_t *ch_slots = lethe_xmalloc(CH * sizeof(int32_t));
+    const size_t act = g_gpu->ops->act_size;
+    for (int fi = 0; fi < n_fmts; fi++) {
+        const int f = fmts[fi];
+        char nb[16];
+        lethe_kv_quant kvq = {.format = LETHE_KV_NATIVE};
+        lethe_kivi_plan plan = {.n_pack = 0};
+        void *kc = kb, *vc = vb;
+        double bytes = 2.0 * kv_n * g_gpu->ops->kv_size;
+        void *extra[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+        int32_t *aux = NULL, *psrc = NULL, *pslot = NULL, *pent = NULL;
+        if (f == FMT_FP8) {
+            kvq.format = LETHE_KV_FP8_E4M3;
+            kc = extra[0] = alloc_dev(kv_n), vc = extra[1] = alloc_dev(kv_n);
+            kvq.k_scale = extra[2] = alloc_dev(slots * KV * sizeof(float));
+            kvq.v_scale = extra[3] = alloc_dev(slots * KV * sizeof(float));
+            bytes = 2.0 * kv_n + 2.0 * slots * KV * sizeof(float);
+        } else if (f != FMT_BF16) {
+            const int b = f >> 8;
+            const size_t full = slots / (size_t)G; /* complete groups; the tail is residual */
+            kvq.format = LETHE_KV_KIVI_FORMAT(b, G);
+            kc = extra[0] = alloc_dev(slots * C * b / 8), vc = extra[1] = alloc_dev(slots * C * b / 8);
+            kvq.v_param = extra[2] = alloc_dev(slots * 2 * (C / G) * sizeof(float));
+            kvq.k_group = extra[3] = alloc_dev((full ? full : 1) * 2 * C * sizeof(float));
+            kvq.k_res = extra[4] = alloc_dev((size_t)G * C * act);
+            kvq.v_res = extra[5] = alloc_dev((size_t)G * C * act);
+            kvq.n_groups = (int32_t)(full ? full : 1), kvq.n_res = G;
+            aux = lethe_xmalloc(slots * sizeof(int32_t));
+            for (size_t s = 0; s < slots; s++)
+                aux[s] = s < full * G ? (int32_t)(s / G) : -1 - (int32_t)(s - full * G);
+            psrc = lethe_xmalloc(CH * sizeof(int32_t)), pslot = lethe_xmalloc(CH * sizeof(int32_t));
+            pent = lethe_xmalloc(CH / G * sizeof(int32_t));
+            plan.slot_aux = aux;
+            kvq.kivi = &plan;
+            bytes = 2.0 * slots * C * b / 8 + 2.0 * slots * (C / G) * sizeof(float) +
+                    2.0 * full * C * sizeof(float);
+        }
+        if (f != FMT_BF16) { /* quantize the bf16 cache into the format, CH slots at a time */
+            for (size_t off = 0; off < slots; off += CH) {
+                const size_t n = slots - off < CH ? slots - off : CH;
+                for (size_t i = 0; i < n; i++) ch_slots[i] = (int32_t)(off + i);
+                if (aux) {
+                    const size_t full = slots / (size_t)G;
+                    size_t np = 0;
+                    for (size_t i = 0; i + G <= n && off + i + G <= full * G; i += G, np++) {
+                        for (int j = 0; j < G; j++)
+                            psrc[i + j] = (int32_t)(i + j), pslot[i + j] = (int32_t)(off + i + j);
+                        pent[np] = (int32_t)((off + i) / G);
+                    }
+                    plan.n_pack = (int32_t)np, plan.pack_src = psrc, plan.pack_slot = pslot;
+                    plan.pack_entry = pent;
+                }
+                g_gpu->ops->kv_store_quant(g_gpu, &kvq, kc, vc, (const char *)kb + off * C * act,
+                                           (const char *)vb + off * C * act, ch_slots, (int32_t)n,
+                                           KV, D);
+            }
+            plan.n_pack = 0;
+            g_gpu->ops->sync(g_gpu);
+        }
+        a.k_cache = kc, a.v_cache = vc, a.kvq = f == FMT_BF16 ? NULL : &kvq;
+        g_gpu->ops->stage_step(g_gpu, arrays, counts, 3);
+        const double t = time_gen(&a, GEN_LETHE, reps, profile);
+        g_gpu->ops->act_to_host(g_gpu, outh, a.out, q_n);
+        g_gpu->ops->unstage(g_gpu);
+        double diff = NAN;
+        if (f == FMT_BF16) {
+            memcpy(ref, outh, q_n * sizeof(float));
+            have_ref = true, t_bf16 = t;
+        } else if (have_ref) {
+            diff = rel_err(outh, ref, q_n);
+        }
+        const double gbs = bytes / t * 1e-9, frac = copy_bps > 0 ? bytes / copy_bps / t : 0;
+        printf("%6d %8d  %-10s %9.1f %9.1f %7.0f %7.1f%%", B, L, fmt_name(f, nb, sizeof nb),
+               bytes * 1e-6, t * 1e6, gbs, 100 * frac);
+        if (t_bf16 > 0 && f != FMT_BF16) printf("   %5.2fx  %.1e", t_bf16 / t, diff);
+        printf("\n");
+        fflush(stdout);
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddNumberToObject(e, "batch", B);
+        cJSON_AddNumberToObject(e, "ctx", L);
+        cJSON_AddStringToObject(e, "format", fmt_name(f, nb, sizeof nb));
+        if (f >> 8) cJSON_AddNumberToObject(e, "kivi_group", G);
+        cJSON_AddNumberToObject(e, "bytes_read", bytes);
+        cJSON_AddNumberToObject(e, "us", t * 1e6);
+        cJSON_AddNumberToObject(e, "gb_s", gbs);
+        cJSON_AddNumberToObject(e, "frac_copy", frac);
+        if (t_bf16 > 0 && f != FMT_BF16) {
+            cJSON_AddNumberToObject(e, "speedup_vs_bf16", t_bf16 / t);
+            cJSON_AddNumberToObject(e, "rel_diff_vs_bf16", diff);
+        }
+        cJSON_AddItemToArray(arr, e);
+        for (int i = 0; i < 6; i++)
+            if (extra[i]) g_gpu->ops->release(g_gpu, extra[i]);
+        free(aux), free(psrc), free(pslot), free(pent);
+    }
+    g_gpu->ops->release(g_gpu, kb), g_gpu->ops->release(g_gpu, vb);
+    g_gpu->ops->release(g_gpu, (void *)a.q), g_gpu->ops->release(g_gpu, a.out);
+    free(qb), free(sb), free(sel), free(ref), free(outh), free(ch_slots);
+}
+
+/* "bf16,fp8,kivi4,kivi2" -> format codes; "none" -> 0 formats */
+static int parse_formats(const char *s, int *out) {
+    if (!strcmp(s, "none")) return 0;
+    int n = 0;
+    for (const char *p = s; *p;) {
+        const char *end = strchr(p, ',');
+        const size_t len = end ? (size_t)(end - p) : strlen(p);
+        int f = -1;
+        if (len == 4 && !strncmp(p, "bf16", 4)) f = FMT_BF16;
+        else if (len == 3 && !strncmp(p, "fp8", 3)) f = FMT_FP8;
+        else if (len == 5 && !strncmp(p, "kivi", 4) && strchr("248", p[4])) f = FMT_KIVI | ((p[4] - '0') << 8);
+        if (f < 0 || n == MAX_FMTS) {
+            fprintf(stderr, "attn_bench: --kv '%s': expected up to %d of bf16, fp8, kivi2, kivi4, "
+                            "kivi8 separated by commas, or none\n", s, MAX_FMTS);
+            return -1;
+        }
+        out[n++] = f;
+        p = end ? end + 1 : p + len;
+    }
+    return n;
+}
+
 /* ---- main ---------------------------------------------------------------------- */
 
 static int parse_list(const char *s, int32_t *out, const char *flag) {
@@ -343,7 +525,9 @@ static int parse_list(const char *s, int32_t *out, const char *flag) {
 
 int main(int argc, char **argv) {
     int32_t heads = 32, kv_heads = 8, head_dim = 128, reps = 20;
+    int32_t kivi_group = 32;
     const char *batch = "8,32", *ctx = "16384,32768", *prefill = "8192", *json = NULL;
+    const char *kv = "bf16,fp8,kivi4,kivi2";
     bool no_check = false, no_bench = false, profile = false;
     lethe_opt rows[] = {
         {"--heads", NULL, LETHE_OPT_INT, &heads, "N", "query heads (bench shape)", 1, 256},
@@ -353,6 +537,10 @@ int main(int argc, char **argv) {
         {"--ctx", NULL, LETHE_OPT_STR, &ctx, "LIST", "decode context lengths", 1, 0},
         {"--prefill", NULL, LETHE_OPT_STR, &prefill, "LIST", "prefill lengths (one seq)", 1, 0},
         {"--reps", NULL, LETHE_OPT_INT, &reps, "N", "timed calls per point", 1, 100000},
+        {"--kv", NULL, LETHE_OPT_STR, &kv, "LIST",
+         "KV formats of the decode-by-format table (bf16,fp8,kivi2,kivi4,kivi8 | none)", 1, 0},
+        {"--kivi-group", NULL, LETHE_OPT_INT, &kivi_group, "G",
+         "KIVI group (tokens per K group = channels per V group)", 16, 128},
         {"--no-check", NULL, LETHE_OPT_BOOL, &no_check, NULL, "skip the check vs the CPU", 1, 0},
         {"--no-bench", NULL, LETHE_OPT_BOOL, &no_bench, NULL, "skip the timings", 1, 0},
         {"--profile", NULL, LETHE_OPT_BOOL, &profile, NULL,
@@ -369,7 +557,13 @@ int main(int argc, char **argv) {
     int32_t bs[MAX_LIST], cs[MAX_LIST], ps[MAX_LIST];
     const int nb = parse_list(batch, bs, "--batch"), nc = parse_list(ctx, cs, "--ctx");
     const int np = parse_list(prefill, ps, "--prefill");
-    if (nb < 0 || nc < 0 || np < 0) return 2;
+    int fmts[MAX_FMTS];
+    const int nf = parse_formats(kv, fmts);
+    if (nb < 0 || nc < 0 || np < 0 || nf < 0) return 2;
+    if (nf && (head_dim % kivi_group || (kivi_group & (kivi_group - 1)))) {
+        fprintf(stderr, "attn_bench: --kivi-group must be a power of two dividing --head-dim\n");
+        return 2;
+    }
     if (heads % kv_heads || head_dim % 8) {
         fprintf(stderr, "attn_bench: --kv-heads must divide --heads and --head-dim be a multiple "
                         "of 8\n");
@@ -417,6 +611,19 @@ int main(int argc, char **argv) {
                 for (int j = 0; j < nc; j++)
                     bench_decode(heads, kv_heads, head_dim, bs[i], cs[j], copy_bps, reps, profile,
                                  dec);
+            if (nf) {
+                printf("\ndecode attention by KV format (lethe's op; H=%d KV=%d D=%d, KIVI G=%d, "
+                       "%d reps; MB read = K + V codes + scales / group params, not the slot "
+                       "indices; diff = relative difference of the output from bf16's)\n",
+                       heads, kv_heads, head_dim, kivi_group, reps);
+                printf("%6s %8s  %-10s %9s %9s %7s %8s   %6s  %s\n", "batch", "ctx", "format",
+                       "MB read", "us/call", "GB/s", "of copy", "vs bf16", "diff");
+                cJSON *fa = cJSON_AddArrayToObject(root, "decode_kv");
+                for (int i = 0; i < nb; i++)
+                    for (int j = 0; j < nc; j++)
+                        bench_formats(heads, kv_heads, head_dim, bs[i], cs[j], kivi_group, fmts,
+                                      nf, copy_bps, reps, profile, fa);
+            }
             printf("\nprefill attention alone (H=%d KV=%d D=%d, causal, one sequence, %d reps)\n",
                    heads, kv_heads, head_dim, reps);
             printf("%8s | %4s %9s %8s %7s | %4s %9s %8s %7s | v2 gain  v1-v2 diff\n", "tokens",
