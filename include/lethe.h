@@ -183,7 +183,8 @@ typedef struct lethe_engine_params {
     int32_t max_model_len;      /* 0 = model's max_pos */
     int32_t max_num_seqs;       /* default 256 */
     int32_t max_num_batched_tokens; /* per-step token budget, default 2048 */
-    size_t kv_cache_bytes;      /* CPU KV budget; 0 = default (1 GiB) */
+    size_t kv_cache_bytes;      /* CPU KV budget; 0 = default (1 GiB). On a device: a cap on the
+                                 * pool that gpu_memory_utilization sizes (0 = none) */
     float gpu_memory_utilization; /* CUDA: fraction of device memory, default 0.9 */
     bool enable_prefix_caching; /* default true */
     /* Host-memory tier under the prefix cache (--host-cache-bytes): prefix

@@ -73,7 +73,11 @@
 #                     snapkv-chain vs snapkv-chain+share (branching)
 #                     -> $OUT/replay-branch.json (~5 min);
 #             host    dense-radix with a KV cache of 0.2 x memory, without and
-#                     with --host-cache-bytes 64G -> $OUT/replay-host.json (~6 min).
+#                     with --host-cache-bytes 64G -> $OUT/replay-host.json (~6 min);
+#             long    the long-agents preset (`bench replay --preset long-agents`,
+#                     docs/benchmarks.md): 6 agents growing past 64K tokens at
+#                     once on a 16 GiB KV pool, dense-radix vs snapkv-chain
+#                     -> $OUT/replay-long.json (a few minutes; not yet timed).
 #   moe     the mixture-of-experts / latent-attention models with dummy weights,
 #           per model of ${MOE_MODELS:-qwen3-30b-a3b glm-4.7-flash} (configs/):
 #           `lethe bench engine`: decode at batch 1, 8, 64 x 4K and 32K (+ 32 x
@@ -283,6 +287,16 @@ EOF2
     rm -f "$OUT"/mm-*.log
     log "mmcmp: ($(( $(date +%s) - t0 ))s) -> mmcmp.txt"
 fi
+# `lethe bench replay --preset long-agents` (tools/bench_replay.c): 6 agents whose
+# contexts grow past 64K tokens (tool outputs of 3000-5000 words), all at once, on a
+# 16 GiB KV pool (< 2 agents at full length for dense): dense-radix vs snapkv-chain
+replay_long() {
+    local tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
+    ./build/lethe bench replay --preset long-agents --model configs/llama-3.1-8b-instruct/config.json \
+        --serve-args "--load-format dummy --device cuda --tokenizer $tok" ${REPLAY_ARGS:-} \
+        --result-json "$OUT/replay-long.json" 2>&1 | tee "$OUT/replay-long.log"
+    add_gpu "$OUT/replay-long.json"
+}
 if has replay; then
     t0=$(date +%s)
     tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
@@ -322,6 +336,7 @@ if has replay; then
             add_gpu "$OUT/replay-host-$h.json"
         done
     fi
+    [ "${rset#*,long,}" != "$rset" ] && replay_long # the long-agents preset
     cp /tmp/lethe-replay-*.log "$OUT/" 2>/dev/null
     log "replay: ${REPLAY_SET:-base} ($(( $(date +%s) - t0 ))s)"
 fi

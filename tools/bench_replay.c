@@ -592,6 +592,43 @@ static void *sampler(void *arg) {
     return NULL;
 }
 
+/* ---- presets ---- */
+
+/* Named workloads (--preset): trace generator settings, configurations,
+ * sparse knobs and the `lethe serve` flags they need (put before
+ * --serve-args, so a flag given there wins); any other flag given on the
+ * command line overrides the preset's value.
+ *
+ * long-agents: a long-context coding-agent replay. 6 agents x up to 24
+ *   turns, all at once: a 1000-word system prompt, a 500-word task, tool
+ *   outputs of 3000-5000 words per turn, replies of 40-120 words, waits
+ *   < 0.5 s; an agent ends before its context would pass 72,000 tokens
+ *   (words of the generator are single tokens), so every conversation
+ *   grows past 64K. The servers get a 16 GiB KV pool (--kv-cache-bytes):
+ *   at Llama-3.1-8B's 128 KiB per token that is ~131K tokens, fewer than
+ *   two agents at full length, while 6 grow at once: dense + radix must
+ *   evict / preempt and recompute, SnapKV (2K budget) + chains keeps every
+ *   agent's compacted KV resident. Configurations dense-radix and
+ *   snapkv-chain; each must finish every turn. */
+static int apply_preset(const char *name, rp_opts *o, const char **serve_pre) {
+    if (!strcmp(name, "long-agents")) {
+        o->generate = true;
+        o->gen.n_agents = 6;
+        o->gen.min_turns = o->gen.max_turns = 24;
+        o->gen.system_tokens = 1000, o->gen.task_tokens = 500;
+        o->gen.tool_min = 3000, o->gen.tool_max = 5000;
+        o->gen.out_min = 40, o->gen.out_max = 120;
+        o->gen.max_context = 72000;
+        o->max_wait = 0.5f;
+        o->concurrency = 0;
+        o->configs = "dense-radix,snapkv-chain";
+        o->sparse_config = "sink_keep_tokens=64,recent_keep_tokens=512,decode_keep_tokens=1472";
+        *serve_pre = "--max-model-len 81920 --kv-cache-bytes 16G";
+        return 0;
+    }
+    return -1;
+}
+
 /* one replay against a running server; adds a result object to arr */
 static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base, const char *label,
                        bool chain, bool share, bool prune, cJSON *arr) {
@@ -601,6 +638,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     if (tokenize_outputs(&R) != 0) return -1;
     R.recs = lethe_xcalloc((size_t)t->n_turns, sizeof(*R.recs));
     double pf0 = metric(base, "prefill_tokens_computed_total");
+    double pre0 = metric(base, "num_preemptions_total");
     int32_t C = o->concurrency > 0 ? LETHE_MIN(o->concurrency, t->n_agents) : t->n_agents;
     pthread_t *th = lethe_xmalloc((size_t)C * sizeof(pthread_t));
     double t0 = lethe_time_s();
@@ -613,6 +651,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     R.sampling = false;
     pthread_join(samp, NULL);
     double pf1 = metric(base, "prefill_tokens_computed_total");
+    double pre1 = metric(base, "num_preemptions_total");
     free(th);
     int64_t prompt = 0, cached = 0, completion = 0;
     int32_t ok = 0, st[3] = {0}, gone = 0, retried = 0, retries = 0;
@@ -643,6 +682,9 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     cJSON_AddNumberToObject(r, "concurrency", C);
     cJSON_AddNumberToObject(r, "wait_scale", o->wait_scale);
     cJSON_AddNumberToObject(r, "end_to_end_s", wall);
+    cJSON_AddNumberToObject(r, "turns_per_s", wall > 0 ? ok / wall : NAN);
+    const double preempt = isfinite(pre0) && isfinite(pre1) ? pre1 - pre0 : NAN;
+    cJSON_AddNumberToObject(r, "preemptions", preempt);
     cJSON_AddNumberToObject(r, "mean_ttft_ms", nt ? mean * 1e3 : NAN);
     cJSON_AddNumberToObject(r, "p50_ttft_ms", pct(tt, nt, 50) * 1e3);
     cJSON_AddNumberToObject(r, "p90_ttft_ms", pct(tt, nt, 90) * 1e3);
@@ -687,6 +729,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
                st[0], st[1], st[2], gone, retried, retries);
     printf("%-22s resident KV slots mean %.0f peak %.0f\n", "", res_mean,
            R.n_resident ? R.resident_peak : NAN);
+    printf("%-22s %.3f turns/s, preemptions %.0f\n", "", wall > 0 ? ok / wall : NAN, preempt);
     if (prune)
         printf("%-22s prune jobs %d: completed %d blocked %d failed %d (skipped %d short), freed "
                "%lld slots, "
@@ -790,6 +833,20 @@ int lethe_bench_replay(int argc, char **argv) {
     lethe_opt rows[56];
     int n = 0;
 #define ROW(...) rows[n++] = (lethe_opt){__VA_ARGS__}
+    /* a preset sets defaults first; the flags parsed below override them */
+    const char *preset = NULL, *serve_pre = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--preset") && i + 1 < argc) preset = argv[i + 1];
+        else if (!strncmp(argv[i], "--preset=", 9)) preset = argv[i] + 9;
+    }
+    if (preset && apply_preset(preset, &o, &serve_pre) != 0) {
+        fprintf(stderr, "lethe bench replay: --preset %s: unknown (presets: long-agents)\n", preset);
+        return 2;
+    }
+    const char *preset_arg = NULL;
+    ROW("--preset", NULL, LETHE_OPT_STR, &preset_arg, "NAME",
+        "a named workload (long-agents: 6 agents growing past 64K tokens, 16 GiB KV pool, dense-radix vs "
+        "snapkv-chain); other flags override it", 1, 0);
     ROW("--trace", NULL, LETHE_OPT_STR, &o.trace_path, "JSONL", "trace to replay (see src/bench/trace.h)", 1, 0);
     ROW("--generate", NULL, LETHE_OPT_BOOL, &o.generate, NULL, "synthesize a coding-agent trace instead", 1, 0);
     ROW("--write-trace", NULL, LETHE_OPT_STR, &o.write_trace, "PATH", "save the trace (generated or read) as JSONL", 1, 0);
@@ -842,6 +899,13 @@ int lethe_bench_replay(int argc, char **argv) {
     if (pr != 0) return pr > 0 ? 0 : 2;
     o.gen.seed = o.seed;
     o.gen.max_wait_s = o.max_wait;
+    char *serve_joined = NULL; /* the preset's serve flags, then --serve-args */
+    if (serve_pre) {
+        const char *user = o.serve_args ? o.serve_args : "";
+        serve_joined = lethe_xmalloc(strlen(serve_pre) + strlen(user) + 2);
+        sprintf(serve_joined, "%s %s", serve_pre, user);
+        o.serve_args = serve_joined;
+    }
     lethe_trace t;
     lethe_status st;
     if (o.trace_path && o.generate) {
@@ -889,6 +953,7 @@ int lethe_bench_replay(int argc, char **argv) {
     if (o.model) cJSON_AddStringToObject(res, "model", o.model);
     if (o.sparse_config) cJSON_AddStringToObject(res, "sparse_config", o.sparse_config);
     if (o.serve_args) cJSON_AddStringToObject(res, "serve_args", o.serve_args);
+    if (preset) cJSON_AddStringToObject(res, "preset", preset);
     cJSON *pc = cJSON_AddObjectToObject(res, "prune_client");
     cJSON_AddNumberToObject(pc, "lag", o.prune_lag);
     cJSON_AddNumberToObject(pc, "keep_ratio", o.prune_keep_ratio);
@@ -985,5 +1050,6 @@ int lethe_bench_replay(int argc, char **argv) {
     cJSON_Delete(res);
     curl_global_cleanup();
     lethe_trace_free(&t);
+    free(serve_joined);
     return rc;
 }

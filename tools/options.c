@@ -199,7 +199,7 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     ROW("--max-num-batched-tokens", NULL, LETHE_OPT_INT, &p->max_num_batched_tokens, "N",
         "token budget of one engine step (chunked prefill)", 16, 1 << 20);
     ROW("--kv-cache-bytes", NULL, LETHE_OPT_BYTES, &p->kv_cache_bytes, "SIZE",
-        "CPU: KV cache memory budget (e.g. 512M, 2G)", 1, 0);
+        "KV cache memory budget (e.g. 512M, 2G); CUDA: a cap on the pool --gpu-memory-utilization sizes", 1, 0);
     ROW("--gpu-memory-utilization", NULL, LETHE_OPT_FLOAT, &p->gpu_memory_utilization, "F",
         "CUDA: fraction of device memory for weights + KV", 0.01, 1.0);
     ROW("--host-cache-bytes", NULL, LETHE_OPT_BYTES, &p->host_cache_bytes, "SIZE",

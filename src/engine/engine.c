@@ -134,6 +134,9 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
                       be->ops->free_memory(e->runner.be) > 0;
     if (device_mem) {
         budget = (size_t)((double)e->runner.be->ops->free_memory(e->runner.be) * e->p.gpu_memory_utilization);
+        /* kv_cache_bytes also caps a device pool: a fixed capacity whatever the
+         * device's memory (benchmark presets) */
+        if (e->p.kv_cache_bytes && e->p.kv_cache_bytes < budget) budget = e->p.kv_cache_bytes;
     } else {
         budget = e->p.kv_cache_bytes ? e->p.kv_cache_bytes : ENG_DEFAULT_KV_BYTES;
     }
