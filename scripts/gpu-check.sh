@@ -3,7 +3,7 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,basecmp,hybrid,moe,moeprof
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof
 # (default: build,test,bench,dev,peer,plot,profile; the others only when named).
 #
 #   basecmp before vs after in one call: the tree of an earlier commit, carried
@@ -57,6 +57,13 @@
 #           4 (dummy Llama-3.1-8B, 4K context, CUDA graphs) with LETHE_MATMUL=cublas
 #           and with lethe's own small-batch kernels (auto: GEMV at n <= 4), alternating, 3
 #           repeats -> $OUT/mmcmp.txt. ~2 min.
+#   kvcap   issue 15's quantized-KV / capacity / long-replay checks in one call:
+#           dev/cuda/attn_bench decode attention alone at 8 x 32K for bf16, fp8
+#           (tensor-core kernel), kivi4, kivi2 (bytes read, % of copy bandwidth)
+#           -> kvcap-attn.{log,json}; `bench sparse --parts matched` dense vs
+#           fp8_kv at batch 8 x 32K -> kvcap-fp8.{log,json}; the long-agents
+#           replay preset -> replay-long.json. Not timed yet (aim: ~5 min).
+#           KVCAP_ARGS adds bench-sparse flags.
 #   replay  `lethe bench replay` against `lethe serve --device cuda`
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
 #           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
@@ -362,6 +369,17 @@ if has hybrid; then
         add_gpu "$OUT/hybrid-snapkv.json"
     fi
     log "hybrid: ${HYBRID_PARTS:-gdn,engine,snapkv} ($(( $(date +%s) - t0 ))s)"
+fi
+if has kvcap; then # quantized-KV decode, capacity through the methods' own path, long replay
+    t0=$(date +%s)
+    ./build/dev/cuda/attn_bench --no-check --batch 8 --ctx 32768 --prefill 8192 --kv bf16,fp8,kivi4,kivi2 \
+        --json "$OUT/kvcap-attn.json" 2>&1 | tee "$OUT/kvcap-attn.log"
+    ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+        --parts matched --matched-methods fp8_kv --matched-batch 8 --matched-input 32768 --matched-output 64 \
+        --no-progress ${KVCAP_ARGS:-} --json "$OUT/kvcap-fp8.json" 2>&1 | tee "$OUT/kvcap-fp8.log"
+    add_gpu "$OUT/kvcap-fp8.json"
+    replay_long
+    log "kvcap: ($(( $(date +%s) - t0 ))s) -> kvcap-attn.json kvcap-fp8.json replay-long.json"
 fi
 if has basecmp && [ -n "${base_pid:-}" ]; then
     wait "$base_pid"
