@@ -400,7 +400,23 @@ measurement of admitting the whole batch through the scheduler.
 
 **Matched batch (selection methods vs dense).** Real engine runs, one engine per method, the same B
 prompts of L tokens: decode tokens/s = tokens produced in steps while every request was decoding
-(all had their first token, none had finished) / the time of those steps.
+(all had their first token, none had finished) / the time of those steps. `--repeats N`
+(default 3) runs each configuration N times; decode tokens/s is the median (every run's value is in
+`decode_tok_s_runs`); `matched_output_requested` is `--matched-output` next to the `max_tokens` sent.
+
+**Capacity through each method's own path (`--parts ownpath`).** For dense and each of
+`--ownpath-methods` (default SnapKV, PyramidKV, H2O, StreamingLLM; H2O gets
+`h2o_decode_budget` = T), a pool of K (L + O) slots per layer is planned (K =
+`--ownpath-pool-requests` dense requests, O = `--ownpath-output` = every request's `max_tokens`, as
+requested). The method's batch in it follows the formula above from its measured R (one probe
+request, the most slots a layer holds after its 4th token) and P; then that many REAL requests
+(distinct random prompts, prefilled, compacted and decoded by the method's own engine path, not
+synthetic KV) run `--repeats` times, and the full-batch decode tokens/s is the median. Dense runs
+K requests. The batch is filled by separate prefills, not by forking one prefilled request, so
+B × L prompt tokens are prefilled per run and K stays small; the batch ratio grows with K toward
+(L + O) / (R + O) (one request always prefills at its peak P), so it understates the full-pool
+ratio of the capacity part. GPU: the `kvcap` phase of scripts/gpu-check.sh (L = 8192, K = 4,
+O = 128, 2 repeats). Not run on a GPU yet.
 
 """
 

@@ -61,9 +61,13 @@
 #           dev/cuda/attn_bench decode attention alone at 8 x 32K for bf16, fp8
 #           (tensor-core kernel), kivi4, kivi2 (bytes read, % of copy bandwidth)
 #           -> kvcap-attn.{log,json}; `bench sparse --parts matched` dense vs
-#           fp8_kv at batch 8 x 32K -> kvcap-fp8.{log,json}; the long-agents
-#           replay preset -> replay-long.json. Not timed yet (aim: ~5 min).
-#           KVCAP_ARGS adds bench-sparse flags.
+#           fp8_kv at batch 8 x 32K -> kvcap-fp8.{log,json}; `bench sparse
+#           --parts ownpath` SnapKV, PyramidKV, H2O, StreamingLLM (2K budget) at
+#           their largest batch of a pool of ${KVCAP_OWN_K:-4} dense requests of
+#           ${KVCAP_OWN_INPUT:-8192} + 128 tokens, run for real through each
+#           method's engine path, 2 repeats (median) -> kvcap-ownpath.{log,json};
+#           the long-agents replay preset -> replay-long.json. Not timed yet
+#           (aim: ~5 min). KVCAP_ARGS adds bench-sparse flags.
 #   replay  `lethe bench replay` against `lethe serve --device cuda`
 #           with dummy Llama-3.1-8B weights and the Llama-3 tokenizer from
 #           $REPLAY_TOKENIZER (default .deb/tokenizers/llama3: carry .deb):
@@ -378,8 +382,13 @@ if has kvcap; then # quantized-KV decode, capacity through the methods' own path
         --parts matched --matched-methods fp8_kv --matched-batch 8 --matched-input 32768 --matched-output 64 \
         --no-progress ${KVCAP_ARGS:-} --json "$OUT/kvcap-fp8.json" 2>&1 | tee "$OUT/kvcap-fp8.log"
     add_gpu "$OUT/kvcap-fp8.json"
+    ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+        --parts ownpath --budget 2048 --ownpath-methods snapkv,pyramidkv,h2o,streamingllm \
+        --ownpath-inputs ${KVCAP_OWN_INPUT:-8192} --ownpath-pool-requests ${KVCAP_OWN_K:-4} --ownpath-output 128 \
+        --repeats 2 --no-progress ${KVCAP_ARGS:-} --json "$OUT/kvcap-ownpath.json" 2>&1 | tee "$OUT/kvcap-ownpath.log"
+    add_gpu "$OUT/kvcap-ownpath.json"
     replay_long
-    log "kvcap: ($(( $(date +%s) - t0 ))s) -> kvcap-attn.json kvcap-fp8.json replay-long.json"
+    log "kvcap: ($(( $(date +%s) - t0 ))s) -> kvcap-attn.json kvcap-fp8.json kvcap-ownpath.json replay-long.json"
 fi
 if has basecmp && [ -n "${base_pid:-}" ]; then
     wait "$base_pid"

@@ -40,6 +40,24 @@
  *   token is published (resident_after_prompt_max: below the input for a
  *   method that moves or frees KV after the prompt).
  *
+ * ownpath (--parts ownpath; --ownpath-methods, default snapkv, pyramidkv, h2o,
+ *   streamingllm, after dense): capacity measured through each method's own
+ *   engine path. A pool of K (L + O) slots per layer is planned (K =
+ *   --ownpath-pool-requests dense requests); the method's batch B in it comes
+ *   from its measured resident R (one probe request) and prefill peak P as
+ *   above; then B REAL requests (distinct random prompts, prefilled, compacted
+ *   and decoded by the method's own path; max_tokens = --ownpath-output, as
+ *   requested) run --repeats times, and the full-batch decode tokens/s is
+ *   their median. Dense runs K requests. Reported: R, P, B, batch and tok/s
+ *   vs dense, preemptions (0 expected: the engine's real pool is larger than
+ *   the plan). Each method prefills B x L tokens, so K stays small. See
+ *   part_ownpath.
+ *
+ * The matched and ownpath parts run every configuration --repeats times
+ * (default 3) and report the median decode tokens/s (matched: every run's
+ * in decode_tok_s_runs); matched records the requested --matched-output next
+ * to the max_tokens it sends.
+ *
  * Every method gets the same total budget --budget T per layer: sink 64 +
  * recent 512 + decode_keep_tokens (T - 576) (SnapKV keeps that many slots,
  * Quest reads that many tokens as pages, OmniKV's sparse layers read that
@@ -65,6 +83,8 @@
 typedef struct sb_opts {
     lethe_engine_params ep;
     const char *parts, *cap_method, *cap_inputs, *matched_methods, *json;
+    const char *own_methods, *own_inputs;
+    int32_t own_pool_requests, own_output, repeats;
     int32_t budget, sink, recent;
     int32_t cap_output, engine_tokens, engine_output, decode_steps;
     int32_t matched_batch, matched_input, matched_output;
@@ -80,6 +100,7 @@ typedef struct sb_track {
     int32_t n_req, n_started, n_finished, n_errors;
     int64_t step_tokens;
     bool record_resident;
+    int32_t record_at; /* the completion token after which resident slots are read (0 = 1) */
     int32_t res_min, res_max;
     double res_sum;
     int64_t res_n;
@@ -90,10 +111,10 @@ static void on_event(void *user, const lethe_event *ev) {
     sb_track *t = user;
     if (ev->n_tokens == 1) {
         t->step_tokens++;
-        if (ev->completion_tokens == 1) {
-            t->n_started++;
+        if (ev->completion_tokens == 1) t->n_started++;
+        if (ev->completion_tokens == (t->record_at > 0 ? t->record_at : 1)) {
             if (t->record_resident && !ev->finished) {
-                /* the first token is published after finish_step compacted the prompt */
+                /* the first token is published after finish_step compacted the prompt (record_at 1) */
                 lethe_engine_layout lo;
                 lethe_engine_get_layout(t->e, &lo);
                 for (int32_t l = 0; l < lo.n_layers; l++) {
@@ -128,10 +149,10 @@ typedef struct sb_run {
 /* n requests of `input` random tokens (request i's tokens depend only on seed
  * and i, so every method sees the same prompts), greedy, ignore_eos. */
 static int engine_run(lethe_engine *e, const char *label, int32_t n, int32_t input, int32_t max_tokens,
-                      uint64_t seed, bool record_resident, bool progress, sb_run *r) {
+                      uint64_t seed, int32_t record_at, bool progress, sb_run *r) {
     memset(r, 0, sizeof(*r));
     r->n_req = n, r->input = input, r->max_tokens = max_tokens;
-    sb_track t = {.e = e, .n_req = n, .record_resident = record_resident};
+    sb_track t = {.e = e, .n_req = n, .record_resident = record_at > 0, .record_at = record_at};
     int32_t *prompt = lethe_xmalloc((size_t)input * sizeof(int32_t));
     lethe_engine_layout lo;
     lethe_engine_get_layout(e, &lo);
@@ -294,6 +315,8 @@ static void knobs_for(const sb_opts *o, const char *method, char *out, size_t ca
     }
     size_t n = (size_t)snprintf(out, cap, "sink_keep_tokens=%d,recent_keep_tokens=%d,decode_keep_tokens=%d",
                                 o->sink, o->recent, o->budget - o->sink - o->recent);
+    /* H2O sizes its row by its own knob: compacted to the same total budget at prompt end */
+    if (!strcmp(method, "h2o") && n < cap) n += (size_t)snprintf(out + n, cap - n, ",h2o_decode_budget=%d", o->budget);
     const size_t ml = strlen(method);
     for (int i = 0; i < LETHE_MAX_STOP && o->method_config[i] && n < cap; i++) /* --method-config M:K=V,... */
         if (!strncmp(o->method_config[i], method, ml) && o->method_config[i][ml] == ':')
@@ -409,7 +432,7 @@ static int part_capacity(const sb_opts *o, cJSON *root) {
         sb_run r;
         char label[64];
         snprintf(label, sizeof(label), "%s engine run", o->cap_method);
-        int er = engine_run(e, label, n, L, o->engine_output, o->seed, true, !o->no_progress, &r);
+        int er = engine_run(e, label, n, L, o->engine_output, o->seed, 1, !o->no_progress, &r);
         cJSON_AddItemToObject(pt, "engine_run", run_json(&r));
         int32_t R;
         const char *r_src;
@@ -477,6 +500,158 @@ static int part_capacity(const sb_opts *o, cJSON *root) {
     return rc;
 }
 
+/* ---- part 3: capacity through each method's own engine path ------------------------ */
+
+static int cmp_dbl(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* median of the finite values of v[0..n) (NaN when none) */
+static double median_finite(const double *v, int n) {
+    double w[64];
+    int m = 0;
+    for (int i = 0; i < n && m < 64; i++)
+        if (isfinite(v[i])) w[m++] = v[i];
+    if (!m) return NAN;
+    qsort(w, (size_t)m, sizeof(double), cmp_dbl);
+    return m % 2 ? w[m / 2] : 0.5 * (w[m / 2 - 1] + w[m / 2]);
+}
+
+/* ownpath: for dense and each --ownpath-methods method, at each input L, the
+ * largest batch of a pool of Sv = K (L + O) slots per layer (K =
+ * --ownpath-pool-requests dense requests; O = --ownpath-output, the
+ * max_tokens every request gets, as requested), computed like the capacity
+ * part from the method's measured resident R (one probe request) and prefill
+ * peak P, then REAL engine runs at that batch: B distinct prompts of L random
+ * tokens prefilled, compacted and decoded by the method's own path (eager or
+ * graphs, whatever the engine does), --repeats times; decode tokens/s of the
+ * full-batch window (every request decoding), median over the repeats. The
+ * engine's real pool is larger than Sv (the batch is what bounds it), so the
+ * runs do not preempt; preemptions are reported anyway. K is small so that
+ * B x L prefill tokens stay affordable; the batch ratio to dense grows with K
+ * toward (L + O) / (R + O) (one request always prefills at its peak P), so a
+ * small-K ratio understates the capacity part's full-pool one. */
+static int part_ownpath(const sb_opts *o, cJSON *root) {
+    int32_t ins[SB_MAX_LIST];
+    const int ni = parse_ints(o->own_inputs, ins, SB_MAX_LIST, "--ownpath-inputs");
+    if (ni < 0) return 2;
+    int32_t max_in = 0;
+    for (int i = 0; i < ni; i++) max_in = LETHE_MAX(max_in, ins[i]);
+    const int32_t O = o->own_output, K = o->own_pool_requests;
+    const int reps = LETHE_MIN(o->repeats, 64);
+    cJSON *cr = cJSON_AddObjectToObject(root, "ownpath");
+    cJSON_AddNumberToObject(cr, "pool_requests", K);
+    cJSON_AddNumberToObject(cr, "max_tokens", O);
+    cJSON_AddNumberToObject(cr, "repeats", reps);
+    cJSON *rows = cJSON_AddArrayToObject(cr, "methods");
+    char list[512];
+    snprintf(list, sizeof(list), "dense,%s", o->own_methods);
+    printf("\ncapacity through each method's own engine path: pool of %d dense requests (input + %d), "
+           "max_tokens %d, %d repeats (median)\n", K, O, O, reps);
+    printf("%-12s %8s | %6s %6s %6s | %9s %12s %8s %6s | %7s %7s\n", "method", "input", "R", "P", "batch",
+           "prefill s", "decode t/s", "window", "preem", "batch x", "t/s x");
+    double dense_tok[SB_MAX_LIST], dense_b[SB_MAX_LIST];
+    for (int i = 0; i < ni; i++) dense_tok[i] = dense_b[i] = NAN;
+    int rc = 0;
+    char *save = NULL;
+    for (char *m = strtok_r(list, ",", &save); m; m = strtok_r(NULL, ",", &save)) {
+        if (!m[0] || (!strcmp(m, "dense") && cJSON_GetArraySize(rows) > 0)) continue;
+        const bool dense = !strcmp(m, "dense");
+        char knobs[1024], err[512];
+        cJSON *row = cJSON_CreateObject();
+        cJSON_AddItemToArray(rows, row);
+        cJSON_AddStringToObject(row, "method", m);
+        lethe_engine *e = make_engine(o, m, max_in + O + 1, knobs, sizeof(knobs), err, sizeof(err));
+        cJSON_AddStringToObject(row, "knobs", knobs);
+        if (!e) {
+            fprintf(stderr, "lethe bench sparse: %s engine: %s\n", m, err);
+            cJSON_AddStringToObject(row, "error", err);
+            write_json(o, root);
+            rc = 1;
+            continue;
+        }
+        lethe_engine_layout lo;
+        lethe_engine_get_layout(e, &lo);
+        cJSON *pts = cJSON_AddArrayToObject(row, "points");
+        for (int i = 0; i < ni; i++) {
+            const int32_t L = ins[i];
+            const int64_t Sv = (int64_t)K * (L + O);
+            cJSON *pt = cJSON_CreateObject();
+            cJSON_AddItemToArray(pts, pt);
+            cJSON_AddNumberToObject(pt, "input", L);
+            cJSON_AddNumberToObject(pt, "pool_slots_per_layer", (double)Sv);
+            if (Sv > lo.kv_slots_per_layer) {
+                cJSON_AddStringToObject(pt, "error", "the engine's pool is smaller than the planned one");
+                fprintf(stderr, "lethe bench sparse: ownpath %s at %d: pool %d slots < %lld planned\n", m, L,
+                        lo.kv_slots_per_layer, (long long)Sv);
+                rc = 1;
+                continue;
+            }
+            int32_t R = L + O, P = L + O, B = K;
+            sb_run r;
+            char label[96];
+            if (!dense) { /* one probe request: what the method keeps after compaction */
+                snprintf(label, sizeof(label), "%s probe", m);
+                /* R: the most slots a layer holds after the 4th token (H2O and the like
+                 * evict in decode steps; up to 3 decoded tokens more than steady R) */
+                if (engine_run(e, label, 1, L, 6, o->seed, 4, !o->no_progress, &r) != 0 || r.res_max <= 0) {
+                    cJSON_AddStringToObject(pt, "error", r.error[0] ? r.error : "no resident count");
+                    fprintf(stderr, "lethe bench sparse: ownpath %s probe at %d: %s\n", m, L, r.error);
+                    rc = 1;
+                    continue;
+                }
+                R = r.res_max;
+                P = 0;
+                for (int32_t l = 0; l < lo.n_layers; l++)
+                    P = LETHE_MAX(P, lethe_engine_max_resident(e, l, L, L + O, lo.max_num_batched_tokens));
+                const int64_t steady = (int64_t)R + O;
+                const int64_t b = Sv >= P ? LETHE_MIN(1 + (Sv - P) / steady, Sv / steady) : 0;
+                B = (int32_t)LETHE_MIN(b, (int64_t)lo.max_num_seqs);
+            }
+            cJSON_AddNumberToObject(pt, "resident_R", R);
+            cJSON_AddNumberToObject(pt, "prefill_peak_P", P);
+            cJSON_AddNumberToObject(pt, "batch", B);
+            cJSON_AddBoolToObject(pt, "batch_capped_by_max_num_seqs", B == lo.max_num_seqs && !dense);
+            double tok[64], pre_s[64];
+            int64_t preempt = 0, window = 0;
+            cJSON *runs = cJSON_AddArrayToObject(pt, "runs");
+            bool failed = B < 1;
+            for (int k = 0; k < reps && !failed; k++) {
+                snprintf(label, sizeof(label), "%s run %d/%d", m, k + 1, reps);
+                if (engine_run(e, label, B, L, O, o->seed, 0, !o->no_progress, &r) != 0) {
+                    cJSON_AddStringToObject(pt, "error", r.error);
+                    fprintf(stderr, "lethe bench sparse: ownpath %s at %d: %s\n", m, L, r.error);
+                    failed = true;
+                    rc = 1;
+                    break;
+                }
+                tok[k] = r.decode_tok_s, pre_s[k] = r.prefill_s;
+                preempt += r.preemptions;
+                window = k ? LETHE_MIN(window, r.window_steps) : r.window_steps;
+                cJSON_AddItemToArray(runs, run_json(&r));
+            }
+            const int done = cJSON_GetArraySize(runs);
+            const double med = median_finite(tok, done), med_pre = median_finite(pre_s, done);
+            cJSON_AddNumberToObject(pt, "decode_tok_s_median", med);
+            cJSON_AddNumberToObject(pt, "prefill_s_median", med_pre);
+            cJSON_AddNumberToObject(pt, "decode_window_steps_min", (double)window);
+            cJSON_AddNumberToObject(pt, "preemptions", (double)preempt);
+            if (dense) dense_tok[i] = med, dense_b[i] = B;
+            const double bx = B / dense_b[i], tx = med / dense_tok[i];
+            cJSON_AddNumberToObject(pt, "batch_vs_dense", bx);
+            cJSON_AddNumberToObject(pt, "tok_s_vs_dense", tx);
+            printf("%-12s %8d | %6d %6d %6d | %9.2f %12.1f %8lld %6lld | %6.2fx %6.2fx%s\n", m, L, R, P, B, med_pre,
+                   med, (long long)window, (long long)preempt, bx, tx,
+                   window < 8 ? "  (short window: raise --ownpath-output)" : "");
+            fflush(stdout);
+            write_json(o, root);
+        }
+        lethe_engine_destroy(e);
+    }
+    return rc;
+}
+
 /* ---- part 2: matched batch ----------------------------------------------------------- */
 
 static int part_matched(const sb_opts *o, cJSON *root) {
@@ -491,6 +666,8 @@ static int part_matched(const sb_opts *o, cJSON *root) {
     cJSON_AddNumberToObject(mt, "batch", B);
     cJSON_AddNumberToObject(mt, "input", L);
     cJSON_AddNumberToObject(mt, "max_tokens", max_tokens);
+    cJSON_AddNumberToObject(mt, "matched_output_requested", o->matched_output);
+    cJSON_AddNumberToObject(mt, "repeats", LETHE_MIN(o->repeats, 64));
     cJSON *rows = cJSON_AddArrayToObject(mt, "methods");
     printf("\nmatched batch %d x %d input, greedy, ignore_eos, max_tokens %d\n", B, L, max_tokens);
     printf("%-10s | %10s %12s | %12s %8s %6s | %7s\n", "method", "prefill s", "prefill t/s", "decode t/s", "steps",
@@ -530,12 +707,22 @@ static int part_matched(const sb_opts *o, cJSON *root) {
                "reserve %.2f GiB\n", m, lo.kv_token_bytes, lo.kv_slot_overhead_bytes,
                slot_b ? 1073741824.0 / slot_b : 0.0, lo.kv_slots_per_layer, lo.kv_reserve_bytes / 1073741824.0);
         sb_run r;
-        int er = engine_run(e, m, B, L, max_tokens, o->seed, true, !o->no_progress, &r);
+        /* --repeats runs of the same prompts; decode tokens/s is their median */
+        double runs_tok[64];
+        int n_runs = 0, er = 0;
+        cJSON *rruns = cJSON_CreateArray();
+        for (int k = 0; k < LETHE_MIN(o->repeats, 64) && er == 0; k++) {
+            er = engine_run(e, m, B, L, max_tokens, o->seed, 1, !o->no_progress, &r);
+            if (er == 0) runs_tok[n_runs++] = r.decode_tok_s;
+            cJSON_AddItemToArray(rruns, cJSON_CreateNumber(r.decode_tok_s));
+        }
+        if (er == 0) r.decode_tok_s = median_finite(runs_tok, n_runs);
         lethe_engine_destroy(e);
         cJSON *rj = run_json(&r);
         cJSON *it;
         cJSON_ArrayForEach(it, rj) cJSON_AddItemToObject(row, it->string, cJSON_Duplicate(it, true));
         cJSON_Delete(rj);
+        cJSON_AddItemToObject(row, "decode_tok_s_runs", rruns); /* decode_tok_s is their median */
         /* device slots a request holds per layer once its prompt is done (a
          * method that frees slots, e.g. RetroInfer's host tier, holds fewer
          * than its input); requests per pool = slots / (that + output) */
@@ -568,7 +755,9 @@ int lethe_bench_sparse(int argc, char **argv) {
                  .matched_methods = "quest,omnikv", .budget = 2048, .sink = LETHE_SPARSE_SINK_DEFAULT,
                  .recent = LETHE_SPARSE_RECENT_DEFAULT, .cap_output = 256, .engine_tokens = 131072,
                  .engine_output = 8, .decode_steps = 32, .matched_batch = 8, .matched_input = 32768,
-                 .matched_output = 64, .seed = 1};
+                 .matched_output = 64, .seed = 1,
+                 .own_methods = "snapkv,pyramidkv,h2o,streamingllm", .own_inputs = "16384",
+                 .own_pool_requests = 2, .own_output = 128, .repeats = 3};
     lethe_engine_default_params(&o.ep);
     o.ep.model = "configs/llama-3.1-8b-instruct/config.json";
     o.ep.load_format = "dummy";
@@ -589,7 +778,16 @@ int lethe_bench_sparse(int argc, char **argv) {
         "tokens per engine step (prefill chunk)", 16, 1 << 20);
     ROW("--max-num-seqs", NULL, LETHE_OPT_INT, &o.ep.max_num_seqs, "N",
         "requests running at once: also caps the largest batch", 1, 65536);
-    ROW("--parts", NULL, LETHE_OPT_STR, &o.parts, "LIST", "capacity, matched, or both", 1, 0);
+    ROW("--parts", NULL, LETHE_OPT_STR, &o.parts, "LIST", "any of capacity, matched, ownpath", 1, 0);
+    ROW("--repeats", NULL, LETHE_OPT_INT, &o.repeats, "N",
+        "matched and ownpath parts: engine runs per configuration, decode tok/s is their median", 1, 64);
+    ROW("--ownpath-methods", NULL, LETHE_OPT_STR, &o.own_methods, "LIST",
+        "ownpath part: methods run after dense through their own engine path", 1, 0);
+    ROW("--ownpath-inputs", NULL, LETHE_OPT_STR, &o.own_inputs, "LIST", "ownpath part: input lengths", 1, 0);
+    ROW("--ownpath-pool-requests", NULL, LETHE_OPT_INT, &o.own_pool_requests, "K",
+        "ownpath part: the planned pool holds K dense requests of input + output", 1, 4096);
+    ROW("--ownpath-output", NULL, LETHE_OPT_INT, &o.own_output, "O",
+        "ownpath part: max_tokens of every request (as requested; also the pool plan's output)", 2, 1 << 20);
     ROW("--budget", NULL, LETHE_OPT_INT, &o.budget, "T",
         "tokens per layer for every method: sink + recent + decode_keep_tokens", 2, 1 << 24);
     ROW("--sink", NULL, LETHE_OPT_INT, &o.sink, "N", "sink_keep_tokens (part of --budget)", 0, 1 << 20);
@@ -625,12 +823,15 @@ int lethe_bench_sparse(int argc, char **argv) {
         "Decode throughput of sparse methods vs dense. capacity: an eviction method's largest\n"
         "batch from the engine's KV planning (resident slots measured by a real engine run at each input\n"
         "length), decode tokens/s at that batch over synthetic resident KV, vs dense at its largest batch.\n"
-        "matched: real engine runs of dense and --matched-methods at the same batch and prompts.",
+        "matched: real engine runs of dense and --matched-methods at the same batch and prompts.\n"
+        "ownpath: each method's largest batch in a pool of K dense requests, run for real through its own\n"
+        "engine path (--repeats runs, median).",
         pos, &n_pos, 0);
     if (pr != 0) return pr > 0 ? 0 : 2;
     bool do_cap = strstr(o.parts, "capacity") != NULL, do_match = strstr(o.parts, "matched") != NULL;
-    if (!do_cap && !do_match) {
-        fprintf(stderr, "lethe bench sparse: --parts %s: expected capacity, matched or both\n", o.parts);
+    bool do_own = strstr(o.parts, "ownpath") != NULL;
+    if (!do_cap && !do_match && !do_own) {
+        fprintf(stderr, "lethe bench sparse: --parts %s: expected any of capacity, matched, ownpath\n", o.parts);
         return 2;
     }
     if (o.budget <= o.sink + o.recent) {
@@ -668,6 +869,10 @@ int lethe_bench_sparse(int argc, char **argv) {
     if (do_match) {
         int r2 = part_matched(&o, root); /* (LETHE_MAX would evaluate it twice) */
         rc = LETHE_MAX(rc, r2);
+    }
+    if (do_own) {
+        int r3 = part_ownpath(&o, root);
+        rc = LETHE_MAX(rc, r3);
     }
     write_json(&o, root);
     cJSON_Delete(root);
