@@ -317,6 +317,9 @@ typedef struct lethe_engine_stats {
     int64_t host_cache_promoted_blocks; /* cumulative: blocks restored host -> pool on a hit */
     int64_t host_cache_promoted_tokens; /* the prompt tokens they covered (not recomputed) */
     int64_t host_cache_evicted;         /* cumulative: blobs dropped from the host (LRU) */
+    /* cumulative: admissions put off because another running request was
+     * computing a prefix they share (they attach it once it is published) */
+    int64_t prefix_inflight_waits;
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */

@@ -147,6 +147,15 @@ static void cc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     out->tokens = out->resident = (cc->n_match + cc->n_host) * LETHE_RADIX_BLOCK;
     out->pinned = lethe_radix_unreferenced_slots(cc->match, cc->n_match) + host_res;
     out->queried = c->share;
+    out->shareable = max_blocks * LETHE_RADIX_BLOCK;
+    out->share_block = LETHE_RADIX_BLOCK;
+}
+
+/* a branching chain's turn publishes its shared prefix (cc_commit) */
+static int32_t cc_publishes(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
+    (void)pc;
+    const chain_ref *c = *s->ref;
+    return c && c->share > 0 ? c->share : 0;
 }
 
 static void cc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m) {
@@ -389,6 +398,7 @@ static const lethe_prefix_cache_ops chain_ops = {
     .match = cc_match,
     .acquire = cc_acquire,
     .commit = cc_commit,
+    .publishes = cc_publishes,
     .release = cc_release,
     .reclaimable = cc_reclaimable,
     .evict = cc_evict,

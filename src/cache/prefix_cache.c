@@ -64,6 +64,10 @@ void lethe_pcache_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
     if (pc && pc->ops->commit) pc->ops->commit(pc, s);
 }
 
+int32_t lethe_pcache_publishes(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
+    return pc && pc->ops->publishes ? pc->ops->publishes(pc, s) : 0;
+}
+
 void lethe_pcache_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how) {
     if (pc) pc->ops->release(pc, s, how);
 }

@@ -72,6 +72,12 @@ typedef struct lethe_pc_match {
                                  * statistics; 0 for a chain turn, which is not a lookup) */
     bool resume;                /* a resident row + method state is handed over: the
                                  * scheduler allocates no row and skips request_init */
+    int32_t shareable;          /* prompt tokens [0, shareable) this request could attach
+                                 * from shared blocks once they are published (radix: the
+                                 * whole usable prompt; a new branching chain: its shared
+                                 * prefix; 0: none): the scheduler lets it wait for another
+                                 * request that is computing them (in-flight sharing) */
+    int32_t share_block;        /* shared blocks are whole multiples of this many tokens */
 } lethe_pc_match;
 
 typedef enum lethe_pc_end {
@@ -122,6 +128,10 @@ typedef struct lethe_prefix_cache_ops {
     /* right after match for the same request, row allocated unless m->resume */
     void (*acquire)(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m);
     void (*commit)(lethe_prefix_cache *pc, const lethe_pc_seq *s); /* NULL: nothing to publish */
+    /* tokens [0, n) of a running request's history that commit publishes as
+     * shared blocks once computed (radix: all of them; a branching chain:
+     * its shared prefix); NULL: 0 */
+    int32_t (*publishes)(lethe_prefix_cache *pc, const lethe_pc_seq *s);
     /* before the scheduler frees *row and *method_state (what the cache took is -1 / NULL then) */
     void (*release)(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how);
 
@@ -196,6 +206,7 @@ bool lethe_pcache_takes_turns(const lethe_prefix_cache *pc);
 void lethe_pcache_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_match *out);
 void lethe_pcache_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m);
 void lethe_pcache_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s);
+int32_t lethe_pcache_publishes(lethe_prefix_cache *pc, const lethe_pc_seq *s);
 void lethe_pcache_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how);
 int64_t lethe_pcache_reclaimable(const lethe_prefix_cache *pc);
 void lethe_pcache_evict(lethe_prefix_cache *pc, int64_t want_free);

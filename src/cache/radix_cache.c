@@ -52,6 +52,14 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     out->resident = lethe_radix_resident_tokens(rc->match, nb) + host_res; /* pruned: fewer */
     out->pinned = lethe_radix_unreferenced_slots(rc->match, nb) + host_res;
     out->queried = s->n_tokens;
+    out->shareable = max_blocks * LETHE_RADIX_BLOCK;
+    out->share_block = LETHE_RADIX_BLOCK;
+}
+
+/* every completed block of the row, prompt and generated tokens alike */
+static int32_t rc_publishes(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
+    (void)pc;
+    return s->n_tokens / LETHE_RADIX_BLOCK * LETHE_RADIX_BLOCK;
 }
 
 static void rc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m) {
@@ -134,6 +142,7 @@ static const lethe_prefix_cache_ops radix_ops = {
     .match = rc_match,
     .acquire = rc_acquire,
     .commit = rc_commit,
+    .publishes = rc_publishes,
     .release = rc_release,
     .reclaimable = rc_reclaimable,
     .evict = rc_evict,

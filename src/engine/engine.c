@@ -710,6 +710,7 @@ void eng_publish_stats(lethe_engine *e) {
     const lethe_sched_stats *ss = lethe_sched_get_stats(e->sched);
     s->prefix_queries_tokens = ss->prefix_queries_tokens;
     s->prefix_hit_tokens = ss->prefix_hit_tokens;
+    s->prefix_inflight_waits = ss->n_inflight_waits;
     s->n_preemptions = ss->n_preemptions;
     if (e->host_tier) { /* the host tier's own counters and the caches' moves */
         lethe_host_tier_stats hs;

@@ -335,16 +335,43 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
     return budget;
 }
 
+/* In-flight sharing: whether a running request is computing, right now, a
+ * prefix of r's prompt beyond what the cache supplies (m->tokens) that its
+ * commits will publish and r could attach (m->shareable); r then waits for
+ * it instead of computing its own copy (agents that start together with one
+ * system prompt compute and hold it once). Only running requests count, so
+ * r never waits on something that is not making progress. */
+static bool wait_for_inflight(lethe_sched *s, const lethe_req *r, const lethe_pc_match *m) {
+    if (m->resume || m->shareable <= m->tokens || m->share_block <= 0) return false;
+    for (int32_t i = 0; i < s->n_running; i++) {
+        lethe_req *o = s->running[i];
+        lethe_pc_seq v = pc_seq(o);
+        const int32_t lim = LETHE_MIN(LETHE_MIN(m->shareable, lethe_pcache_publishes(s->pc, &v)),
+                                      LETHE_MIN(o->n_tokens, r->n_tokens));
+        if (o->n_computed >= lim || lim <= m->tokens) continue;
+        /* the common prefix, in whole blocks past the hit */
+        int32_t k = m->tokens;
+        while (k < lim && o->tokens[k] == r->tokens[k]) k++;
+        if (k / m->share_block * m->share_block > LETHE_MAX(m->tokens, o->n_computed)) return true;
+    }
+    return false;
+}
+
 static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budget) {
     /* hybrid models: a row comes with a state slot (kv_pool.h); none free, no admission */
-    while (s->wait_head && budget > 0 && s->n_running < s->p.max_num_seqs &&
-           lethe_kv_state_n_free(s->pool) > 0) {
-        lethe_req *r = s->wait_head;
+    for (lethe_req *r = s->wait_head, *next; r && budget > 0 && s->n_running < s->p.max_num_seqs &&
+                                             lethe_kv_state_n_free(s->pool) > 0;
+         r = next) {
+        next = r->next;
         /* what the prefix cache can supply (read-only): shared blocks, or a
          * chain turn's resident row (possibly compacted: resident < hit) */
         lethe_pc_seq v = pc_seq(r);
         lethe_pc_match m;
         lethe_pcache_match(s->pc, &v, &m);
+        if (wait_for_inflight(s, r, &m)) { /* attaches it next steps, once published */
+            s->stats.n_inflight_waits++;
+            continue;
+        }
         int32_t hit = m.tokens;
         int32_t res0 = m.resident; /* resident entries before the first chunk (max over slot spaces) */
         int32_t n = respect_final_chunk(s, r, hit, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);

@@ -69,6 +69,7 @@ typedef struct lethe_sched_out {
 typedef struct lethe_sched_stats {
     int64_t n_preemptions;
     int64_t prefix_queries_tokens, prefix_hit_tokens;
+    int64_t n_inflight_waits; /* admissions put off to attach a prefix another request computes */
 } lethe_sched_stats;
 
 typedef struct lethe_sched lethe_sched;

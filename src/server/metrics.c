@@ -140,6 +140,9 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
                 (double)st->prefix_queries_tokens);
         counter(&b, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                 model, (double)st->prefix_hit_tokens);
+        counter(&b, "prefix_cache_inflight_waits_total",
+                "Admissions put off to attach a shared prefix another request was computing.",
+                model, (double)st->prefix_inflight_waits);
         counter(&b, "prompt_tokens_total", "Number of prefill tokens processed.", model,
                 (double)st->prompt_tokens_total);
         counter(&b, "generation_tokens_total", "Number of generation tokens processed.", model,
