@@ -317,6 +317,11 @@ typedef struct lethe_engine_stats {
     int64_t host_cache_promoted_blocks; /* cumulative: blocks restored host -> pool on a hit */
     int64_t host_cache_promoted_tokens; /* the prompt tokens they covered (not recomputed) */
     int64_t host_cache_evicted;         /* cumulative: blobs dropped from the host (LRU) */
+    /* cumulative KV payload bytes copied pool -> host (demotions) and host ->
+     * pool (restores), and the wall seconds of those synchronous copies */
+    int64_t host_cache_demoted_bytes, host_cache_restored_bytes;
+    double host_cache_demote_seconds, host_cache_restore_seconds;
+    double host_cache_copy_bytes_per_s; /* one large raw host -> KV-memory copy at start-up */
     /* cumulative: admissions put off because another running request was
      * computing a prefix they share (they attach it once it is published) */
     int64_t prefix_inflight_waits;

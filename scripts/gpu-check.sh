@@ -74,21 +74,28 @@
 #           dense-radix, snapkv-nocache, snapkv-chain on one generated trace
 #           (8 agents x 8 turns, tool outputs 500-2000 words, concurrency 8).
 #           ~3 min. REPLAY_ARGS adds/overrides flags. -> $OUT/replay.json
-#           REPLAY_SET (comma list, default base) picks the runs, each its own
-#           command so each fits one device call:
+#           REPLAY_SET (comma list, default base) picks the runs; prune, branch
+#           and host together take ~200 s of GPU time (each line of the summary
+#           says its own; each server start is in the logs):
 #             base    the run above;
-#             prune   8 agents x 24 turns: dense-radix vs dense-radix+prune
-#                     (lag 4, keep 0.2, snapkv_global) vs snapkv-chain
-#                     -> $OUT/replay-prune.json (~8 min);
-#             branch  32 agents with one shared ~4K-word system prompt, 4 turns:
-#                     snapkv-chain vs snapkv-chain+share (branching)
-#                     -> $OUT/replay-branch.json (~5 min);
-#             host    dense-radix with a KV cache of 0.2 x memory, without and
-#                     with --host-cache-bytes 64G -> $OUT/replay-host.json (~6 min);
+#             prune   4 agents x 12 turns (contexts up to ~20K tokens): dense-radix
+#                     vs dense-radix+prune (lag 4, keep 0.2, snapkv_global) vs
+#                     snapkv-chain: end-to-end time, resident KV, TTFT
+#                     -> $OUT/replay-prune.json;
+#             branch  32 agents admitted at once with one ~4K-token system prompt,
+#                     2 turns: snapkv-chain vs snapkv-chain+share (branching;
+#                     computed prompt tokens and resident KV say whether the
+#                     prompt was prefilled and held once) -> $OUT/replay-branch.json;
+#             host    8 agents x 6 turns on a 6 GiB KV cache, dense-radix and
+#                     snapkv-chain, without and with --host-cache-bytes 64G:
+#                     restore and demote bandwidth vs one large host copy
+#                     -> $OUT/replay-host.json, replay-host-on.json.
 #             long    the long-agents preset (`bench replay --preset long-agents`,
 #                     docs/benchmarks.md): 6 agents growing past 64K tokens at
 #                     once on a 16 GiB KV pool, dense-radix vs snapkv-chain
 #                     -> $OUT/replay-long.json (a few minutes; not yet timed).
+#           REPLAY_CPU=1 runs the same sets at toy scale on the CPU (SmolLM2,
+#           LETHE_BIN=build-cpu/lethe): a check of the commands, not a benchmark.
 #   moe     the mixture-of-experts / latent-attention models with dummy weights,
 #           per model of ${MOE_MODELS:-qwen3-30b-a3b glm-4.7-flash} (configs/):
 #           `lethe bench engine`: decode at batch 1, 8, 64 x 4K and 32K (+ 32 x
@@ -311,41 +318,51 @@ replay_long() {
 if has replay; then
     t0=$(date +%s)
     tok=${REPLAY_TOKENIZER:-.deb/tokenizers/llama3}
-    [ -f "$tok/tokenizer.json" ] || echo "replay: no $tok/tokenizer.json (carry .deb with tokenizers/llama3)"
+    [ -f "$tok/tokenizer.json" ] || [ -n "${REPLAY_CPU:-}" ] ||
+        echo "replay: no $tok/tokenizer.json (carry .deb with tokenizers/llama3)"
     rset=",${REPLAY_SET:-base},"
-    gen8="--generate --agents 8 --task-tokens 500 --tool-min 500 --tool-max 2000 --out-min 20 --out-max 60 \
-        --max-wait 1 --seed 42 --concurrency 8 --model configs/llama-3.1-8b-instruct/config.json"
+    lethe=${LETHE_BIN:-./build/lethe}
     knobs="--sparse-config sink_keep_tokens=64,recent_keep_tokens=512,decode_keep_tokens=1472"
+    model=configs/llama-3.1-8b-instruct/config.json
     serve="--load-format dummy --device cuda --tokenizer $tok --max-model-len 32768"
+    # per set: agents, turns, system / task / tool words, host-tier KV cache
+    pr="--agents 4 --concurrency 4 --min-turns 12 --max-turns 12 --system-tokens 1000 --task-tokens 500 --tool-min 500 --tool-max 2000 --max-context 30000"
+    br="--agents 32 --concurrency 32 --min-turns 2 --max-turns 2 --system-tokens 3000 --task-tokens 200 --tool-min 200 --tool-max 800"
+    ho="--agents 8 --concurrency 8 --min-turns 6 --max-turns 6 --system-tokens 1000 --task-tokens 500 --tool-min 500 --tool-max 2000 --max-context 16000"
+    hserve="--max-model-len 16384 --kv-cache-bytes 6G"; hbytes=64G
+    if [ -n "${REPLAY_CPU:-}" ]; then # the same sets at toy scale on the CPU (checks the commands; no speed)
+        knobs="--sparse-config sink_keep_tokens=16,recent_keep_tokens=64,decode_keep_tokens=256"
+        model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+        serve="--threads 2 --max-model-len 4096"
+        pr="--agents 2 --concurrency 2 --min-turns 6 --max-turns 6 --system-tokens 30 --task-tokens 20 --tool-min 60 --tool-max 100 --max-context 2000"
+        br="--agents 4 --concurrency 4 --min-turns 2 --max-turns 2 --system-tokens 200 --task-tokens 20 --tool-min 30 --tool-max 60"
+        ho="--agents 3 --concurrency 3 --min-turns 3 --max-turns 3 --system-tokens 60 --task-tokens 30 --tool-min 60 --tool-max 120 --max-context 700"
+        hserve="--max-model-len 768 --kv-cache-bytes 40M"; hbytes=256M
+    fi
+    gen="--generate --out-min 20 --out-max 60 --max-wait 1 --seed 42 --model $model"
+    rp() { # NAME ARGS...: one replay, its log and JSON under $OUT, timed in the summary
+        local name=$1 t1; shift; t1=$(date +%s)
+        $lethe bench replay "$@" ${REPLAY_ARGS:-} --result-json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+        add_gpu "$OUT/$name.json"
+        log "replay $name: $(( $(date +%s) - t1 ))s"
+    }
     if [ "${rset#*,base,}" != "$rset" ]; then
-        ./build/lethe bench replay $gen8 --min-turns 8 --max-turns 8 --system-tokens 1000 --max-context 30000 \
-            --configs dense-radix,snapkv-nocache,snapkv-chain $knobs --serve-args "$serve" \
-            ${REPLAY_ARGS:-} --result-json "$OUT/replay.json" 2>&1 | tee "$OUT/replay.log"
-        add_gpu "$OUT/replay.json"
+        rp replay $gen --agents 8 --concurrency 8 --min-turns 8 --max-turns 8 --system-tokens 1000 \
+            --task-tokens 500 --tool-min 500 --tool-max 2000 --max-context 30000 \
+            --configs dense-radix,snapkv-nocache,snapkv-chain $knobs --serve-args "$serve"
     fi
-    if [ "${rset#*,prune,}" != "$rset" ]; then # tool-result pruning at lag 4, keep 0.2
-        ./build/lethe bench replay $gen8 --min-turns 24 --max-turns 24 --system-tokens 1000 --max-context 30000 \
-            --configs dense-radix,dense-radix+prune,snapkv-chain --prune-lag 4 --prune-keep-ratio 0.2 \
-            $knobs --serve-args "$serve" ${REPLAY_ARGS:-} --result-json "$OUT/replay-prune.json" \
-            2>&1 | tee "$OUT/replay-prune.log"
-        add_gpu "$OUT/replay-prune.json"
+    if [ "${rset#*,prune,}" != "$rset" ]; then # long agent replay: pruning (lag 4, keep 0.2) vs chains vs dense + radix
+        rp replay-prune $gen $pr --configs dense-radix,dense-radix+prune,snapkv-chain \
+            --prune-lag 4 --prune-keep-ratio 0.2 $knobs --serve-args "$serve"
     fi
-    if [ "${rset#*,branch,}" != "$rset" ]; then # 32 agents, one ~4K-token system prompt
-        ./build/lethe bench replay --generate --agents 32 --concurrency 32 --min-turns 4 --max-turns 4 \
-            --system-tokens 4000 --shared-system --task-tokens 200 --tool-min 200 --tool-max 800 \
-            --out-min 20 --out-max 60 --max-wait 1 --seed 42 --model configs/llama-3.1-8b-instruct/config.json \
-            --configs snapkv-chain,snapkv-chain+share $knobs --serve-args "$serve" ${REPLAY_ARGS:-} \
-            --result-json "$OUT/replay-branch.json" 2>&1 | tee "$OUT/replay-branch.log"
-        add_gpu "$OUT/replay-branch.json"
+    if [ "${rset#*,branch,}" != "$rset" ]; then # 32 agents admitted at once, one ~4K-token system prompt
+        rp replay-branch $gen $br --shared-system --configs snapkv-chain,snapkv-chain+share $knobs \
+            --serve-args "$serve"
     fi
-    if [ "${rset#*,host,}" != "$rset" ]; then # KV cache of 0.2 x memory, host tier off / on
-        for h in 0 64G; do
-            ./build/lethe bench replay $gen8 --min-turns 12 --max-turns 12 --system-tokens 1000 \
-                --max-context 16000 --configs dense-radix \
-                --serve-args "$serve --gpu-memory-utilization 0.2 --host-cache-bytes $h" ${REPLAY_ARGS:-} \
-                --result-json "$OUT/replay-host-$h.json" 2>&1 | tee "$OUT/replay-host-$h.log"
-            add_gpu "$OUT/replay-host-$h.json"
-        done
+    if [ "${rset#*,host,}" != "$rset" ]; then # a KV cache too small for the trace: host tier off / on
+        rp replay-host $gen $ho --configs dense-radix,snapkv-chain $knobs --serve-args "$serve $hserve"
+        rp replay-host-on $gen $ho --configs dense-radix,snapkv-chain $knobs \
+            --serve-args "$serve $hserve --host-cache-bytes $hbytes"
     fi
     [ "${rset#*,long,}" != "$rset" ] && replay_long # the long-agents preset
     cp /tmp/lethe-replay-*.log "$OUT/" 2>/dev/null
@@ -541,7 +558,7 @@ grep -A20 "^== side by side" "$OUT/peer.log" 2>/dev/null
 grep -B1 -A4 "^   input |" "$OUT/sparse.log" 2>/dev/null
 grep -A5 "^matched batch" "$OUT/sparse.log" 2>/dev/null
 grep -A8 "^prefill alone" "$OUT/prefill.log" 2>/dev/null
-grep -E "^(dense|snapkv)-[a-z]+ +[0-9]" "$OUT/replay.log" 2>/dev/null
+grep -hE "^(dense|snapkv)-[a-z+]+ +[0-9]|host tier:|server healthy" "$OUT"/replay*.log 2>/dev/null
 grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/dev-attn.log" ] && { echo; echo "dev/cuda/attn_bench:"; grep -E "^check:|FAIL$" "$OUT/dev-attn.log"; grep -A6 "attention alone" "$OUT/dev-attn.log"; }
 [ -s "$OUT/profile.txt" ] && { echo; cat "$OUT/profile.txt"; }

@@ -629,6 +629,17 @@ static int apply_preset(const char *name, rp_opts *o, const char **serve_pre) {
     return -1;
 }
 
+/* the host tier's counters (lethe:host_cache_*), read before and after a replay */
+enum { HT_DEMOTED, HT_PROMOTED, HT_DEM_BYTES, HT_DEM_S, HT_RES_BYTES, HT_RES_S, HT_N };
+static const char *const ht_names[HT_N] = {
+    "host_cache_demoted_blocks_total", "host_cache_promoted_blocks_total",
+    "host_cache_demoted_bytes_total",  "host_cache_demote_seconds_total",
+    "host_cache_restored_bytes_total", "host_cache_restore_seconds_total"};
+
+static void host_counters(const char *base, double *v) {
+    for (int i = 0; i < HT_N; i++) v[i] = metric(base, ht_names[i]);
+}
+
 /* one replay against a running server; adds a result object to arr */
 static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base, const char *label,
                        bool chain, bool share, bool prune, cJSON *arr) {
@@ -639,6 +650,10 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     R.recs = lethe_xcalloc((size_t)t->n_turns, sizeof(*R.recs));
     double pf0 = metric(base, "prefill_tokens_computed_total");
     double pre0 = metric(base, "num_preemptions_total");
+    const double host_cap = metric(base, "host_cache_capacity_bytes");
+    const bool host = isfinite(host_cap) && host_cap > 0;
+    double ht0[HT_N], ht1[HT_N];
+    if (host) host_counters(base, ht0);
     int32_t C = o->concurrency > 0 ? LETHE_MIN(o->concurrency, t->n_agents) : t->n_agents;
     pthread_t *th = lethe_xmalloc((size_t)C * sizeof(pthread_t));
     double t0 = lethe_time_s();
@@ -652,6 +667,7 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     pthread_join(samp, NULL);
     double pf1 = metric(base, "prefill_tokens_computed_total");
     double pre1 = metric(base, "num_preemptions_total");
+    if (host) host_counters(base, ht1);
     free(th);
     int64_t prompt = 0, cached = 0, completion = 0;
     int32_t ok = 0, st[3] = {0}, gone = 0, retried = 0, retries = 0;
@@ -717,6 +733,22 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
         cJSON_AddNumberToObject(pr, "freed_slots", (double)R.prune_freed);
         cJSON_AddNumberToObject(pr, "client_prune_time_s", R.prune_wait_s);
     }
+    double ht[HT_N] = {0}, copy_bps = NAN;
+    if (host) { /* restore / demote bandwidth = bytes / seconds of the engine's synchronous copies */
+        for (int i = 0; i < HT_N; i++) ht[i] = ht1[i] - ht0[i];
+        copy_bps = metric(base, "host_cache_copy_bytes_per_second");
+        cJSON *h = cJSON_AddObjectToObject(r, "host_tier");
+        cJSON_AddNumberToObject(h, "capacity_bytes", host_cap);
+        cJSON_AddNumberToObject(h, "demoted_blocks", ht[HT_DEMOTED]);
+        cJSON_AddNumberToObject(h, "promoted_blocks", ht[HT_PROMOTED]);
+        cJSON_AddNumberToObject(h, "demoted_bytes", ht[HT_DEM_BYTES]);
+        cJSON_AddNumberToObject(h, "demote_s", ht[HT_DEM_S]);
+        cJSON_AddNumberToObject(h, "restored_bytes", ht[HT_RES_BYTES]);
+        cJSON_AddNumberToObject(h, "restore_s", ht[HT_RES_S]);
+        cJSON_AddNumberToObject(h, "demote_gb_s", ht[HT_DEM_S] > 0 ? ht[HT_DEM_BYTES] / ht[HT_DEM_S] / 1e9 : NAN);
+        cJSON_AddNumberToObject(h, "restore_gb_s", ht[HT_RES_S] > 0 ? ht[HT_RES_BYTES] / ht[HT_RES_S] / 1e9 : NAN);
+        cJSON_AddNumberToObject(h, "copy_gb_s", copy_bps / 1e9);
+    }
     if (R.first_error[0]) cJSON_AddStringToObject(r, "first_error", R.first_error);
     cJSON_AddItemToArray(arr, r);
     printf("%-22s %8.2f s  turns %d/%d  TTFT p50 %8.1f p90 %8.1f p99 %8.1f ms  prompt %lld reused %lld computed %lld\n",
@@ -736,6 +768,13 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
                "checks failed %d, client time %.2f s\n",
                "", R.prune_jobs, R.prune_completed, R.prune_blocked, R.prune_failed,
                R.prune_skipped, (long long)R.prune_freed, R.prune_checks_failed, R.prune_wait_s);
+    if (host)
+        printf("%-22s host tier: %.0f blocks demoted (%.1f MB in %.3f s: %.2f GB/s), %.0f restored "
+               "(%.1f MB in %.3f s: %.2f GB/s); one large host copy %.2f GB/s\n",
+               "", ht[HT_DEMOTED], ht[HT_DEM_BYTES] / 1e6, ht[HT_DEM_S],
+               ht[HT_DEM_S] > 0 ? ht[HT_DEM_BYTES] / ht[HT_DEM_S] / 1e9 : NAN, ht[HT_PROMOTED],
+               ht[HT_RES_BYTES] / 1e6, ht[HT_RES_S],
+               ht[HT_RES_S] > 0 ? ht[HT_RES_BYTES] / ht[HT_RES_S] / 1e9 : NAN, copy_bps / 1e9);
     if (R.first_error[0]) printf("  first error: %s\n", R.first_error);
     fflush(stdout);
     free(tt);
@@ -1021,8 +1060,11 @@ int lethe_bench_replay(int argc, char **argv) {
             const char *method = c, *cache = prune ? "radix" : share ? "chain" : dash + 1;
             char label[96];
             snprintf(label, sizeof(label), "%s-%s", method, dash + 1);
+            const double ts = lethe_time_s();
             pid_t pid = start_server(&o, method, cache);
-            if (pid < 0 || !wait_healthy(base, pid, 600)) {
+            const bool healthy = pid >= 0 && wait_healthy(base, pid, 600);
+            if (healthy) printf("%s: server healthy after %.1f s\n", label, lethe_time_s() - ts);
+            if (!healthy) {
                 fprintf(stderr, "lethe bench replay: the server for %s did not become healthy\n", label);
                 if (pid > 0) stop_server(pid);
                 rc = 2;

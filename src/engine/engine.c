@@ -724,6 +724,13 @@ void eng_publish_stats(lethe_engine *e) {
         s->host_cache_demoted_blocks = ps.host_demoted;
         s->host_cache_promoted_blocks = ps.host_promoted;
         s->host_cache_promoted_tokens = ps.host_promoted_tokens;
+        lethe_kv_host_copies hc;
+        lethe_kv_host_copy_stats(e->pool, &hc);
+        s->host_cache_demoted_bytes = hc.saved_bytes;
+        s->host_cache_demote_seconds = hc.save_s;
+        s->host_cache_restored_bytes = hc.loaded_bytes;
+        s->host_cache_restore_seconds = hc.load_s;
+        s->host_cache_copy_bytes_per_s = e->host_copy_bps;
     }
     e->stats.sparse.evicted_slots = lethe_kv_dropped(e->pool);
     e->stats.sparse.n_steps = s->n_steps;

@@ -21,6 +21,29 @@
 #include "core/util.h"
 #include "engine/engine_internal.h"
 
+/* The reference the tier's restores are compared with: one large raw copy
+ * from host memory into backend memory (copy_from_host; CUDA: a pageable
+ * cudaMemcpy), best of 3 over 64 MiB. Restores move a block's slots one
+ * (layer, plane) at a time through the backend's staging
+ * (lethe_kv_host_copy_stats), so their bandwidth is at most this. */
+static double probe_copy_bps(lethe_backend *be) {
+    const size_t n = (size_t)64 << 20;
+    void *dst = NULL;
+    if (!be->ops->copy_from_host || be->ops->alloc(be, n, &dst) != LETHE_OK) return 0.0;
+    uint8_t *src = lethe_xmalloc(n);
+    memset(src, 0x5a, n);
+    double best = 0.0;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = lethe_time_s();
+        be->ops->copy_from_host(be, dst, src, n);
+        const double dt = lethe_time_s() - t0;
+        if (dt > 0 && (double)n / dt > best) best = (double)n / dt;
+    }
+    be->ops->release(be, dst);
+    free(src);
+    return best;
+}
+
 /* a method state the cache held (a chain's payload) */
 static void release_state(void *ctx, void *state) {
     lethe_sparse_method *m = ctx;
@@ -55,6 +78,7 @@ lethe_status eng_cache_init(lethe_engine *e) {
                                 e->p.host_cache_bytes,
                                 lethe_kv_space_slot_bytes(e->pool, 0) * 16 * lethe_kv_n_spaces(e->pool));
         e->host_tier = lethe_host_tier_create(e->p.host_cache_bytes);
+        e->host_copy_bps = probe_copy_bps(e->runner.be);
     }
     lethe_pc_params p = {.mode = e->p.prefix_cache_mode,
                          .enabled = e->p.enable_prefix_caching,

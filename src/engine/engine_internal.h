@@ -188,6 +188,7 @@ struct lethe_engine {
     lethe_sampler_ws sws;
     lethe_prefix_cache *pcache;       /* radix or chain (src/cache chooses); NULL: prefix caching off */
     struct lethe_host_tier *host_tier; /* --host-cache-bytes (src/cache/host_tier.c), NULL: none */
+    double host_copy_bps; /* with a host tier: one large host -> KV memory copy, bytes/s (probe) */
 
     eng_reqs reqs;
     eng_step_state step;

@@ -69,6 +69,7 @@ static void copy_rows(lethe_kv_pool *pool, int32_t l, int32_t i, const int32_t *
 static void copy_space(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, uint8_t *host,
                        bool to_host) {
     LETHE_ASSERT(lethe_kv_host_copy_check(pool) == LETHE_OK && n >= 0);
+    const double t0 = lethe_time_s();
     for (int32_t k = 0; k < n; k++)
         LETHE_ASSERT(slots[k] >= 0 && slots[k] < pool->p.n_slots && pool->spaces[sp].ref[slots[k]] > 0);
     size_t off = 0;
@@ -77,6 +78,22 @@ static void copy_space(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, in
             copy_rows(pool, l, i, slots, n, host + off, to_host);
             off += (size_t)n * pool->layout[l].planes[i].slot_bytes;
         }
+    /* the copies are synchronous: wall time is transfer time */
+    const double dt = lethe_time_s() - t0;
+    if (to_host) {
+        pool->host_saved_bytes += (int64_t)off;
+        pool->host_save_s += dt;
+    } else {
+        pool->host_loaded_bytes += (int64_t)off;
+        pool->host_load_s += dt;
+    }
+}
+
+void lethe_kv_host_copy_stats(const lethe_kv_pool *pool, lethe_kv_host_copies *out) {
+    *out = (lethe_kv_host_copies){.saved_bytes = pool->host_saved_bytes,
+                                  .loaded_bytes = pool->host_loaded_bytes,
+                                  .save_s = pool->host_save_s,
+                                  .load_s = pool->host_load_s};
 }
 
 void lethe_kv_slots_save(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, void *dst) {

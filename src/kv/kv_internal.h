@@ -58,6 +58,9 @@ struct lethe_kv_pool {
     int32_t *state_free;         /* [n_state_slots], top at n_state_free - 1 */
     int32_t n_state_free;
     int32_t *row_state;          /* [max_rows], -1 = none */
+    /* host copies (kv_host.c), cumulative: bytes and seconds of lethe_kv_slots_save / _load */
+    int64_t host_saved_bytes, host_loaded_bytes;
+    double host_save_s, host_load_s;
 };
 
 /* kv_protect.c: a released row drops its protection; destroy frees the table */

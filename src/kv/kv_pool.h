@@ -234,6 +234,14 @@ void lethe_kv_slots_load(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, 
  * lethe_kv_ref; dropped with lethe_kv_unref); false (nothing taken) when
  * fewer are free */
 bool lethe_kv_slots_take(lethe_kv_pool *pool, int32_t sp, int32_t n, int32_t *out);
+/* cumulative bytes and wall seconds of the saves (demotions) and loads
+ * (restores) above: the copies are synchronous, so bytes / seconds is the
+ * tier's bandwidth as the engine sees it */
+typedef struct lethe_kv_host_copies {
+    int64_t saved_bytes, loaded_bytes;
+    double save_s, load_s;
+} lethe_kv_host_copies;
+void lethe_kv_host_copy_stats(const lethe_kv_pool *pool, lethe_kv_host_copies *out);
 
 /* ---- protected positions (retention pins; kv_protect.c) ----
  * Per row, logical positions no method, pruning or compaction may drop:

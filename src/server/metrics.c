@@ -180,6 +180,19 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
         counter(&b, "host_cache_promoted_tokens_total",
                 "Prompt tokens restored from host memory instead of recomputed.", model,
                 (double)st->host_cache_promoted_tokens);
+        counter(&b, "host_cache_demoted_bytes_total",
+                "KV payload bytes copied from the KV cache to host memory (demotions).", model,
+                (double)st->host_cache_demoted_bytes);
+        counter(&b, "host_cache_demote_seconds_total",
+                "Wall seconds of those copies (synchronous).", model, st->host_cache_demote_seconds);
+        counter(&b, "host_cache_restored_bytes_total",
+                "KV payload bytes copied from host memory back into the KV cache (restores).",
+                model, (double)st->host_cache_restored_bytes);
+        counter(&b, "host_cache_restore_seconds_total",
+                "Wall seconds of those copies (synchronous).", model, st->host_cache_restore_seconds);
+        gauge(&b, "host_cache_copy_bytes_per_second",
+              "One large raw host -> KV-memory copy measured at start-up (the restores' ceiling).",
+              model, st->host_cache_copy_bytes_per_s);
         counter(&b, "host_cache_evicted_total",
                 "Blobs dropped from the host-memory tier to stay within its budget (LRU).", model,
                 (double)st->host_cache_evicted);

@@ -9,7 +9,8 @@
 - --host-cache-bytes: a dense radix server whose KV cache holds one prompt
   demotes the first prompt's blocks when a second one arrives and restores
   them on the first prompt's next request: its output equals the first
-  answer, lethe:host_cache_* series say what moved, and the tier stays
+  answer, lethe:host_cache_* series say what moved (blocks, bytes and the
+  copies' time, next to the start-up reference copy), and the tier stays
   within its budget; a bad value or the tier without prefix caching stops
   the server with a message naming the flag.
 """
@@ -133,10 +134,17 @@ def test_host_tier_restores_evicted_prefix():
         assert m["lethe:host_cache_capacity_bytes"] == 32 << 20
         assert m["lethe:host_cache_demoted_blocks_total"] > 0
         assert 0 < m["lethe:host_cache_used_bytes"] <= 32 << 20
+        assert m["lethe:host_cache_demoted_bytes_total"] > 0
+        assert m["lethe:host_cache_demote_seconds_total"] > 0
+        assert m["lethe:host_cache_copy_bytes_per_second"] > 0  # the start-up reference copy
         again = complete(a)
         m2 = s.metrics()
         assert m2["lethe:host_cache_promoted_blocks_total"] > 0
         assert m2["lethe:host_cache_promoted_tokens_total"] > 0
+        # every restored block's payload was copied back: bytes and time are counted
+        assert m2["lethe:host_cache_restored_bytes_total"] > 0
+        assert m2["lethe:host_cache_restore_seconds_total"] > 0
+        assert m2["lethe:host_cache_restored_bytes_total"] <= m2["lethe:host_cache_demoted_bytes_total"]
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     finally:
