@@ -17,9 +17,17 @@
  *    respected); planted identical-key clusters estimated give dense; the
  *    estimation error is bounded on random keys and shrinks as the
  *    retrieval budget grows;
- *  - host tier: outputs bit-identical to the device path, with the cluster
- *    cache large (hits on the second step) and tiny (clusters read from the
- *    pool); admission refused past retroinfer_host_gib with that name.
+ *  - host tier: 40 decode tokens bit-identical to the device path in 2
+ *    layers (the prompt index and one extension offloaded: the row holds
+ *    sink + tail, 320 slots free again, the pool check passes, ring hits and
+ *    misses, no pool reads); a ring smaller than one token's retrieval
+ *    estimates the clusters that do not fit (finite, close); admission
+ *    refused past retroinfer_host_gib with that name;
+ *  - through the engine (tiny Llama, CPU): at the same KV budget the host
+ *    tier runs 12 requests at once without preemption where the device path
+ *    cannot; the tier's tokens and logits equal the
+ *    device path's (large pool, same schedule) bit for bit, with the layer
+ *    split into ring-sized passes.
  * With `--ref IN OUT` it runs one case for tests/e2e/test_retroinfer_ref.py
  * (the numpy reference tests/ref/retroinfer_ref.py): the index of layer 0 and
  * one decode token's attention output. */
@@ -32,6 +40,7 @@
 #include "backend/backend.h"
 #include "core/util.h"
 #include "kv/kv_pool.h"
+#include "lethe.h"
 #include "sparse/retroinfer.h"
 #include "sparse/sparse.h"
 #include "test.h"
@@ -138,7 +147,8 @@ static void rig_step(rig *r, int32_t n, bool prefill, bool final, int32_t ol, fl
         const float *q = QP(r, l, first);
         const int32_t ns = lethe_sparse_build_selection(m, l, &st, 0, q, sel, NSLOTS);
         const int32_t *slots = lethe_kv_row_slots(r->pool, 0, r->row);
-        m->ops->kv_store(m, l, KP(r, l, first), VP(r, l, first), slots + first, pos, n);
+        const int32_t len = lethe_kv_row_len(r->pool, 0, r->row); /* < r->n + n once offloaded */
+        m->ops->kv_store(m, l, KP(r, l, first), VP(r, l, first), slots + len - n, pos, n);
         (void)kd;
         int32_t qb[2] = {0, n}, sb[2] = {0, ns};
         lethe_attn_args a = {.out = att,
@@ -496,31 +506,64 @@ static void test_decode(void) {
     CHECK(e_est < e_drop && e_half < e_est && e_est < 0.25);
 }
 
+/* prompt 300 (chunks of 100), then `steps` decode tokens; out[t]: the last
+ * layer's output of decode token t [4 x 16]; the rig stays open */
+static void tier_run(const char *extra, int32_t steps, float (*out)[4 * 16], rig *r) {
+    char cfg[512];
+    snprintf(cfg, sizeof(cfg), "%s,%s", CFG, extra);
+    rig_open(r, cfg, 2, 4, 2, 16);
+    CHECK(rig_request(r, 300) == LETHE_OK);
+    g_seed = 7;
+    fill(r, 300 + steps, 0);
+    rig_prefill(r, 300, 100);
+    for (int32_t t = 0; t < steps; t++) rig_step(r, 1, false, false, 1, out[t]);
+}
+
 static void test_host_tier(void) {
-    enum { HD = 4 * 16 };
-    float o[HD], oh[HD];
+    enum { HD = 4 * 16, STEPS = 40 };
+    static float o[STEPS][HD], oh[STEPS][HD];
     const char *base = "retroinfer_retrieve=0.2,retroinfer_estimate=0.3";
-    rig r;
-    decode_out(base, 0, o, NULL);
     char cfg[256];
+    rig r, rh;
+    /* the device path vs the host tier, 2 layers, 40 tokens (one extension
+     * segment at row length 332): bit-identical outputs; the host tier's row
+     * holds sink + tail only, the rest of the pool is free again */
+    tier_run(base, STEPS, o, &r);
     snprintf(cfg, sizeof(cfg), "%s,retroinfer_host_kv=true", base);
-    decode_out(cfg, 0, oh, &r);
+    tier_run(cfg, STEPS, oh, &rh);
     CHECK(!memcmp(o, oh, sizeof(o)));
-    int64_t hits, misses, pool_reads;
-    lethe_retroinfer_counters(r.m, &hits, &misses, &pool_reads);
-    CHECK(misses > 0 && pool_reads == 0);
-    /* the next token: most of its clusters are in the cache already */
-    rig_step(&r, 1, false, false, -1, NULL);
-    int64_t hits2, misses2;
-    lethe_retroinfer_counters(r.m, &hits2, &misses2, &pool_reads);
-    CHECK(hits2 > hits && pool_reads == 0);
-    rig_close(&r);
-    /* tiny cache: clusters that do not fit read the pool, same output */
-    snprintf(cfg, sizeof(cfg), "%s,retroinfer_host_kv=true,retroinfer_cache_rows=16", base);
-    decode_out(cfg, 0, oh, &r);
-    CHECK(!memcmp(o, oh, sizeof(o)));
-    lethe_retroinfer_counters(r.m, &hits, &misses, &pool_reads);
-    CHECK(pool_reads > 0);
+    lethe_retro_head_view v;
+    CHECK(lethe_retroinfer_view(rh.m, rh.state, 0, 0, &v));
+    CHECK_EQ_INT(v.end, 4 + 288 + 32); /* the prompt's 2 segments and one extension */
+    CHECK_EQ_INT(v.n_offloaded, 288 + 32);
+    CHECK_EQ_INT(lethe_kv_row_len(rh.pool, 0, rh.row), 340 - 320); /* sink 4 + entries 324..339 */
+    CHECK_EQ_INT(lethe_kv_row_len(r.pool, 0, r.row), 340);
+    CHECK_EQ_INT(lethe_kv_min_free(rh.pool), lethe_kv_min_free(r.pool) + 320);
+    CHECK(lethe_kv_check(rh.pool, NULL, 0) == LETHE_OK);
+    lethe_retro_counters c;
+    lethe_retroinfer_counters(rh.m, &c);
+    CHECK(c.misses > 0 && c.hits > 0 && c.pool_reads == 0 && c.demoted == 0);
+    CHECK_EQ_INT(c.offloaded, 320);
+    fprintf(stderr, "    host tier: %lld hits, %lld misses, %.1f KiB fetched over %d tokens\n",
+            (long long)c.hits, (long long)c.misses, c.bytes_fetched / 1024.0, STEPS);
+    rig_close(&rh);
+    /* a ring of 40 head vectors (one token retrieves ~44 per layer): the
+     * best clusters fit, the rest of the retrieved ones are estimated (they
+     * are no longer in the pool) */
+    snprintf(cfg, sizeof(cfg), "%s,retroinfer_host_kv=true,retroinfer_cache_rows=40", base);
+    tier_run(cfg, STEPS, oh, &rh);
+    lethe_retroinfer_counters(rh.m, &c);
+    CHECK(c.demoted > 0 && c.pool_reads == 0);
+    double worst = 0;
+    for (int32_t t = 0; t < STEPS; t++)
+        for (int32_t i = 0; i < HD; i++) {
+            CHECK(isfinite(oh[t][i]));
+            worst = fmax(worst, fabs((double)oh[t][i] - o[t][i]));
+        }
+    fprintf(stderr, "    ring of 40 rows: %lld clusters estimated, max abs diff %.3f\n",
+            (long long)c.demoted, worst);
+    CHECK(worst > 0 && worst < 1.0);
+    rig_close(&rh);
     rig_close(&r);
     /* admission: the prompt's host bytes past the budget are refused by name */
     rig_open(&r, "retroinfer_host_kv=true,retroinfer_host_gib=0.0000001", 2, 4, 2, 16);
@@ -529,6 +572,117 @@ static void test_host_tier(void) {
     CHECK_STR_CONTAINS(lethe_last_error(), "retroinfer_host_gib");
     r.state = NULL;
     rig_close(&r);
+}
+
+/* ---- the host tier through the engine: capacity ---- */
+
+enum { EN_REQ = 12, EN_PROMPT = 100, EN_GEN = 24, EN_VOCAB = 256 };
+typedef struct en_out {
+    int32_t tokens[EN_REQ][EN_GEN];
+    float logits[EN_REQ][EN_GEN][EN_VOCAB];
+    int32_t n[EN_REQ];
+    int32_t max_running;
+    int64_t preemptions, slots;
+} en_out;
+typedef struct en_user {
+    en_out *o;
+    int32_t r;
+} en_user;
+
+static void en_event(void *user, const lethe_event *ev) {
+    en_user *u = user;
+    en_out *o = u->o;
+    if (ev->n_tokens != 1 || o->n[u->r] >= EN_GEN) return;
+    CHECK(ev->logits && ev->n_vocab == EN_VOCAB);
+    o->tokens[u->r][o->n[u->r]] = ev->token;
+    memcpy(o->logits[u->r][o->n[u->r]], ev->logits, sizeof(o->logits[0][0]));
+    o->n[u->r]++;
+}
+
+#define EN_CFG                                                                                \
+    "retroinfer_sink=2,retroinfer_recent=4,retroinfer_cluster_size=16,retroinfer_segment=32," \
+    "retroinfer_update=16,retroinfer_min_tokens=32,retroinfer_retrieve=0.2,retroinfer_estimate=0.3"
+
+/* 12 requests of 100 tokens + 24 greedy tokens on the tiny Llama (CPU,
+ * dummy weights), a KV budget of `kv_bytes` */
+static void en_run(const char *cfg, size_t kv_bytes, en_out *o) {
+    memset(o, 0, sizeof(*o));
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = "tests/data/tiny-llama/config.json";
+    p.load_format = "dummy";
+    p.seed = 11;
+    p.device = "cpu";
+    p.n_threads = 1;
+    p.kv_cache_bytes = kv_bytes;
+    p.max_model_len = 128;
+    p.max_num_batched_tokens = 128;
+    p.enable_prefix_caching = false;
+    p.sparse_method = "retroinfer";
+    p.sparse_config = cfg;
+    p.check_invariants = true;
+    lethe_engine *e = NULL;
+    CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
+    lethe_engine_stats st;
+    lethe_engine_get_stats(e, &st);
+    o->slots = st.kv_slots_total;
+    static int32_t ids[EN_REQ][EN_PROMPT];
+    static en_user users[EN_REQ];
+    for (int32_t r = 0; r < EN_REQ; r++) {
+        for (int i = 0; i < EN_PROMPT; i++) ids[r][i] = 3 + (int32_t)((i * 37 + 5 + 11 * r) % 250);
+        users[r] = (en_user){o, r};
+        lethe_request_params rp = {.prompt = ids[r],
+                                   .n_prompt = EN_PROMPT,
+                                   .cb = en_event,
+                                   .user = &users[r],
+                                   .want_logits = true};
+        lethe_sampling_default_params(&rp.sampling);
+        rp.sampling.temperature = 0;
+        rp.sampling.max_tokens = EN_GEN;
+        rp.sampling.ignore_eos = true;
+        uint64_t id;
+        CHECK(lethe_engine_add_request(e, &rp, &id) == 0);
+    }
+    while (lethe_engine_has_work(e)) {
+        CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
+        lethe_engine_get_stats(e, &st);
+        o->max_running = LETHE_MAX(o->max_running, st.n_running);
+    }
+    lethe_engine_get_stats(e, &st);
+    o->preemptions = st.n_preemptions;
+    CHECK_EQ_INT(st.kv_slots_used, 0);
+    for (int32_t r = 0; r < EN_REQ; r++) CHECK_EQ_INT(o->n[r], EN_GEN);
+    lethe_engine_destroy(e);
+}
+
+/* The same device budget (~1000 slots of the device path: 8 full rows)
+ * without and with the host tier: the tier admits all 12 requests at once
+ * without a preemption (each holds sink + tail in the pool once its prompt
+ * is clustered; its ring and its tables for 1536 context tokens are paid
+ * out of the same budget), the device path cannot; the tier's tokens and
+ * logits equal the device path's run with a pool large enough for the same
+ * schedule, bit for bit (its ring of 128 head vectors per layer holds one
+ * request's retrieval, not all of them: the layer runs in several passes). */
+static void test_engine_tier(void) {
+    static en_out big, dev, tier;
+    en_run(EN_CFG, (size_t)16 << 20, &big);
+    CHECK(big.max_running == EN_REQ && big.preemptions == 0);
+    /* ~1000 slots: a per-slot cost from the big engine's budget */
+    const double slot_b = (double)((size_t)16 << 20) / (double)big.slots;
+    const size_t budget = (size_t)(1000 * slot_b);
+    en_run(EN_CFG, budget, &dev);
+    en_run(EN_CFG ",retroinfer_host_kv=true,retroinfer_cache_rows=128,retroinfer_context_tokens=1536",
+           budget, &tier);
+    fprintf(stderr,
+            "    %zu KiB of KV: device path %lld slots, %d requests at once, %lld preemptions; "
+            "host tier %lld slots (ring reserved), %d at once, %lld preemptions\n",
+            budget >> 10, (long long)dev.slots, dev.max_running, (long long)dev.preemptions,
+            (long long)tier.slots, tier.max_running, (long long)tier.preemptions);
+    CHECK(tier.slots < dev.slots); /* the ring is paid for out of the same budget */
+    CHECK(dev.max_running <= dev.slots / EN_PROMPT && dev.max_running < EN_REQ);
+    CHECK(tier.max_running == EN_REQ && tier.preemptions == 0);
+    CHECK(!memcmp(tier.tokens, big.tokens, sizeof(big.tokens)));
+    CHECK(!memcmp(tier.logits, big.logits, sizeof(big.logits)));
 }
 
 /* ---- the reference comparison (tests/e2e/test_retroinfer_ref.py) ---- */
@@ -582,6 +736,7 @@ int main(int argc, char **argv) {
     TEST_RUN(test_index);
     TEST_RUN(test_decode);
     TEST_RUN(test_host_tier);
+    TEST_RUN(test_engine_tier);
     printf("test_retroinfer: ok\n");
     return 0;
 }

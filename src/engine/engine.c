@@ -158,12 +158,14 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
         budget = budget > blk * (size_t)nb ? budget - blk * (size_t)nb : 0;
     }
     /* what the method keeps for the running requests besides its slots
-     * (DeltaKV's raw sink + buffer rows): at most a quarter of the budget,
+     * (DeltaKV's raw sink + buffer rows, RetroInfer's cluster ring): at most a quarter of the budget,
      * max_num_seqs lowered to fit, as KIVI's residual above */
     if (lethe_sparse_kv_reserve(e->method, 1, e->p.max_num_batched_tokens)) {
         const size_t base = lethe_sparse_kv_reserve(e->method, 0, e->p.max_num_batched_tokens);
         const size_t per = lethe_sparse_kv_reserve(e->method, 1, e->p.max_num_batched_tokens) - base;
-        int64_t nb = per && budget / 4 > base ? (int64_t)((budget / 4 - base) / per) : 0;
+        /* a fixed reserve (per 0: RetroInfer's cluster ring) does not limit the requests */
+        int64_t nb = 0;
+        if (budget / 4 > base) nb = per ? (int64_t)((budget / 4 - base) / per) : e->p.max_num_seqs;
         if (nb > e->p.max_num_seqs) nb = e->p.max_num_seqs;
         if (nb < 1)
             return lethe_errorf(LETHE_ERR_CAPACITY,
@@ -791,8 +793,12 @@ lethe_status eng_check(lethe_engine *e) {
             return lethe_errorf(LETHE_ERR_INVALID,
                                 "engine check: request %llu: pinned position %d is not in its row",
                                 (unsigned long long)r->id, lost);
-        if (!lethe_kv_per_layer(e->pool) &&
-            lethe_kv_row_len(e->pool, 0, r->row) != r->n_computed - r->n_absent)
+        /* shared rows hold every computed token, or fewer when the method
+         * offloads KV out of the pool (LETHE_SPARSE_OFFLOADS) */
+        const int32_t row_len = lethe_kv_row_len(e->pool, 0, r->row),
+                      expect = r->n_computed - r->n_absent;
+        const bool offloads = (e->method->ops->flags & LETHE_SPARSE_OFFLOADS) != 0;
+        if (!lethe_kv_per_layer(e->pool) && (offloads ? row_len > expect : row_len != expect))
             return lethe_errorf(
                 LETHE_ERR_INVALID,
                 "engine check: request %llu: row holds %d tokens, %d computed, %d pruned away",

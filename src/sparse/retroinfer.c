@@ -38,18 +38,29 @@
  * (slot_overhead_bytes: n_layers KH (1/csize + 1/update) (2 hd + 1) floats).
  *
  * Host tier (retroinfer_host_kv): each clustered segment's K / V are also
- * copied, cluster-contiguous (f32, per head), into the request's host store;
- * decode then reads the retrieved clusters from a per-layer device ring of
- * cache_rows head vectors (K and V, activations) holding recently fetched
- * clusters: a hit reads the ring, a miss copies the cluster from host memory
- * into the ring (all misses of a layer's step in one transfer per K / V),
- * and a cluster that does not fit reads the pool. Host bytes are asked for
- * at admission (request_init: the prompt's K / V, refused with a message
- * naming retroinfer_host_gib when the budget is spent) and per extension
- * segment (refused: that segment stays on the device path, with a warning).
- * The pool still holds every token (shared rows, nothing freed): the tier
- * measures the fetch path; GPU capacity needs the clustered slots freed,
- * which is not done here. Counters (hits, misses, bytes) log at destroy.
+ * copied, cluster-contiguous (f32, per head), into the request's host store,
+ * and the segment's entries then leave the pool (LETHE_SPARSE_OFFLOADS:
+ * finish_step drops [sink, host_end) from the shared row with lethe_kv_keep,
+ * so their slots are free for other requests). A request then holds sink +
+ * the unclustered tail (< recent + update entries) in the pool instead of
+ * its whole context. Decode reads the retrieved clusters from a per-layer
+ * device ring of cache_rows head vectors (K and V, activations; the ring's
+ * bytes are taken off the KV budget, kv_reserve_bytes) holding recently
+ * fetched clusters: a hit reads the ring, a miss copies the cluster from
+ * host memory into the ring (all misses of a pass in one transfer per K /
+ * V). The zoned sequences of a layer run in passes whose retrieved clusters
+ * fit the ring together (one cluster_attention call per pass); a single
+ * sequence whose retrieved clusters exceed the ring places them best first
+ * and estimates the rest (counted "demoted", with a warning to raise
+ * retroinfer_cache_rows), so outputs equal the device path whenever the
+ * ring holds one sequence's retrieval. Host bytes are asked for at admission
+ * (request_init: the prompt's K / V, refused with a message naming
+ * retroinfer_host_gib when the budget is spent) and per extension segment
+ * (refused: that segment and every later one stay in the pool, with a
+ * warning). A row with retention pins offloads nothing. The prompt's prefill
+ * still needs the whole prompt resident (its attention reads it): the saving
+ * starts when the prompt is clustered. Counters (hits, misses, bytes,
+ * offloaded entries, demoted clusters) log at destroy.
  *
  * Layout: planes "k" / "v" as native KV; kv_store stores as dense does;
  * kv_attend runs the backend attention over the selections (prefill and
@@ -79,16 +90,30 @@ typedef struct rhead {
 } rhead;
 
 typedef struct rlayer {
-    int32_t end;    /* entries [sink, end) are clustered (end 0: no index yet) */
-    rhead *h;       /* [n_kv_heads] */
+    int32_t end;      /* entries [sink, end) are clustered (end 0: no index yet) */
+    int32_t host_end; /* entries [sink, host_end) are in the host store (0: none) */
+    rhead *h;         /* [n_kv_heads] */
     float *hk, *hv; /* host tier: [n_host, head_dim] f32 */
     int64_t n_host, cap_host;
 } rlayer;
 
+/* Entries are logical: entry e is the request's e-th token in its row,
+ * counting the n_drop entries [sink, sink + n_drop) the host tier took out of
+ * the pool (the same in every layer: one shared row). Pool row index of a
+ * resident entry: e < sink ? e : e - n_drop (phys below). */
 typedef struct rstate {
     rlayer *L;             /* [n_layers] */
     int64_t host_reserved; /* bytes counted against the host budget */
+    int32_t n_drop;        /* entries offloaded: their slots are freed */
+    bool no_drop;          /* retention pins in the row: nothing is offloaded */
 } rstate;
+
+/* pool row index of resident logical entry e */
+static inline int32_t phys_of(const rstate *rs, int32_t sink, int32_t e) {
+    if (e < sink) return e;
+    LETHE_ASSERT(e >= sink + rs->n_drop); /* an offloaded entry has no slot */
+    return e - rs->n_drop;
+}
 
 typedef struct run {
     int32_t start, len;
@@ -111,8 +136,9 @@ typedef struct retro_priv {
     double retrieve, estimate;
     bool host_kv;
     int64_t host_budget, host_used;
-    bool tables_ready, warned_rows, warned_host;
+    bool tables_ready, warned_rows, warned_host, warned_ring;
     int32_t rows_cap;            /* table rows per layer */
+    int64_t ctx_knob, ctx_tokens; /* host tier: tokens the tables are sized for (kv_reserve) */
     rtables *t;                  /* [n_layers] */
     const lethe_sparse_step *st; /* the step being run */
     int32_t *mode, cap_mode;     /* per step sequence: 1 = three-zone decode in the current layer */
@@ -129,8 +155,11 @@ typedef struct retro_priv {
     void *tops; /* ranked [cap_tops]: one (query, head)'s clusters by score */
     int32_t cap_tops;
     int32_t *cntbuf;
+    int32_t *rk_c, *rk_nret, *rk_beg; /* per (i, h): retrieved (best first) then estimated */
+    int64_t cap_rk, cap_rkb;
     /* counters */
-    int64_t n_hits, n_misses, n_pool_reads, bytes_fetched, n_built;
+    int64_t n_hits, n_misses, n_pool_reads, n_demoted, bytes_fetched, n_built;
+    int64_t n_offloaded; /* entries dropped from the pool */
 } retro_priv;
 #define PRIV(m) ((retro_priv *)(m)->priv)
 
@@ -152,9 +181,13 @@ static const lethe_sparse_knob knobs[] = {
     {"retroinfer_estimate", LETHE_KNOB_FLOAT, "0.232", 0, 1,
      "fraction of clusters estimated from value sums"},
     {"retroinfer_host_kv", LETHE_KNOB_BOOL, "false", 0, 1,
-     "clustered K / V in host memory, retrieved clusters fetched through a device cache"},
+     "clustered K / V in host memory and out of the device pool, retrieved clusters fetched "
+     "through a device cache"},
     {"retroinfer_host_gib", LETHE_KNOB_FLOAT, "64", 0, 1 << 20,
      "host memory budget of the host tier (GiB)"},
+    {"retroinfer_context_tokens", LETHE_KNOB_INT, "0", 0, 1 << 30,
+     "host tier: context tokens (all requests) the device cluster tables hold; 0 = "
+     "max_num_seqs x max_model_len, at most what retroinfer_host_gib holds"},
     {"retroinfer_cache_rows", LETHE_KNOB_INT, "65536", 16, 1 << 26,
      "device cluster cache per layer, in head vectors (host tier)"},
 };
@@ -187,10 +220,10 @@ static void retro_destroy(lethe_sparse_method *m) {
     lethe_backend *be = m->env.be;
     if (p->host_kv && (p->n_hits || p->n_misses))
         LOG_INFO("retroinfer: host tier: %lld cluster hits, %lld misses (%.1f MiB fetched), %lld "
-                 "clusters read "
-                 "from the pool (cache full)",
+                 "clusters read from the pool, %lld estimated for want of ring rows, %lld entries "
+                 "offloaded from the pool",
                  (long long)p->n_hits, (long long)p->n_misses, (double)p->bytes_fetched / (1 << 20),
-                 (long long)p->n_pool_reads);
+                 (long long)p->n_pool_reads, (long long)p->n_demoted, (long long)p->n_offloaded);
     for (int32_t l = 0; p->t && l < m->env.n_layers; l++) {
         rtables *t = &p->t[l];
         void *bufs[5] = {t->cent, t->vsum, t->count, t->ck, t->cv};
@@ -203,7 +236,8 @@ static void retro_destroy(lethe_sparse_method *m) {
     if (be) lethe_dev_buf_free(m, &p->rows_buf);
     void *h[] = {p->mode,  p->sk,     p->sv,      p->cent,    p->mean, p->tmp,   p->assign,
                  p->order, p->q_rows, p->sbeg,    p->sids,    p->xbeg, p->xs,    p->ebeg,
-                 p->eids,  p->sc,     p->stage_k, p->stage_v, p->tops, p->cntbuf};
+                 p->eids,  p->sc,     p->stage_k, p->stage_v, p->tops, p->cntbuf,
+                 p->rk_c,  p->rk_nret, p->rk_beg};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(h); i++) free(h[i]);
     free(p);
     m->priv = NULL;
@@ -229,6 +263,7 @@ static lethe_status retro_configure(lethe_sparse_method *m) {
     p->host_budget = (int64_t)(lethe_knob_num(o, &p->kv, "retroinfer_host_gib") *
                                (double)(1u << 30));
     p->cache_rows = (int32_t)lethe_knob_num(o, &p->kv, "retroinfer_cache_rows");
+    p->ctx_knob = (int64_t)lethe_knob_num(o, &p->kv, "retroinfer_context_tokens");
     /* every segment holds >= update tokens: the table bound of slot_overhead_bytes */
     if (p->segment < p->update || p->min_tokens < p->update)
         return lethe_errorf(LETHE_ERR_INVALID,
@@ -252,6 +287,12 @@ static lethe_status retro_configure(lethe_sparse_method *m) {
     return LETHE_OK;
 }
 
+/* host-tier bytes of `tokens` tokens: K and V, f32, every layer and KV head */
+static int64_t host_bytes(const lethe_sparse_method *m, int64_t tokens) {
+    return tokens * m->env.n_layers * 2 * (int64_t)m->env.n_kv_heads * m->env.head_dim *
+           (int64_t)sizeof(float);
+}
+
 /* cluster-table floats per row: centroid, value sum, count */
 static size_t row_floats(const lethe_sparse_method *m) { return 2u * (size_t)m->env.head_dim + 1u; }
 
@@ -260,12 +301,41 @@ static int32_t rows_for(const retro_priv *p, int32_t n_kv, int64_t n_slots) {
     return (int32_t)LETHE_MIN(r, (int64_t)INT32_MAX / 4);
 }
 
+/* Without the host tier the tables are sized by the pool (every token holds
+ * a slot) and cost a share of each slot; with it, tokens outlive their slots,
+ * so the tables are sized for ctx_tokens and paid from the reserve. */
 static size_t retro_slot_overhead(const lethe_sparse_method *m) {
     const retro_priv *p = PRIV(m);
-    if (!m->env.be) return 0;
+    if (!m->env.be || p->host_kv) return 0;
     const double per = (double)m->env.n_layers * m->env.n_kv_heads *
                        (1.0 / p->csize + 1.0 / p->update) * (double)row_floats(m) * sizeof(float);
     return (size_t)ceil(per);
+}
+
+/* host tier: the device cluster ring of every layer (K and V, cache_rows
+ * head vectors of activations), taken off the KV budget */
+/* host tier: the device cluster ring of every layer (K and V, cache_rows
+ * head vectors of activations) and the cluster tables for ctx_tokens tokens
+ * of context (retroinfer_context_tokens, or max_num_seqs x max_model_len
+ * capped by what the host budget holds), taken off the KV budget. The
+ * engine's last call (its final max_num_seqs) sizes the tables. */
+static size_t retro_kv_reserve(lethe_sparse_method *m, int32_t max_num_seqs,
+                               int32_t max_num_batched_tokens) {
+    (void)max_num_batched_tokens;
+    retro_priv *p = PRIV(m);
+    if (!m->env.be || !p->host_kv) return 0;
+    int64_t ctx = p->ctx_knob;
+    if (ctx == 0) {
+        const int64_t per_tok = host_bytes(m, 1);
+        ctx = LETHE_MIN((int64_t)max_num_seqs * m->env.max_model_len,
+                        per_tok ? p->host_budget / per_tok : 0);
+    }
+    p->ctx_tokens = ctx;
+    const size_t ring = (size_t)m->env.n_layers * 2u * (size_t)p->cache_rows *
+                        (size_t)m->env.head_dim * m->env.be->ops->act_size;
+    const size_t tables = (size_t)m->env.n_layers * (size_t)rows_for(p, m->env.n_kv_heads, ctx) *
+                          row_floats(m) * sizeof(float);
+    return ring + tables;
 }
 
 static bool retro_layout(const lethe_sparse_method *m, int32_t layer, lethe_kv_layout *out) {
@@ -293,7 +363,9 @@ static lethe_status tables_init(lethe_sparse_method *m) {
     p->tables_ready = true;
     if (!be) return LETHE_OK;
     const int32_t nl = m->env.n_layers, hd = m->env.head_dim;
-    p->rows_cap = rows_for(p, m->env.n_kv_heads, lethe_kv_n_slots(m->env.pool));
+    p->rows_cap = rows_for(p, m->env.n_kv_heads,
+                           p->host_kv && p->ctx_tokens ? p->ctx_tokens
+                                                       : lethe_kv_n_slots(m->env.pool));
     p->t = lethe_xcalloc((size_t)nl, sizeof(rtables));
     const size_t R = (size_t)p->rows_cap;
     for (int32_t l = 0; l < nl; l++) {
@@ -372,10 +444,6 @@ static void runs_free(rtables *t, int32_t start, int32_t len) {
 
 /* ---- per request ---- */
 
-static int64_t host_bytes(const lethe_sparse_method *m, int64_t tokens) {
-    return tokens * m->env.n_layers * 2 * (int64_t)m->env.n_kv_heads * m->env.head_dim *
-           (int64_t)sizeof(float);
-}
 
 static lethe_status retro_request_init(lethe_sparse_method *m, const lethe_sparse_seq *s,
                                        void **state) {
@@ -480,7 +548,7 @@ static bool cluster_segment(lethe_sparse_method *m, rstate *rs, int32_t layer,
         p->cntbuf = lethe_xrealloc(p->cntbuf, p->cap_cent * sizeof(int32_t));
     }
     p->mean = lethe_xrealloc(p->mean, (size_t)kd * sizeof(float));
-    const int32_t *slots = row_slots + e0;
+    const int32_t *slots = row_slots + phys_of(rs, p->sink, e0);
     read_rows(m, layer, slots, n, p->sk, p->sv);
     /* centre per head, strided initial centroids */
     for (int32_t h = 0; h < KH; h++) {
@@ -602,6 +670,9 @@ static bool cluster_segment(lethe_sparse_method *m, rstate *rs, int32_t layer,
         be->ops->copy_from_host(be, (char *)t->count + (size_t)start * sizeof(float), ct,
                                 (size_t)n_ne * sizeof(float));
     }
+    /* the host store covers [sink, host_end) without a gap: what may be offloaded */
+    rlayer *RL = &rs->L[layer];
+    if (to_host && (RL->host_end == 0 ? e0 == p->sink : RL->host_end == e0)) RL->host_end = e1;
     p->n_built++;
     return true;
 }
@@ -610,7 +681,7 @@ static bool cluster_segment(lethe_sparse_method *m, rstate *rs, int32_t layer,
 static void index_update(lethe_sparse_method *m, const lethe_sparse_seq *q) {
     retro_priv *p = PRIV(m);
     rstate *rs = q->state;
-    const int32_t L = lethe_sparse_row_len(m, 0, q->row);
+    const int32_t L = lethe_sparse_row_len(m, 0, q->row) + rs->n_drop; /* logical */
     const int32_t *slots = lethe_kv_row_slots(m->env.pool, lethe_kv_space_of(m->env.pool, 0),
                                               q->row);
     const int32_t lim = L - p->recent; /* entries < lim may be clustered */
@@ -655,11 +726,44 @@ static void index_update(lethe_sparse_method *m, const lethe_sparse_seq *q) {
     }
 }
 
+/* Host tier: drops the entries every layer holds in its host store from the
+ * shared row ([sink, min over layers of host_end)), freeing their slots. */
+static void offload(lethe_sparse_method *m, const lethe_sparse_seq *q) {
+    retro_priv *p = PRIV(m);
+    rstate *rs = q->state;
+    if (!p->host_kv || rs->no_drop || p->retrieve >= 1.0) return;
+    int32_t to = INT32_MAX;
+    for (int32_t l = 0; l < m->env.n_layers; l++) to = LETHE_MIN(to, rs->L[l].host_end);
+    if (to <= p->sink + rs->n_drop) return; /* nothing new (or some layer has no host copy) */
+    lethe_kv_pool *pool = m->env.pool;
+    const int32_t *prot = NULL;
+    if (lethe_kv_row_protected(pool, q->row, &prot) > 0) {
+        /* pinned positions must stay in the row (kv_pool.h): keep this request whole */
+        if (!rs->no_drop)
+            LOG_WARN("retroinfer: request %llu has retention pins: its KV stays in the pool",
+                     (unsigned long long)q->request_id);
+        rs->no_drop = true;
+        return;
+    }
+    const int32_t len = lethe_kv_row_len(pool, lethe_kv_space_of(pool, 0), q->row);
+    const int32_t cut = phys_of(rs, p->sink, to); /* first row index kept after the sink */
+    LETHE_ASSERT(cut > p->sink && cut <= len);
+    int32_t *keep = lethe_xmalloc((size_t)len * sizeof(int32_t)), n = 0;
+    for (int32_t i = 0; i < p->sink; i++) keep[n++] = i;
+    for (int32_t i = cut; i < len; i++) keep[n++] = i;
+    lethe_kv_keep(pool, 0, q->row, keep, n); /* shared rows: every layer's row */
+    free(keep);
+    p->n_offloaded += cut - p->sink;
+    rs->n_drop = to - p->sink;
+}
+
 static void retro_finish_step(lethe_sparse_method *m, const lethe_sparse_step *st) {
     if (!m->env.be) return;
     for (int32_t s = 0; s < st->n_seqs; s++) {
         const lethe_sparse_seq *q = &st->seqs[s];
-        if (q->state && !q->is_aux) index_update(m, q);
+        if (!q->state || q->is_aux) continue;
+        index_update(m, q);
+        offload(m, q);
     }
 }
 
@@ -685,11 +789,15 @@ static int32_t retro_decode_selection(lethe_sparse_method *m, int32_t layer,
     const lethe_sparse_seq *s = &st->seqs[seq];
     p->st = st;
     if (seq < p->cap_mode) p->mode[seq] = 0;
-    if (!m->env.be || !q || !zoned(p, s, layer) || seq >= p->cap_mode)
+    if (!m->env.be || !q || !zoned(p, s, layer) || seq >= p->cap_mode) {
+        /* an offloading request always decodes through the zones */
+        LETHE_ASSERT(!s->state || ((const rstate *)s->state)->n_drop == 0);
         return lethe_sparse_select_all(m, layer, s->row, sel, cap);
-    /* the resident exact zone: sink and the tail (new token last) */
+    }
+    /* the resident exact zone: sink and the tail (new token last); row indices */
     const rstate *rs = s->state;
-    const int32_t L = lethe_sparse_row_len(m, layer, s->row), end = rs->L[layer].end;
+    const int32_t L = lethe_sparse_row_len(m, layer, s->row);
+    const int32_t end = phys_of(rs, p->sink, rs->L[layer].end);
     const int32_t *slots = lethe_kv_row_slots(m->env.pool, lethe_kv_space_of(m->env.pool, layer),
                                               s->row);
     int32_t n = 0;
@@ -700,9 +808,13 @@ static int32_t retro_decode_selection(lethe_sparse_method *m, int32_t layer,
     return n;
 }
 
-/* Host tier: places the misses among clusters (rows) of this layer's step in
- * the ring; ids: table rows, hat: host store offsets, n_of: sizes; out: ring
- * row of each (or -1). */
+/* Host tier: places the clusters (table rows) of one pass in the ring; hat:
+ * host store offsets (-1: no host copy), n_of: sizes; out: ring row of each,
+ * or -1 (no host copy, or no room). When the misses fit the ring, earlier
+ * fetches still in it are hits and the misses go to one contiguous run after
+ * them (all of them in one transfer per K / V). When they do not (one
+ * sequence retrieving more than cache_rows head vectors), the ring restarts
+ * and takes the clusters in the given order (best first) while they fit. */
 static void ring_place(lethe_sparse_method *m, int32_t layer, int32_t n_cl, const int32_t *rows,
                        const int64_t *hat, const int32_t *n_of, const rlayer *const *rl,
                        int32_t *out) {
@@ -713,7 +825,8 @@ static void ring_place(lethe_sparse_method *m, int32_t layer, int32_t n_cl, cons
     const int32_t hd = m->env.head_dim;
     /* misses need the ring end to move: iterate until the hits stay valid */
     int64_t miss = 0, total = t->ring_total;
-    for (int32_t pass = 0; pass < 4; pass++) {
+    bool settled = false;
+    for (int32_t pass = 0; pass < 4 && !settled; pass++) {
         miss = 0;
         for (int32_t i = 0; i < n_cl; i++) {
             const int64_t at = t->cache_at[rows[i]];
@@ -725,18 +838,22 @@ static void ring_place(lethe_sparse_method *m, int32_t layer, int32_t n_cl, cons
             if (nt % R + miss > R) nt += R - nt % R; /* contiguous: skip the ring's tail */
             nt += miss;
         }
-        if (nt == total) break;
+        settled = nt == total;
         total = nt;
     }
-    if (miss > R) miss = 0, total = t->ring_total; /* too many: this step's misses read the pool */
-    const int64_t base = total - miss;             /* where this step's misses go (absolute) */
+    const bool restart = miss > R || !settled; /* unsettled: the hits are not known valid */
+    int64_t base = total - miss; /* where this pass's misses go (absolute) */
+    if (restart) {               /* a fresh ring: no hits, best clusters first */
+        base = t->ring_total + (t->ring_total % R ? R - t->ring_total % R : 0);
+        miss = R;
+    }
     p->stage_k = grow64(p->stage_k, &p->cap_stage, miss * hd, sizeof(float));
     int64_t cap2 = p->cap_stage;
     p->stage_v = lethe_xrealloc(p->stage_v, (size_t)cap2 * sizeof(float));
     int64_t put = 0;
     for (int32_t i = 0; i < n_cl; i++) {
         int64_t at = t->cache_at[rows[i]];
-        const bool hit = at >= 0 && at >= total - R && at + n_of[i] <= t->ring_total;
+        const bool hit = !restart && at >= 0 && at >= total - R && at + n_of[i] <= t->ring_total;
         if (hit) {
             p->n_hits++;
             out[i] = (int32_t)(at % R);
@@ -752,7 +869,6 @@ static void ring_place(lethe_sparse_method *m, int32_t layer, int32_t n_cl, cons
             p->n_misses++;
         } else {
             out[i] = -1;
-            if (hat[i] >= 0) p->n_pool_reads++;
         }
     }
     LETHE_ASSERT(put <= miss);
@@ -762,7 +878,7 @@ static void ring_place(lethe_sparse_method *m, int32_t layer, int32_t n_cl, cons
         be->ops->act_from_host(be, (char *)t->cv + off, p->stage_v, (size_t)put * hd);
         p->bytes_fetched += 2 * put * hd * (int64_t)be->ops->act_size;
     }
-    t->ring_total = total;
+    t->ring_total = restart ? base + put : total;
 }
 
 /* clusters by score, best first (ties: the lower index) */
@@ -802,6 +918,128 @@ static void select_best(ranked *a, int32_t lo, int32_t hi, int32_t k) {
         else if (k >= i) lo = i;
         else return; /* [j + 1, i) equal the pivot: the split falls inside */
     }
+}
+
+/* the zoned sequences of the step in order: their step index and state */
+static const lethe_sparse_seq *zoned_seq(const retro_priv *p, int32_t *s) {
+    const lethe_sparse_step *st = p->st;
+    while (*s < st->n_seqs && *s < p->cap_mode && !p->mode[*s]) (*s)++;
+    return *s < st->n_seqs && *s < p->cap_mode ? &st->seqs[*s] : NULL;
+}
+
+/* One cluster_attention call over zoned queries [i0, i1) (rankings rk_*):
+ * exact lists (sink, retrieved members from the pool or the ring, tail) and
+ * estimated rows; with the host tier the pass's retrieved clusters are
+ * placed in the ring first (a cluster that did not fit is read from the
+ * pool, or estimated when it was offloaded). */
+static void attend_pass(lethe_sparse_method *m, int32_t layer, const lethe_attn_args *a,
+                        int32_t i0, int32_t i1, int32_t s0) {
+    retro_priv *p = PRIV(m);
+    lethe_backend *be = m->env.be;
+    const int32_t KH = m->env.n_kv_heads, sp = lethe_kv_space_of(m->env.pool, layer);
+    rtables *t = &p->t[layer];
+    /* host tier: every retrieved cluster of the pass, then one ring placement */
+    int32_t n_fetch = 0;
+    int32_t *f_rows = NULL, *f_n = NULL, *f_out = NULL;
+    int64_t *f_hat = NULL;
+    const rlayer **f_rl = NULL;
+    if (p->host_kv) {
+        int32_t nf = 0;
+        for (int32_t o = i0 * KH; o < i1 * KH; o++) nf += p->rk_nret[o];
+        const size_t cap = (size_t)LETHE_MAX(nf, 1);
+        f_rows = lethe_xmalloc(cap * sizeof(int32_t)), f_n = lethe_xmalloc(cap * sizeof(int32_t));
+        f_out = lethe_xmalloc(cap * sizeof(int32_t)), f_hat = lethe_xmalloc(cap * sizeof(int64_t));
+        f_rl = lethe_xmalloc(cap * sizeof(*f_rl));
+        int32_t s = s0;
+        for (int32_t i = i0; i < i1; i++, s++) {
+            const lethe_sparse_seq *q = zoned_seq(p, &s);
+            const rlayer *RL = &((const rstate *)q->state)->L[layer];
+            for (int32_t h = 0; h < KH; h++) {
+                const rhead *H = &RL->h[h];
+                const int32_t o = i * KH + h;
+                for (int32_t r = 0; r < p->rk_nret[o]; r++) {
+                    const int32_t c = p->rk_c[p->rk_beg[o] + r];
+                    f_rows[n_fetch] = H->row[c];
+                    f_n[n_fetch] = H->mbeg[c + 1] - H->mbeg[c];
+                    f_hat[n_fetch] = H->host_at[c];
+                    f_rl[n_fetch] = RL;
+                    n_fetch++;
+                }
+            }
+        }
+        if (n_fetch) ring_place(m, layer, n_fetch, f_rows, f_hat, f_n, f_rl, f_out);
+    }
+    /* the lists, per (query, head) of the pass */
+    int64_t nx = 0, ne = 0;
+    int32_t fi = 0, s = s0;
+    for (int32_t i = i0; i < i1; i++, s++) {
+        const lethe_sparse_seq *q = zoned_seq(p, &s);
+        const rstate *rs = q->state;
+        const rlayer *RL = &rs->L[layer];
+        const int32_t L = lethe_kv_row_len(m->env.pool, sp, q->row);
+        const int32_t *slots = lethe_kv_row_slots(m->env.pool, sp, q->row);
+        const int32_t end = phys_of(rs, p->sink, RL->end), off_end = p->sink + rs->n_drop;
+        for (int32_t h = 0; h < KH; h++) {
+            const rhead *H = &RL->h[h];
+            const int32_t o = i * KH + h, b0 = p->rk_beg[o], nret = p->rk_nret[o];
+            const int32_t nall = p->rk_beg[o + 1] - b0, oo = o - i0 * KH;
+            int64_t need_x = nx + LETHE_MIN(p->sink, L) + (L - end);
+            for (int32_t r = 0; r < nret; r++)
+                need_x += H->mbeg[p->rk_c[b0 + r] + 1] - H->mbeg[p->rk_c[b0 + r]];
+            p->xs = grow64(p->xs, &p->cap_x, need_x, sizeof(int32_t));
+            p->eids = grow64(p->eids, &p->cap_e, ne + nall, sizeof(int32_t));
+            p->xbeg[oo] = (int32_t)nx;
+            p->ebeg[oo] = (int32_t)ne;
+            for (int32_t e = 0; e < p->sink && e < L; e++) p->xs[nx++] = slots[e];
+            for (int32_t r = 0; r < nret; r++) {
+                const int32_t c = p->rk_c[b0 + r], mb = H->mbeg[c], cnt = H->mbeg[c + 1] - mb;
+                const int32_t ring = p->host_kv ? f_out[fi++] : -1;
+                if (ring >= 0) {
+                    for (int32_t u = 0; u < cnt; u++) p->xs[nx++] = -1 - (ring + u);
+                } else if (H->mem[mb] >= off_end) { /* resident: the pool */
+                    for (int32_t u = 0; u < cnt; u++) p->xs[nx++] = slots[H->mem[mb + u] - rs->n_drop];
+                    if (p->host_kv && H->host_at[c] >= 0) p->n_pool_reads++;
+                } else { /* offloaded and no ring room: estimated */
+                    p->eids[ne++] = H->row[c];
+                    p->n_demoted++;
+                    if (!p->warned_ring)
+                        LOG_WARN("retroinfer: one request's retrieved clusters exceed the cluster "
+                                 "cache (%d head vectors per layer): the rest are estimated; "
+                                 "raise retroinfer_cache_rows",
+                                 p->cache_rows);
+                    p->warned_ring = true;
+                }
+            }
+            for (int32_t e = end; e < L; e++) p->xs[nx++] = slots[e];
+            for (int32_t r = nret; r < nall; r++) p->eids[ne++] = H->row[p->rk_c[b0 + r]];
+        }
+    }
+    LETHE_ASSERT(!p->host_kv || fi == n_fetch);
+    free(f_rows), free(f_n), free(f_out), free(f_hat), free(f_rl);
+    const int32_t nq = i1 - i0;
+    p->xbeg[nq * KH] = (int32_t)nx;
+    p->ebeg[nq * KH] = (int32_t)ne;
+    /* the three zones under one softmax, over the pass's rows of out */
+    lethe_cluster_attn_args ca = {.out = a->out,
+                                  .q = a->q,
+                                  .k_cache = a->k_cache,
+                                  .v_cache = a->v_cache,
+                                  .k_aux = p->host_kv ? t->ck : NULL,
+                                  .v_aux = p->host_kv ? t->cv : NULL,
+                                  .cent = t->cent,
+                                  .vsum = t->vsum,
+                                  .count = t->count,
+                                  .n_q = nq,
+                                  .q_rows = p->q_rows + i0,
+                                  .x_begin = p->xbeg,
+                                  .x_slots = p->xs,
+                                  .e_begin = p->ebeg,
+                                  .e_ids = p->eids,
+                                  .n_heads = m->env.n_heads,
+                                  .n_kv_heads = KH,
+                                  .head_dim = m->env.head_dim,
+                                  .scale = a->scale};
+    be->ops->cluster_attention(be, &ca);
 }
 
 static void retro_attend(lethe_sparse_method *m, int32_t layer, const lethe_attn_args *a) {
@@ -847,105 +1085,57 @@ static void retro_attend(lethe_sparse_method *m, int32_t layer, const lethe_attn
     rtables *t = &p->t[layer];
     be->ops->cluster_scores(be, p->sc, a->q, t->cent, n_q, p->q_rows, p->sbeg, p->sids,
                             m->env.n_heads, KH, m->env.head_dim, a->scale);
-    /* 2. rank per (query, head): exact lists (sink, retrieved members, tail) and estimated rows */
-    int64_t nx = 0, ne = 0;
-    const int32_t sp = lethe_kv_space_of(m->env.pool, layer);
-    /* host tier: the retrieved clusters of the whole layer first, then one ring placement */
-    int32_t n_fetch = 0, cap_f = 0;
-    int32_t *f_rows = NULL, *f_n = NULL, *f_out = NULL;
-    int64_t *f_hat = NULL;
-    const rlayer **f_rl = NULL;
+    /* 2. rank per (query, head): the retrieved clusters best first, then the estimated ones */
+    p->rk_beg = grow64(p->rk_beg, &p->cap_rkb, (int64_t)n_q * KH + 1, sizeof(int32_t));
+    int64_t crb = p->cap_rkb;
+    p->rk_nret = lethe_xrealloc(p->rk_nret, (size_t)crb * sizeof(int32_t));
+    int64_t nr = 0;
     i = 0;
-    for (int32_t pass = 0; pass < (p->host_kv ? 2 : 1); pass++) {
-        i = 0;
-        nx = ne = 0;
-        int32_t fi = 0;
-        for (int32_t s = 0; s < st->n_seqs && s < p->cap_mode; s++) {
-            if (!p->mode[s]) continue;
-            const lethe_sparse_seq *q = &st->seqs[s];
-            const rstate *rs = q->state;
-            const rlayer *RL = &rs->L[layer];
-            const int32_t L = lethe_kv_row_len(m->env.pool, sp, q->row);
-            const int32_t *slots = lethe_kv_row_slots(m->env.pool, sp, q->row);
-            for (int32_t h = 0; h < KH; h++) {
-                const rhead *H = &RL->h[h];
-                const int32_t o = i * KH + h, ncl = H->n_cl;
-                const int32_t n_ret = LETHE_MIN(ncl, (int32_t)ceil(p->retrieve * ncl - 1e-9));
-                const int32_t n_est = LETHE_MIN(ncl - n_ret,
-                                                (int32_t)floor(p->estimate * ncl + 1e-9));
-                p->tops = grow32(p->tops, &p->cap_tops, ncl, sizeof(ranked));
-                ranked *rk = p->tops;
-                for (int32_t c = 0; c < ncl; c++) rk[c] = (ranked){p->sc[p->sbeg[o] + c], c};
-                /* the retrieved (best first) and the estimated (any order) tiers only: O(n) */
-                select_best(rk, 0, ncl, n_ret + n_est);
-                select_best(rk, 0, n_ret + n_est, n_ret);
-                qsort(rk, (size_t)n_ret, sizeof(ranked), cmp_ranked);
-                if (pass == 0 && p->host_kv) { /* collect the retrieved clusters */
-                    for (int32_t r = 0; r < n_ret; r++) {
-                        const int32_t c = rk[r].c;
-                        if (n_fetch >= cap_f) {
-                            cap_f = LETHE_MAX(64, 2 * cap_f);
-                            f_rows = lethe_xrealloc(f_rows, (size_t)cap_f * sizeof(int32_t));
-                            f_n = lethe_xrealloc(f_n, (size_t)cap_f * sizeof(int32_t));
-                            f_out = lethe_xrealloc(f_out, (size_t)cap_f * sizeof(int32_t));
-                            f_hat = lethe_xrealloc(f_hat, (size_t)cap_f * sizeof(int64_t));
-                            f_rl = lethe_xrealloc(f_rl, (size_t)cap_f * sizeof(*f_rl));
-                        }
-                        f_rows[n_fetch] = H->row[c];
-                        f_n[n_fetch] = H->mbeg[c + 1] - H->mbeg[c];
-                        f_hat[n_fetch] = H->host_at[c];
-                        f_rl[n_fetch] = RL;
-                        n_fetch++;
-                    }
-                    continue;
-                }
-                int64_t need_x = nx + LETHE_MIN(p->sink, L) + (L - RL->end);
-                for (int32_t r = 0; r < n_ret; r++)
-                    need_x += H->mbeg[rk[r].c + 1] - H->mbeg[rk[r].c];
-                p->xs = grow64(p->xs, &p->cap_x, need_x, sizeof(int32_t));
-                p->eids = grow64(p->eids, &p->cap_e, ne + n_est, sizeof(int32_t));
-                p->xbeg[o] = (int32_t)nx;
-                p->ebeg[o] = (int32_t)ne;
-                for (int32_t e = 0; e < p->sink && e < L; e++) p->xs[nx++] = slots[e];
-                for (int32_t r = 0; r < n_ret; r++) {
-                    const int32_t c = rk[r].c, b = H->mbeg[c], cnt = H->mbeg[c + 1] - b;
-                    const int32_t ring = p->host_kv ? f_out[fi++] : -1;
-                    for (int32_t u = 0; u < cnt; u++)
-                        p->xs[nx++] = ring >= 0 ? -1 - (ring + u) : slots[H->mem[b + u]];
-                }
-                for (int32_t e = RL->end; e < L; e++) p->xs[nx++] = slots[e];
-                for (int32_t r = n_ret; r < n_ret + n_est; r++) p->eids[ne++] = H->row[rk[r].c];
-            }
-            i++;
+    for (int32_t s = 0; s < st->n_seqs && s < p->cap_mode; s++) {
+        if (!p->mode[s]) continue;
+        const rstate *rs = st->seqs[s].state;
+        for (int32_t h = 0; h < KH; h++) {
+            const rhead *H = &rs->L[layer].h[h];
+            const int32_t o = i * KH + h, ncl = H->n_cl;
+            const int32_t n_ret = LETHE_MIN(ncl, (int32_t)ceil(p->retrieve * ncl - 1e-9));
+            const int32_t n_est = LETHE_MIN(ncl - n_ret, (int32_t)floor(p->estimate * ncl + 1e-9));
+            p->tops = grow32(p->tops, &p->cap_tops, ncl, sizeof(ranked));
+            ranked *rk = p->tops;
+            for (int32_t c = 0; c < ncl; c++) rk[c] = (ranked){p->sc[p->sbeg[o] + c], c};
+            /* the retrieved (best first) and the estimated (any order) tiers only: O(n) */
+            select_best(rk, 0, ncl, n_ret + n_est);
+            select_best(rk, 0, n_ret + n_est, n_ret);
+            qsort(rk, (size_t)n_ret, sizeof(ranked), cmp_ranked);
+            p->rk_c = grow64(p->rk_c, &p->cap_rk, nr + n_ret + n_est, sizeof(int32_t));
+            p->rk_beg[o] = (int32_t)nr;
+            p->rk_nret[o] = n_ret;
+            for (int32_t r = 0; r < n_ret + n_est; r++) p->rk_c[nr++] = rk[r].c;
         }
-        if (pass == 0 && p->host_kv) {
-            if (n_fetch) ring_place(m, layer, n_fetch, f_rows, f_hat, f_n, f_rl, f_out);
-        }
+        i++;
     }
-    free(f_rows), free(f_n), free(f_out), free(f_hat), free(f_rl);
-    p->xbeg[n_q * KH] = (int32_t)nx;
-    p->ebeg[n_q * KH] = (int32_t)ne;
-    /* 3. the three zones under one softmax, over the zoned rows of out */
-    lethe_cluster_attn_args ca = {.out = a->out,
-                                  .q = a->q,
-                                  .k_cache = a->k_cache,
-                                  .v_cache = a->v_cache,
-                                  .k_aux = p->host_kv ? t->ck : NULL,
-                                  .v_aux = p->host_kv ? t->cv : NULL,
-                                  .cent = t->cent,
-                                  .vsum = t->vsum,
-                                  .count = t->count,
-                                  .n_q = n_q,
-                                  .q_rows = p->q_rows,
-                                  .x_begin = p->xbeg,
-                                  .x_slots = p->xs,
-                                  .e_begin = p->ebeg,
-                                  .e_ids = p->eids,
-                                  .n_heads = m->env.n_heads,
-                                  .n_kv_heads = KH,
-                                  .head_dim = m->env.head_dim,
-                                  .scale = a->scale};
-    be->ops->cluster_attention(be, &ca);
+    p->rk_beg[n_q * KH] = (int32_t)nr;
+    /* 3. passes: consecutive queries whose retrieved host-tier clusters fit the
+     * ring together (all of them at once without the tier) */
+    int32_t i0 = 0, s0 = 0, s = 0;
+    int64_t need = 0;
+    for (i = 0; i < n_q; i++, s++) {
+        const lethe_sparse_seq *q = zoned_seq(p, &s);
+        int64_t ni = 0;
+        if (p->host_kv) {
+            const rlayer *RL = &((const rstate *)q->state)->L[layer];
+            for (int32_t h = 0; h < KH; h++)
+                for (int32_t r = 0; r < p->rk_nret[i * KH + h]; r++) {
+                    const int32_t c = p->rk_c[p->rk_beg[i * KH + h] + r];
+                    if (RL->h[h].host_at[c] >= 0) ni += RL->h[h].mbeg[c + 1] - RL->h[h].mbeg[c];
+                }
+        }
+        if (i > i0 && need + ni > p->cache_rows) {
+            attend_pass(m, layer, a, i0, i, s0);
+            i0 = i, s0 = s, need = 0;
+        }
+        need += ni;
+    }
+    attend_pass(m, layer, a, i0, n_q, s0);
 }
 
 const lethe_sparse_ops lethe_sparse_retroinfer = {
@@ -966,7 +1156,9 @@ const lethe_sparse_ops lethe_sparse_retroinfer = {
                   "segment=16,"
                   "retroinfer_update=8,retroinfer_min_tokens=16,retroinfer_retrieve=0.25,"
                   "retroinfer_estimate=0.25"},
+    .flags = LETHE_SPARSE_OFFLOADS,
     .slot_overhead_bytes = retro_slot_overhead,
+    .kv_reserve_bytes = retro_kv_reserve,
     .kv_layout = retro_layout,
     .kv_store = retro_store,
     .kv_attend = retro_attend,
@@ -991,6 +1183,7 @@ bool lethe_retroinfer_view(const lethe_sparse_method *m, const void *state, int3
     const rhead *H = &rs->L[layer].h[head];
     static const int32_t zero = 0;
     *out = (lethe_retro_head_view){.end = rs->L[layer].end,
+                                   .n_offloaded = rs->n_drop,
                                    .n_clusters = H->n_cl,
                                    .mbeg = H->n_cl ? H->mbeg : &zero,
                                    .members = H->mem,
@@ -1012,8 +1205,12 @@ bool lethe_retroinfer_table_row(const lethe_sparse_method *m, int32_t layer, int
     return true;
 }
 
-void lethe_retroinfer_counters(const lethe_sparse_method *m, int64_t *hits, int64_t *misses,
-                               int64_t *pool_reads) {
+void lethe_retroinfer_counters(const lethe_sparse_method *m, lethe_retro_counters *out) {
     const retro_priv *p = PRIV(m);
-    *hits = p->n_hits, *misses = p->n_misses, *pool_reads = p->n_pool_reads;
+    *out = (lethe_retro_counters){.hits = p->n_hits,
+                                  .misses = p->n_misses,
+                                  .pool_reads = p->n_pool_reads,
+                                  .demoted = p->n_demoted,
+                                  .offloaded = p->n_offloaded,
+                                  .bytes_fetched = p->bytes_fetched};
 }

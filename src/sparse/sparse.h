@@ -146,7 +146,8 @@ typedef enum lethe_sel_result {
 typedef enum lethe_sparse_kind {
     LETHE_SPARSE_KIND_DENSE = 0,
     LETHE_SPARSE_KIND_EVICTION,      /* physical: frees slots (lethe_kv_keep in finish_step) */
-    LETHE_SPARSE_KIND_SELECTION,     /* logical: reads a subset, never frees a slot */
+    LETHE_SPARSE_KIND_SELECTION,     /* logical: reads a subset, never frees a slot (but see
+                                      * LETHE_SPARSE_OFFLOADS: KV moved off the device) */
     LETHE_SPARSE_KIND_QUANTIZATION,  /* changes what a slot stores: a storage format (kv_format) */
     LETHE_SPARSE_KIND_COMPRESSION,   /* a payload of its own (kv_layout: latents, codes) and the
                                       * path that writes and reads it (kv_store / kv_attend) */
@@ -215,6 +216,16 @@ enum {
      * any decode method as --sparse-method PREFILL+DECODE (combined.c;
      * registry checks). */
     LETHE_SPARSE_PREFILL_AXIS = 1u << 8,
+    /* Offloads KV out of the pool while still attending to it (RetroInfer's
+     * host tier): a shared-rows SELECTION or COMPRESSION method with its own
+     * attention (kv_layout / kv_attend) may drop row entries in finish_step
+     * with lethe_kv_keep (like eviction: their slots are freed) once it holds
+     * their K / V elsewhere (host memory) and reads them through kv_attend.
+     * The row then holds fewer entries than the request's tokens (the
+     * engine's row check allows it), every layer the same ones; selections
+     * still list only resident slots. Not with PREFIX_CACHE, PER_LAYER_ROWS
+     * or UNIFORM (registry checks). */
+    LETHE_SPARSE_OFFLOADS = 1u << 9,
 };
 
 /* Configurations the method-generic test suites run every registered method

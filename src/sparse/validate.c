@@ -84,7 +84,8 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "kind %d is not a lethe_sparse_kind", (int)o->kind);
     const unsigned known = LETHE_SPARSE_PER_LAYER_ROWS | LETHE_SPARSE_PREFIX_CACHE |
                            LETHE_SPARSE_PAGE_META | LETHE_SPARSE_UNIFORM | LETHE_SPARSE_KV_PRE_ROPE |
-                           LETHE_SPARSE_HEAD_ROWS | LETHE_SPARSE_F32_WEIGHTS | LETHE_SPARSE_PREFILL_AXIS;
+                           LETHE_SPARSE_HEAD_ROWS | LETHE_SPARSE_F32_WEIGHTS | LETHE_SPARSE_PREFILL_AXIS |
+                           LETHE_SPARSE_OFFLOADS;
     RULE((o->flags & ~known) == 0, "flags has bits other than LETHE_SPARSE_*");
     lethe_status st = check_knobs(o);
     if (st != LETHE_OK) return st;
@@ -144,6 +145,11 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "kv_out_proj and LETHE_SPARSE_KV_PRE_ROPE need kv_layout");
     RULE(!o->kv_layout || !uniform, "a method with kv_layout must not be LETHE_SPARSE_UNIFORM (its "
          "layers store and attend through kv_store / kv_attend)");
+    RULE(!(o->flags & LETHE_SPARSE_OFFLOADS) ||
+             (o->kv_layout && o->finish_step && !evicts && !per_layer && !uniform &&
+              !(o->flags & LETHE_SPARSE_PREFIX_CACHE)),
+         "LETHE_SPARSE_OFFLOADS needs kv_layout / kv_attend (it attends to what it offloaded) and "
+         "finish_step, shared rows, no LETHE_SPARSE_PREFIX_CACHE, not an EVICTION method");
     RULE(((o->flags & LETHE_SPARSE_PAGE_META) != 0) == (o->page_meta_floats > 0),
          "page_meta_floats must be > 0 exactly when LETHE_SPARSE_PAGE_META is set (it is %d)",
          o->page_meta_floats);
