@@ -31,6 +31,7 @@
 
 #include "commands.h"
 #include "core/util.h"
+#include "engine/engine_introspect.h"
 #include "eval/eval.h"
 #include "eval/runinfo.h"
 #include "eval/suite.h"
@@ -56,6 +57,7 @@ typedef struct run {            /* what the flags resolve to */
     lethe_eval_suite_params sp;
     int32_t n_tasks_on;
     lethe_eval_config cfg[MAX_CONFIGS];
+    lethe_engine_layout layout[MAX_CONFIGS]; /* each configuration's KV pool (kv_token_bytes = 0: no engine) */
     int32_t n_cfg;
 } run;
 
@@ -361,6 +363,7 @@ int lethe_cmd_eval(int argc, char **argv) {
                 rc = 1;
             }
         }
+        if (e) lethe_engine_get_layout(e, &r.layout[ci]);
         lethe_eval_suite_run(suite, e, c, cerr[0] ? cerr : NULL, rows);
         lethe_engine_destroy(e); /* dense too: the inputs are prepared; free its memory for the next */
         dense = NULL;
@@ -376,6 +379,15 @@ int lethe_cmd_eval(int argc, char **argv) {
         if (r.cfg[ci].budget >= 0) cJSON_AddNumberToObject(co, "budget", r.cfg[ci].budget);
         else cJSON_AddNullToObject(co, "budget");
         cJSON_AddStringToObject(co, "knobs", r.cfg[ci].knobs);
+        /* what one token costs in this configuration's pool (the method's format on this
+         * device: f32 KV on the CPU, 16-bit on CUDA), and the slots that bought */
+        const lethe_engine_layout *lo = &r.layout[ci];
+        if (lo->kv_token_bytes) {
+            cJSON_AddNumberToObject(co, "kv_token_bytes", (double)lo->kv_token_bytes);
+            cJSON_AddNumberToObject(co, "kv_slot_overhead_bytes", (double)lo->kv_slot_overhead_bytes);
+            cJSON_AddNumberToObject(co, "kv_slots_per_layer", lo->kv_slots_per_layer);
+            cJSON_AddNumberToObject(co, "kv_reserve_bytes", (double)lo->kv_reserve_bytes);
+        }
         cJSON_AddItemToArray(cfgs, co);
     }
     cJSON_AddItemToObject(j, "rows", rows);
