@@ -3,8 +3,24 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs
 # (default: build,test,bench,dev,peer,plot,profile; the others only when named).
+#
+#   quality every method vs dense on the real SmolLM2-135M (Q4_1 GGUF, 98 MB:
+#           more than one call carries, so it travels as models/parts/p1, p2,
+#           p3 from `scripts/model-parts.sh split`, carried in consecutive
+#           calls, with the speeches in models/parts/sotu): joins the parts
+#           (sha256 checked; a missing part stops the phase and names it), then
+#           scripts/quality-grid.sh: `lethe eval --device cuda` at 4K and 8K,
+#           budgets 512/1024/2048 or two levels per method, 4 windows per cell,
+#           KL / top-1 vs dense, the palu / deltakv fits on the CPU cores.
+#           ~3-6 min. QUALITY_ENV adds settings (e.g. "JOBS=12 SAMPLES=8").
+#           -> $OUT/quality/*-grid-*.json, summary.txt, one log per job; a
+#           "FAIL" line per failed cell. Then on the dev machine:
+#           scripts/quality-grid.sh docs FILES_AT/quality (docs/results + quality.md).
+#   docs    after quality: scripts/gen_docs.py over a scratch copy of docs/ with
+#           the grid's result files -> $OUT/quality/quality.md (what the page
+#           will say; the repository's docs/ is left as it is).
 #
 #   basecmp before vs after in one call: the tree of an earlier commit, carried
 #           as .deb/base-COMMIT.tar (`git archive -o .deb/base-COMMIT.tar COMMIT`),
@@ -509,6 +525,31 @@ if has moeprof; then
     done
     log "moeprof: ($(( $(date +%s) - t0 ))s) -> moeprof.txt"
 fi
+if has quality; then
+    t0=$(date +%s)
+    if bash scripts/model-parts.sh join >"$OUT/quality-join.log" 2>&1; then
+        cat "$OUT/quality-join.log"
+        env OUT="$OUT" ${QUALITY_ENV:-} bash scripts/quality-grid.sh >"$OUT/quality.log" 2>&1
+        rc=$?
+        for f in "$OUT"/quality/*-grid-*.json; do add_gpu "$f"; done
+        grep -E '^(ok|FAIL|quality-grid:)' "$OUT/quality.log"
+        log "quality: rc=$rc ($(( $(date +%s) - t0 ))s): $(grep -c '^ok ' "$OUT/quality.log") jobs ok, $(grep -c '^FAIL' "$OUT/quality.log") FAIL lines"
+        grep '^FAIL' "$OUT/quality.log" | head -20 | tee -a "$OUT/summary.txt"
+    else
+        log "quality: model not joined: $(tail -1 "$OUT/quality-join.log")"
+    fi
+fi
+if has docs; then
+    if ls "$OUT"/quality/*-grid-*.json >/dev/null 2>&1; then
+        d=$(mktemp -d); cp -r docs "$d/docs"; cp "$OUT"/quality/*-grid-*.json "$d/docs/results/"
+        python3 scripts/gen_docs.py --no-plots --results "$d/docs/results" --docs "$d/docs" >"$OUT/docs.log" 2>&1
+        log "docs: gen_docs rc=$? -> quality/quality.md"
+        cp "$d/docs/quality.md" "$OUT/quality/quality.md" 2>/dev/null
+        rm -rf "$d"
+    else
+        log "docs: no $OUT/quality/*-grid-*.json (run the quality phase first)"
+    fi
+fi
 if has plot; then
     python3 scripts/plot_bench.py "$OUT/bench.json" "$OUT/bench.png" >>"$OUT/summary.txt" 2>&1
 fi
@@ -570,3 +611,4 @@ grep -A6 "prefill attention alone" "$OUT/bench.log" 2>/dev/null
 [ -s "$OUT/hybrid-gdn.log" ] && { echo; echo "hybrid: dev/cuda/gdn_bench"; grep -E "^(device|shape|prefill|decode| )" "$OUT/hybrid-gdn.log"; }
 [ -s "$OUT/hybrid-engine.log" ] && { echo; echo "hybrid: bench engine (Qwen3.6-27B dummy)"; grep -A8 "^ batch" "$OUT/hybrid-engine.log"; grep skipped "$OUT/hybrid-engine.log"; }
 [ -s "$OUT/hybrid-snapkv.log" ] && { echo; echo "hybrid: SnapKV 2K vs dense"; grep -B1 -A4 "^   input |" "$OUT/hybrid-snapkv.log"; }
+[ -s "$OUT/quality/summary.txt" ] && { echo; cat "$OUT/quality/summary.txt"; }
