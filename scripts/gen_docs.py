@@ -16,7 +16,7 @@ so hand-written text around them (and sections other helpers own) stays as
 it is. A doc without the markers gets them appended at its end; a missing
 doc is created with a short hand-written preamble that may then be edited.
 
-    python3 scripts/gen_docs.py                 regenerate (sections "quality", "serve", "sparse", "replay")
+    python3 scripts/gen_docs.py                 regenerate (sections "quality", "quality-grid", "serve", "sparse", "replay")
     python3 scripts/gen_docs.py --check         exit 1 if the docs are out of date
     python3 scripts/gen_docs.py plot-eval R.json OUT.png    plot one eval result
     python3 scripts/gen_docs.py plot-serve R.json [R.json...] OUT.png
@@ -297,6 +297,158 @@ def eval_section(evals, img_dir, img_rel, images, draw):
     return "\n".join(out)
 
 
+# ---- eval: the method grid (scripts/quality-grid.sh) --------------------------------------
+
+# Result files named *-grid-NAME-TAG.json are one run of scripts/quality-grid.sh: one eval
+# process per method and level, each with its own dense reference on the same windows. They
+# render as one table per context length (method x budget, KL / top-1) plus one of the methods
+# whose level is a size knob (bits, rank, latent dims) or their defaults, with the KV bytes per
+# token of each configuration's pool, instead of one table per file.
+GRID_KIND = {"streamingllm": "eviction", "snapkv": "eviction", "pyramidkv": "eviction", "h2o": "eviction",
+             "kvzip": "eviction", "rkv": "eviction", "skipkv": "eviction", "quest": "selection",
+             "omnikv": "selection", "retroinfer": "selection", "omnikv_prefill": "prefill",
+             "flashprefill": "prefill", "kivi": "quantization", "turboquant": "quantization",
+             "fp8_kv": "quantization", "palu": "compression", "deltakv": "compression"}
+# knobs whose value is a number of tokens: their configurations go to the budget table
+GRID_TOKEN_KNOBS = ("decode_keep_tokens", "recent_keep_tokens", "h2o_decode_budget", "kvzip_token_budget",
+                    "omnikv_prefill_keep_tokens")
+
+
+def is_grid(r):
+    return "-grid-" in r["_file"]
+
+
+def grid_group(r):
+    """(tag, commit): the files of one grid run (the tag is the file name's last part: h200, cpu)"""
+    return (os.path.splitext(r["_file"])[0].rsplit("-", 1)[-1], r.get("commit", "?"))
+
+
+def grid_budget_knob(x):
+    """the knob the budget set ("" when the configuration has no budget)"""
+    if x.get("budget") is None:
+        return ""
+    for kv in reversed((x.get("knobs") or "").split(",")):
+        k, _, v = kv.partition("=")
+        if v == str(x["budget"]):
+            return k
+    return ""
+
+
+def grid_other_knobs(x):
+    """the configuration's knobs besides the budget, asset folders by their last name"""
+    bk = grid_budget_knob(x)
+    ks = []
+    for kv in (x.get("knobs") or "").split(","):
+        k, _, v = kv.partition("=")
+        if kv and k != bk:
+            ks.append(f"{k}={os.path.basename(v) if '/' in v else v}")
+    return ",".join(ks)
+
+
+def grid_section(grids):
+    if not grids:
+        return ("_No grid results yet: `scripts/gpu-check.sh quality` on the GPU machine, then "
+                "`scripts/quality-grid.sh docs gpu-out/quality`._\n")
+    groups = {}
+    for r in grids:
+        groups.setdefault(grid_group(r), []).append(r)
+    out = []
+    for (tag, commit), rs in sorted(groups.items(), key=lambda kv: max(r.get("date", "") for r in kv[1]), reverse=True):
+        r0 = rs[0]
+        dates = sorted(r.get("date", "?") for r in rs)
+        lengths = sorted({L for r in rs for L in r.get("context_lengths", [])})
+        out.append(f"### Every method vs dense: {r0.get('model', '?')} on {r0.get('device', '?')}"
+                   f" ({tag}, {len(rs)} result files)\n")
+        out.append(f"- commit `{commit}`, {dates[0]} to {dates[-1]}, machine: {r0.get('machine', '?')}"
+                   + (f", GPU: {r0['gpu']}" if r0.get("gpu") else "") + f", threads per process: {r0.get('threads', '?')}")
+        out.append(f"- {r0.get('ppl_windows', r0.get('samples', '?'))} ppl windows of {r0.get('forced_tokens', '?')} "
+                   f"teacher-forced tokens per cell (KL(dense || method) and top-1 agreement over every scored "
+                   f"position), seed {r0.get('seed', '?')}, documents {r0.get('ppl_documents', '?')} of "
+                   f"`{r0.get('ppl_corpus', '?')}`; each file's dense reference ran in the same process on the "
+                   f"same windows")
+        out.append(f"- files `{'`, `'.join(sorted(r['_file'] for r in rs))}`")
+        out.append(f"- command of each: `{r0.get('command', '?')}` (the methods, budgets and knobs per file: "
+                   f"scripts/quality-grid.sh)")
+        out.append("")
+        notes = []
+        cells, dense, tok_bytes = {}, {}, {}
+        for r in rs:
+            for c in r.get("configs", []):
+                if c.get("kv_token_bytes"):
+                    tok_bytes[(c["method"], c.get("knobs", ""))] = c["kv_token_bytes"] + c.get("kv_slot_overhead_bytes", 0)
+            for x in r["rows"]:
+                if x["task"] != "ppl":
+                    continue
+                if x["method"] == "dense":
+                    dense.setdefault(x["context_length"], []).append(x)
+                else:
+                    cells[(x["method"], x.get("knobs", ""), x["context_length"])] = x
+
+        def cell(x):
+            if x is None:
+                return "—"
+            if x.get("error"):
+                notes.append(f"{x['method']} `{x.get('knobs', '')}` ctx {x['context_length']}: {x['error']}")
+                return f"error [{len(notes)}]"
+            return f"{fmt(x.get('kl_mean'), 4)} / {fmt(x.get('top1_agree'), 3)}"
+
+        dense_b = next((v for (m, _), v in tok_bytes.items() if m == "dense"), None)
+        methods = [m for m in GRID_KIND if any(k[0] == m for k in cells)]
+        methods += sorted({k[0] for k in cells} - set(methods))
+        for L in lengths:
+            d = dense.get(L, [])
+            dppl = sorted({round(x["ppl"], 4) for x in d if x.get("ppl") is not None})
+            out.append(f"#### {L} tokens\n")
+            out.append(f"Dense: ppl {' / '.join(f'{v:.2f}' for v in dppl) or '—'} over "
+                       f"{d[0].get('n', '?') if d else '?'} windows"
+                       + (f" (the same in all {len(d)} processes)" if len(dppl) == 1 and len(d) > 1 else "")
+                       + (f", {dense_b} KV bytes per token" if dense_b else "") + ".\n")
+            tb = [x for k, x in cells.items() if k[2] == L and grid_budget_knob(x) in GRID_TOKEN_KNOBS]
+            budgets = sorted({x["budget"] for x in tb})
+            if tb:
+                out.append("KL mean / top-1 vs dense at each token budget (the knob it sets: "
+                           "\"What a budget B sets\" below), KV bytes per token of the pool:\n")
+                out.append("| method | kind | budget knob | other knobs | KV bytes per token | "
+                           + " | ".join(str(b) for b in budgets) + " | n |")
+                out.append("|---|---|---|---|---:|" + "---:|" * len(budgets) + "---:|")
+                for m in methods:
+                    rows_m = {}
+                    for x in tb:
+                        if x["method"] == m:
+                            rows_m.setdefault(grid_other_knobs(x), {})[x["budget"]] = x
+                    for other, xs in sorted(rows_m.items()):
+                        ns = sorted({x.get("n") for x in xs.values() if x.get("n") is not None})
+                        bs = sorted({tok_bytes.get((m, x.get("knobs", ""))) for x in xs.values()} - {None})
+                        out.append(f"| {m} | {GRID_KIND.get(m, '?')} | `{grid_budget_knob(next(iter(xs.values())))}` | "
+                                   f"{'`' + other + '`' if other else '—'} | {'/'.join(str(b) for b in bs) or '—'} | "
+                                   + " | ".join(cell(xs.get(b)) for b in budgets)
+                                   + f" | {'/'.join(str(n) for n in ns) or '—'} |")
+                out.append("")
+            lv = [x for k, x in cells.items() if k[2] == L and grid_budget_knob(x) not in GRID_TOKEN_KNOBS]
+            if lv:
+                out.append("Methods at a size level or at their defaults, with the KV bytes per token of their pool "
+                           "(payload + per-slot buffers, this device's storage format):\n")
+                out.append("| method | kind | level / knobs | KV bytes per token | dense / method bytes | KL mean | KL p99 | top-1 | ppl | n |")
+                out.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+                for m in methods:
+                    for x in sorted((x for x in lv if x["method"] == m), key=lambda x: (x.get("budget") or 0, x.get("knobs", ""))):
+                        b = tok_bytes.get((m, x.get("knobs", "")))
+                        ratio = f"{dense_b / b:.2f}x" if b and dense_b else "—"
+                        c = cell(x)
+                        kl = (f"{fmt(x.get('kl_mean'), 4)} | {fmt(x.get('kl_p99'), 4)} | {fmt(x.get('top1_agree'), 3)}"
+                              if not x.get("error") else f"{c} | — | —")
+                        knobs = ",".join(kv.partition("=")[0] + "=" + os.path.basename(kv.partition("=")[2])
+                                         for kv in (x.get("knobs") or "").split(",") if kv)
+                        out.append(f"| {m} | {GRID_KIND.get(m, '?')} | `{knobs or 'defaults'}` | "
+                                   f"{b if b else '—'} | {ratio} | {kl} | {fmt(x.get('ppl'), 2)} | {x.get('n', '—')} |")
+                out.append("")
+        if notes:
+            for i, n in enumerate(notes, 1):
+                out.append(f"[{i}] {n}  ")
+            out.append("")
+    return "\n".join(out)
+
+
 # ---- serve --------------------------------------------------------------------------------
 
 def serve_workload(r):
@@ -539,10 +691,14 @@ def main(argv):
     draw = images and not a.check  # --check compares text only; the image lines stay
     if draw:
         os.makedirs(img_dir, exist_ok=True)
-    qs = eval_section(evals, img_dir, "img", images, draw)
+    grids = [r for r in evals if is_grid(r)]
+    qs = eval_section([r for r in evals if not is_grid(r)], img_dir, "img", images, draw)
     ss = serve_section(serves, img_dir, "img", images, draw)
-    changed = update_doc(os.path.join(a.docs, "quality.md"), QUALITY_PREAMBLE, [("quality", qs)], a.check,
-                         bool(evals))
+    qsec = [("quality", qs)]
+    qpath = os.path.join(a.docs, "quality.md")
+    if grids or (os.path.exists(qpath) and "<!-- gen:begin quality-grid -->" in open(qpath).read()):
+        qsec.append(("quality-grid", grid_section(grids)))
+    changed = update_doc(os.path.join(a.docs, "quality.md"), QUALITY_PREAMBLE, qsec, a.check, bool(evals))
     bench_sections = [("serve", ss)]
     if sparse:
         bench_sections.append(("sparse", sparse_section(sparse)))

@@ -172,3 +172,55 @@ def test_sparse_capped_batch_and_notes(tmp_path):
     assert "| 256 (381) |" in b and "Batch capped by max_num_seqs 256" in b
     assert "the pool alone holds 381 snapkv sequences (14.1x the dense batch of 27; timed batch 256 = 9.5x)" in b
     assert "attention kernel v2" in b and "Notes: device copy of the working tree" in b
+
+
+def grid_result(method, budgets, knob, extra="", tok_bytes=46080, error_at=None):
+    """one scripts/quality-grid.sh file: dense + one method at each budget / level, ppl rows only"""
+    cfgs = [("dense", None, "")] + [(method, b, ",".join(x for x in (extra, f"{knob}={b}" if b is not None else "") if x))
+                                    for b in budgets]
+    rows, configs = [], []
+    for m, b, k in cfgs:
+        configs.append({"method": m, "budget": b, "knobs": k, "kv_token_bytes": 46080 if m == "dense" else tok_bytes,
+                        "kv_slot_overhead_bytes": 0})
+        for L in (4096, 8000):
+            r = {"method": m, "budget": b, "knobs": k, "context_length": L, "task": "ppl", "n": 4, "ppl": 30.0}
+            if m != "dense":
+                r.update(kl_mean=0.01 + (b or 0) / 1e5, kl_p99=0.1, top1_agree=0.95)
+                if error_at == (b, L):
+                    r = {**r, "kl_mean": None, "top1_agree": None, "error": "engine: out of memory"}
+            rows.append(r)
+    return {"schema": "lethe-eval/1", "date": "2026-12-03T09:00:00Z", "commit": "0123456789ab",
+            "machine": "gpuhost: Xeon, 16 cores", "gpu": "NVIDIA H200", "device": "cuda", "threads": 1,
+            "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "max_model_len": 8192, "corpus": "models/parts/sotu",
+            "ppl_corpus": "models/parts/sotu", "ppl_documents": "1790_a.txt,1791_b.txt", "seed": 0, "samples": 4,
+            "ppl_windows": 4, "forced_tokens": 64, "context_lengths": [4096, 8000], "command": "lethe eval ...",
+            "configs": configs, "rows": rows}
+
+
+def test_grid_tables(tmp_path):
+    """quality-grid.sh files render as one table per context (method x budget, KL / top-1) and
+    one of the size levels with bytes per token, not one table per file; an error is a cell."""
+    docs = tmp_path / "docs"
+    res = docs / "results"
+    res.mkdir(parents=True)
+    (docs / "quality.md").write_text("# Quality\n\n<!-- gen:begin quality-grid -->\n<!-- gen:end quality-grid -->\n")
+    files = {"snapkv": grid_result("snapkv", (512, 1024, 2048), "decode_keep_tokens", error_at=(1024, 8000)),
+             "kivi": grid_result("kivi", (2, 4), "kivi_bits", tok_bytes=6120),
+             "deltakv-l96": grid_result("deltakv", (512, 1024, 2048), "decode_keep_tokens",
+                                        "deltakv_compressor=/tmp/x/fits/deltakv-full,deltakv_latent=96", 21520),
+             "fp8_kv": grid_result("fp8_kv", (None,), "")}
+    for name, r in files.items():
+        (res / f"smollm2-135m-q4_1-grid-{name}-h200.json").write_text(json.dumps(r))
+    p = run("--results", str(res), "--docs", str(docs), "--no-plots")
+    assert p.returncode == 0, p.stderr
+    q = (docs / "quality.md").read_text()
+    assert q.count("#### 4096 tokens") == 1 and q.count("#### 8000 tokens") == 1
+    assert "commit `0123456789ab`" in q and "GPU: NVIDIA H200" in q and "(h200, 4 result files)" in q
+    assert "| snapkv | eviction | `decode_keep_tokens` | — | 46080 | 0.0151 / 0.950 | 0.0202 / 0.950 | 0.0305 / 0.950 | 4 |" in q
+    assert "| snapkv | eviction | `decode_keep_tokens` | — | 46080 | 0.0151 / 0.950 | error [1] | 0.0305 / 0.950 | 4 |" in q
+    assert "[1] snapkv `decode_keep_tokens=1024` ctx 8000: engine: out of memory" in q
+    assert "`deltakv_compressor=deltakv-full,deltakv_latent=96` | 21520 |" in q
+    assert "| kivi | quantization | `kivi_bits=2` | 6120 | 7.53x | 0.0100 | 0.1000 | 0.950 | 30.00 | 4 |" in q
+    assert "| fp8_kv | quantization | `defaults` | 46080 | 1.00x |" in q
+    assert "Dense: ppl 30.00 over 4 windows (the same in all 4 processes), 46080 KV bytes per token." in q
+    assert "### SmolLM2" not in q  # no per-file tables for grid files
