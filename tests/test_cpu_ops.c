@@ -8,7 +8,8 @@
  * bit-identical whatever the batch size, its position in the batch and the
  * thread count. Quest page ops (page_minmax over arbitrary slot lists with
  * partial pages, page_scores over several sequences) bit-identical to the
- * direct host computation of select_util.c. Ends with a GEMM throughput line
+ * direct host computation of select_util.c. key_redundancy (R-KV) against
+ * float64 with planted copies, bit-identical across SIMD tier and threads. Ends with a GEMM throughput line
  * (GFLOP/s) for the log. */
 #include <math.h>
 #include <stdint.h>
@@ -448,6 +449,81 @@ static void test_page_ops(void) {
     free(q);
 }
 
+/* ---- key redundancy (R-KV) ------------------------------------------------ */
+
+/* key_redundancy against a float64 oracle of its definition (mean cosine to
+ * the other keys, minus the cosine to the newest near-copy for the older
+ * copies' newest copy), with planted exact and scaled copies; both SIMD tiers
+ * and both thread counts give the same bits (the lane sums of redundancy.c). */
+static void test_key_redundancy(void) {
+    static const int shapes[][3] = {{1, 64, 40}, {2, 128, 700}, {3, 96, 257}, {1, 20, 13}, {2, 576, 100}, {3, 64, 9}};
+    const lethe_cpu_isa have = ((lethe_cpu_ctx *)g_be->ctx)->isa;
+    for (size_t si = 0; si < LETHE_ARRAY_LEN(shapes); si++) {
+        const int KV = shapes[si][0], D = shapes[si][1], n = shapes[si][2], n_slots = 2 * n + 7;
+        const size_t kvd = (size_t)KV * D;
+        float *kc = rand_vec((size_t)n_slots * kvd);
+        int32_t *slots = lethe_xmalloc((size_t)n * sizeof(int32_t));
+        for (int i = 0; i < n; i++) slots[i] = (int32_t)((i * 2 + 3) % n_slots);
+        const int a = n / 3, b = n / 2, c = 2 * n / 3; /* a -> b, c exact; 1 -> 5 scaled */
+        for (size_t d = 0; d < kvd; d++) {
+            kc[(size_t)slots[b] * kvd + d] = kc[(size_t)slots[c] * kvd + d] = kc[(size_t)slots[a] * kvd + d];
+            kc[(size_t)slots[5] * kvd + d] = 2.0f * kc[(size_t)slots[1] * kvd + d];
+        }
+        const float thr = 0.5f;
+        float *o[4];
+        lethe_backend *bes[2] = {g_be, g_be1};
+        for (int v = 0; v < 4; v++) { /* (avx2 | scalar) x (all threads | one) */
+            lethe_backend *be = bes[v & 1];
+            ((lethe_cpu_ctx *)be->ctx)->isa = v < 2 ? have : LETHE_ISA_SCALAR;
+            o[v] = lethe_xmalloc((size_t)KV * n * sizeof(float));
+            be->ops->key_redundancy(be, o[v], kc, slots, n, KV, D, thr);
+            ((lethe_cpu_ctx *)be->ctx)->isa = have;
+        }
+        for (int v = 1; v < 4; v++)
+            CHECK_MSG(!memcmp(o[0], o[v], (size_t)KV * n * sizeof(float)),
+                      "key_redundancy KV=%d D=%d n=%d: variant %d not bit-identical", KV, D, n, v);
+        double worst = 0;
+        for (int h = 0; h < KV; h++) {
+            double *cs = lethe_xmalloc((size_t)n * n * sizeof(double)), *nr = lethe_xmalloc((size_t)n * sizeof(double));
+            for (int i = 0; i < n; i++) {
+                const float *k = kc + (size_t)slots[i] * kvd + (size_t)h * D;
+                double s = 0;
+                for (int d = 0; d < D; d++) s += (double)k[d] * k[d];
+                nr[i] = sqrt(s);
+            }
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < n; j++) {
+                    const float *ki = kc + (size_t)slots[i] * kvd + (size_t)h * D, *kj = kc + (size_t)slots[j] * kvd + (size_t)h * D;
+                    double s = 0;
+                    for (int d = 0; d < D; d++) s += (double)ki[d] * kj[d];
+                    cs[(size_t)i * n + j] = s / (nr[i] * nr[j]);
+                }
+            double *want = lethe_xcalloc((size_t)n, sizeof(double));
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < n; j++)
+                    if (j != i) want[i] += cs[(size_t)i * n + j];
+            for (int i = 0; i < n; i++) { /* the newest copy does not count its older copies */
+                int last = -1;
+                for (int j = i + 1; j < n; j++)
+                    if (cs[(size_t)i * n + j] > thr) last = j;
+                if (last >= 0) want[last] -= cs[(size_t)i * n + last];
+            }
+            for (int i = 0; i < n; i++) {
+                const double err = fabs(o[0][(size_t)h * n + i] - want[i] / n);
+                worst = fmax(worst, err);
+                CHECK_MSG(err <= 1e-5, "key_redundancy KV=%d D=%d n=%d [%d, %d]: %.7g vs %.7g", KV, D, n, h, i,
+                          (double)o[0][(size_t)h * n + i], want[i] / n);
+            }
+            CHECK(o[0][(size_t)h * n + c] < o[0][(size_t)h * n + a] && o[0][(size_t)h * n + 5] < o[0][(size_t)h * n + 1]);
+            free(cs), free(nr), free(want);
+        }
+        fprintf(stderr, "    key_redundancy KV=%d D=%d n=%-4d (%s and scalar) max abs err %.2e\n", KV, D, n,
+                lethe_cpu_isa_name(have), worst);
+        free(kc), free(slots);
+        for (int v = 0; v < 4; v++) free(o[v]);
+    }
+}
+
 int main(void) {
     lethe_backend_params p = {.device = "cpu", .n_threads = 0};
     CHECK(lethe_backend_cpu_create(&p, &g_be) == LETHE_OK);
@@ -470,6 +546,7 @@ int main(void) {
     TEST_RUN(test_attention);
     TEST_RUN(test_attention_tile_invariance);
     TEST_RUN(test_page_ops);
+    TEST_RUN(test_key_redundancy);
     TEST_RUN(bench_matmul);
     g_be->ops->destroy(g_be); /* not lethe_backend_destroy: keeps CUDA out of the link */
     g_be1->ops->destroy(g_be1);

@@ -126,6 +126,21 @@ void lethe_cpu_gemm_block_avx2(const float *x, const float *w, float *y, int32_t
 void lethe_cpu_scores_rowmax_avx2(const float *qh, size_t q_stride, int32_t n_rows,
                                   const float *kc, const int32_t *off, int32_t n_keys, int D,
                                   float scale, int32_t c0, int32_t c1, float *raw, float *v);
+/* scores_avx2.c: raw[e] = scale * q . k_e for e < n, keys at kc + off[e]
+ * (float offsets), each one fmaf chain over d as scores.c's scalar path */
+void lethe_cpu_scores_raw_avx2(const float *q, const float *kc, const int32_t *off, int32_t n, int D,
+                               float scale, float *raw);
+/* redundancy_avx2.c: key_redundancy's AVX2 tier for one KV head (keys at
+ * kc + slots[j] * stride + head_off). pack: kt [D][np] (keys transposed, np = n
+ * rounded up to 8, zero padding) and nrm [np] = |k_j| + 1e-8; rows: for rows
+ * [i0, i1) the lane sums sum[i], last[i] (-1: none) and clast[i], bit-identical
+ * to redundancy.c's portable pass (compiled with -mavx2 -mfma) */
+void lethe_cpu_redundancy_pack_avx2(const float *kc, const int32_t *slots, size_t stride, size_t head_off,
+                                    int32_t n, int D, float *kt, int32_t np, float *nrm);
+void lethe_cpu_redundancy_rows_avx2(const float *kc, const int32_t *slots, size_t stride, size_t head_off,
+                                    const float *kt, int32_t np, int32_t n, int D, const float *nrm,
+                                    float threshold, int32_t i0, int32_t i1, double *sum, int32_t *last,
+                                    float *clast);
 /* qmatmul_avx2.c: y[i*ldy + j - j0] = dot(x row i, W row j) for i < m <= 2,
  * j in [j0, j1), decoding the blocks in registers; false if the format has
  * no AVX2 kernel (the caller dequantizes rows instead) */

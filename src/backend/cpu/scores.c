@@ -10,11 +10,12 @@
  * in row order in float, divided by n_rows, heads reduced in head order), so
  * the methods' scores are bit-identical to that path.
  *
- * One mode has a faster path: PROB_MAX | ROW_MAX without CAND_DENOM (KVzip's
- * replay scores) runs in scores_avx2.c when the CPU has AVX2/FMA, with the
- * same raw scores and float exponentials (that file says how close; no
- * lethe_window_scores mode has a row max, so nothing there had to stay
- * bit-identical).
+ * With AVX2/FMA the raw scores come from scores_avx2.c, 8 keys per vector,
+ * each key's fmaf chain unchanged (the same bits, so every mode above stays
+ * exact). One mode has a faster path as a whole: PROB_MAX | ROW_MAX without
+ * CAND_DENOM (KVzip's replay scores) runs in scores_avx2.c with float
+ * exponentials (that file says how close; no lethe_window_scores mode has a
+ * row max, so nothing there had to stay bit-identical).
  *
  * Work per sequence: the query heads in parallel (OpenMP), each producing its
  * row-reduced values v(h, .) [n_cand] in a scratch [n_heads, n_cand], then
@@ -29,10 +30,16 @@
 #include "backend/cpu/cpu_ops.h"
 #include "core/util.h"
 
-/* raw[e] = scale * q . K[slot(e), kvh] for e in [lo, hi) */
+/* raw[e] = scale * q . K[slot(e), kvh] for e in [lo, hi); off (AVX2 tier, else
+ * NULL): the keys' float offsets into the cache, 8 keys per vector in
+ * scores_avx2.c with the same fmaf chain per key (the same bits) */
 static void raw_scores(const lethe_attn_scores_args *a, const lethe_score_seq *sq, const float *q,
-                       int kvh, int32_t lo, int32_t hi, float *raw) {
+                       int kvh, int32_t lo, int32_t hi, const int32_t *off, float *raw) {
     const int D = a->head_dim;
+    if (off) {
+        if (hi > lo) lethe_cpu_scores_raw_avx2(q, a->k_cache, off + lo, hi - lo, D, a->scale, raw + lo);
+        return;
+    }
     const size_t kv_stride = (size_t)a->n_kv_heads * D;
     const float *kc = a->k_cache;
     const int32_t *slots = a->key_slots + sq->key_begin;
@@ -46,7 +53,7 @@ static void raw_scores(const lethe_attn_scores_args *a, const lethe_score_seq *s
 
 /* v[j] for candidate c0 + j of query head h, reduced over the scored rows */
 static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *sq, int h,
-                        float *raw, float *v) {
+                        const int32_t *off, float *raw, float *v) {
     const int32_t c0 = sq->c0, c1 = sq->c1, nc = c1 - c0;
     const int kind = sq->mode & LETHE_SCORES_KIND_MASK;
     const bool cand = (sq->mode & LETHE_SCORES_CAND_DENOM) != 0;
@@ -58,13 +65,13 @@ static void head_values(const lethe_attn_scores_args *a, const lethe_score_seq *
         const float *q = (const float *)a->q + ((size_t)(sq->q_row + i) * a->n_heads + h) * a->head_dim;
         const int32_t vc1 = LETHE_MIN(c1, lim + 1);      /* visible candidates [c0, vc1) */
         if (kind == LETHE_SCORES_LOGIT_MAX) {
-            raw_scores(a, sq, q, kvh, c0, vc1, raw);
+            raw_scores(a, sq, q, kvh, c0, vc1, off, raw);
             for (int32_t e = c0; e < vc1; e++)
                 if (raw[e] > v[e - c0]) v[e - c0] = raw[e];
             continue;
         }
         const int32_t d0 = cand ? c0 : 0, d1 = cand ? vc1 : lim + 1; /* denominator */
-        raw_scores(a, sq, q, kvh, d0, d1, raw); /* [d0, d1) covers the visible candidates */
+        raw_scores(a, sq, q, kvh, d0, d1, off, raw); /* [d0, d1) covers the visible candidates */
         double m = -INFINITY, l = 0.0;
         for (int32_t e = d0; e < d1; e++)
             if (raw[e] > m) m = raw[e];
@@ -88,12 +95,11 @@ typedef struct scores_job {
     lethe_cpu_isa isa;
 } scores_job;
 
-/* the AVX2 row-max path applies (scores_avx2.c): the mode, and key offsets in int32 */
-static bool rowmax_fast(const scores_job *j) {
+/* key offsets of the AVX2 paths fit in int32 */
+static bool offsets_fit(const scores_job *j) {
     const lethe_attn_scores_args *a = j->a;
     const int32_t *slots = a->key_slots + j->sq->key_begin;
-    if (j->isa < LETHE_ISA_AVX2 || j->sq->mode != (LETHE_SCORES_PROB_MAX | LETHE_SCORES_ROW_MAX))
-        return false;
+    if (j->isa < LETHE_ISA_AVX2) return false;
     int32_t max_slot = 0;
     for (int32_t e = 0; e < j->sq->n_keys; e++) max_slot = LETHE_MAX(max_slot, slots[e]);
     return ((int64_t)max_slot + 1) * a->n_kv_heads * a->head_dim < INT32_MAX;
@@ -104,20 +110,23 @@ static void scores_task(void *ctx, int h, int worker) {
     const lethe_attn_scores_args *a = j->a;
     const lethe_score_seq *sq = j->sq;
     float *raw = lethe_xmalloc(((size_t)sq->n_keys + 8) * sizeof(float));
-    if (rowmax_fast(j)) {
+    int32_t *off = NULL;
+    if (offsets_fit(j)) {
         const int kvh = h / (a->n_heads / a->n_kv_heads);
         const int32_t *slots = a->key_slots + sq->key_begin;
-        int32_t *off = lethe_xmalloc(((size_t)sq->n_keys + 8) * sizeof(int32_t));
+        off = lethe_xmalloc(((size_t)sq->n_keys + 8) * sizeof(int32_t));
         for (int32_t e = 0; e < sq->n_keys; e++)
             off[e] = (slots[e] * a->n_kv_heads + kvh) * a->head_dim;
+    }
+    if (off && sq->mode == (LETHE_SCORES_PROB_MAX | LETHE_SCORES_ROW_MAX)) {
         const size_t qs = (size_t)a->n_heads * a->head_dim;
         lethe_cpu_scores_rowmax_avx2((const float *)a->q + (size_t)sq->q_row * qs + (size_t)h * a->head_dim,
                                      qs, sq->n_rows, a->k_cache, off, sq->n_keys, a->head_dim,
                                      a->scale, sq->c0, sq->c1, raw, j->hv + (size_t)h * j->nc);
-        free(off);
     } else {
-        head_values(a, sq, h, raw, j->hv + (size_t)h * j->nc);
+        head_values(a, sq, h, off, raw, j->hv + (size_t)h * j->nc);
     }
+    free(off);
     free(raw);
 }
 

@@ -45,9 +45,10 @@ static inline __m256 exp_neg_ps(__m256 x) {
 }
 
 /* raw[e] = scale * (fmaf chain over d of q[d] k_e[d]) for e in [0, n): keys
- * kc + off[e] (float offsets), 8 keys per vector */
-static void raw_block(const float *q, const float *kc, const int32_t *off, int32_t n, int D,
-                      float scale, float *raw) {
+ * kc + off[e] (float offsets), 8 keys per vector (also scores.c's raw scores
+ * of every other mode: the same bits as its scalar chain) */
+void lethe_cpu_scores_raw_avx2(const float *q, const float *kc, const int32_t *off, int32_t n, int D,
+                               float scale, float *raw) {
     int32_t e = 0;
     for (; e + 8 <= n; e += 8) {
         const __m256i idx = _mm256_loadu_si256((const __m256i *)(off + e));
@@ -72,7 +73,7 @@ void lethe_cpu_scores_rowmax_avx2(const float *qh, size_t q_stride, int32_t n_ro
         const int32_t n = n_keys - n_rows + i + 1; /* visible keys [0, n) */
         const int32_t vc1 = LETHE_MIN(c1, n);
         if (n <= 0 || vc1 <= c0) continue;
-        raw_block(qh + (size_t)i * q_stride, kc, off, n, D, scale, raw);
+        lethe_cpu_scores_raw_avx2(qh + (size_t)i * q_stride, kc, off, n, D, scale, raw);
         __m256 mv = _mm256_set1_ps(-INFINITY);
         int32_t e = 0;
         for (; e + 8 <= n; e += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(raw + e));
