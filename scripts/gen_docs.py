@@ -308,7 +308,8 @@ GRID_KIND = {"streamingllm": "eviction", "snapkv": "eviction", "pyramidkv": "evi
              "kvzip": "eviction", "rkv": "eviction", "skipkv": "eviction", "quest": "selection",
              "omnikv": "selection", "retroinfer": "selection", "omnikv_prefill": "prefill",
              "flashprefill": "prefill", "kivi": "quantization", "turboquant": "quantization",
-             "fp8_kv": "quantization", "palu": "compression", "deltakv": "compression"}
+             "fp8_kv": "quantization", "palu": "compression", "deltakv": "compression",
+             "flashprefill+snapkv": "prefill + eviction", "omnikv_prefill+quest": "prefill + selection"}
 # knobs whose value is a number of tokens: their configurations go to the budget table
 GRID_TOKEN_KNOBS = ("decode_keep_tokens", "recent_keep_tokens", "h2o_decode_budget", "kvzip_token_budget",
                     "omnikv_prefill_keep_tokens")

@@ -14,7 +14,7 @@
 #           scripts/quality-grid.sh: `lethe eval --device cuda` at 4K and 8K,
 #           budgets 512/1024/2048 or two levels per method, 4 windows per cell,
 #           KL / top-1 vs dense, the palu / deltakv fits on the CPU cores.
-#           ~3-6 min. QUALITY_ENV adds settings (e.g. "JOBS=12 SAMPLES=8").
+#           <= 9 min (TOTAL_S). QUALITY_ENV adds settings (e.g. "JOBS=12 SAMPLES=8").
 #           -> $OUT/quality/*-grid-*.json, summary.txt, one log per job; a
 #           "FAIL" line per failed cell. Then on the dev machine:
 #           scripts/quality-grid.sh docs FILES_AT/quality (docs/results + quality.md).

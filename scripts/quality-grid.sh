@@ -2,7 +2,8 @@
 # scripts/quality-grid.sh [docs DIR] - every method of `lethe methods` against
 # dense on SmolLM2-135M, KL(dense || method) and top-1 agreement of the
 # next-token distributions over teacher-forced windows (`lethe eval --tasks
-# ppl`), at 4K and 8K, in one call of the GPU machine (~3-6 min on one H200).
+# ppl`), at 4K and 8K, in one call of the GPU machine (not yet timed there: every
+# process is bounded so that it all ends by TOTAL_S = 540 s).
 #
 # One `lethe eval` process per method and level, $JOBS at a time (the GPU is
 # idle most of a step of this small model: processes share it well); each runs
@@ -26,7 +27,7 @@
 # ($GRID_OUT/summary.txt) lists every cell, failed ones included.
 #
 #   docs DIR   copy DIR/*-grid-*.json into docs/results/ and regenerate
-#              docs/quality.md (scripts/gen_docs.py --no-plots)
+#              docs/quality.md (scripts/gen_docs.py)
 #
 # Environment (defaults for the H200): LETHE (build/lethe), DEVICE (cuda),
 # MODEL, CORPUS (../shared/data/sotu, else models/parts/sotu), CTX
@@ -41,7 +42,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = docs ]; then
     src=${2:?usage: scripts/quality-grid.sh docs DIR}
     ls "$src"/*-grid-*.json >/dev/null 2>&1 || { echo "quality-grid: no *-grid-*.json in $src" >&2; exit 1; }
-    cp "$src"/*-grid-*.json docs/results/ && python3 scripts/gen_docs.py --no-plots && \
+    cp "$src"/*-grid-*.json docs/results/ && python3 scripts/gen_docs.py && \
         echo "quality-grid: $(ls "$src"/*-grid-*.json | wc -l) result files -> docs/results, docs/quality.md regenerated"
     exit $?
 fi
@@ -96,6 +97,8 @@ retroinfer-r018|retroinfer|-||retroinfer_min_tokens=1024||-
 retroinfer-r050|retroinfer|-||retroinfer_min_tokens=1024,retroinfer_retrieve=0.05||-
 flashprefill-t002|flashprefill|-||flashprefill_min_q=2048|--max-num-batched-tokens 8192|-
 flashprefill-t010|flashprefill|-||flashprefill_min_q=2048,flashprefill_threshold=0.01|--max-num-batched-tokens 8192|-
+flashprefill-snapkv|flashprefill+snapkv|$BUDGETS|flashprefill+snapkv:decode_keep_tokens|flashprefill_min_q=2048|--max-num-batched-tokens 8192|-
+omnikv_prefill-quest|omnikv_prefill+quest|$BUDGETS|omnikv_prefill+quest:decode_keep_tokens|omnikv_prefill_keep_tokens=1024|--max-num-batched-tokens 1024|-
 kivi|kivi|2,4|kivi:kivi_bits|||-
 turboquant|turboquant|2,4|turboquant:turboquant_bits|||-
 fp8_kv|fp8_kv|-||||-
