@@ -401,11 +401,13 @@ typedef struct lethe_cluster_attn_args {
  * (weights, expert e at offset e * ffn * dim). Only the chosen experts'
  * weights are read. ws: backend scratch of lethe_moe_ws_bytes(be, n, ...)
  * bytes (the caller allocates it once for its largest n; the op never
- * allocates, so a decode step with it is graph-capturable). out may not
+ * allocates, so a decode step with it is graph-capturable). With accumulate,
+ * out[t] += that sum instead (out is then the residual stream: the layer's
+ * residual add is part of the op, one rounding per element). out may not
  * alias x. Every output row depends only on its own token (batch-invariant
  * on the CPU). */
 typedef struct lethe_moe_args {
-    void *out;          /* [n, dim] activations, overwritten */
+    void *out;          /* [n, dim] activations, overwritten (accumulate: added to) */
     const void *x;      /* [n, dim] */
     const void *logits; /* [n, n_experts] router logits */
     const void *bias;   /* [n_experts] weights or NULL (SIGMOID only) */
@@ -415,6 +417,7 @@ typedef struct lethe_moe_args {
     bool norm_topk;
     float scale;
     int32_t n_group, topk_group;
+    bool accumulate; /* out += the routed sum (else out = it) */
     void *ws;
     size_t ws_bytes;
 } lethe_moe_args;

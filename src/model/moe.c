@@ -50,7 +50,7 @@ void lethe_moe_forward(lethe_model *m, const lethe_layer_weights *L, const lethe
     LETHE_ASSERT(b->ws && L->router && L->exp_gate && L->exp_up && L->exp_down);
     o->matmul(be, b->logits, xn, L->router, n, c->n_experts, c->dim);
     lethe_moe_args a = {
-        .out = b->out,
+        .out = x, /* the residual stream: x += the routed experts' sum */
         .x = xn,
         .logits = b->logits,
         .bias = L->router_bias,
@@ -67,11 +67,11 @@ void lethe_moe_forward(lethe_model *m, const lethe_layer_weights *L, const lethe
         .scale = c->moe_scale,
         .n_group = c->moe_n_group,
         .topk_group = c->moe_topk_group,
+        .accumulate = true,
         .ws = b->ws,
         .ws_bytes = b->ws_bytes,
     };
     o->moe(be, &a);
-    o->add(be, x, b->out, (size_t)n * c->dim);
     if (c->n_shared_experts > 0) {
         const int32_t sf = c->n_shared_experts * c->moe_ffn_dim;
         o->matmul(be, b->gate, xn, L->sh_gate, n, sf, c->dim);

@@ -2,9 +2,9 @@
  * families that have one (arch_llama.c: qwen3_moe; arch_mla.c: glm4_moe_lite).
  *
  *   logits = xn Router^T                          [n, n_experts]
- *   y      = ops->moe(xn, logits)                 routed experts, weighted (backend.h)
- *   y     += shared(xn)  (SwiGLU of n_shared * moe_ffn_dim, when the model has them)
- *   x     += y
+ *   x     += ops->moe(xn, logits)                routed experts, weighted (backend.h;
+ *                                                 the op adds into x: accumulate)
+ *   x     += shared(xn)  (SwiGLU of n_shared * moe_ffn_dim, when the model has them)
  * The buffers live in the family's workspace, sized once for its n_tokens_max. */
 #ifndef LETHE_MODEL_MOE_H
 #define LETHE_MODEL_MOE_H

@@ -98,6 +98,12 @@ static void test_matmul_heads(void) {
         {5, 20, 256, 512, 20 * 512, 512, 20 * 256, 256},  /* v un-absorption */
         {3, 4, 8, 32, 32, 0, 4 * 40, 40},                 /* one row shared by the heads */
         {9, 4, 32, 16, 4 * 16, 16, 4 * 40, 40},           /* the tiny checkpoint's shapes */
+        /* n <= 4: the GEMV kernel (heads_gemv_kernel) */
+        {4, 20, 256, 512, 20 * 512, 512, 20 * 256, 256},  /* v un-absorption, batch 4 */
+        {2, 20, 512, 192, 20 * 192, 192, 20 * 576, 576},  /* q absorption, batch 2 */
+        {2, 3, 13, 1064, 3 * 1064, 1064, 3 * 16, 16},     /* partial row block, > 1 pass */
+        {4, 2, 8, 40, 48, 0, 2 * 8, 8},                   /* shared row, padded x rows */
+        {3, 2, 8, 36, 2 * 36, 36, 2 * 8, 8},              /* in % 8 != 0: cuBLAS */
     };
     for (size_t t = 0; t < LETHE_ARRAY_LEN(cases); t++) {
         const int *k = cases[t];

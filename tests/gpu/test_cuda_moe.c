@@ -9,7 +9,9 @@
  * routing (4 groups, 2 kept), token counts above LETHE_MOE_SMALL_N (the
  * grouped-GEMM path), and the decode path captured in a CUDA
  * graph and replayed (bit-identical to the eager call). The output buffer is
- * NaN-poisoned, so an unwritten row fails. Needs a CUDA device. */
+ * NaN-poisoned, so an unwritten row fails; with accumulate it starts as the
+ * same random residual rows on both backends. Batches with 4 P <= E take
+ * the fused down + combine kernel. Needs a CUDA device. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,6 +82,7 @@ typedef struct moe_case {
     float scale;
     int32_t n_group, topk_group;
     const char *what;
+    bool acc; /* lethe_moe_args.accumulate: out starts as a random residual stream */
 } moe_case;
 
 static void run_case(const moe_case *t, bool graph) {
@@ -99,9 +102,14 @@ static void run_case(const moe_case *t, bool graph) {
     const size_t wsc = lethe_moe_ws_bytes(g_cpu, n, t->k, dim, ffn, E);
     const size_t wsg = lethe_moe_ws_bytes(g_gpu, n, t->k, dim, ffn, E);
     pair pw = raw(wsc, wsg);
+    /* out before the call: NaN (must be overwritten), or with accumulate the
+     * same bf16 residual rows on both backends (must be added to) */
     float *nan = lethe_xmalloc((size_t)n * dim * sizeof(float));
+    float *res = rand_bf16((size_t)n * dim, 0.25f); /* about the routed sum's size */
     for (size_t i = 0; i < (size_t)n * dim; i++) nan[i] = NAN;
-    g_gpu->ops->act_from_host(g_gpu, pout.g, nan, (size_t)n * dim);
+    const float *before = t->acc ? res : nan;
+    g_gpu->ops->act_from_host(g_gpu, pout.g, before, (size_t)n * dim);
+    g_cpu->ops->act_from_host(g_cpu, pout.c, before, (size_t)n * dim);
 
     lethe_moe_args a = {.n = n,
                         .dim = dim,
@@ -112,7 +120,8 @@ static void run_case(const moe_case *t, bool graph) {
                         .norm_topk = t->norm,
                         .scale = t->scale,
                         .n_group = t->n_group,
-                        .topk_group = t->topk_group};
+                        .topk_group = t->topk_group,
+                        .accumulate = t->acc};
     lethe_moe_args ac = a, ag = a;
     ac.out = pout.c, ac.x = px.c, ac.logits = pl.c, ac.bias = pb.c, ac.w_gate = pg.c;
     ac.w_up = pu.c, ac.w_down = pd.c, ac.ws = pw.c, ac.ws_bytes = wsc;
@@ -130,12 +139,21 @@ static void run_case(const moe_case *t, bool graph) {
     double e = rel_err(got, want, (size_t)n * dim);
     fprintf(stderr, "    %s: rel err %.2e\n", t->what, e);
     CHECK_MSG(e < 2e-2, "%s: relative error %.3g", t->what, e);
+    if (t->acc) { /* what was added, apart from the residual */
+        float *dg = lethe_xmalloc((size_t)n * dim * sizeof(float));
+        float *dw = lethe_xmalloc((size_t)n * dim * sizeof(float));
+        for (size_t i = 0; i < (size_t)n * dim; i++) dg[i] = got[i] - res[i], dw[i] = want[i] - res[i];
+        const double ed = rel_err(dg, dw, (size_t)n * dim);
+        fprintf(stderr, "    %s: added part rel err %.2e\n", t->what, ed);
+        CHECK_MSG(ed < 2e-2, "%s: added part relative error %.3g", t->what, ed);
+        free(dg), free(dw);
+    }
 
-    if (graph) { /* capture, replay after poisoning: same bits as the eager call */
+    if (graph) { /* capture, replay from the same start: same bits as the eager call */
         CHECK(g_gpu->ops->graph_begin(g_gpu));
         g_gpu->ops->moe(g_gpu, &ag);
-        CHECK(g_gpu->ops->graph_end(g_gpu, 1000 + n) == LETHE_OK);
-        g_gpu->ops->act_from_host(g_gpu, pout.g, nan, (size_t)n * dim);
+        CHECK(g_gpu->ops->graph_end(g_gpu, 1000 + n) == LETHE_OK); /* ran once: reset out */
+        g_gpu->ops->act_from_host(g_gpu, pout.g, before, (size_t)n * dim);
         CHECK(g_gpu->ops->graph_launch(g_gpu, 1000 + n, NULL));
         float *again = lethe_xmalloc((size_t)n * dim * sizeof(float));
         g_gpu->ops->act_to_host(g_gpu, again, pout.g, (size_t)n * dim);
@@ -146,26 +164,50 @@ static void run_case(const moe_case *t, bool graph) {
     }
     pair all[] = {px, pl, pout, pb, pg, pu, pd, pw};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(all); i++) release(&all[i]);
-    free(x), free(lg), free(b), free(wg), free(wu), free(wdn), free(nan), free(got), free(want);
+    free(x), free(lg), free(b), free(wg), free(wu), free(wdn), free(nan), free(res), free(got);
+    free(want);
 }
 
 static void test_moe(void) {
     static const moe_case cases[] = {
-        {1, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1, "qwen3-30b-a3b batch 1"},
+        /* 4 P <= E: the fused down + combine (+ residual) kernel */
+        {1, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
+         "qwen3-30b-a3b batch 1", false},
+        {1, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
+         "qwen3-30b-a3b batch 1, accumulate", true},
+        {4, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
+         "qwen3-30b-a3b batch 4, accumulate", true},
+        {1, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1,
+         "glm-4.7-flash batch 1, accumulate", true},
+        {2, 72, 96, 32, 2, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
+         "fused, partial row block and lanes", true},
+        /* expert-major down + combine */
+        {8, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1,
+         "glm-4.7-flash batch 8, accumulate", true},
         {64, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
-         "qwen3-30b-a3b batch 64"},
-        {3, 64, 32, 8, 2, LETHE_MOE_SOFTMAX, false, false, 1.0f, 1, 1, "tiny, unnormalized"},
-        {8, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1, "glm-4.7-flash router"},
-        {17, 128, 64, 16, 4, LETHE_MOE_SIGMOID, true, true, 2.5f, 4, 2, "group-limited 4/2"},
+         "qwen3-30b-a3b batch 64", false},
+        {3, 64, 32, 8, 2, LETHE_MOE_SOFTMAX, false, false, 1.0f, 1, 1, "tiny, unnormalized",
+         false},
+        {8, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1, "glm-4.7-flash router",
+         false},
+        {17, 128, 64, 16, 4, LETHE_MOE_SIGMOID, true, true, 2.5f, 4, 2, "group-limited 4/2", false},
+        /* n <= 4 tokens: routing and sorting in one launch (route_sort_kernel) */
+        {2, 128, 64, 16, 4, LETHE_MOE_SIGMOID, true, true, 2.5f, 4, 2,
+         "group-limited 4/2, 2 tokens", true},
+        {1, 64, 32, 512, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1, "512 experts, 1 token",
+         true},
         /* the grouped GEMM: output widths off its 64-column tiles (96), experts with
          * fewer pairs than a row tile, prefill at both models' expert shapes */
-        {300, 256, 96, 32, 4, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1, "300 tokens (grouped)"},
+        {300, 256, 96, 32, 4, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1, "300 tokens (grouped)",
+         false},
         {1000, 512, 128, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
-         "1000 tokens (grouped)"},
+         "1000 tokens (grouped)", false},
         {512, 2048, 768, 128, 8, LETHE_MOE_SOFTMAX, true, false, 1.0f, 1, 1,
-         "qwen3-30b-a3b prefill 512 (grouped)"},
+         "qwen3-30b-a3b prefill 512 (grouped)", false},
         {300, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1,
-         "glm-4.7-flash prefill 300 (grouped)"},
+         "glm-4.7-flash prefill 300 (grouped)", false},
+        {300, 2048, 1536, 64, 4, LETHE_MOE_SIGMOID, true, true, 1.8f, 1, 1,
+         "glm-4.7-flash prefill 300 (grouped), accumulate", true},
     };
     /* every path is graph-capturable (no host sync): each case replays its capture */
     for (size_t i = 0; i < LETHE_ARRAY_LEN(cases); i++) run_case(&cases[i], true);

@@ -133,14 +133,16 @@ void lethe_cpu_moe(lethe_backend *be, const lethe_moe_args *a) {
         lethe_cpu_matmul(be, ys + (size_t)o * dim, hge, (const float *)a->w_down + e * up_sz, m,
                          dim, ffn);
     }
+    /* per element: the routed sum in j order, then (accumulate) one add to out,
+     * i.e. the same arithmetic as a separate residual add of the sum */
     float *out = a->out;
     for (int32_t t = 0; t < n; t++) {
         float *o = out + (size_t)t * dim;
-        for (int32_t d = 0; d < dim; d++) o[d] = 0.0f;
-        for (int32_t j = 0; j < k; j++) {
-            const float w = wts[(size_t)t * k + j];
-            const float *y = ys + (size_t)inv[t * k + j] * dim;
-            for (int32_t d = 0; d < dim; d++) o[d] += w * y[d];
+        const float *w = wts + (size_t)t * k;
+        for (int32_t d = 0; d < dim; d++) {
+            float sum = 0.0f;
+            for (int32_t j = 0; j < k; j++) sum += w[j] * ys[(size_t)inv[t * k + j] * dim + d];
+            o[d] = a->accumulate ? o[d] + sum : sum;
         }
     }
 }

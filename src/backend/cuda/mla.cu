@@ -2,7 +2,9 @@
  * twins in backend/cpu/mla.c; definitions in backend.h).
  *
  *   matmul_heads      cuBLAS strided-batched bf16 GEMM, one batch entry per
- *                     head (fp32 accumulation)
+ *                     head (fp32 accumulation); decode-sized n (<= 4) a GEMV
+ *                     kernel instead (heads_gemv_kernel: one launch reads
+ *                     each head's weights once at the memory rate)
  *   copy_block        a column block of rows (optionally scattered to slots)
  *   attention_latent  split-K flash decoding with V = the first v_dim columns
  *                     of each slot. A block = (query row, split) and holds ALL
@@ -136,12 +138,74 @@ extern "C" void lethe_cuda_attention_latent(lethe_backend *be, const lethe_attn_
                           LAT_GRAN, false, NULL, ws_o, ws_lse);
 }
 
+/* matmul_heads for decode-sized n (<= HG_MAX_N): grid (out / HG_WARPS, heads),
+ * warp = output row o of head h; it streams W[h] row o once with 16-byte
+ * loads (HG_UNROLL issued before use) and reuses each element for the n
+ * rows x[t, h, :] (read through L1); fp32, one rounding. Needs in, x_ld and
+ * x_hs multiples of 8 and 16-byte aligned x and W. */
+#define HG_MAX_N 4
+#define HG_WARPS 8
+#define HG_UNROLL 4
+
+__global__ void __launch_bounds__(HG_WARPS * 32)
+    heads_gemv_kernel(bf16 *__restrict__ y, int32_t y_ld, int32_t y_hs, const bf16 *__restrict__ x,
+                      int32_t x_ld, int32_t x_hs, const bf16 *__restrict__ w, int32_t n,
+                      int32_t out, int32_t in) {
+    const int lane = threadIdx.x % 32;
+    const int32_t h = blockIdx.y, o = blockIdx.x * HG_WARPS + threadIdx.x / 32;
+    if (o >= out) return;
+    const uint4 *wr = (const uint4 *)(w + ((size_t)h * out + o) * in);
+    const bf16 *xh = x + (size_t)h * x_hs;
+    const int32_t nv = in / 8;
+    float acc[HG_MAX_N] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int32_t v0 = 0; v0 < nv; v0 += 32 * HG_UNROLL) {
+        uint4 wv[HG_UNROLL];
+#pragma unroll
+        for (int u = 0; u < HG_UNROLL; u++) {
+            const int32_t v = v0 + u * 32 + lane;
+            wv[u] = v < nv ? __ldg(wr + v) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < HG_UNROLL; u++) {
+            const int32_t v = v0 + u * 32 + lane;
+            if (v >= nv) break;
+            const __nv_bfloat162 *w2 = (const __nv_bfloat162 *)&wv[u];
+#pragma unroll
+            for (int r = 0; r < HG_MAX_N; r++) {
+                if (r >= n) break;
+                const uint4 xv = __ldg((const uint4 *)(xh + (size_t)r * x_ld) + v);
+                const __nv_bfloat162 *x2 = (const __nv_bfloat162 *)&xv;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
+                    acc[r] += a.x * b.x + a.y * b.y;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < HG_MAX_N; r++) {
+        if (r >= n) break;
+        float v = acc[r];
+        for (int q = 16; q > 0; q >>= 1) v += __shfl_xor_sync(0xffffffffu, v, q);
+        if (lane == 0) y[(size_t)r * y_ld + (size_t)h * y_hs + o] = __float2bfloat16(v);
+    }
+}
+
 extern "C" void lethe_cuda_matmul_heads(lethe_backend *be, void *y, int32_t y_ld, int32_t y_hs,
                                         const void *x, int32_t x_ld, int32_t x_hs, const void *w,
                                         int32_t n, int32_t n_heads, int32_t out, int32_t in) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT(n >= 0 && n_heads > 0 && out > 0 && in > 0 && x_ld >= in && y_ld >= out);
     if (!n) return;
+    if (n <= HG_MAX_N && in % 8 == 0 && x_ld % 8 == 0 && x_hs % 8 == 0 &&
+        (uintptr_t)x % 16 == 0 && (uintptr_t)w % 16 == 0 && !c->matmul_cublas_only) {
+        dim3 grid((unsigned)((out + HG_WARPS - 1) / HG_WARPS), (unsigned)n_heads);
+        heads_gemv_kernel<<<grid, HG_WARPS * 32, 0, c->stream>>>(
+            (bf16 *)y, y_ld, y_hs, (const bf16 *)x, x_ld, x_hs, (const bf16 *)w, n, out, in);
+        CU_LAUNCH_CHECK();
+        return;
+    }
     const float alpha = 1.0f, beta = 0.0f;
     /* column-major: Y_h^T [out, n] = W_h^T' [out, in] X_h^T [in, n] (matmul.cu's form) */
     cublasStatus_t st = cublasGemmStridedBatchedEx(

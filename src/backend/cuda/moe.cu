@@ -9,12 +9,16 @@
  *   sort_kernel    one block, a thread per expert: counts, offsets, the
  *                  active experts, and the pairs sorted by expert (stable, so
  *                  the result does not depend on thread timing) -> perm, inv
+ *   (up to ROUTE_WARPS tokens, e.g. decode at batch 1-4, route_sort_kernel
+ *   does both in one launch)
  * then, for n <= LETHE_MOE_SMALL_N tokens (decode; no host sync, so a graph
  * can hold it):
  *   gate_up_kernel grid (ffn / 8 rows, active expert): a warp streams one row
  *                  of W_gate[e] and W_up[e] once per 8 of the expert's pairs
  *                  and writes h = silu(x Wg^T) * (x Wu^T) [P, ffn] (bf16)
  *   down_kernel    the same over W_down[e]: ys = h W_down[e]^T [P, dim]
+ *   (with 4 P <= E, e.g. batch 1, down_combine_kernel instead does the down
+ *   projection, the weighted sum and the residual add in one pass)
  * Only the active experts' weights are read: at batch 1 that is the k
  * experts the token chose. For more tokens (prefill), a grouped GEMM on
  * tensor cores (WMMA bf16, fp32 accumulation) over all experts at once, its
@@ -27,7 +31,8 @@
  *                      gathered through perm as the A tile loads, both
  *                      products from one A tile, SwiGLU in fp32 in the epilogue
  *   gg_down_kernel     ys = h W_down[e]^T [P, dim]
- *   combine_kernel out[t] = sum_j wts[t, j] * ys[inv[t k + j]] (fp32, j ascending). */
+ *   combine_kernel out[t] (+)= sum_j wts[t, j] * ys[inv[t k + j]] (fp32, j ascending;
+ *                  += with lethe_moe_args.accumulate). */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <mma.h>
@@ -40,6 +45,7 @@ extern "C" {
 #define ROUTE_WARPS 4
 #define MV_WARPS 8 /* output rows per block of the expert GEMV kernels */
 #define MV_TOK 8   /* pairs per pass over a weight row */
+#define DC_UNROLL 6 /* down_combine_kernel: 16-byte weight loads in flight per lane */
 
 /* warp argmax of v[i] over i < n with !taken[i]; ties to the smaller i; -1 if none */
 __device__ static int warp_argmax(const float *v, const unsigned char *taken, int n) {
@@ -56,18 +62,14 @@ __device__ static int warp_argmax(const float *v, const unsigned char *taken, in
     return bi;
 }
 
-__global__ void __launch_bounds__(ROUTE_WARPS * 32)
-    route_kernel(int32_t *__restrict__ ids, float *__restrict__ wts,
-                 const bf16 *__restrict__ logits, const bf16 *__restrict__ bias, int32_t n,
-                 int32_t E, int32_t k, int32_t scoring, int32_t norm_topk, float scale,
-                 int32_t n_group, int32_t topk_group) {
-    __shared__ float sp[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS], sc[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
-    __shared__ unsigned char taken[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
-    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int32_t t = blockIdx.x * ROUTE_WARPS + w;
-    if (t >= n) return;
-    float *p = sp[w], *ch = sc[w];
-    unsigned char *tk = taken[w];
+/* the calling warp routes token t: ids, wts [t k .. t k + k); p, ch, tk are
+ * the warp's shared scratch of E entries */
+__device__ static void route_token(int32_t *ids, float *wts, const bf16 *__restrict__ logits,
+                                   const bf16 *__restrict__ bias, int32_t t, int32_t E, int32_t k,
+                                   int32_t scoring, int32_t norm_topk, float scale,
+                                   int32_t n_group, int32_t topk_group, float *p, float *ch,
+                                   unsigned char *tk) {
+    const int lane = threadIdx.x % 32;
     const bf16 *lg = logits + (size_t)t * E;
     if (scoring == LETHE_MOE_SOFTMAX) {
         float mx = -INFINITY;
@@ -137,11 +139,27 @@ __global__ void __launch_bounds__(ROUTE_WARPS * 32)
             wts[(size_t)t * k + j] = wts[(size_t)t * k + j] / denom * scale;
 }
 
-/* one block of E (rounded up to 32) threads: thread e owns expert e */
-__global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t E,
-                            int32_t *__restrict__ counts, int32_t *__restrict__ offsets,
-                            int32_t *__restrict__ active, int32_t *__restrict__ perm,
-                            int32_t *__restrict__ inv, int32_t *__restrict__ tiles) {
+__global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    route_kernel(int32_t *__restrict__ ids, float *__restrict__ wts,
+                 const bf16 *__restrict__ logits, const bf16 *__restrict__ bias, int32_t n,
+                 int32_t E, int32_t k, int32_t scoring, int32_t norm_topk, float scale,
+                 int32_t n_group, int32_t topk_group) {
+    __shared__ float sp[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS], sc[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
+    __shared__ unsigned char taken[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
+    const int w = threadIdx.x / 32;
+    const int32_t t = blockIdx.x * ROUTE_WARPS + w;
+    if (t >= n) return;
+    route_token(ids, wts, logits, bias, t, E, k, scoring, norm_topk, scale, n_group, topk_group,
+                sp[w], sc[w], taken[w]);
+}
+
+/* the calling block (at least E threads: thread e owns expert e) sorts the
+ * P pairs of ids by expert. ids are read through L2 (__ldcg): in the fused
+ * kernel this block wrote them a moment ago, so no read-only-cache load. */
+__device__ static void sort_pairs(const int32_t *ids, int32_t P, int32_t E,
+                                  int32_t *__restrict__ counts, int32_t *__restrict__ offsets,
+                                  int32_t *__restrict__ active, int32_t *__restrict__ perm,
+                                  int32_t *__restrict__ inv, int32_t *__restrict__ tiles) {
     __shared__ int32_t chunk[2048];
     __shared__ int32_t scan[LETHE_MOE_MAX_EXPERTS + 1], ascan[LETHE_MOE_MAX_EXPERTS + 1];
     const int e = threadIdx.x;
@@ -149,7 +167,7 @@ __global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t 
     for (int32_t c0 = 0; c0 < P; c0 += 2048) {
         const int32_t m = min(2048, P - c0);
         __syncthreads();
-        for (int32_t i = threadIdx.x; i < m; i += blockDim.x) chunk[i] = ids[c0 + i];
+        for (int32_t i = threadIdx.x; i < m; i += blockDim.x) chunk[i] = __ldcg(ids + c0 + i);
         __syncthreads();
         for (int32_t i = 0; i < m; i++) cnt += chunk[i] == e;
     }
@@ -178,7 +196,7 @@ __global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t 
     for (int32_t c0 = 0; c0 < P; c0 += 2048) {
         const int32_t m = min(2048, P - c0);
         __syncthreads();
-        for (int32_t i = threadIdx.x; i < m; i += blockDim.x) chunk[i] = ids[c0 + i];
+        for (int32_t i = threadIdx.x; i < m; i += blockDim.x) chunk[i] = __ldcg(ids + c0 + i);
         __syncthreads();
         if (e < E)
             for (int32_t i = 0; i < m; i++)
@@ -188,6 +206,34 @@ __global__ void sort_kernel(const int32_t *__restrict__ ids, int32_t P, int32_t 
                     at++;
                 }
     }
+}
+
+/* one block of E (rounded up to 32) threads */
+__global__ void sort_kernel(const int32_t *ids, int32_t P, int32_t E, int32_t *__restrict__ counts,
+                            int32_t *__restrict__ offsets, int32_t *__restrict__ active,
+                            int32_t *__restrict__ perm, int32_t *__restrict__ inv,
+                            int32_t *__restrict__ tiles) {
+    sort_pairs(ids, P, E, counts, offsets, active, perm, inv, tiles);
+}
+
+/* n <= ROUTE_WARPS tokens (decode): route (warp w: token w) and sort in one
+ * launch; one block of max(ROUTE_WARPS * 32, E rounded up to 32) threads */
+__global__ void route_sort_kernel(int32_t *ids, float *__restrict__ wts,
+                                  const bf16 *__restrict__ logits, const bf16 *__restrict__ bias,
+                                  int32_t n, int32_t E, int32_t k, int32_t scoring,
+                                  int32_t norm_topk, float scale, int32_t n_group,
+                                  int32_t topk_group, int32_t *__restrict__ counts,
+                                  int32_t *__restrict__ offsets, int32_t *__restrict__ active,
+                                  int32_t *__restrict__ perm, int32_t *__restrict__ inv,
+                                  int32_t *__restrict__ tiles) {
+    __shared__ float sp[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS], sc[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
+    __shared__ unsigned char taken[ROUTE_WARPS][LETHE_MOE_MAX_EXPERTS];
+    const int w = threadIdx.x / 32;
+    if (w < n) /* warp-uniform */
+        route_token(ids, wts, logits, bias, w, E, k, scoring, norm_topk, scale, n_group,
+                    topk_group, sp[w], sc[w], taken[w]);
+    __syncthreads(); /* the block's ids writes are visible to the block */
+    sort_pairs(ids, n * k, E, counts, offsets, active, perm, inv, tiles);
 }
 
 /* acc[r] += dot(w row (uint4 vectors wr), x row of pair r) for the pairs' x rows xr[r] */
@@ -203,6 +249,27 @@ __device__ static inline void dot8(float *acc, const uint4 wv, const uint4 *cons
         for (int q = 0; q < 4; q++) {
             const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(x2[q]);
             acc[r] += a.x * b.x + a.y * b.y;
+        }
+    }
+}
+
+/* dot8 for two weight rows at once (gate and up): each x vector is loaded
+ * once for both (at batch 64 the x loads, not the weights, bound the kernel
+ * through L1 when they are repeated) */
+__device__ static inline void dot8x2(float *acc_a, float *acc_b, const uint4 av, const uint4 bv,
+                                     const uint4 *const *xr, int m, int32_t v) {
+    const __nv_bfloat162 *a2 = (const __nv_bfloat162 *)&av, *b2 = (const __nv_bfloat162 *)&bv;
+#pragma unroll
+    for (int r = 0; r < MV_TOK; r++) {
+        if (r >= m) break;
+        const uint4 xv = __ldg(xr[r] + v);
+        const __nv_bfloat162 *x2 = (const __nv_bfloat162 *)&xv;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float2 xf = __bfloat1622float2(x2[q]);
+            const float2 a = __bfloat1622float2(a2[q]), b = __bfloat1622float2(b2[q]);
+            acc_a[r] += a.x * xf.x + a.y * xf.y;
+            acc_b[r] += b.x * xf.x + b.y * xf.y;
         }
     }
 }
@@ -232,8 +299,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 #pragma unroll 4
         for (int32_t v = lane; v < nv; v += 32) {
             const uint4 gv = __ldg(wgr + v), uv = __ldg(wur + v);
-            dot8(ag, gv, xr, m, v);
-            dot8(au, uv, xr, m, v);
+            dot8x2(ag, au, gv, uv, xr, m, v);
         }
 #pragma unroll
         for (int r = 0; r < MV_TOK; r++) {
@@ -450,10 +516,10 @@ __global__ void __launch_bounds__(GG_THREADS)
         }
 }
 
-/* out[t, d] = sum_j wts[t, j] * ys[inv[t k + j], d], j ascending, fp32 */
+/* out[t, d] (+)= sum_j wts[t, j] * ys[inv[t k + j], d], j ascending, fp32, one rounding */
 __global__ void combine_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ ys,
                                const float *__restrict__ wts, const int32_t *__restrict__ inv,
-                               int32_t n, int32_t k, int32_t dim) {
+                               int32_t n, int32_t k, int32_t dim, int32_t accumulate) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)n * dim;
          i += (size_t)gridDim.x * blockDim.x) {
         const int32_t t = (int32_t)(i / dim), d = (int32_t)(i % dim);
@@ -461,7 +527,69 @@ __global__ void combine_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ 
         for (int32_t j = 0; j < k; j++)
             acc += wts[(size_t)t * k + j] *
                    __bfloat162float(ys[(size_t)inv[(size_t)t * k + j] * dim + d]);
-        out[i] = __float2bfloat16(acc);
+        out[i] = __float2bfloat16(accumulate ? __bfloat162float(out[i]) + acc : acc);
+    }
+}
+
+/* Few pairs (4 P <= E: nearly every active expert has one pair, so reading a
+ * weight row once per pair is reading it once), down projection and combine
+ * in one pass: out[t, d] (+)= sum_j wts[t, j] * (h[inv[t k + j]] . W_down[e_j][d, :]),
+ * e_j = ids[t k + j]. Grid (dim / MV_WARPS, n): warp = output row d of token
+ * t; its k * ffn / 8 (choice, 16-byte vector) products are strided over the
+ * lanes (k weight rows in flight at once, not one), fp32, one rounding. The
+ * token's choices are staged in shared memory first. */
+__global__ void __launch_bounds__(MV_WARPS * 32)
+    down_combine_kernel(bf16 *__restrict__ out, const bf16 *__restrict__ h,
+                        const bf16 *__restrict__ wd, const int32_t *__restrict__ ids,
+                        const float *__restrict__ wts, const int32_t *__restrict__ inv, int32_t k,
+                        int32_t dim, int32_t ffn, int32_t accumulate) {
+    __shared__ const uint4 *s_w[LETHE_MOE_MAX_EXPERTS], *s_h[LETHE_MOE_MAX_EXPERTS];
+    __shared__ float s_wt[LETHE_MOE_MAX_EXPERTS];
+    const int32_t t = blockIdx.y, d0 = blockIdx.x * MV_WARPS;
+    for (int32_t j = threadIdx.x; j < k; j += blockDim.x) {
+        const int32_t p = t * k + j;
+        s_w[j] = (const uint4 *)(wd + ((size_t)ids[p] * dim + d0) * ffn);
+        s_h[j] = (const uint4 *)(h + (size_t)inv[p] * ffn);
+        s_wt[j] = wts[p];
+    }
+    __syncthreads();
+    const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
+    if (d0 + r >= dim) return;
+    const int32_t nv = ffn / 8, total = k * nv;
+    const size_t row_off = (size_t)r * nv; /* row d0 + r of each expert's block, in vectors */
+    float acc = 0.0f;
+    for (int32_t i0 = lane; i0 < total; i0 += 32 * DC_UNROLL) {
+        uint4 wv[DC_UNROLL], hv[DC_UNROLL];
+        float wt[DC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DC_UNROLL; u++) { /* every load issued before any use */
+            const int32_t i = i0 + u * 32;
+            wv[u] = hv[u] = make_uint4(0u, 0u, 0u, 0u);
+            wt[u] = 0.0f;
+            if (i < total) {
+                const int32_t j = i / nv, v = i - j * nv;
+                wv[u] = __ldg(s_w[j] + row_off + v);
+                hv[u] = __ldg(s_h[j] + v);
+                wt[u] = s_wt[j];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DC_UNROLL; u++) {
+            const __nv_bfloat162 *w2 = (const __nv_bfloat162 *)&wv[u];
+            const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[u];
+            float s = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float2 a = __bfloat1622float2(w2[q]), b = __bfloat1622float2(h2[q]);
+                s += a.x * b.x + a.y * b.y;
+            }
+            acc += wt[u] * s;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) {
+        bf16 *y = out + (size_t)t * dim + d0 + r;
+        *y = __float2bfloat16(accumulate ? __bfloat162float(*y) + acc : acc);
     }
 }
 
@@ -482,13 +610,25 @@ extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
     bf16 *hg = (bf16 *)(ws + L.hg), *ys = (bf16 *)(ws + L.ys);
     const int32_t P = n * k;
 
-    route_kernel<<<(unsigned)((n + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, 0,
-                   c->stream>>>(ids, wts, (const bf16 *)a->logits, (const bf16 *)a->bias, n, E, k,
-                                a->scoring, a->norm_topk, a->scale, a->n_group, a->topk_group);
-    CU_LAUNCH_CHECK();
-    sort_kernel<<<1, (unsigned)((E + 31) / 32 * 32), 0, c->stream>>>(ids, P, E, counts, offsets,
-                                                                     active, perm, inv, tiles);
-    CU_LAUNCH_CHECK();
+    if (n <= ROUTE_WARPS) { /* decode: one launch */
+        const int32_t e32 = (E + 31) / 32 * 32;
+        route_sort_kernel<<<1, (unsigned)(e32 > ROUTE_WARPS * 32 ? e32 : ROUTE_WARPS * 32), 0,
+                            c->stream>>>(ids, wts, (const bf16 *)a->logits,
+                                         (const bf16 *)a->bias, n, E, k, a->scoring, a->norm_topk,
+                                         a->scale, a->n_group, a->topk_group, counts, offsets,
+                                         active, perm, inv, tiles);
+        CU_LAUNCH_CHECK();
+    } else {
+        route_kernel<<<(unsigned)((n + ROUTE_WARPS - 1) / ROUTE_WARPS), ROUTE_WARPS * 32, 0,
+                       c->stream>>>(ids, wts, (const bf16 *)a->logits, (const bf16 *)a->bias, n, E,
+                                    k, a->scoring, a->norm_topk, a->scale, a->n_group,
+                                    a->topk_group);
+        CU_LAUNCH_CHECK();
+        sort_kernel<<<1, (unsigned)((E + 31) / 32 * 32), 0, c->stream>>>(ids, P, E, counts,
+                                                                         offsets, active, perm,
+                                                                         inv, tiles);
+        CU_LAUNCH_CHECK();
+    }
     const bf16 *wg = (const bf16 *)a->w_gate, *wu = (const bf16 *)a->w_up;
     const bf16 *wd = (const bf16 *)a->w_down;
     if (n <= LETHE_MOE_SMALL_N) {
@@ -497,6 +637,13 @@ extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
         gate_up_kernel<<<g1, MV_WARPS * 32, 0, c->stream>>>(hg, (const bf16 *)a->x, wg, wu, offsets,
                                                             active, perm, E, k, dim, ffn);
         CU_LAUNCH_CHECK();
+        if ((int64_t)P * 4 <= E) { /* down + combine (+ residual) in one pass */
+            dim3 g2((unsigned)((dim + MV_WARPS - 1) / MV_WARPS), (unsigned)n);
+            down_combine_kernel<<<g2, MV_WARPS * 32, 0, c->stream>>>(
+                (bf16 *)a->out, hg, wd, ids, wts, inv, k, dim, ffn, a->accumulate ? 1 : 0);
+            CU_LAUNCH_CHECK();
+            return;
+        }
         dim3 g2((unsigned)((dim + MV_WARPS - 1) / MV_WARPS), ny);
         down_kernel<<<g2, MV_WARPS * 32, 0, c->stream>>>(ys, hg, wd, offsets, active, E, dim, ffn);
         CU_LAUNCH_CHECK();
@@ -515,6 +662,7 @@ extern "C" void lethe_cuda_moe(lethe_backend *be, const lethe_moe_args *a) {
     const size_t total = (size_t)n * dim;
     unsigned blocks = lethe_cuda_blocks(total, 256);
     if (blocks > (unsigned)c->n_sms * 16) blocks = (unsigned)c->n_sms * 16;
-    combine_kernel<<<blocks, 256, 0, c->stream>>>((bf16 *)a->out, ys, wts, inv, n, k, dim);
+    combine_kernel<<<blocks, 256, 0, c->stream>>>((bf16 *)a->out, ys, wts, inv, n, k, dim,
+                                                  a->accumulate ? 1 : 0);
     CU_LAUNCH_CHECK();
 }
