@@ -554,7 +554,7 @@ measurement of admitting the whole batch through the scheduler.
 **Matched batch (selection methods vs dense).** Real engine runs, one engine per method, the same B
 prompts of L tokens: decode tokens/s = tokens produced in steps while every request was decoding
 (all had their first token, none had finished) / the time of those steps. `--repeats N`
-(default 3) runs each configuration N times; decode tokens/s is the median (every run's value is in
+(default 1) runs each configuration N times; decode tokens/s is the median (every run's value is in
 `decode_tok_s_runs`); `matched_output_requested` is `--matched-output` next to the `max_tokens` sent.
 
 **Capacity through each method's own path (`--parts ownpath`).** For dense and each of
