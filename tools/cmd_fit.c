@@ -54,6 +54,35 @@ static lethe_status read_calib(const char *path, lethe_sbuf *out) {
     return st;
 }
 
+static bool is_ids(const char *path) {
+    const size_t n = strlen(path);
+    return n > 4 && !strcmp(path + n - 4, ".ids");
+}
+
+/* token ids of a .ids file (whitespace-separated integers in [0, n_vocab)),
+ * appended to c->ids: calibration for models without a tokenizer */
+static lethe_status read_ids(const char *path, int32_t n_vocab, lethe_fit_ctx *c, int32_t *cap) {
+    char *t = NULL;
+    size_t n = 0;
+    if (lethe_read_file(path, &t, &n) != LETHE_OK)
+        return lethe_errorf(LETHE_ERR_IO, "--calib %s: %s", path, lethe_last_error());
+    lethe_status st = LETHE_OK;
+    for (char *p = t, *end; st == LETHE_OK; p = end) {
+        while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
+        if (!*p) break;
+        const long v = strtol(p, &end, 10);
+        if (end == p || v < 0 || v >= n_vocab) {
+            st = lethe_errorf(LETHE_ERR_INVALID, "--calib %s: token %d is not an id below the vocabulary "
+                              "size %d", path, c->n_ids, n_vocab);
+            break;
+        }
+        if (c->n_ids == *cap) c->ids = lethe_xrealloc(c->ids, (size_t)(*cap = *cap ? 2 * *cap : 4096) * sizeof(int32_t));
+        c->ids[c->n_ids++] = (int32_t)v;
+    }
+    free(t);
+    return st;
+}
+
 lethe_status lethe_fit_open(const lethe_fit_params *fp, lethe_fit_ctx *c) {
     memset(c, 0, sizeof(*c));
     lethe_backend_params bp = {.device = fp->device ? fp->device : "cpu", .n_threads = fp->threads};
@@ -64,14 +93,27 @@ lethe_status lethe_fit_open(const lethe_fit_params *fp, lethe_fit_ctx *c) {
     if ((st = lethe_model_load(&lp, c->be, &c->model)) != LETHE_OK) return st;
     c->loaded = true;
     if ((st = lethe_model_workspace_init(&c->model, fp->seq_len)) != LETHE_OK) return st;
-    if ((st = lethe_tokenizer_load(fp->tokenizer ? fp->tokenizer : fp->model, &c->tok)) != LETHE_OK)
+    /* token ids (*.ids: models without a tokenizer, e.g. the tests' tiny
+     * checkpoints) or text; not both */
+    int n_ids_files = 0;
+    for (int i = 0; i < fp->n_calib; i++) n_ids_files += is_ids(fp->calib[i]);
+    if (n_ids_files && n_ids_files != fp->n_calib)
+        return lethe_errorf(LETHE_ERR_INVALID, "lethe fit: --calib mixes .ids files and text");
+    if (n_ids_files) {
+        int32_t cap = 0;
+        for (int i = 0; i < fp->n_calib && st == LETHE_OK; i++)
+            st = read_ids(fp->calib[i], c->model.cfg.n_vocab, c, &cap);
+        if (st != LETHE_OK) return st;
+    } else if ((st = lethe_tokenizer_load(fp->tokenizer ? fp->tokenizer : fp->model, &c->tok)) != LETHE_OK)
         return lethe_errorf(st, "lethe fit: the calibration text needs the model's tokenizer: %s", lethe_last_error());
-    lethe_sbuf text = {0};
-    for (int i = 0; i < fp->n_calib && st == LETHE_OK; i++) st = read_calib(fp->calib[i], &text);
-    if (st == LETHE_OK && !text.n) st = lethe_errorf(LETHE_ERR_INVALID, "lethe fit: no calibration text (--calib)");
-    if (st == LETHE_OK) st = lethe_tokenize(c->tok, text.s, text.n, false, false, &c->ids, &c->n_ids);
-    free(text.s);
-    if (st != LETHE_OK) return st;
+    if (!n_ids_files) {
+        lethe_sbuf text = {0};
+        for (int i = 0; i < fp->n_calib && st == LETHE_OK; i++) st = read_calib(fp->calib[i], &text);
+        if (st == LETHE_OK && !text.n) st = lethe_errorf(LETHE_ERR_INVALID, "lethe fit: no calibration text (--calib)");
+        if (st == LETHE_OK) st = lethe_tokenize(c->tok, text.s, text.n, false, false, &c->ids, &c->n_ids);
+        free(text.s);
+        if (st != LETHE_OK) return st;
+    }
     const int64_t want = (int64_t)fp->samples * fp->seq_len;
     if (c->n_ids < fp->seq_len)
         return lethe_errorf(LETHE_ERR_INVALID, "lethe fit: %d calibration tokens, fewer than --seq-len %d", c->n_ids,

@@ -107,7 +107,7 @@ int lethe_fit_deltakv(int argc, char **argv) {
     float ratio = 0.1f;
     const char *out = NULL, *calib[LETHE_MAX_STOP] = {0};
     const lethe_opt opts[] = {
-        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt (repeatable)", 1, 0},
+        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt, or token ids (*.ids, whitespace-separated; repeatable)", 1, 0},
         {"--latent", NULL, LETHE_OPT_INT, &latent, "R", "latent dims per token (at most 2 x KV heads x head_dim)", 1, 65536},
         {"--neighbors", NULL, LETHE_OPT_INT, &K, "K", "fathers per token (the method's deltakv_neighbors)", 1, 16},
         {"--center-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "F", "share of tokens that are centers (deltakv_center_ratio)", 0.001, 1},

@@ -100,7 +100,7 @@ int lethe_fit_palu(int argc, char **argv) {
     int32_t gs = 1;
     const char *out = NULL, *calib[LETHE_MAX_STOP] = {0};
     const lethe_opt opts[] = {
-        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt (repeatable)", 1, 0},
+        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt, or token ids (*.ids, whitespace-separated; repeatable)", 1, 0},
         {"--rank-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "R", "kept rank / (group size x head_dim), K and V", 0.01, 1},
         {"--group-size", NULL, LETHE_OPT_INT, &gs, "G", "KV heads per factor group (must divide the KV heads)", 1, 64},
         {"--samples", NULL, LETHE_OPT_INT, &fp.samples, "N", "calibration windows", 1, 1 << 20},
