@@ -13,8 +13,13 @@
  *  - padded decode batches (the CPU stand-in for CUDA-graph buckets): the
  *    scratch state slot serves the dummies, logits bit-identical;
  *  - abort mid-prefill and mid-decode: every state slot comes back;
- *  - refusals: a method with per-layer rows, an explicit prefix-cache mode, a
- *    step budget below one chunk; `state_layers` accounting in the pool. */
+ *  - refusals: a method with its own output projection (palu), an explicit
+ *    prefix-cache mode, a step budget below one chunk, states over the KV
+ *    budget; methods that combine run on the attention layer: FP8 KV, and
+ *    per-layer SnapKV (prompts whose final chunk would be shorter than its
+ *    window past the last multiple of 64 the budget reaches: the scheduler
+ *    then cuts unaligned rather than waiting forever). The per-method suite
+ *    over a hybrid shape is test_sparse_conformance. */
 #include <string.h>
 
 #include "core/util.h"
@@ -51,7 +56,7 @@ typedef struct cfg {
     size_t kv_bytes;
     int32_t budget, max_seqs;
     bool split, pad;
-    const char *method, *pc_mode;
+    const char *method, *pc_mode, *method_cfg;
 } cfg;
 
 static int mk(const cfg *c, lethe_engine **e) {
@@ -64,6 +69,7 @@ static int mk(const cfg *c, lethe_engine **e) {
     p.split_prefill_decode = c->split;
     p.pad_decode_batches = c->pad;
     if (c->method) p.sparse_method = c->method;
+    if (c->method_cfg) p.sparse_config = c->method_cfg;
     if (c->pc_mode) p.prefix_cache_mode = c->pc_mode;
     p.check_invariants = true;
     p.n_threads = 2;
@@ -257,8 +263,10 @@ static void test_abort_releases_states(void) {
 
 static void test_refusals(void) {
     lethe_engine *e;
-    CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .method = "h2o"}, &e) != 0);
-    CHECK_MSG(strstr(lethe_engine_last_error(), "cannot use method h2o"), "%s", lethe_engine_last_error());
+    CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .method = "palu", .method_cfg = "palu_factors=@identity"}, &e) != 0);
+    CHECK_MSG(strstr(lethe_engine_last_error(), "cannot use method palu") &&
+                  strstr(lethe_engine_last_error(), "output gate"),
+              "%s", lethe_engine_last_error());
     CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .pc_mode = "radix"}, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "prefix caching is not available"), "%s",
               lethe_engine_last_error());
@@ -275,6 +283,13 @@ static void test_refusals(void) {
         for (int32_t t = 0; t < g_other[i].n; t++, total++) agree += g_other[i].tokens[t] == g_alone[i].tokens[t];
     fprintf(stderr, "    fp8_kv on the attention layer: %d/%d greedy tokens as dense\n", agree, total);
     CHECK(agree * 10 >= total * 5);
+    lethe_engine_destroy(e);
+    /* per-layer rows on the one attention layer: SnapKV at a budget the prompts exceed */
+    e = mk_ok(&(cfg){.budget = 64, .max_seqs = 16, .method = "snapkv",
+                     .method_cfg = "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=24"});
+    CHECK(lethe_kv_per_layer(e->pool) && lethe_kv_n_layers(e->pool) == 1);
+    s = run_all(e, g_other);
+    CHECK_EQ_INT(s.n_requests_finished, NREQ);
     lethe_engine_destroy(e);
 }
 

@@ -3,7 +3,11 @@
  * (tests/data/tiny-llama, dummy weights) and the tiny Qwen3-MoE shape
  * (tests/data/tiny-qwen3-moe: routed experts, one dense layer) and the tiny
  * GLM-4.7-Flash shape (tests/data/tiny-glm4-moe-lite: latent KV; methods that
- * quantize K / V refuse it at start-up, tested) for every method, and
+ * quantize K / V refuse it at start-up, tested) and a tiny Qwen3.5 hybrid
+ * shape (tests/data/tiny-qwen3_5-2attn, dummy weights: 4 Gated DeltaNet
+ * layers with states + 2 gated attention layers, layers 1 and 4, which
+ * methods see as layers 0 and 1; a method with an output projection of its
+ * own refuses it, tested) for every method, and
  * SmolLM2-135M for one dense / snapkv pair:
  *
  *  - identity: with the method's test_configs.identity (budgets >= the
@@ -40,12 +44,19 @@
 #define TINY "tests/data/tiny-llama/config.json"
 #define TINY_MOE "tests/data/tiny-qwen3-moe"
 #define TINY_MLA "tests/data/tiny-glm4-moe-lite"
+#define TINY_HYBRID "tests/data/tiny-qwen3_5-2attn/config.json"
 #define SMOL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-enum { NPROMPT = 48, NGEN = 6, MAXV = 50000 };
+enum { NPROMPT = 48, NPROMPT_MAX = 120, NGEN = 6, MAXV = 50000 };
+/* prompt length of the identity / eviction runs: hybrid models chunk at 64,
+ * so theirs are longer to span two chunks (prefill-time methods select in the
+ * second), with final chunks (56, 48, 40) above every method's minimum so
+ * every chunk stays aligned as dense's */
+static int g_nprompt = NPROMPT;
 static const char *g_model = TINY;
 static bool g_tiny = true;
 static const char *g_format = "dummy"; /* of the tiny models */
 static bool g_refusals;                /* latent KV: quantized-storage methods refuse */
+static bool g_hybrid;                  /* hybrid model: lethe_sparse_hybrid_refusal's methods refuse */
 
 typedef struct run_out {
     int32_t tokens[2][NGEN];
@@ -83,7 +94,9 @@ static lethe_engine *open_engine(const char *method, const char *cfg) {
     p.device = "cpu";
     p.n_threads = 2;
     p.max_model_len = g_tiny ? 128 : 512;
-    p.max_num_batched_tokens = 40; /* forces chunked prefill (>= the SnapKV window) */
+    /* forces chunked prefill (>= the SnapKV window); hybrid models chunk at
+     * multiples of 64 positions, so 64 there (the prompts then fit one chunk) */
+    p.max_num_batched_tokens = g_hybrid ? 64 : 40;
     p.enable_prefix_caching = false;
     p.kv_cache_bytes = (size_t)96 << 20;
     p.sparse_method = method;
@@ -96,7 +109,7 @@ static lethe_engine *open_engine(const char *method, const char *cfg) {
 }
 
 static void prompt(int which, int32_t *ids) {
-    for (int i = 0; i < NPROMPT; i++) ids[i] = 3 + (int32_t)((i * 37 + which * 11) % 250);
+    for (int i = 0; i < NPROMPT_MAX; i++) ids[i] = 3 + (int32_t)((i * 37 + which * 11) % 250);
 }
 
 static void free_out(run_out *o) {
@@ -108,13 +121,13 @@ static void free_out(run_out *o) {
 static void run(const char *method, const char *cfg, run_out *o) {
     memset(o, 0, sizeof(*o));
     lethe_engine *e = open_engine(method, cfg);
-    int32_t ids[3][NPROMPT];
+    int32_t ids[3][NPROMPT_MAX];
     run_out sink = {0};
     cb_ctx cc[3] = {{o, 0}, {o, 1}, {&sink, 0}};
     uint64_t id[3];
     for (int r = 0; r < 3; r++) {
         prompt(r, ids[r]);
-        lethe_request_params rp = {.prompt = ids[r], .n_prompt = NPROMPT - 8 * r, .cb = on_event,
+        lethe_request_params rp = {.prompt = ids[r], .n_prompt = g_nprompt - 8 * r, .cb = on_event,
                                    .user = &cc[r], .want_logits = true};
         lethe_sampling_default_params(&rp.sampling);
         rp.sampling.temperature = 0;
@@ -163,9 +176,10 @@ static bool lossy_storage(const lethe_sparse_ops *ops, const char *cfg) {
  * message names the model and the method (latent KV and a quantization or
  * compression method, or one with per-KV-head rows) */
 static bool refused(const lethe_sparse_ops *ops, const char *cfg) {
-    if (!g_refusals || (ops->kind != LETHE_SPARSE_KIND_QUANTIZATION &&
-                        ops->kind != LETHE_SPARSE_KIND_COMPRESSION && !ops->kv_layout &&
-                        !(ops->flags & LETHE_SPARSE_HEAD_ROWS)))
+    if (g_hybrid && !lethe_sparse_hybrid_refusal(ops)) return false;
+    if (!g_hybrid && (!g_refusals || (ops->kind != LETHE_SPARSE_KIND_QUANTIZATION &&
+                                      ops->kind != LETHE_SPARSE_KIND_COMPRESSION && !ops->kv_layout &&
+                                      !(ops->flags & LETHE_SPARSE_HEAD_ROWS))))
         return false;
     lethe_engine_params p;
     lethe_engine_default_params(&p);
@@ -173,6 +187,8 @@ static bool refused(const lethe_sparse_ops *ops, const char *cfg) {
     p.load_format = g_format;
     p.device = "cpu";
     p.max_model_len = 128;
+    p.max_num_batched_tokens = g_hybrid ? 64 : p.max_num_batched_tokens;
+    p.enable_prefix_caching = false;
     p.kv_cache_bytes = (size_t)16 << 20;
     p.sparse_method = ops->name;
     p.sparse_config = cfg;
@@ -263,6 +279,27 @@ static void test_identity_and_eviction_mla(void) {
     g_refusals = false;
 }
 
+/* the hybrid family (qwen3_5): methods see the two full-attention layers as
+ * layers 0 and 1, the DeltaNet layers keep their states; every
+ * method but the refused ones (lethe_sparse_hybrid_refusal) identical to
+ * dense at identity budgets, eviction frees slots at small ones */
+static void test_identity_and_eviction_hybrid(void) {
+    g_model = TINY_HYBRID;
+    g_format = "dummy";
+    g_hybrid = true;
+    g_nprompt = NPROMPT_MAX;
+    identity_and_eviction();
+    g_nprompt = NPROMPT;
+    int n_refused = 0;
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++)
+        n_refused += lethe_sparse_hybrid_refusal(lethe_sparse_method_at(i)) != NULL;
+    fprintf(stderr, "    hybrid: %d of %d methods refused\n", n_refused, lethe_sparse_n_methods());
+    CHECK(n_refused >= 1 && n_refused * 4 < lethe_sparse_n_methods()); /* palu; not the many */
+    g_model = TINY;
+    g_format = "dummy";
+    g_hybrid = false;
+}
+
 /* a pinned range [PIN0, PIN1) survives every eviction method and the Chain Cache */
 enum { PIN0 = 8, PIN1 = 24 };
 static void test_pinned_every_eviction_method(void) {
@@ -288,7 +325,7 @@ static void test_pinned_every_eviction_method(void) {
         p.check_invariants = true;
         lethe_engine *e = NULL;
         CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s: %s", ops->name, lethe_engine_last_error());
-        int32_t ids[NPROMPT];
+        int32_t ids[NPROMPT_MAX];
         prompt(0, ids);
         run_out o = {0};
         cb_ctx cc = {&o, 0};
@@ -354,6 +391,7 @@ int main(void) {
     TEST_RUN(test_identity_and_eviction);
     TEST_RUN(test_identity_and_eviction_moe);
     TEST_RUN(test_identity_and_eviction_mla);
+    TEST_RUN(test_identity_and_eviction_hybrid);
     TEST_RUN(test_pinned_every_eviction_method);
     TEST_RUN(test_smollm2_snapkv);
     return 0;

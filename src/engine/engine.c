@@ -122,7 +122,7 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     const int32_t kv_layers = c->n_layers - c->n_linear_layers;
     /* real bytes per token of the method's storage format (quantized KV: more slots),
      * plus what the method keeps per slot (Quest's page bounds) */
-    size_t tok_bytes = (e->kv_layouts ? lethe_kv_layouts_token_bytes(e->kv_layouts, c->n_layers)
+    size_t tok_bytes = (e->kv_layouts ? lethe_kv_layouts_token_bytes(e->kv_layouts, kv_layers)
                                       : lethe_kv_token_bytes(kv_layers, c->n_kv_heads, c->head_dim, kv_size,
                                                              lethe_sparse_kv_format(e->method))) +
                        lethe_sparse_slot_overhead(e->method);
@@ -145,7 +145,7 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
      * the scheduler then runs at most that many requests at once */
     const lethe_kv_format fmt = lethe_sparse_kv_format(e->method);
     if (lethe_kv_format_kind(fmt) == LETHE_KV_KIVI) {
-        size_t blk = lethe_kv_kivi_res_bytes(c->n_layers, c->n_kv_heads, c->head_dim, kv_size, fmt, 1);
+        size_t blk = lethe_kv_kivi_res_bytes(kv_layers, c->n_kv_heads, c->head_dim, kv_size, fmt, 1);
         int64_t nb = (int64_t)(budget / 8 / blk);
         if (nb > e->p.max_num_seqs) nb = e->p.max_num_seqs;
         if (nb < 1) nb = 1;
@@ -203,7 +203,7 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
     /* one request of max_model_len tokens must fit alone (an evicting method
      * may bound what a layer keeps below that: max_resident) */
     int32_t need = 0;
-    for (int32_t l = 0; l < c->n_layers; l++)
+    for (int32_t l = 0; l < kv_layers; l++)
         need = LETHE_MAX(need, lethe_sparse_max_resident(e->method, l, e->max_model_len - 1, e->max_model_len,
                                                          e->p.max_num_batched_tokens));
     need = LETHE_MIN(need, e->max_model_len);
@@ -265,13 +265,19 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     }
     /* the method first (its flags choose the row layout, its max_resident
      * bounds the pool), then the pool it will use */
-    lethe_sparse_env env = {.pool = NULL, .be = e->runner.be, .n_layers = c->n_layers,
+    /* hybrid models: the method sees the KV (full-attention) layers only,
+     * numbered 0 .. kv_layers-1 in model order, like the pool and the hooks */
+    const int32_t kv_layers = c->n_layers - c->n_linear_layers;
+    lethe_sparse_env env = {.pool = NULL, .be = e->runner.be, .n_layers = kv_layers,
                             .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                             .max_model_len = e->max_model_len, .dim = c->dim, .rope = &c->rope,
                             .model = lethe_runner_model_of(&e->runner), .tok = e->tok,
                             .aux_prefill = eng_aux_prefill, .aux_ctx = e,
                             .max_aux_tokens = e->p.max_num_batched_tokens};
     if ((st = eng_check_kv_layout(e)) != LETHE_OK) goto fail;
+    /* hybrid models: refusals before the method is built (palu's set-up reads
+     * the output projections of the attention layers it is given) */
+    if (c->n_linear_layers > 0 && (st = eng_check_hybrid(e)) != LETHE_OK) goto fail;
     if ((st = lethe_sparse_create(e->sparse_method, e->sparse_config, &env, &e->method)) != LETHE_OK) goto fail;
     ops = e->method->ops;
     if (lethe_sparse_min_final_chunk(e->method) > e->p.max_num_batched_tokens) {
@@ -293,12 +299,12 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
                                             e->fwd.max_bucket))) != LETHE_OK)
         goto fail;
     /* the method's own payload (COMPRESSION methods), sized by its real bytes */
-    e->kv_layouts = lethe_xcalloc((size_t)c->n_layers, sizeof(lethe_kv_layout));
+    e->kv_layouts = lethe_xcalloc((size_t)kv_layers, sizeof(lethe_kv_layout));
     if (lethe_kv_k_only(c)) {
         /* or the model's: latent attention keeps one plane per layer, the
          * latent + RoPE key row (model/config.h), read by its forward */
         const size_t kv_size = e->runner.be ? e->runner.be->ops->kv_size : sizeof(float);
-        for (int32_t l = 0; l < c->n_layers; l++) {
+        for (int32_t l = 0; l < kv_layers; l++) {
             lethe_kv_layout *L = &e->kv_layouts[l];
             L->n_planes = 1;
             snprintf(L->planes[0].name, sizeof(L->planes[0].name), "latent");
@@ -310,18 +316,19 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     }
     const bool scratch = e->fwd.max_bucket > 0;
     if (c->n_linear_layers > 0) {
-        if ((st = eng_check_hybrid(e)) != LETHE_OK) goto fail;
-        e->n_state_slots = e->p.max_num_seqs + scratch; /* one per running request */
+        /* one per running request, one spare for the auxiliary prefill's copy
+         * (engine_forward.c eng_aux_prefill) */
+        e->n_state_slots = e->p.max_num_seqs + 1 + scratch;
     }
     if ((st = size_pool(e, &n_slots)) != LETHE_OK) goto fail;
     lethe_kv_pool_params pp = {
-        .n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+        .n_layers = kv_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
         .n_slots = n_slots + scratch, .per_layer = (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) != 0,
         .page_meta_floats = (ops->flags & LETHE_SPARSE_PAGE_META) ? ops->page_meta_floats : 0,
         .be = e->runner.be, .format = lethe_sparse_kv_format(e->method), .scratch_slot = scratch,
         .kivi_res_blocks = e->kivi_res_blocks, .layouts = e->kv_layouts,
         .head_masks = (ops->flags & LETHE_SPARSE_HEAD_ROWS) != 0,
-        .state_layers = c->n_linear_layers > 0 ? c->layer_linear : NULL,
+        .n_state_layers = c->n_linear_layers,
         .state_k_bytes = lethe_model_state_rec_bytes(c, 1),
         .state_v_bytes = lethe_model_state_conv_bytes(c, 1),
         .n_state_slots = e->n_state_slots,

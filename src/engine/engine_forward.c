@@ -331,7 +331,9 @@ static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b,
  * batch and plan arrays are free again, but the method is iterating the
  * step's sequences, so the aux forward gets its own one-sequence batch and
  * view, swapped into e->step for the plan_layer / after_attn hooks and
- * swapped back afterwards. */
+ * swapped back afterwards. Hybrid models: the aux tokens must not advance
+ * the request's own states, so they run on a copy (a held state slot, the
+ * one engine.c keeps spare for this) given back at the end. */
 lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t *tokens, int32_t n) {
     lethe_engine *e = ctx;
     lethe_kv_pool *pool = e->pool;
@@ -341,6 +343,13 @@ lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t
         return lethe_errorf(LETHE_ERR_CAPACITY,
                             "auxiliary prefill of %d tokens: only %d free slots (the method must reserve "
                             "them with prefill_peak_slots)", n, lethe_kv_min_free(pool));
+    int32_t aux_state = -1;
+    if (lethe_kv_has_states(pool)) {
+        if ((aux_state = lethe_kv_state_take(pool)) < 0)
+            return lethe_errorf(LETHE_ERR_CAPACITY, "auxiliary prefill: no free state slot to copy the "
+                                "request's states into");
+        lethe_kv_state_copy(pool, aux_state, lethe_kv_row_state(pool, row));
+    }
     int32_t *len0 = lethe_xmalloc((size_t)nsp * sizeof(int32_t)), last = -1;
     for (int32_t sp = 0; sp < nsp; sp++) {
         len0[sp] = lethe_kv_row_len(pool, sp, row);
@@ -369,7 +378,8 @@ lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t
         v.is_final_chunk = false;
         seq_begin[1] = k;
         e->step.batch = (lethe_fwd_batch){.n_tokens = k, .tokens = tokens + off, .pos = pos + off,
-                                          .n_seqs = 1, .seq_begin = seq_begin, .n_logits = 0};
+                                          .n_seqs = 1, .seq_begin = seq_begin, .n_logits = 0,
+                                          .state_slots = aux_state >= 0 ? &aux_state : NULL};
         e->step.seqs = &v;
         e->step.st = (lethe_sparse_step){
             .index = saved_st.index, .n_seqs = 1, .seqs = &v, .batch = &e->step.batch};
@@ -391,6 +401,7 @@ lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t
     free(keep);
     free(pos);
     free(len0);
+    if (aux_state >= 0) lethe_kv_state_give(pool, aux_state);
     return LETHE_OK;
 }
 

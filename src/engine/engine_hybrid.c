@@ -5,15 +5,19 @@
  * state slot per row, taken at admission and released with the row, so
  * finish, abort and preemption by recompute (which restarts at position 0,
  * and a sequence at position 0 starts from zero states) need nothing extra.
- * The state memory of max_num_seqs requests is taken off the KV budget
+ * One more slot stays spare for the auxiliary prefill's copy of a request's
+ * states (engine_forward.c). The state memory is taken off the KV budget
  * before token slots (engine.c size_pool).
  *
- * Sparse methods act on the full-attention layers only (the model asks
- * plan_layer for those). Refused, with the reason: methods with rows per
- * layer or per KV head (their slot spaces would include the state layers)
- * and methods with a payload of their own (compression: a path whose output
- * projection would bypass the attention's output gate). lethe_sparse_hybrid_ok
- * is the one rule, also printed by `lethe methods`.
+ * Sparse methods act on the full-attention layers only, and see nothing
+ * else: the pool's layers, the hooks' layer index and the method's
+ * env.n_layers count the full-attention layers alone, in model order
+ * (arch_hybrid.c numbers them), so rows per layer or per KV head, per-layer
+ * budgets (PyramidKV's schedule runs over the attention layers) and payloads
+ * of a method's own apply unchanged. Refused, with the reason
+ * (lethe_sparse_hybrid_refusal, also printed by `lethe methods`), before the
+ * method is built: a method with its own output projection (the gated
+ * attention's output gate multiplies the per-head outputs it never forms).
  *
  * Prefill chunks that do not reach the prompt's end stop at multiples of
  * LETHE_GDN_CHUNK positions (the scheduler's chunk_align), so the
@@ -35,8 +39,8 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "--max-num-batched-tokens %d: hybrid model %s needs at least %d (prefill "
                             "chunks of its linear-attention layers end at multiples of %d positions)",
                             e->p.max_num_batched_tokens, c->arch, LETHE_GDN_CHUNK, LETHE_GDN_CHUNK);
-    const lethe_sparse_ops *ops = e->method->ops;
-    const char *why = lethe_sparse_hybrid_refusal(ops);
+    const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method); /* NULL: create names the error */
+    const char *why = ops ? lethe_sparse_hybrid_refusal(ops) : NULL;
     if (why)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                             "model %s (%s: %d of %d layers are linear attention with per-request "

@@ -10,7 +10,7 @@ void lethe_engine_get_layout(const lethe_engine *e, lethe_engine_layout *out) {
         .n_vocab = e->n_vocab,
         .n_layers = c->n_layers,
         .kv_slots_per_layer = lethe_kv_n_slots(e->pool),
-        .kv_token_bytes = e->kv_layouts ? lethe_kv_layouts_token_bytes(e->kv_layouts, c->n_layers)
+        .kv_token_bytes = e->kv_layouts ? lethe_kv_layouts_token_bytes(e->kv_layouts, c->n_layers - c->n_linear_layers)
                                         : lethe_kv_token_bytes(c->n_layers - c->n_linear_layers, c->n_kv_heads,
                                                                c->head_dim, kv_size,
                                                                lethe_kv_format_of(e->pool)),

@@ -20,13 +20,23 @@ typedef struct model_runner {
 
 static lethe_status mr_bind(void *ctx, lethe_kv_pool *pool, int32_t n_tokens_max) {
     model_runner *mr = ctx;
-    int32_t L = mr->model.cfg.n_layers;
-    LETHE_ASSERT(lethe_kv_n_layers(pool) == L);
+    const lethe_model_config *c = &mr->model.cfg;
+    const int32_t L = c->n_layers;
+    LETHE_ASSERT(lethe_kv_n_layers(pool) == L - c->n_linear_layers &&
+                 lethe_kv_n_state_layers(pool) == c->n_linear_layers);
     mr->k = lethe_xcalloc((size_t)L, sizeof(void *));
     mr->v = lethe_xcalloc((size_t)L, sizeof(void *));
-    for (int32_t l = 0; l < L; l++) {
-        mr->k[l] = lethe_kv_k(pool, l);
-        mr->v[l] = lethe_kv_v(pool, l);
+    /* the model indexes k / v by its own layer: a linear-attention layer's
+     * are its states (recurrent, conv), the others the pool's KV layers in order */
+    for (int32_t l = 0, kl = 0, sl = 0; l < L; l++) {
+        if (lethe_layer_is_linear(c, l)) {
+            mr->k[l] = lethe_kv_state_rec(pool, sl);
+            mr->v[l] = lethe_kv_state_conv(pool, sl++);
+            LETHE_ASSERT(mr->k[l] && mr->v[l]);
+            continue;
+        }
+        mr->k[l] = lethe_kv_k(pool, kl);
+        mr->v[l] = lethe_kv_v(pool, kl++);
         /* a latent-KV model (lethe_kv_k_only) has no V buffers, nor has a
          * method payload layer of one plane (DeltaKV's latents: its path reads it) */
         LETHE_ASSERT(mr->k[l] && (mr->v[l] || lethe_kv_k_only(&mr->model.cfg) || lethe_kv_has_layout(pool)));

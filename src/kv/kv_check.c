@@ -15,9 +15,10 @@
  *    no row holds it;
  *  - a row never holds the same slot twice; positions strictly ascend;
  *  - unused rows are empty;
- *  - per-request states: every state slot is on the free list exactly once or
- *    owned by exactly one row in use, every row in use owns one, no row owns
- *    the scratch state, and the counts add up. */
+ *  - per-request states: every state slot is on the free list exactly once,
+ *    owned by exactly one row in use, or held (lethe_kv_state_take) and by
+ *    nothing else; every row in use owns one, none the scratch state, and
+ *    the counts add up. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -163,7 +164,7 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
         }
     }
 
-    if (pool->state_layers) {
+    if (lethe_kv_has_states(pool)) {
         const int32_t nst = pool->p.n_state_slots, scratch = lethe_kv_scratch_state(pool);
         int32_t *own = calloc((size_t)nst, sizeof(int32_t)), owned = 0;
         if (!own) { st = lethe_errorf(LETHE_ERR_NOMEM, "kv check: out of memory"); goto out; }
@@ -186,9 +187,21 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
                                   "row)", x);
             owned++;
         }
-        if (st == LETHE_OK && pool->n_state_free + owned + (scratch >= 0) != nst)
-            st = lethe_errorf(LETHE_ERR_INVALID, "kv check: %d free + %d owned state slots (+ scratch) != %d",
-                              pool->n_state_free, owned, nst);
+        int32_t held = 0;
+        for (int32_t x = 0; x < nst && st == LETHE_OK; x++) {
+            if (!pool->state_held[x]) continue;
+            held++;
+            if (x == scratch || own[x]++)
+                st = lethe_errorf(LETHE_ERR_INVALID, "kv check: held state slot %d is also free, owned by a row "
+                                  "or the scratch one", x);
+        }
+        if (st == LETHE_OK && held != pool->n_state_held)
+            st = lethe_errorf(LETHE_ERR_INVALID, "kv check: %d held state slots counted, %d marked", pool->n_state_held,
+                              held);
+        if (st == LETHE_OK && pool->n_state_free + owned + held + (scratch >= 0) != nst)
+            st = lethe_errorf(LETHE_ERR_INVALID,
+                              "kv check: %d free + %d owned + %d held state slots (+ scratch) != %d",
+                              pool->n_state_free, owned, held, nst);
         free(own);
     }
 

@@ -51,16 +51,17 @@ struct lethe_kv_pool {
     int64_t n_dropped;   /* row entries lethe_kv_keep dropped, over every space */
     struct kv_prot **prot; /* [n_prot] per row: protected positions (kv_protect.c), NULL = none */
     int32_t n_prot;
-    /* per-request states (kv_pool.h): state_layers [n_layers] (NULL = none),
-     * buffers per layer, the free stack of state slots, each row's slot */
-    uint8_t *state_layers;
-    void **state_k, **state_v;   /* [n_layers] */
+    /* per-request states (kv_pool.h): the buffers of each state layer, the
+     * free stack of state slots, each row's slot */
+    void **state_k, **state_v;   /* [n_state_layers] recurrent / conv states */
     int32_t *state_free;         /* [n_state_slots], top at n_state_free - 1 */
     int32_t n_state_free;
     int32_t *row_state;          /* [max_rows], -1 = none */
     /* host copies (kv_host.c), cumulative: bytes and seconds of lethe_kv_slots_save / _load */
     int64_t host_saved_bytes, host_loaded_bytes;
     double host_save_s, host_load_s;
+    uint8_t *state_held;         /* [n_state_slots] taken by lethe_kv_state_take */
+    int32_t n_state_held;
 };
 
 /* kv_protect.c: a released row drops its protection; destroy frees the table */

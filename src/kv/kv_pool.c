@@ -187,7 +187,6 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         return lethe_errorf(LETHE_ERR_INVALID, "kv pool: a declared payload layout needs the native format, not %s",
                             lethe_kv_format_name(p->format));
     for (int32_t l = 0; p->layouts && l < p->n_layers; l++) {
-        if (p->state_layers && p->state_layers[l]) continue;
         lethe_status st = check_layout(&p->layouts[l], l);
         if (st != LETHE_OK) return st;
     }
@@ -195,11 +194,12 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                             "kv pool: per-head row lengths need native KV and at most %d KV heads (%d, %s)",
                             LETHE_KV_MAX_HEAD_MASK_HEADS, p->n_kv_heads, lethe_kv_format_name(p->format));
-    if (p->state_layers && (p->n_state_slots < 1 + (p->scratch_slot ? 1 : 0) ||
-                            p->state_k_bytes == 0 || p->state_v_bytes == 0 || p->per_layer))
+    if (p->n_state_layers < 0 ||
+        (p->n_state_layers > 0 && (p->n_state_slots < 1 + (p->scratch_slot ? 1 : 0) ||
+                                   p->state_k_bytes == 0 || p->state_v_bytes == 0)))
         return lethe_errorf(LETHE_ERR_INVALID,
-                            "kv pool: per-request states need at least one state slot (%d), "
-                            "non-empty state rows and shared rows", p->n_state_slots);
+                            "kv pool: per-request states of %d layers need at least one state slot (%d) "
+                            "and non-empty state rows", p->n_state_layers, p->n_state_slots);
     if (p->format != LETHE_KV_NATIVE && p->be && !p->be->ops->kv_store_quant)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED, "kv pool: the %s backend has no %s KV",
                             p->be->ops->name, lethe_kv_format_name(p->format));
@@ -222,18 +222,14 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
         if (p->scratch_slot) sp->ref[p->n_slots - 1] = 1;
     }
     pool->p.layouts = NULL; /* the caller's array is copied into pool->layout */
-    pool->p.state_layers = NULL; /* copied into pool->state_layers */
     pool->layout = lethe_xcalloc((size_t)p->n_layers, sizeof(lethe_kv_layout));
     for (int32_t l = 0; l < p->n_layers; l++)
         pool->layout[l] = p->layouts ? p->layouts[l] : format_layout(p, p->be ? p->be->ops->kv_size : sizeof(float));
-    if (p->state_layers) {
-        pool->state_layers = lethe_xmalloc((size_t)p->n_layers);
-        memcpy(pool->state_layers, p->state_layers, (size_t)p->n_layers);
-        for (int32_t l = 0; l < p->n_layers; l++)
-            if (pool->state_layers[l]) pool->layout[l].n_planes = 0; /* no token payload */
-        pool->state_k = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
-        pool->state_v = lethe_xcalloc((size_t)p->n_layers, sizeof(void *));
+    if (p->n_state_layers > 0) {
+        pool->state_k = lethe_xcalloc((size_t)p->n_state_layers, sizeof(void *));
+        pool->state_v = lethe_xcalloc((size_t)p->n_state_layers, sizeof(void *));
         pool->state_free = lethe_xmalloc((size_t)p->n_state_slots * sizeof(int32_t));
+        pool->state_held = lethe_xcalloc((size_t)p->n_state_slots, 1);
         const int32_t n_free = p->n_state_slots - (p->scratch_slot ? 1 : 0);
         for (int32_t i = 0; i < n_free; i++) pool->state_free[i] = n_free - 1 - i;
         pool->n_state_free = n_free;
@@ -253,23 +249,21 @@ lethe_status lethe_kv_pool_create(const lethe_kv_pool_params *p, lethe_kv_pool *
     if (p->be) {
         size_t bytes = (size_t)p->n_slots * code_bytes(p->n_kv_heads, p->head_dim, p->be->ops->kv_size, p->format);
         size_t side = (size_t)p->n_slots * side_bytes(p->n_kv_heads, p->head_dim, p->format);
+        for (int32_t i = 0; i < p->n_state_layers; i++) {
+            lethe_status st = pool_alloc(pool, (size_t)p->n_state_slots * p->state_k_bytes, &pool->state_k[i]);
+            if (st == LETHE_OK)
+                st = pool_alloc(pool, (size_t)p->n_state_slots * p->state_v_bytes, &pool->state_v[i]);
+            if (st != LETHE_OK) {
+                char why[256];
+                snprintf(why, sizeof(why), "%s", lethe_last_error());
+                lethe_kv_pool_destroy(pool);
+                return lethe_errorf(st, "kv pool: allocating the states of state layer %d (%d slots): %s", i,
+                                    p->n_state_slots, why);
+            }
+        }
         for (int32_t l = 0; l < p->n_layers; l++) {
             lethe_status st = LETHE_OK;
             const lethe_kv_layout *L = &pool->layout[l];
-            if (pool->state_layers && pool->state_layers[l]) {
-                bytes = (size_t)p->n_state_slots * p->state_k_bytes;
-                st = pool_alloc(pool, bytes, &pool->state_k[l]);
-                if (st == LETHE_OK)
-                    st = pool_alloc(pool, (size_t)p->n_state_slots * p->state_v_bytes, &pool->state_v[l]);
-                if (st != LETHE_OK) {
-                    char why[256];
-                    snprintf(why, sizeof(why), "%s", lethe_last_error());
-                    lethe_kv_pool_destroy(pool);
-                    return lethe_errorf(st, "kv pool: allocating the states of layer %d (%d slots): %s", l,
-                                        p->n_state_slots, why);
-                }
-                continue;
-            }
             for (int32_t i = 0; i < L->n_planes && st == LETHE_OK; i++) {
                 bytes = (size_t)p->n_slots * L->planes[i].slot_bytes;
                 st = pool_alloc(pool, bytes, &pool->plane[(size_t)l * LETHE_KV_MAX_PLANES + i]);
@@ -314,10 +308,10 @@ void lethe_kv_pool_destroy(lethe_kv_pool *pool) {
     lethe_kv_protect_free(pool);
     for (int32_t i = 0; i < pool->n_bufs; i++) pool->p.be->ops->release(pool->p.be, pool->bufs[i].p);
     free(pool->bufs);
-    free(pool->state_layers);
     free(pool->state_k);
     free(pool->state_v);
     free(pool->state_free);
+    free(pool->state_held);
     free(pool->row_state);
     free(pool->q);
     free(pool->kplan.slot_aux);
@@ -400,13 +394,9 @@ void *lethe_kv_plane_buf(const lethe_kv_pool *pool, int32_t layer, int32_t i) {
     LETHE_ASSERT(i >= 0 && i < pool->layout[layer].n_planes);
     return pool->plane[(size_t)layer * LETHE_KV_MAX_PLANES + i];
 }
-void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer) {
-    if (lethe_kv_is_state_layer(pool, layer)) return pool->state_k[layer];
-    return lethe_kv_plane_buf(pool, layer, 0);
-}
+void *lethe_kv_k(const lethe_kv_pool *pool, int32_t layer) { return lethe_kv_plane_buf(pool, layer, 0); }
 void *lethe_kv_v(const lethe_kv_pool *pool, int32_t layer) {
     LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
-    if (lethe_kv_is_state_layer(pool, layer)) return pool->state_v[layer];
     return pool->layout[layer].n_planes > 1 ? lethe_kv_plane_buf(pool, layer, 1) : NULL;
 }
 bool lethe_kv_has_layout(const lethe_kv_pool *pool) { return pool->has_layout; }
@@ -428,23 +418,54 @@ const lethe_kv_quant *lethe_kv_quant_of(const lethe_kv_pool *pool, int32_t layer
 
 /* ---- per-request states ---- */
 
-bool lethe_kv_has_states(const lethe_kv_pool *pool) { return pool->state_layers != NULL; }
-bool lethe_kv_is_state_layer(const lethe_kv_pool *pool, int32_t layer) {
-    LETHE_ASSERT(layer >= 0 && layer < pool->p.n_layers);
-    return pool->state_layers && pool->state_layers[layer];
+bool lethe_kv_has_states(const lethe_kv_pool *pool) { return pool->p.n_state_layers > 0; }
+int32_t lethe_kv_n_state_layers(const lethe_kv_pool *pool) { return pool->p.n_state_layers; }
+void *lethe_kv_state_rec(const lethe_kv_pool *pool, int32_t i) {
+    LETHE_ASSERT(i >= 0 && i < pool->p.n_state_layers);
+    return pool->state_k[i];
+}
+void *lethe_kv_state_conv(const lethe_kv_pool *pool, int32_t i) {
+    LETHE_ASSERT(i >= 0 && i < pool->p.n_state_layers);
+    return pool->state_v[i];
 }
 int32_t lethe_kv_state_n_free(const lethe_kv_pool *pool) {
-    return pool->state_layers ? pool->n_state_free : INT32_MAX;
+    return lethe_kv_has_states(pool) ? pool->n_state_free : INT32_MAX;
 }
 int32_t lethe_kv_n_state_slots(const lethe_kv_pool *pool) {
-    return pool->state_layers ? pool->p.n_state_slots : 0;
+    return lethe_kv_has_states(pool) ? pool->p.n_state_slots : 0;
 }
 int32_t lethe_kv_row_state(const lethe_kv_pool *pool, int32_t row) {
     LETHE_ASSERT(row >= 0 && row < pool->max_rows && pool->row_used[row]);
     return pool->row_state ? pool->row_state[row] : -1;
 }
 int32_t lethe_kv_scratch_state(const lethe_kv_pool *pool) {
-    return pool->state_layers && pool->p.scratch_slot ? pool->p.n_state_slots - 1 : -1;
+    return lethe_kv_has_states(pool) && pool->p.scratch_slot ? pool->p.n_state_slots - 1 : -1;
+}
+int32_t lethe_kv_state_take(lethe_kv_pool *pool) {
+    if (!lethe_kv_has_states(pool) || pool->n_state_free == 0) return -1;
+    const int32_t x = pool->state_free[--pool->n_state_free];
+    LETHE_ASSERT(!pool->state_held[x]);
+    pool->state_held[x] = 1;
+    pool->n_state_held++;
+    return x;
+}
+void lethe_kv_state_give(lethe_kv_pool *pool, int32_t slot) {
+    LETHE_ASSERT(lethe_kv_has_states(pool) && slot >= 0 && slot < pool->p.n_state_slots &&
+                 pool->state_held[slot] && pool->n_state_free < pool->p.n_state_slots);
+    pool->state_held[slot] = 0;
+    pool->n_state_held--;
+    pool->state_free[pool->n_state_free++] = slot;
+}
+int32_t lethe_kv_state_n_held(const lethe_kv_pool *pool) { return pool->n_state_held; }
+void lethe_kv_state_copy(lethe_kv_pool *pool, int32_t dst, int32_t src) {
+    LETHE_ASSERT(lethe_kv_has_states(pool) && dst >= 0 && src >= 0 && dst < pool->p.n_state_slots &&
+                 src < pool->p.n_state_slots);
+    lethe_backend *be = pool->p.be;
+    if (!be || dst == src) return;
+    for (int32_t i = 0; i < pool->p.n_state_layers; i++) {
+        be->ops->state_copy(be, pool->state_k[i], pool->p.state_k_bytes, dst, src);
+        be->ops->state_copy(be, pool->state_v[i], pool->p.state_v_bytes, dst, src);
+    }
 }
 
 /* ---- slot references ---- */
@@ -495,7 +516,7 @@ int32_t lethe_kv_row_alloc(lethe_kv_pool *pool) {
         memset(pool->row_used + old, 0, (size_t)(nw - old) * sizeof(bool));
         pool->free_rows = lethe_xrealloc(pool->free_rows, (size_t)nw * sizeof(int32_t));
         for (int32_t r = nw - 1; r >= old; r--) pool->free_rows[pool->n_free_rows++] = r;
-        if (pool->state_layers) {
+        if (lethe_kv_has_states(pool)) {
             pool->row_state = lethe_xrealloc(pool->row_state, (size_t)nw * sizeof(int32_t));
             for (int32_t r = old; r < nw; r++) pool->row_state[r] = -1;
         }
@@ -504,7 +525,7 @@ int32_t lethe_kv_row_alloc(lethe_kv_pool *pool) {
     int32_t row = pool->free_rows[--pool->n_free_rows];
     LETHE_ASSERT(!pool->row_used[row]);
     pool->row_used[row] = true;
-    if (pool->state_layers) { /* the caller checked lethe_kv_state_n_free */
+    if (lethe_kv_has_states(pool)) { /* the caller checked lethe_kv_state_n_free */
         LETHE_ASSERT(pool->n_state_free > 0 && pool->row_state[row] == -1);
         pool->row_state[row] = pool->state_free[--pool->n_state_free];
     }
@@ -519,7 +540,7 @@ void lethe_kv_row_release(lethe_kv_pool *pool, int32_t row) {
         t->meta_valid = 0;
     }
     lethe_kv_row_unprotect(pool, row);
-    if (pool->state_layers) {
+    if (lethe_kv_has_states(pool)) {
         LETHE_ASSERT(pool->row_state[row] >= 0 && pool->n_state_free < pool->p.n_state_slots);
         pool->state_free[pool->n_state_free++] = pool->row_state[row];
         pool->row_state[row] = -1;

@@ -44,14 +44,17 @@
  * the number of entries with bit h (lethe_kv_head_len).
  *
  * Per-request states (hybrid models: linear-attention layers keep a fixed
- * recurrent + conv state per request instead of per-token KV): layers with
- * state_layers[l] take no token slots and hold no planes; instead every row
- * owns one state slot for its whole life (taken by lethe_kv_row_alloc, given
- * back by lethe_kv_row_release, so finish, abort and preemption release it
- * with the row), and lethe_kv_k / lethe_kv_v of such a layer are its state
- * buffers [n_state_slots][state_k_bytes] / [n_state_slots][state_v_bytes].
- * Admission asks lethe_kv_state_n_free first. With scratch_slot the last
- * state slot is reserved the same way (padding sequences write it).
+ * recurrent + conv state per request instead of per-token KV): the pool's
+ * n_layers are the KV (full-attention) layers only, numbered 0 .. n_layers-1
+ * in model order (what slot spaces, methods and hooks call a layer); the
+ * n_state_layers linear-attention layers take no token slots. Instead every
+ * row owns one state slot for its whole life (taken by lethe_kv_row_alloc,
+ * given back by lethe_kv_row_release, so finish, abort and preemption
+ * release it with the row); state layer i keeps its buffers
+ * lethe_kv_state_rec(i) [n_state_slots][state_k_bytes] and
+ * lethe_kv_state_conv(i) [n_state_slots][state_v_bytes]. Admission asks
+ * lethe_kv_state_n_free first. With scratch_slot the last state slot is
+ * reserved the same way (padding sequences write it).
  *
  * Storage format (backend.h lethe_kv_format), chosen by the sparse method:
  * NATIVE stores the backend's kv type; FP8_E4M3 stores 1-byte codes in K[l] /
@@ -103,9 +106,10 @@ typedef struct lethe_kv_pool_params {
      * must then be NATIVE). NULL = the format's planes. */
     const lethe_kv_layout *layouts;
     bool head_masks;          /* per-entry KV-head masks (above); needs n_kv_heads <= 64 */
-    /* per-request states (above): [n_layers] 1 = a state layer, copied; NULL = none */
-    const uint8_t *state_layers;
-    size_t state_k_bytes, state_v_bytes; /* per state slot of one state layer */
+    /* per-request states (above): linear-attention layers besides the
+     * n_layers KV layers; 0 = none */
+    int32_t n_state_layers;
+    size_t state_k_bytes, state_v_bytes; /* recurrent / conv bytes per state slot of one state layer */
     int32_t n_state_slots;    /* incl. the scratch one (scratch_slot) */
 } lethe_kv_pool_params;
 
@@ -166,11 +170,23 @@ lethe_kivi_plan *lethe_kv_kivi_plan(lethe_kv_pool *pool);
 
 /* ---- per-request states ---- */
 bool lethe_kv_has_states(const lethe_kv_pool *pool);
-bool lethe_kv_is_state_layer(const lethe_kv_pool *pool, int32_t layer);
+int32_t lethe_kv_n_state_layers(const lethe_kv_pool *pool);
+/* state layer i's buffers (backend memory, NULL without a backend) */
+void *lethe_kv_state_rec(const lethe_kv_pool *pool, int32_t i);
+void *lethe_kv_state_conv(const lethe_kv_pool *pool, int32_t i);
 int32_t lethe_kv_state_n_free(const lethe_kv_pool *pool); /* INT32_MAX without states */
 int32_t lethe_kv_n_state_slots(const lethe_kv_pool *pool);
 int32_t lethe_kv_row_state(const lethe_kv_pool *pool, int32_t row); /* -1 without states */
 int32_t lethe_kv_scratch_state(const lethe_kv_pool *pool); /* -1 without states / scratch */
+/* A free state slot held by the caller (snapshots, the auxiliary prefill's
+ * copy) until lethe_kv_state_give; -1 when none is free. Held slots count
+ * against admission like a row's. */
+int32_t lethe_kv_state_take(lethe_kv_pool *pool);
+void lethe_kv_state_give(lethe_kv_pool *pool, int32_t slot);
+int32_t lethe_kv_state_n_held(const lethe_kv_pool *pool);
+/* state slot dst := state slot src in every state layer (recurrent and conv;
+ * ops->state_copy, stream-ordered on the device); nothing without a backend */
+void lethe_kv_state_copy(lethe_kv_pool *pool, int32_t dst, int32_t src);
 
 /* ---- rows ---- */
 /* A fresh empty row id (with a state slot when the pool has states: the

@@ -22,7 +22,9 @@
  * then xn = rmsnorm(x); x += swiglu MLP(xn). Final norm + lm_head as llama.
  * A DeltaNet layer keeps no KV: its k_cache[l] / v_cache[l] are the state
  * buffers and b->state_slots says which slot each sequence owns (model.h).
- * plan_layer is asked only for the full-attention layers. */
+ * plan_layer is asked only for the full-attention layers, numbered among
+ * themselves (0 .. n_layers - n_linear_layers - 1): the layer index the
+ * hooks, the KV pool and sparse methods see. */
 #include <math.h>
 #include <string.h>
 
@@ -161,8 +163,10 @@ static void hybrid_linear(lethe_model *m, const lethe_layer_weights *L, const le
     o->add(be, ws->x, ws->xn, (size_t)n * c->dim);
 }
 
-/* one gated full-attention layer: x += attention(xn) */
-static void hybrid_attention(lethe_model *m, int32_t l, const lethe_layer_weights *L,
+/* one gated full-attention layer: x += attention(xn). kl: its index among
+ * the full-attention layers, the layer the hooks, the KV pool, the method
+ * and its path see (linear-attention layers have no KV and are not counted) */
+static void hybrid_attention(lethe_model *m, int32_t kl, const lethe_layer_weights *L,
                              const lethe_fwd_batch *b, void *k_cache, void *v_cache,
                              const lethe_fwd_hooks *hooks) {
     const lethe_model_config *c = &m->cfg;
@@ -180,7 +184,7 @@ static void hybrid_attention(lethe_model *m, int32_t l, const lethe_layer_weight
     o->rope(be, ws->q, b->pos, n, c->n_heads, c->head_dim, &c->rope);
 
     lethe_layer_plan plan = {0};
-    hooks->plan_layer(hooks->ctx, l, b, ws->q, &plan);
+    hooks->plan_layer(hooks->ctx, kl, b, ws->q, &plan);
     LETHE_ASSERT(plan.store_slots && plan.sel_begin && plan.sel_slots);
     const lethe_kv_path *path = plan.path;
     /* the output gate multiplies the heads' outputs: a path must keep them */
@@ -188,7 +192,7 @@ static void hybrid_attention(lethe_model *m, int32_t l, const lethe_layer_weight
     LETHE_ASSERT(!path || !path->out_dim || path->out_dim == qd || !c->attn_out_gate);
     if (!path || !path->k_pre_rope) o->rope(be, ws->k, b->pos, n, c->n_kv_heads, c->head_dim, &c->rope);
     if (path)
-        path->store(path->ctx, l, ws->k, ws->v, plan.store_slots, b->pos, n);
+        path->store(path->ctx, kl, ws->k, ws->v, plan.store_slots, b->pos, n);
     else if (plan.kvq && plan.kvq->format != LETHE_KV_NATIVE)
         o->kv_store_quant(be, plan.kvq, k_cache, v_cache, ws->k, ws->v, plan.store_slots, n,
                           c->n_kv_heads, c->head_dim);
@@ -205,14 +209,14 @@ static void hybrid_attention(lethe_model *m, int32_t l, const lethe_layer_weight
     const void *wo = L->wo;
     int32_t att_dim = qd;
     if (path) {
-        path->attend(path->ctx, l, &args);
-        const void *w = path->out_proj ? path->out_proj(path->ctx, l) : NULL;
+        path->attend(path->ctx, kl, &args);
+        const void *w = path->out_proj ? path->out_proj(path->ctx, kl) : NULL;
         if (w) wo = w;
         if (path->out_dim) att_dim = path->out_dim;
     } else {
         o->attention(be, &args);
     }
-    if (hooks->after_attn) hooks->after_attn(hooks->ctx, l, b, &args);
+    if (hooks->after_attn) hooks->after_attn(hooks->ctx, kl, b, &args);
     if (c->attn_out_gate) o->sigmoid_mul(be, ws->att, ws->gate, (size_t)n * qd);
     o->matmul(be, ws->xn, ws->att, wo, n, c->dim, att_dim);
     o->add(be, ws->x, ws->xn, (size_t)n * c->dim);
@@ -227,13 +231,13 @@ static void hybrid_forward(lethe_model *m, const lethe_fwd_batch *b, void *const
     const int32_t n = b->n_tokens;
 
     o->embed(be, ws->x, m->w.tok_embd, b->tokens, n, c->dim);
-    for (int32_t l = 0; l < c->n_layers; l++) {
+    for (int32_t l = 0, kl = 0; l < c->n_layers; l++) {
         const lethe_layer_weights *L = &m->w.layers[l];
         o->rmsnorm(be, ws->xn, ws->x, L->attn_norm, n, c->dim, c->rms_eps);
         if (lethe_layer_is_linear(c, l))
             hybrid_linear(m, L, b, k_cache[l], v_cache[l]);
         else
-            hybrid_attention(m, l, L, b, k_cache[l], v_cache[l], hooks);
+            hybrid_attention(m, kl++, L, b, k_cache[l], v_cache[l], hooks);
         o->rmsnorm(be, ws->xn, ws->x, L->ffn_norm, n, c->dim, c->rms_eps);
         o->matmul(be, ws->ffa, ws->xn, L->w_gate, n, c->ffn_dim, c->dim);
         o->matmul(be, ws->ffb, ws->xn, L->w_up, n, c->ffn_dim, c->dim);

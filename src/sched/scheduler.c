@@ -234,15 +234,30 @@ static int32_t shrink_to_fit(const lethe_sched *s, const lethe_req *r, int32_t n
  * (backend.h lethe_gdn_args): a chunk inside the user's prompt ends at its
  * end or at a multiple of chunk_align positions (0 tokens: not this step),
  * and past it (generated tokens re-prefilled after a preemption) one token
- * per step, as they were decoded. */
-static int32_t respect_final_chunk(const lethe_sched *s, const lethe_req *r, int32_t start, int32_t n,
-                                   int32_t remaining) {
+ * per step, as they were decoded. When no multiple of chunk_align leaves the
+ * method its minimum final chunk even with a whole step's budget (a prompt
+ * end less than the final chunk past the last multiple the budget reaches),
+ * the final-chunk rule wins and the chunk ends unaligned (the states stay
+ * exact; only that prompt's rounding then depends on its split). */
+static int32_t final_chunk_only(const lethe_sched *s, int32_t n, int32_t remaining) {
     int32_t mfc = s->m ? lethe_sparse_min_final_chunk(s->m) : 0;
     if (mfc > 0 && n < remaining && remaining - n < mfc) n = remaining - mfc;
+    return n;
+}
+static int32_t aligned_end(const lethe_sched *s, const lethe_req *r, int32_t start, int32_t n) {
     const int32_t a = s->p.chunk_align;
-    if (a <= 1 || n <= 0) return n;
     const int32_t end = start < r->n_prompt ? r->n_prompt : start + 1;
     return start + n >= end ? end - start : (start + n) / a * a - start;
+}
+static int32_t respect_final_chunk(const lethe_sched *s, const lethe_req *r, int32_t start, int32_t n,
+                                   int32_t remaining) {
+    const int32_t nf = final_chunk_only(s, n, remaining);
+    if (s->p.chunk_align <= 1 || nf <= 0) return nf;
+    const int32_t k = aligned_end(s, r, start, nf);
+    if (k > 0 || nf == n) return k; /* aligned, or the budget alone stopped short of a multiple */
+    /* the final chunk cut it below a multiple: would a whole step's budget find one? */
+    const int32_t full = final_chunk_only(s, LETHE_MIN(remaining, s->p.max_num_batched_tokens), remaining);
+    return full > 0 && aligned_end(s, r, start, full) > 0 ? 0 : nf;
 }
 
 /* Takes `n` new slots at the next positions (evicting from the cache if needed). */

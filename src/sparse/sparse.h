@@ -574,8 +574,9 @@ lethe_status lethe_rowvecs_load(lethe_rowvec *r, int32_t n_vecs, const void *buf
 extern const lethe_sparse_ops lethe_sparse_dense;
 
 /* Hybrid models (linear-attention layers with per-request states): NULL when
- * the method applies to their full-attention layers, else why it cannot
- * (rows per layer or per KV head, a payload of its own). `lethe methods`
+ * the method applies to their full-attention layers (it then sees only
+ * those: env.n_layers, layer indices and budgets count full-attention
+ * layers), else why it cannot (its own output projection). `lethe methods`
  * prints it; the engine refuses with it (engine_hybrid.c). */
 const char *lethe_sparse_hybrid_refusal(const lethe_sparse_ops *ops);
 

@@ -13,13 +13,16 @@
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
 
+/* Hybrid models: the method sees the full-attention layers only (the pool,
+ * the hooks and env.n_layers count them alone, kv_pool.h), so rows per
+ * layer or per KV head, budgets per layer and payloads of its own all apply.
+ * What cannot: an output projection of the method's own (palu folds its value
+ * factors into W_o, so the per-head attention outputs that the gated
+ * attention's output gate multiplies are never formed). */
 const char *lethe_sparse_hybrid_refusal(const lethe_sparse_ops *ops) {
-    if (ops->flags & LETHE_SPARSE_HEAD_ROWS)
-        return "it keeps per-KV-head rows in every layer, the state layers included";
-    if (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS)
-        return "it keeps a row per layer, and the linear-attention layers have no token rows";
-    if (ops->kind == LETHE_SPARSE_KIND_COMPRESSION)
-        return "its own KV payload replaces the output projection the attention output gate feeds";
+    if (ops->kv_out_proj)
+        return "it folds its value factors into the output projection, so the per-head attention "
+               "outputs the output gate multiplies are never formed";
     return NULL;
 }
 
