@@ -401,7 +401,7 @@ if has hybrid; then
     if [ "${hp#*,snapkv,}" != "$hp" ]; then
         ./build/lethe bench sparse -m $hcfg --load-format dummy --device cuda --parts capacity \
             --budget 2048 --capacity-method snapkv --capacity-inputs ${HYBRID_SNAPKV_INPUTS:-130560} \
-            --capacity-output 256 --engine-tokens 131072 --no-progress ${SPARSE_ARGS:-} \
+            --capacity-output 256 --engine-tokens 131072 --max-num-seqs 128 --no-progress ${SPARSE_ARGS:-} \
             --json "$OUT/hybrid-snapkv.json" 2>&1 | tee "$OUT/hybrid-snapkv.log"
         add_gpu "$OUT/hybrid-snapkv.json"
     fi

@@ -243,6 +243,11 @@ static lethe_status synthetic_decode(lethe_engine *e, int32_t B, int32_t ctx0, i
     lethe_engine_kv_buffers(e, kc, vc);
     int32_t *tok = lethe_xmalloc((size_t)B * sizeof(int32_t)), *pos = lethe_xmalloc((size_t)B * sizeof(int32_t));
     int32_t *store = lethe_xmalloc((size_t)B * sizeof(int32_t)), *rows = lethe_xmalloc((size_t)B * sizeof(int32_t));
+    /* hybrid models: sequence q continues from state slot q (free while the engine is idle) */
+    const bool hybrid = m->cfg.n_linear_layers > 0;
+    LETHE_ASSERT(!hybrid || B < lethe_engine_n_state_slots(e));
+    int32_t *sslots = lethe_xmalloc((size_t)B * sizeof(int32_t));
+    for (int32_t q = 0; q < B; q++) sslots[q] = q;
     int32_t *seq_begin = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
     int32_t *sel_begin = lethe_xmalloc(((size_t)B + 1) * sizeof(int32_t));
     int32_t *sel = lethe_xmalloc((size_t)B * T * sizeof(int32_t));
@@ -265,7 +270,7 @@ static lethe_status synthetic_decode(lethe_engine *e, int32_t B, int32_t ctx0, i
             sel_begin[q + 1] = n_sel;
         }
         lethe_fwd_batch b = {.n_tokens = B, .tokens = tok, .pos = pos, .n_seqs = B, .seq_begin = seq_begin,
-                             .n_logits = B, .logit_rows = rows};
+                             .n_logits = B, .logit_rows = rows, .state_slots = hybrid ? sslots : NULL};
         lethe_layer_plan plan = {.store_slots = store, .sel_begin = sel_begin, .sel_slots = sel};
         double t0 = lethe_time_s();
         lethe_model_forward_uniform(m, &b, kc, vc, &plan, graph, gs, logits);
@@ -285,7 +290,7 @@ static lethe_status synthetic_decode(lethe_engine *e, int32_t B, int32_t ctx0, i
     d->tok_s = med > 0 ? B / med : NAN;
     d->replays = gs->n_replays, d->eager = gs->n_eager;
     if (m->be->ops->graph_reset) m->be->ops->graph_reset(m->be); /* graphs hold these buffers */
-    free(kc), free(vc), free(tok), free(pos), free(store), free(rows), free(seq_begin), free(sel_begin);
+    free(kc), free(vc), free(tok), free(pos), free(store), free(rows), free(sslots), free(seq_begin), free(sel_begin);
     free(sel), free(logits), free(dt), free(gs);
     return LETHE_OK;
 }

@@ -32,11 +32,19 @@ int32_t lethe_engine_max_resident(const lethe_engine *e, int32_t layer, int32_t 
     return lethe_sparse_max_resident(e->method, layer, n_prompt, n_total, chunk);
 }
 
+int32_t lethe_engine_n_state_slots(const lethe_engine *e) { return lethe_kv_n_state_slots(e->pool); }
+
 lethe_model *lethe_engine_model(const lethe_engine *e) { return lethe_runner_model_of(&e->runner); }
 
 void lethe_engine_kv_buffers(const lethe_engine *e, void **k, void **v) {
-    for (int32_t l = 0; l < lethe_kv_n_layers(e->pool); l++) {
-        k[l] = lethe_kv_k(e->pool, l);
-        v[l] = lethe_kv_v(e->pool, l);
+    const lethe_model_config *c = &e->runner.cfg;
+    for (int32_t l = 0, kl = 0, sl = 0; l < c->n_layers; l++) { /* as runner.c binds them */
+        if (lethe_layer_is_linear(c, l)) {
+            k[l] = lethe_kv_state_rec(e->pool, sl);
+            v[l] = lethe_kv_state_conv(e->pool, sl++);
+        } else {
+            k[l] = lethe_kv_k(e->pool, kl);
+            v[l] = lethe_kv_v(e->pool, kl++);
+        }
     }
 }

@@ -42,6 +42,11 @@ int32_t lethe_engine_max_resident(const lethe_engine *e, int32_t layer, int32_t 
  * over the engine's own memory; NULL when the engine has no real model (the
  * fake runner). */
 lethe_model *lethe_engine_model(const lethe_engine *e);
-void lethe_engine_kv_buffers(const lethe_engine *e, void **k, void **v); /* [n_layers] each */
+/* state slots of a hybrid model's pool (0 for others) */
+int32_t lethe_engine_n_state_slots(const lethe_engine *e);
+/* [n_layers] each, per model layer: K / V of an attention layer, the
+ * recurrent / conv state buffers of a linear-attention layer (state slot s =
+ * row s of them) */
+void lethe_engine_kv_buffers(const lethe_engine *e, void **k, void **v);
 
 #endif /* LETHE_ENGINE_INTROSPECT_H */
