@@ -437,6 +437,12 @@ typedef struct lethe_engine_chain_stats {
     int32_t n_shared_prefixes;              /* distinct shared prefixes they hold */
     int32_t shared_blocks;                  /* 16-token blocks cached for shared prefixes */
     int64_t shared_hit_tokens;              /* prompt tokens attached from a shared prefix */
+    /* host tier (--host-cache-bytes): IDLE chains reclaimed from the KV cache
+     * are demoted to host memory and restored by their next turn */
+    int32_t n_on_host;                      /* chains whose KV is in the host tier now */
+    int64_t n_demoted, n_restored;          /* cumulative */
+    int64_t n_lost;                         /* demoted chains the tier could not keep (410) */
+    int64_t restored_entries;               /* KV row entries restored, summed over slot spaces */
 } lethe_engine_chain_stats;
 /* All zero outside chain mode. */
 void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out);

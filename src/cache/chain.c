@@ -40,8 +40,15 @@ typedef struct chain_rec {
     int32_t n_messages, pending_messages;
     int32_t share;             /* shared prefix tokens (0: none) */
     uint8_t share_digest[LETHE_CHAIN_FP_BYTES]; /* of tokens [0, share) */
-    void *payload;             /* IDLE: resident KV handle */
+    void *payload;             /* IDLE: resident KV handle (or its host-tier stub) */
+    uint8_t host;              /* HOST_*: where an IDLE chain's KV is */
+    int32_t *host_resident;    /* [n_spaces] its resident slots before demotion */
 } chain_rec;
+
+/* An IDLE chain's KV: in the pool, queued for demotion (the payload is in
+ * the demote list; a turn cancels it), being copied by the engine thread (a
+ * turn waits), or in the host tier (a turn claims it). */
+enum { HOST_NONE = 0, HOST_QUEUED, HOST_MOVING, HOST_STORED };
 
 struct lethe_chain_table {
     lethe_chain_table_params p;
@@ -52,6 +59,9 @@ struct lethe_chain_table {
     int32_t tomb_head, n_tomb;
     void **released;
     int32_t n_released, cap_released;
+    void **demote;             /* payloads to demote (HOST_QUEUED chains) */
+    int32_t n_demote, cap_demote;
+    pthread_cond_t moved;      /* a HOST_MOVING chain left that state */
     uint64_t clock;
     lethe_chain_stats st;
     int64_t *usage;            /* scratch [n_spaces] */
@@ -154,7 +164,9 @@ lethe_chain_table *lethe_chain_create(const lethe_chain_table_params *p) {
     if (t->p.max_tombstones <= 0) t->p.max_tombstones = LETHE_CHAIN_DEFAULT_TOMBSTONES;
     t->tomb = lethe_xcalloc((size_t)t->p.max_tombstones, sizeof(*t->tomb));
     t->usage = lethe_xcalloc((size_t)p->n_spaces, sizeof(int64_t));
+    LETHE_ASSERT(!p->demote || (p->claim && p->present));
     pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->moved, NULL);
     return t;
 }
 
@@ -163,6 +175,7 @@ static void rec_free(chain_rec *r) {
     free(r->hist);
     free(r->resident);
     free(r->reserved);
+    free(r->host_resident);
     free(r);
 }
 
@@ -172,9 +185,11 @@ void lethe_chain_destroy(lethe_chain_table *t) {
     free(t->recs);
     free(t->tomb);
     free(t->released);
+    free(t->demote);
     free(t->usage);
     free(t->cand);
     pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->moved);
     free(t);
 }
 
@@ -216,8 +231,28 @@ static void queue_release(lethe_chain_table *t, void *payload) {
     t->released[t->n_released++] = payload;
 }
 
+static void push_ptr(void ***arr, int32_t *n, int32_t *cap, void *p) {
+    if (*n == *cap) {
+        *cap = *cap ? 2 * *cap : 16;
+        *arr = lethe_xrealloc(*arr, (size_t)*cap * sizeof(void *));
+    }
+    (*arr)[(*n)++] = p;
+}
+
+/* takes p out of the demote list (false when it is not there) */
+static bool unqueue_demotion(lethe_chain_table *t, const void *p) {
+    for (int32_t i = 0; i < t->n_demote; i++)
+        if (t->demote[i] == p) {
+            t->demote[i] = t->demote[--t->n_demote];
+            return true;
+        }
+    return false;
+}
+
 /* Removes record r from the table, tombstones its id and queues its payload. */
 static void drop(lethe_chain_table *t, chain_rec *r) {
+    LETHE_ASSERT(r->host != HOST_MOVING);
+    if (r->host == HOST_QUEUED) LETHE_ASSERT(unqueue_demotion(t, r->payload));
     for (int32_t i = 0; i < t->n_recs; i++) {
         if (t->recs[i] == r) {
             t->recs[i] = t->recs[--t->n_recs];
@@ -233,6 +268,7 @@ static chain_rec *rec_new(lethe_chain_table *t) {
     chain_rec *r = lethe_xcalloc(1, sizeof(*r));
     r->resident = lethe_xcalloc((size_t)t->p.n_spaces, sizeof(int32_t));
     r->reserved = lethe_xcalloc((size_t)t->p.n_spaces, sizeof(int32_t));
+    r->host_resident = lethe_xcalloc((size_t)t->p.n_spaces, sizeof(int32_t));
     if (t->n_recs == t->cap_recs) {
         t->cap_recs = t->cap_recs ? 2 * t->cap_recs : 16;
         t->recs = lethe_xrealloc(t->recs, (size_t)t->cap_recs * sizeof(*t->recs));
@@ -290,7 +326,8 @@ static int32_t make_room(lethe_chain_table *t, const chain_rec *self, const int3
     }
     int32_t nc = 0;
     for (int32_t i = 0; i < t->n_recs; i++)
-        if (t->recs[i] != self && t->recs[i]->state == LETHE_CHAIN_IDLE) t->cand[nc++] = t->recs[i];
+        if (t->recs[i] != self && t->recs[i]->state == LETHE_CHAIN_IDLE && t->recs[i]->host == HOST_NONE)
+            t->cand[nc++] = t->recs[i];
     qsort(t->cand, (size_t)nc, sizeof(*t->cand), cmp_lru);
     int32_t k = 0;
     while (k < nc && !fits(t, need)) {
@@ -298,7 +335,17 @@ static int32_t make_room(lethe_chain_table *t, const chain_rec *self, const int3
         k++;
     }
     if (!fits(t, need)) return -1;
-    for (int32_t i = 0; i < k; i++) drop(t, t->cand[i]);
+    for (int32_t i = 0; i < k; i++) {
+        chain_rec *v = t->cand[i];
+        if (t->p.demote && v->payload) { /* to the host tier: the record stays, its slots go */
+            memcpy(v->host_resident, v->resident, (size_t)t->p.n_spaces * sizeof(int32_t));
+            memset(v->resident, 0, (size_t)t->p.n_spaces * sizeof(int32_t));
+            v->host = HOST_QUEUED;
+            push_ptr(&t->demote, &t->n_demote, &t->cap_demote, v->payload);
+        } else {
+            drop(t, v);
+        }
+    }
     t->st.n_reclaimed += k;
     return k;
 }
@@ -339,7 +386,8 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
         goto done;
     }
     if (id) {
-        r = find(t, id);
+        /* its KV is being copied to the host tier right now: wait for the copy */
+        while ((r = find(t, id)) && r->host == HOST_MOVING) pthread_cond_wait(&t->moved, &t->mu);
         /* another tenant's chain does not exist for this one (same answer as an unknown id) */
         if (r && strcmp(r->owner, owner_of(a->owner)) != 0) r = NULL;
         if (!r) {
@@ -380,6 +428,11 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
             uint8_t d[LETHE_CHAIN_FP_BYTES];
             lethe_chain_digest(full, r->processed, d);
             prefix_ok = memcmp(d, r->digest, sizeof(d)) == 0;
+        }
+        if (prefix_ok && r->host == HOST_QUEUED) { /* not copied yet: it stays in the pool */
+            LETHE_ASSERT(unqueue_demotion(t, r->payload));
+            memcpy(r->resident, r->host_resident, (size_t)t->p.n_spaces * sizeof(int32_t));
+            r->host = HOST_NONE;
         }
         if (prefix_ok) {
             status = LETHE_CHAIN_RESUMED;
@@ -435,7 +488,10 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
     int32_t own_share =
         share > 0 && !share_held(t, r, t->n_recs, share, share_digest) ? share : 0;
     for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
-        int64_t base = status == LETHE_CHAIN_RESUMED ? r->resident[sp] : 0;
+        /* a chain in the host tier needs its slots again */
+        int64_t base = status != LETHE_CHAIN_RESUMED ? 0
+                       : r->host == HOST_STORED ? r->host_resident[sp]
+                                                : r->resident[sp];
         need[sp] = (int32_t)LETHE_MIN(base + extra + own_share, (int64_t)t->p.slots_per_space + 1);
     }
     int32_t k = make_room(t, r, need);
@@ -446,6 +502,19 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
         goto done;
     }
     out->n_reclaimed = k;
+    if (r && r->host == HOST_STORED && status == LETHE_CHAIN_RESUMED) {
+        /* the KV comes back from the host tier, unless the tier dropped it */
+        if (!t->p.claim(t->p.host_ctx, r->payload)) {
+            free(need);
+            drop(t, r);
+            t->st.n_lost++;
+            reject(t, out, LETHE_CHAIN_GONE, "chain %.60s was reclaimed from the KV cache and the "
+                   "host tier; resend the full prompt without chain_id", id);
+            goto done;
+        }
+        t->st.n_restored++;
+        r->host = HOST_NONE;
+    }
     if (!r) {
         r = rec_new(t);
         if (a->new_id && a->new_id[0]) snprintf(r->id, sizeof(r->id), "%s", a->new_id);
@@ -460,6 +529,8 @@ void lethe_chain_begin(lethe_chain_table *t, const lethe_chain_begin_args *a, le
         snprintf(r->owner, sizeof(r->owner), "%s", owner_of(a->owner));
         t->st.n_created++;
     } else if (status == LETHE_CHAIN_RECREATED) {
+        if (r->host == HOST_QUEUED) LETHE_ASSERT(unqueue_demotion(t, r->payload));
+        r->host = HOST_NONE; /* a demoted payload's blob goes with its release */
         queue_release(t, r->payload);
         r->payload = NULL;
         r->processed = 0;
@@ -579,10 +650,12 @@ int32_t lethe_chain_take_released(lethe_chain_table *t, void **out, int32_t cap)
 int32_t lethe_chain_drain_all(lethe_chain_table *t, void **out, int32_t cap) {
     pthread_mutex_lock(&t->mu);
     int32_t k = 0;
+    t->n_demote = 0; /* their payloads are the records' own, taken below */
     for (int32_t i = 0; i < t->n_recs && k < cap; i++) {
         if (t->recs[i]->payload) {
             out[k++] = t->recs[i]->payload;
             t->recs[i]->payload = NULL;
+            t->recs[i]->host = HOST_NONE;
             memset(t->recs[i]->resident, 0, (size_t)t->p.n_spaces * sizeof(int32_t));
         }
     }
@@ -605,6 +678,7 @@ static void rec_info(const lethe_chain_table *t, const chain_rec *r, lethe_chain
     }
     memcpy(out->digest, r->digest, sizeof(out->digest));
     out->shared = r->share;
+    out->on_host = r->host != HOST_NONE;
 }
 
 lethe_chain_code lethe_chain_lookup(lethe_chain_table *t, const char *id, lethe_chain_info *out) {
@@ -659,6 +733,7 @@ void lethe_chain_get_stats(lethe_chain_table *t, lethe_chain_stats *out) {
     for (int32_t i = 0; i < t->n_recs; i++) {
         const chain_rec *r = t->recs[i];
         if (r->state == LETHE_CHAIN_ACTIVE) out->n_active++; else out->n_idle++;
+        out->n_on_host += r->host != HOST_NONE;
         for (int32_t sp = 0; sp < t->p.n_spaces; sp++) {
             out->resident_slots += r->resident[sp];
             out->reserved_slots += r->state == LETHE_CHAIN_ACTIVE ? r->reserved[sp] : r->resident[sp];
@@ -672,4 +747,59 @@ void lethe_chain_get_stats(lethe_chain_table *t, lethe_chain_stats *out) {
         }
     }
     pthread_mutex_unlock(&t->mu);
+}
+
+/* ---- host tier ---- */
+
+static chain_rec *find_payload(lethe_chain_table *t, const void *p) {
+    for (int32_t i = 0; i < t->n_recs; i++)
+        if (t->recs[i]->payload == p) return t->recs[i];
+    return NULL;
+}
+
+int32_t lethe_chain_take_demotions(lethe_chain_table *t, void **out, int32_t cap) {
+    pthread_mutex_lock(&t->mu);
+    int32_t k = LETHE_MIN(cap, t->n_demote);
+    for (int32_t i = 0; i < k; i++) {
+        void *p = t->demote[--t->n_demote];
+        chain_rec *r = find_payload(t, p);
+        LETHE_ASSERT(r && r->state == LETHE_CHAIN_IDLE && r->host == HOST_QUEUED);
+        r->host = HOST_MOVING;
+        out[i] = p;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return k;
+}
+
+void lethe_chain_demoted(lethe_chain_table *t, void *payload, bool ok) {
+    pthread_mutex_lock(&t->mu);
+    chain_rec *r = find_payload(t, payload);
+    LETHE_ASSERT(r && r->host == HOST_MOVING);
+    if (ok) {
+        r->host = HOST_STORED;
+        t->st.n_demoted++;
+    } else { /* lost: as a reclaimed chain without a host tier */
+        r->host = HOST_NONE;
+        drop(t, r);
+        t->st.n_lost++;
+    }
+    pthread_cond_broadcast(&t->moved);
+    pthread_mutex_unlock(&t->mu);
+}
+
+int32_t lethe_chain_sweep_host(lethe_chain_table *t) {
+    pthread_mutex_lock(&t->mu);
+    int32_t n = 0;
+    for (int32_t i = 0; i < t->n_recs;) {
+        chain_rec *r = t->recs[i];
+        if (r->host == HOST_STORED && !t->p.present(t->p.host_ctx, r->payload)) {
+            drop(t, r); /* moves the last record into slot i */
+            t->st.n_lost++;
+            n++;
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return n;
 }

@@ -23,7 +23,11 @@
  * order (logical clock, no ties); ACTIVE chains never; if even reclaiming
  * every IDLE chain is not enough the turn fails with CAPACITY and nothing
  * is reclaimed. Reclaimed or invalidated ids are remembered in a bounded
- * FIFO of tombstones so later requests get GONE, not NOT_FOUND. A branching
+ * FIFO of tombstones so later requests get GONE, not NOT_FOUND. With a host
+ * tier (params.demote) reclaim demotes instead: the chain keeps its record
+ * and history, its payload goes to host memory, and its next turn is
+ * admitted with the slots it will need again (the KV is restored before the
+ * suffix is processed); a chain the tier has dropped is GONE. A branching
  * chain's shared prefix (begin_args.share_tokens) is not part of its
  * resident or reserved slots: each distinct shared prefix counts once, while
  * any chain holds it.
@@ -63,6 +67,17 @@ typedef struct lethe_chain_table_params {
     int32_t slots_per_space;
     int32_t max_tombstones;    /* 0 = LETHE_CHAIN_DEFAULT_TOMBSTONES */
     int32_t share_block;       /* shared prefixes are whole blocks of this many tokens (0 = 1) */
+    /* Host tier (chain_cache.c): reclaim demotes an IDLE chain's payload
+     * instead of dropping it (the payload is queued for the engine thread,
+     * lethe_chain_take_demotions, and the chain stays IDLE with no resident
+     * slots); a later turn claims it back. claim runs under the table's lock
+     * when such a turn is admitted: it takes the payload's KV out of the host
+     * tier (false: the tier dropped it, the chain is gone); present says,
+     * without taking, whether the tier still holds it (sweeps). */
+    bool demote;
+    bool (*claim)(void *ctx, void *payload);
+    bool (*present)(void *ctx, void *payload);
+    void *host_ctx;
 } lethe_chain_table_params;
 
 typedef struct lethe_chain_table lethe_chain_table;
@@ -160,6 +175,18 @@ void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tok
  * payload (may be NULL) is queued for release. */
 void lethe_chain_abandon(lethe_chain_table *t, const char *id, void *payload);
 
+/* ---- host tier (params.demote) ---- */
+/* Payloads reclaim chose to demote, for the engine thread to copy to the
+ * host tier (call until it returns < cap); their chains are marked as being
+ * moved: a turn for one waits until lethe_chain_demoted. */
+int32_t lethe_chain_take_demotions(lethe_chain_table *t, void **out, int32_t cap);
+/* The payload's KV is in the host tier (ok), or it could not be put there
+ * (!ok: the chain is invalidated and the payload queued for release). */
+void lethe_chain_demoted(lethe_chain_table *t, void *payload, bool ok);
+/* Chains whose demoted KV the host tier no longer holds (params.present)
+ * are invalidated (tombstoned, payloads queued for release); returns how many. */
+int32_t lethe_chain_sweep_host(lethe_chain_table *t);
+
 /* Payloads of reclaimed/invalidated chains the engine must free now;
  * returns how many were written (call until it returns < cap). */
 int32_t lethe_chain_take_released(lethe_chain_table *t, void **out, int32_t cap);
@@ -177,6 +204,7 @@ typedef struct lethe_chain_info {
     int64_t resident_total;    /* resident private slots summed over spaces */
     int32_t resident_max;      /* max over spaces */
     int32_t shared;            /* tokens of its shared prefix (0: none) */
+    bool on_host;              /* its KV is (being) demoted to the host tier: resident 0 */
     uint8_t digest[LETHE_CHAIN_FP_BYTES];
 } lethe_chain_info;
 
@@ -205,6 +233,10 @@ typedef struct lethe_chain_stats {
     int32_t n_branched;        /* chains with a shared prefix */
     int32_t n_shared_prefixes; /* distinct shared prefixes they hold */
     int64_t shared_slots;      /* slots of those prefixes, counted once, summed over spaces */
+    /* host tier: chains whose KV is there now; demoted / claimed back by a
+     * turn / lost (the tier dropped them: their ids answer GONE), cumulative */
+    int32_t n_on_host;
+    int64_t n_demoted, n_restored, n_lost;
 } lethe_chain_stats;
 void lethe_chain_get_stats(lethe_chain_table *t, lethe_chain_stats *out);
 

@@ -43,11 +43,19 @@
  * (in the payload when IDLE, in its request's record when ACTIVE), so no
  * shared block is evicted under a chain; unreferenced shared blocks are
  * reclaimable and evicted LRU like radix blocks. The table counts a shared
- * prefix once (chain.c) and each chain's private slots only. */
+ * prefix once (chain.c) and each chain's private slots only.
+ *
+ * Host tier (--host-cache-bytes): an IDLE chain the table reclaims is
+ * demoted, not dropped: drain copies its private entries, pins and method
+ * state into one blob (demote_kv) and frees its row; the chain keeps its
+ * shared-block references. Its next turn claims the blob (the table's
+ * claim callback, at admission) and acquire restores it into a fresh row
+ * before the suffix runs (restore_kv), bit for bit. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/host_tier.h"
 #include "cache/prefix_cache.h"
 #include "cache/radix.h"
 #include "core/util.h"
@@ -59,10 +67,25 @@ typedef struct chain_blocks {
 } chain_blocks;
 
 typedef struct chain_kv {
-    int32_t row;
+    int32_t row;    /* -1 while on the host */
     void *state;
     chain_blocks shared;
+    /* demoted: the private KV, positions, pins and method state are one blob
+     * in the host tier under (LETHE_HOST_TIER_CHAIN, address of this record),
+     * or in `blob` once a turn claimed it back; the shared blocks stay held */
+    bool on_host;
+    void *blob;
+    size_t blob_n;
 } chain_kv;
+
+/* the blob: header, then per slot space [n_priv] positions and the slots'
+ * payload (kv_host.c), then [2 n_prot] protected ranges, then the state */
+typedef struct chain_blob_hdr {
+    uint32_t magic;
+    int32_t n_spaces, n_shared, n_prot;
+    uint64_t state_bytes; /* UINT64_MAX: no state */
+} chain_blob_hdr;
+#define CHAIN_BLOB_MAGIC 0x6c434b56u
 
 typedef struct chain_ref {
     char id[LETHE_CHAIN_ID_CAP];
@@ -79,6 +102,9 @@ typedef struct chain_cache {
     lethe_radix *tree;  /* shared prefixes of branching chains */
     int64_t refs_held;  /* request references on tree blocks held by chains (the checker) */
     int64_t shared_hit_tokens; /* prompt tokens attached from shared prefixes */
+    lethe_host_tier *tier;     /* NULL: none */
+    int64_t restored_entries;  /* row entries restored from demoted chains */
+    int64_t tier_evictions;    /* the tier's eviction count at the last sweep */
     /* the last match, for the acquire that follows it: n_match shared blocks
      * in the pool, then n_host in the host tier */
     lethe_radix_block **match;
@@ -103,8 +129,14 @@ static void blocks_drop(chain_cache *cc, chain_blocks *cb) {
     *cb = (chain_blocks){0};
 }
 
+static uint64_t host_key(const chain_kv *k) { return (uint64_t)(uintptr_t)k; }
+
 static void kv_free(chain_cache *cc, chain_kv *k) {
     if (!k) return;
+    if (k->on_host) { /* claimed back (blob) or still in the tier */
+        if (k->blob) free(k->blob);
+        else lethe_host_tier_drop(cc->tier, LETHE_HOST_TIER_CHAIN, host_key(k));
+    }
     blocks_drop(cc, &k->shared);
     if (k->row >= 0) lethe_kv_row_release(cc->base.pool, k->row);
     if (k->state) {
@@ -121,6 +153,151 @@ static int32_t row_resident(const lethe_kv_pool *pool, int32_t row) {
     return m;
 }
 
+/* ---- host tier: an idle chain's private KV out of the pool and back ---- */
+
+/* the blob's per-space part: n_priv entries at *at, positions then payload */
+static const uint8_t *blob_space(const lethe_kv_pool *pool, const uint8_t *at, int32_t sp,
+                                 int32_t *n_priv, const int32_t **pos, const uint8_t **payload) {
+    memcpy(n_priv, at, sizeof(int32_t));
+    at += sizeof(int32_t);
+    *pos = (const int32_t *)at;
+    at += (size_t)*n_priv * sizeof(int32_t);
+    *payload = at;
+    return at + (size_t)*n_priv * lethe_kv_space_slot_bytes(pool, sp);
+}
+
+/* Copies k's private entries ([n_shared, len) of each space: the shared
+ * prefix [0, n_shared) is uncompacted and stays with its blocks), its pins
+ * and its method state into one blob in the host tier, then frees the row
+ * and the state. False (nothing changed) when the state cannot be saved or
+ * the tier refuses the blob. Engine thread. */
+static bool demote_kv(chain_cache *cc, chain_kv *k) {
+    lethe_kv_pool *pool = cc->base.pool;
+    const int32_t n_sp = lethe_kv_n_spaces(pool), nsh = k->shared.n * LETHE_RADIX_BLOCK;
+    uint64_t state_bytes = UINT64_MAX;
+    if (k->state) {
+        if (!cc->base.snapshot_state) return false;
+        size_t n = cc->base.snapshot_state(cc->base.release_ctx, k->state, NULL, 0);
+        if (n == SIZE_MAX) return false;
+        state_bytes = n;
+    }
+    const int32_t *prot = NULL;
+    const int32_t n_prot = lethe_kv_row_protected(pool, k->row, &prot);
+    size_t size = sizeof(chain_blob_hdr) + (size_t)n_prot * 2 * sizeof(int32_t) +
+                  (state_bytes == UINT64_MAX ? 0 : (size_t)state_bytes);
+    for (int32_t sp = 0; sp < n_sp; sp++) {
+        const int32_t n = lethe_kv_row_len(pool, sp, k->row) - nsh;
+        LETHE_ASSERT(n >= 0 && (nsh == 0 || lethe_kv_row_pos(pool, sp, k->row)[nsh - 1] == nsh - 1));
+        size += sizeof(int32_t) + (size_t)n * (sizeof(int32_t) + lethe_kv_space_slot_bytes(pool, sp));
+    }
+    uint8_t *blob = lethe_xmalloc(size), *at = blob;
+    const chain_blob_hdr h = {.magic = CHAIN_BLOB_MAGIC, .n_spaces = n_sp, .n_shared = nsh,
+                              .n_prot = n_prot, .state_bytes = state_bytes};
+    memcpy(at, &h, sizeof(h));
+    at += sizeof(h);
+    for (int32_t sp = 0; sp < n_sp; sp++) {
+        const int32_t n = lethe_kv_row_len(pool, sp, k->row) - nsh;
+        memcpy(at, &n, sizeof(n));
+        at += sizeof(n);
+        memcpy(at, lethe_kv_row_pos(pool, sp, k->row) + nsh, (size_t)n * sizeof(int32_t));
+        at += (size_t)n * sizeof(int32_t);
+        lethe_kv_slots_save(pool, sp, lethe_kv_row_slots(pool, sp, k->row) + nsh, n, at);
+        at += (size_t)n * lethe_kv_space_slot_bytes(pool, sp);
+    }
+    memcpy(at, prot, (size_t)n_prot * 2 * sizeof(int32_t));
+    at += (size_t)n_prot * 2 * sizeof(int32_t);
+    if (state_bytes != UINT64_MAX)
+        LETHE_ASSERT(cc->base.snapshot_state(cc->base.release_ctx, k->state, at, state_bytes) ==
+                     state_bytes);
+    at += state_bytes == UINT64_MAX ? 0 : state_bytes;
+    LETHE_ASSERT((size_t)(at - blob) == size);
+    if (!lethe_host_tier_put(cc->tier, LETHE_HOST_TIER_CHAIN, host_key(k), blob, size)) return false;
+    lethe_kv_row_release(pool, k->row); /* the shared slots stay with their blocks */
+    k->row = -1;
+    if (k->state) cc->base.release_state(cc->base.release_ctx, k->state);
+    k->state = NULL;
+    k->on_host = true;
+    return true;
+}
+
+/* max over spaces of the entries a claimed blob restores (*priv: private only) */
+static int32_t blob_entries(const lethe_kv_pool *pool, const chain_kv *k, int32_t *priv) {
+    const uint8_t *at = (const uint8_t *)k->blob + sizeof(chain_blob_hdr);
+    chain_blob_hdr h;
+    memcpy(&h, k->blob, sizeof(h));
+    *priv = 0;
+    for (int32_t sp = 0; sp < h.n_spaces; sp++) {
+        int32_t n;
+        const int32_t *pos;
+        const uint8_t *payload;
+        at = blob_space(pool, at, sp, &n, &pos, &payload);
+        *priv = LETHE_MAX(*priv, n);
+    }
+    return h.n_shared + *priv;
+}
+
+/* The reverse of demote_kv into a fresh row, bit for bit: the shared blocks
+ * the chain kept are attached again, the private entries restored into
+ * fresh slots at their positions, the pins and the method state rebuilt.
+ * The scheduler counted the slots (match.pinned). Engine thread. */
+static void restore_kv(chain_cache *cc, chain_kv *k) {
+    lethe_kv_pool *pool = cc->base.pool;
+    LETHE_ASSERT(k->on_host && k->blob && k->row < 0 && !k->state);
+    chain_blob_hdr h;
+    memcpy(&h, k->blob, sizeof(h));
+    LETHE_ASSERT(h.magic == CHAIN_BLOB_MAGIC && h.n_spaces == lethe_kv_n_spaces(pool) &&
+                 h.n_shared == k->shared.n * LETHE_RADIX_BLOCK);
+    int32_t priv = 0;
+    blob_entries(pool, k, &priv);
+    if (lethe_kv_min_free(pool) < priv) lethe_radix_evict(cc->tree, priv);
+    LETHE_ASSERT(lethe_kv_min_free(pool) >= priv);
+    k->row = lethe_kv_row_alloc(pool);
+    /* the shared prefix: the chain's references move from the payload to the row's attach */
+    lethe_radix_release(cc->tree, k->shared.b, k->shared.n);
+    lethe_radix_acquire(cc->tree, k->shared.b, k->shared.n, k->row);
+    const uint8_t *at = (const uint8_t *)k->blob + sizeof(h);
+    int32_t *slots = lethe_xmalloc((size_t)LETHE_MAX(priv, 1) * sizeof(int32_t));
+    for (int32_t sp = 0; sp < h.n_spaces; sp++) {
+        int32_t n;
+        const int32_t *pos;
+        const uint8_t *payload;
+        at = blob_space(pool, at, sp, &n, &pos, &payload);
+        LETHE_ASSERT(lethe_kv_slots_take(pool, sp, n, slots));
+        lethe_kv_slots_load(pool, sp, slots, n, payload);
+        lethe_kv_row_attach_space(pool, k->row, sp, slots, pos, n);
+        for (int32_t i = 0; i < n; i++) lethe_kv_unref(pool, sp, slots[i]); /* the row holds them */
+        cc->restored_entries += n;
+    }
+    free(slots);
+    if (h.n_prot > 0) lethe_kv_row_protect(pool, k->row, (const int32_t *)at, h.n_prot);
+    at += (size_t)h.n_prot * 2 * sizeof(int32_t);
+    if (h.state_bytes != UINT64_MAX) {
+        LETHE_ASSERT(cc->base.restore_state);
+        lethe_status st = cc->base.restore_state(cc->base.release_ctx, at, (size_t)h.state_bytes, &k->state);
+        LETHE_ASSERT(st == LETHE_OK); /* the bytes are the ones its snapshot wrote */
+        at += h.state_bytes;
+    }
+    LETHE_ASSERT((size_t)(at - (const uint8_t *)k->blob) == k->blob_n);
+    free(k->blob);
+    k->blob = NULL;
+    k->blob_n = 0;
+    k->on_host = false;
+}
+
+/* the table's callbacks (under its lock, any thread) */
+static bool host_claim(void *ctx, void *payload) {
+    chain_cache *cc = ctx;
+    chain_kv *k = payload;
+    LETHE_ASSERT(k->on_host && !k->blob);
+    k->blob = lethe_host_tier_take(cc->tier, LETHE_HOST_TIER_CHAIN, host_key(k), &k->blob_n);
+    return k->blob != NULL;
+}
+
+static bool host_present(void *ctx, void *payload) {
+    chain_cache *cc = ctx;
+    return lethe_host_tier_read(cc->tier, LETHE_HOST_TIER_CHAIN, host_key(payload), NULL, 0) > 0;
+}
+
 static void cc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_match *out) {
     chain_cache *cc = cc_of(pc);
     const chain_ref *c = *s->ref;
@@ -129,8 +306,14 @@ static void cc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     const chain_kv *k = c && !c->admitted ? lethe_chain_turn_payload(cc->t, c->id) : NULL;
     if (k) { /* a resumed turn: its row, shared prefix included */
         out->tokens = c->reused;
-        out->resident = row_resident(pc->pool, k->row);
         out->resume = true;
+        if (k->on_host) { /* restored by acquire into fresh slots */
+            int32_t priv = 0;
+            out->resident = blob_entries(pc->pool, k, &priv);
+            out->pinned = priv;
+        } else {
+            out->resident = row_resident(pc->pool, k->row);
+        }
         return;
     }
     if (!c || c->share <= 0) return; /* a new, recreated or readmitted turn computes from 0 */
@@ -184,6 +367,7 @@ static void cc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const leth
     LETHE_ASSERT(c && *s->row < 0 && !*s->method_state);
     chain_kv *k = lethe_chain_take_payload(cc->t, c->id);
     LETHE_ASSERT(k);
+    if (k->on_host) restore_kv(cc, k); /* back from the host tier before the suffix runs */
     *s->row = k->row;
     *s->method_state = k->state;
     LETHE_ASSERT(c->shared.n == 0);
@@ -210,6 +394,18 @@ static void cc_drain(lethe_prefix_cache *pc) {
     chain_cache *cc = cc_of(pc);
     void *buf[64];
     int32_t n;
+    if (cc->tier) { /* idle chains reclaim picked: to the host tier; chains it dropped: gone */
+        do {
+            n = lethe_chain_take_demotions(cc->t, buf, 64);
+            for (int32_t i = 0; i < n; i++) lethe_chain_demoted(cc->t, buf[i], demote_kv(cc, buf[i]));
+        } while (n == 64);
+        lethe_host_tier_stats hs;
+        lethe_host_tier_get_stats(cc->tier, &hs);
+        if (hs.evictions != cc->tier_evictions) {
+            cc->tier_evictions = hs.evictions;
+            lethe_chain_sweep_host(cc->t);
+        }
+    }
     do {
         n = lethe_chain_take_released(cc->t, buf, 64);
         for (int32_t i = 0; i < n; i++) kv_free(cc, buf[i]);
@@ -292,6 +488,10 @@ static lethe_status cc_control(lethe_prefix_cache *pc, lethe_pc_ctl *c) {
         if (c->layer < 0 || c->layer >= lethe_kv_n_layers(pc->pool)) return LETHE_OK;
         const chain_kv *k = lethe_chain_peek_payload(cc->t, c->chain_id);
         if (!k) return LETHE_OK;
+        if (k->on_host) { /* nothing resident: its KV is in the host tier */
+            c->n_out = 0;
+            return LETHE_OK;
+        }
         int32_t sp = lethe_kv_space_of(pc->pool, c->layer);
         int32_t n = lethe_kv_row_len(pc->pool, sp, k->row);
         if (c->out)
@@ -312,6 +512,7 @@ static void cc_stats(lethe_prefix_cache *pc, lethe_pc_stats *out) {
     out->shared_hit_tokens = cc->shared_hit_tokens;
     lethe_radix_host_counts(cc->tree, &out->host_demoted, &out->host_promoted,
                             &out->host_promoted_tokens);
+    out->chain_restored_tokens = cc->restored_entries;
 }
 
 static int64_t cc_reclaimable(const lethe_prefix_cache *pc) {
@@ -327,8 +528,13 @@ static void cc_holder_for_each(void *pc, void (*visit)(void *, int32_t, int32_t)
     h.for_each(h.ctx, visit, vctx);
 }
 
+static void count_rows(void *ctx, void *payload) { *(int32_t *)ctx += ((chain_kv *)payload)->row >= 0; }
+
+/* payloads with a row (a demoted chain's is in the host tier) */
 static int32_t cc_rows_held(lethe_prefix_cache *pc) {
-    return lethe_chain_count_payloads(cc_of(pc)->t);
+    int32_t n = 0;
+    lethe_chain_for_each_payload(cc_of(pc)->t, count_rows, &n);
+    return n;
 }
 
 typedef struct check_ctx {
@@ -344,6 +550,11 @@ static void check_payload(void *vctx, void *payload) {
     const chain_kv *k = payload;
     x->payload_refs += k->shared.n;
     if (x->why) return;
+    if (k->on_host) { /* no row, no state: the KV is in the host tier or claimed back */
+        if (k->row >= 0 || k->state) x->why = "is demoted but still holds a row or a state";
+        x->bad_row = k->row;
+        return;
+    }
     if (k->row < 0 || k->row >= lethe_kv_max_rows(x->pool) || !lethe_kv_row_in_use(x->pool, k->row))
         x->why = "is not a KV row in use";
     else if (x->seen[k->row]++) x->why = "is held by two payloads";
@@ -418,10 +629,17 @@ lethe_prefix_cache *lethe_chain_cache_create(const lethe_pc_params *p) {
     cc->base = (lethe_prefix_cache){.ops = &chain_ops,
                                     .pool = p->pool,
                                     .release_state = p->release_state,
-                                    .release_ctx = p->release_ctx};
+                                    .release_ctx = p->release_ctx,
+                                    .snapshot_state = p->snapshot_state,
+                                    .restore_state = p->restore_state};
+    cc->tier = p->host_tier;
     lethe_chain_table_params cp = {.n_spaces = lethe_kv_n_spaces(p->pool),
                                    .slots_per_space = lethe_kv_n_slots(p->pool),
-                                   .share_block = LETHE_RADIX_BLOCK};
+                                   .share_block = LETHE_RADIX_BLOCK,
+                                   .demote = p->host_tier != NULL,
+                                   .claim = host_claim,
+                                   .present = host_present,
+                                   .host_ctx = cc};
     cc->t = lethe_chain_create(&cp);
     const char *d = p->kv_description ? p->kv_description : "";
     lethe_chain_fingerprint(d, cc->fp);

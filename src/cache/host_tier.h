@@ -25,6 +25,7 @@
 
 enum {
     LETHE_HOST_TIER_RADIX = 1, /* radix prefix-cache blocks (radix.c): key = block hash */
+    LETHE_HOST_TIER_CHAIN = 2, /* idle chains' private KV (chain_cache.c): key = the payload's address */
 };
 
 typedef struct lethe_host_tier lethe_host_tier;

@@ -118,6 +118,7 @@ typedef struct lethe_pc_stats {
     int64_t shared_hit_tokens;  /* chain mode: prompt tokens attached from shared prefixes */
     /* host tier (cumulative): blocks demoted / promoted back, tokens promoted */
     int64_t host_demoted, host_promoted, host_promoted_tokens;
+    int64_t chain_restored_tokens; /* chain mode: KV entries restored from demoted chains */
 } lethe_pc_stats;
 
 typedef struct lethe_prefix_cache_ops {
@@ -160,6 +161,13 @@ typedef struct lethe_prefix_cache_ops {
 /* Frees a method state the cache holds (a chain's payload): the engine
  * passes the sparse method's request_finished. */
 typedef void (*lethe_pc_release_state_fn)(void *ctx, void *state);
+/* A chain demoted to the host tier takes its method state along: snapshot
+ * writes state into buf[0..cap) and returns its size (buf NULL: the size
+ * only; SIZE_MAX: this state cannot be saved, the chain is not demoted);
+ * restore builds a fresh state from those bytes (the method's snapshot /
+ * restore hooks). NULL state: nothing to save. */
+typedef size_t (*lethe_pc_snapshot_fn)(void *ctx, const void *state, void *buf, size_t cap);
+typedef lethe_status (*lethe_pc_restore_fn)(void *ctx, const void *buf, size_t n, void **state);
 
 /* The part every implementation embeds first. */
 struct lethe_prefix_cache {
@@ -167,6 +175,8 @@ struct lethe_prefix_cache {
     lethe_kv_pool *pool;
     lethe_pc_release_state_fn release_state;
     void *release_ctx;
+    lethe_pc_snapshot_fn snapshot_state; /* NULL: states cannot be saved */
+    lethe_pc_restore_fn restore_state;
 };
 
 typedef struct lethe_pc_params {
@@ -180,9 +190,12 @@ typedef struct lethe_pc_params {
      * method and knobs, ...): hashed into block ids and chain fingerprints */
     const char *kv_description;
     lethe_pc_release_state_fn release_state; /* NULL: requests carry no method state */
-    void *release_ctx;
-    /* host-memory tier for evicted prefix blocks (--host-cache-bytes), NULL =
-     * none; the engine owns it (it outlives the cache) */
+    void *release_ctx;                       /* also the context of the two below */
+    lethe_pc_snapshot_fn snapshot_state;     /* NULL: chains with a method state stay in the pool */
+    lethe_pc_restore_fn restore_state;
+    /* host-memory tier for evicted prefix blocks and, in chain mode, idle
+     * chains' KV (--host-cache-bytes), NULL = none; the engine owns it (it
+     * outlives the cache) */
     struct lethe_host_tier *host_tier;
 } lethe_pc_params;
 

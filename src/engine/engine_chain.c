@@ -50,6 +50,23 @@ static void release_state(void *ctx, void *state) {
     if (m->ops->request_finished) m->ops->request_finished(m, state);
 }
 
+/* a demoted chain's method state: the method's snapshot / restore hooks
+ * (a state without them cannot leave the pool) */
+static size_t snapshot_state(void *ctx, const void *state, void *buf, size_t cap) {
+    lethe_sparse_method *m = ctx;
+    if (!m->ops->snapshot) return SIZE_MAX;
+    return m->ops->snapshot(m, state, buf, cap);
+}
+
+static lethe_status restore_state(void *ctx, const void *buf, size_t n, void **state) {
+    lethe_sparse_method *m = ctx;
+    LETHE_ASSERT(m->ops->request_init && m->ops->restore);
+    lethe_sparse_seq v = {.row = -1}; /* a fresh state; the snapshot fills it */
+    lethe_status st = m->ops->request_init(m, &v, state);
+    if (st == LETHE_OK) st = m->ops->restore(m, *state, buf, n);
+    return st;
+}
+
 lethe_status eng_cache_init(lethe_engine *e) {
     const lethe_model_config *c = &e->runner.cfg;
     const lethe_sparse_ops *ops = e->method->ops;
@@ -88,6 +105,8 @@ lethe_status eng_cache_init(lethe_engine *e) {
                          .kv_description = desc,
                          .release_state = release_state,
                          .release_ctx = e->method,
+                         .snapshot_state = snapshot_state,
+                         .restore_state = restore_state,
                          .host_tier = e->host_tier};
     return lethe_pcache_create(&p, &e->pcache);
 }
@@ -259,5 +278,10 @@ void lethe_engine_get_chain_stats(lethe_engine *e, lethe_engine_chain_stats *out
                                       .n_branched = s->n_branched,
                                       .n_shared_prefixes = s->n_shared_prefixes,
                                       .shared_blocks = ps.shared_blocks,
-                                      .shared_hit_tokens = ps.shared_hit_tokens};
+                                      .shared_hit_tokens = ps.shared_hit_tokens,
+                                      .n_on_host = s->n_on_host,
+                                      .n_demoted = s->n_demoted,
+                                      .n_restored = s->n_restored,
+                                      .n_lost = s->n_lost,
+                                      .restored_entries = ps.chain_restored_tokens};
 }

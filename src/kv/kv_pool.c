@@ -630,6 +630,24 @@ void lethe_kv_row_attach(lethe_kv_pool *pool, int32_t row, const int32_t *slots,
     }
 }
 
+void lethe_kv_row_attach_space(lethe_kv_pool *pool, int32_t row, int32_t sp, const int32_t *slots,
+                               const int32_t *pos, int32_t n) {
+    LETHE_ASSERT(sp >= 0 && sp < pool->n_spaces && n >= 0);
+    kv_rowtab *t = tab(pool, sp, row);
+    tab_reserve_pool(pool, t, t->len + n);
+    int32_t prev = t->len ? t->pos[t->len - 1] : -1;
+    meta_invalidate_from(t, t->len);
+    for (int32_t i = 0; i < n; i++) {
+        LETHE_ASSERT(pos[i] > prev);
+        prev = pos[i];
+        if (t->hmask) t->hmask[t->len] = lethe_kv_full_head_mask(pool);
+        slot_ref(pool, sp, slots[i]);
+        t->slot[t->len] = slots[i];
+        t->pos[t->len] = pos[i];
+        t->len++;
+    }
+}
+
 void lethe_kv_keep(lethe_kv_pool *pool, int32_t layer, int32_t row, const int32_t *keep,
                    int32_t n) {
     int32_t sp = lethe_kv_space_of(pool, layer);

@@ -211,6 +211,11 @@ bool lethe_kv_row_append(lethe_kv_pool *pool, int32_t row, int32_t n, const int3
 void lethe_kv_row_attach(lethe_kv_pool *pool, int32_t row, const int32_t *slots,
                          const int32_t *pos, int32_t n);
 
+/* The same for one slot space alone (a row whose spaces differ: a per-layer
+ * compacted chain row restored from the host tier): slots [n], pos [n]. */
+void lethe_kv_row_attach_space(lethe_kv_pool *pool, int32_t row, int32_t sp, const int32_t *slots,
+                               const int32_t *pos, int32_t n);
+
 /* Physical compaction of one layer's row: keeps entries keep[0..n) (strictly
  * ascending indices into the current row), drops the rest and returns their
  * slots to that slot space's free list when no one else holds them. In the

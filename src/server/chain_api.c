@@ -317,6 +317,14 @@ void srv_chain_metrics(lethe_engine *e, const uint64_t *refused, const char *mod
          s.shared_blocks},
         {"chain_cache_shared_hit_tokens_total", "counter",
          "Prompt tokens attached read-only from a shared prefix.", (double)s.shared_hit_tokens},
+        {"chain_cache_on_host", "gauge", "IDLE chains whose KV is in the host-memory tier.", s.n_on_host},
+        {"chain_cache_demoted_total", "counter", "IDLE chains demoted to the host-memory tier.",
+         (double)s.n_demoted},
+        {"chain_cache_restored_total", "counter", "Demoted chains restored by their next turn.",
+         (double)s.n_restored},
+        {"chain_cache_lost_total", "counter",
+         "Reclaimed chains the host-memory tier could not keep (their next turn is 410).",
+         (double)s.n_lost},
     };
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
         srv_buf_printf(b, "# HELP lethe:%s %s\n# TYPE lethe:%s %s\n", rows[i].name, rows[i].help, rows[i].name,
