@@ -215,7 +215,8 @@ typedef struct lethe_engine_params {
     /* added with CUDA-graph decode (src/engine/engine_forward.c): never
      * capture or replay CUDA graphs (vLLM's --enforce-eager). Graphs are used
      * on the CUDA backend for pure decode steps of methods whose selection is
-     * the same in every layer (dense), padded to bucket sizes. */
+     * the same in every layer (dense) or that plan their decode steps for
+     * graphs (sparse.h graph_step: quest), padded to bucket sizes. */
     bool enforce_eager;
     /* tests: pad decode batches to the graph bucket sizes even where no graph
      * runs (CPU backend, or with enforce_eager), to prove padding changes no

@@ -217,9 +217,12 @@ static void on_full(void *user, const lethe_event *ev) {
     if (ev->finished) o->done = true;
 }
 
-static lethe_engine_stats run_padded(bool pad, fullout *outs) {
+static lethe_engine_stats run_padded_method(bool pad, fullout *outs, const char *method,
+                                            const char *config, lethe_engine_sparse_stats *sp) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
+    p.sparse_method = method;
+    p.sparse_config = config;
     p.model = TINY;
     p.kv_cache_bytes = 1 << 20;
     p.max_num_batched_tokens = 96;
@@ -251,8 +254,13 @@ static lethe_engine_stats run_padded(bool pad, fullout *outs) {
     CHECK_EQ_INT(s.kv_slots_used, 0);
     CHECK_EQ_INT(s.graph_replays + s.graph_captures, 0); /* the CPU backend has no graphs */
     CHECK_EQ_INT(s.eager_steps, s.n_steps);
+    if (sp) lethe_engine_get_sparse_stats(e, sp);
     lethe_engine_destroy(e);
     return s;
+}
+
+static lethe_engine_stats run_padded(bool pad, fullout *outs) {
+    return run_padded_method(pad, outs, NULL, NULL, NULL);
 }
 
 static void test_padded_decode_same_logits(void) {
@@ -274,6 +282,37 @@ static void test_padded_decode_same_logits(void) {
     }
     fprintf(stderr, "    padded decode: %lld dummy sequences over %lld steps, logits bit-identical\n",
             (long long)s1.padded_seqs, (long long)s1.n_steps);
+}
+
+/* Quest's graph decode plan (sparse.h graph_step: one plan per step for
+ * every layer, padded to the bucket, what a CUDA graph replays) against its
+ * per-layer eager path: on the CPU backend the padded steps run the graph
+ * plan's ops eagerly, so every logit must be bit-identical, and the pages
+ * really are selected (fewer entries read than resident). */
+static void test_padded_quest_same_logits(void) {
+    make_jobs(g_jobs, false);
+    static fullout plain[NREQ], padded[NREQ];
+    const char *cfg = "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1";
+    lethe_engine_sparse_stats sp0, sp1;
+    lethe_engine_stats s0 = run_padded_method(false, plain, "quest", cfg, &sp0);
+    lethe_engine_stats s1 = run_padded_method(true, padded, "quest", cfg, &sp1);
+    CHECK_EQ_INT(s0.padded_seqs, 0);
+    CHECK(s1.padded_seqs > 0); /* graph plans ran (only they pad a select_layer method) */
+    CHECK_EQ_INT(s0.n_steps, s1.n_steps);
+    CHECK(sp0.selected_slots < sp0.resident_slots);
+    CHECK_EQ_INT(sp0.selected_slots, sp1.selected_slots);
+    CHECK_EQ_INT(sp0.resident_slots, sp1.resident_slots);
+    for (int i = 0; i < NREQ; i++) {
+        CHECK(plain[i].done && padded[i].done);
+        CHECK_EQ_INT(plain[i].n, padded[i].n);
+        for (int32_t t = 0; t < plain[i].n; t++) {
+            CHECK_MSG(plain[i].tokens[t] == padded[i].tokens[t], "quest: request %d token %d", i, t);
+            CHECK_MSG(!memcmp(plain[i].logits[t], padded[i].logits[t], sizeof(plain[i].logits[t])),
+                      "quest: request %d token %d: graph-plan logits differ", i, t);
+        }
+    }
+    fprintf(stderr, "    quest graph plan: %lld dummy sequences, read %lld of %lld entries, logits bit-identical\n",
+            (long long)s1.padded_seqs, (long long)sp1.selected_slots, (long long)sp1.resident_slots);
 }
 
 /* the default model: chat prompts with a shared system message */
@@ -337,6 +376,7 @@ int main(void) {
     TEST_RUN(test_prefix_cache_on_off);
     TEST_RUN(test_preemption_same_output);
     TEST_RUN(test_padded_decode_same_logits);
+    TEST_RUN(test_padded_quest_same_logits);
     TEST_RUN(test_smollm2_chat);
     return 0;
 }

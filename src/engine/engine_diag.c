@@ -5,11 +5,19 @@
  *                          begin --[forward call]--> forward_done
  *                                --[sample + finish_step]--> end
  *                        plus plan_layer's share of the forward call
- *                        (engine_forward.c adds it while `timed`); logged as
- *                        ms per step when the engine is destroyed. The
- *                        forward call is the host issuing work (the device
- *                        runs behind it); sampling waits for the device, so a
- *                        large sample share means the step is device-bound.
+ *                        (engine_forward.c adds it while `timed`) and the
+ *                        graph launch + device wait inside it (graph steps:
+ *                        model/forward_uniform.c times graph_launch /
+ *                        graph_end); logged as ms per step, with the
+ *                        method's name, when the engine is destroyed. Host
+ *                        issue time = the forward call minus the graph
+ *                        launch + wait: what the host spends planning,
+ *                        staging and launching (on an eager step, every op
+ *                        launch and any host round trip inside the step).
+ *                        The device runs behind the host: the graph wait
+ *                        and the sampling call (which waits for the device)
+ *                        hold the device time, so host share = host issue /
+ *                        whole step says whether the host is hidden.
  *   LETHE_PROFILE_STEP=N the device profiler's range (ops->profile_range)
  *                        around the N-th pure decode step (1-based), for
  *                        `ncu --profile-from-start off` over one real step.
@@ -35,7 +43,11 @@ void eng_diag_step_begin(lethe_engine *e, bool pure_decode) {
     d->profiled = pure_decode && d->profile_step > 0 && d->n_decode_steps == d->profile_step;
     if (d->profiled) e->runner.be->ops->profile_range(e->runner.be, true);
     d->timed = d->step_times && pure_decode;
-    if (d->timed) d->t0 = lethe_time_s();
+    if (d->timed) {
+        d->t_graph0 = e->fwd.gs->t_graph;
+        d->graphs0 = e->fwd.gs->n_replays + e->fwd.gs->n_captures;
+        d->t0 = lethe_time_s();
+    }
 }
 
 void eng_diag_forward_done(lethe_engine *e) {
@@ -52,6 +64,8 @@ void eng_diag_step_end(lethe_engine *e) {
     d->t_fwd += d->t1 - d->t0;
     d->t_sample += t2 - d->t1;
     d->t_step += t2 - d->t0;
+    d->t_graph += e->fwd.gs->t_graph - d->t_graph0;
+    d->n_graph_steps += e->fwd.gs->n_replays + e->fwd.gs->n_captures != d->graphs0;
     d->timed = false;
 }
 
@@ -59,7 +73,11 @@ void eng_diag_report(const lethe_engine *e) {
     const eng_diag *d = &e->diag;
     if (!d->step_times || d->n_timed == 0) return;
     const double k = 1e3 / (double)d->n_timed;
-    LOG_INFO("step times (LETHE_STEP_TIMES, %lld decode steps, host ms per step): forward+sample "
-             "%.3f = forward call %.3f (plan_layer %.3f) + sample/wait %.3f",
-             (long long)d->n_timed, d->t_step * k, d->t_fwd * k, d->t_plan * k, d->t_sample * k);
+    const double host = d->t_fwd - d->t_graph;
+    LOG_INFO("step times (LETHE_STEP_TIMES, method %s, %lld decode steps, %lld of them graphs, host ms "
+             "per step): step %.3f = host issue %.3f (plan_layer %.3f) + graph launch/wait %.3f + "
+             "sample/wait %.3f; host share %.1f%%",
+             e->method->ops->name, (long long)d->n_timed, (long long)d->n_graph_steps, d->t_step * k,
+             host * k, d->t_plan * k, d->t_graph * k, d->t_sample * k,
+             d->t_step > 0 ? 100.0 * host / d->t_step : 0.0);
 }

@@ -60,9 +60,15 @@ void eng_forward_init(lethe_engine *e) {
         LETHE_ASSERT(!(ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) && !ops->needs_scores &&
                      !ops->after_attn && !ops->layer_end);
     e->fwd.uniform = (ops->flags & LETHE_SPARSE_UNIFORM) && e->runner.forward_uniform;
+    /* a select_layer method that plans its decode steps for graphs (sparse.h graph_step) */
+    e->fwd.graph_sel = !e->fwd.uniform && ops->select_layer && ops->graph_step &&
+                       e->runner.forward_graph && e->runner.be;
     const bool has_graphs = lethe_backend_has(e->runner.be, LETHE_BE_GRAPHS);
-    e->fwd.use_graphs = e->fwd.uniform && has_graphs && !e->p.enforce_eager;
-    const bool pad = e->fwd.uniform && (e->fwd.use_graphs || e->p.pad_decode_batches);
+    e->fwd.use_graphs = (e->fwd.uniform || e->fwd.graph_sel) && has_graphs && !e->p.enforce_eager;
+    if (!e->fwd.uniform && !e->fwd.graph_sel && has_graphs && !e->p.enforce_eager)
+        LOG_INFO("sparse method %s: decode steps run eagerly (its selection is not captured as a "
+                 "CUDA graph)", ops->name);
+    const bool pad = (e->fwd.uniform || e->fwd.graph_sel) && (e->fwd.use_graphs || e->p.pad_decode_batches);
     e->fwd.max_bucket = pad ? lethe_graph_max_bucket(e->p.max_num_seqs, e->p.max_num_batched_tokens) : 0;
     e->fwd.scratch_slot = -1;
     e->fwd.gs = lethe_xcalloc(1, sizeof(*e->fwd.gs));
@@ -141,6 +147,87 @@ static void stage_rows(lethe_engine *e) {
     e->plan.rows_staged = true;
 }
 
+/* A graph step of a select_layer method (sparse.h graph_step): the step's
+ * rows padded to `bucket` sequences (dummies: the scratch slot, as
+ * pad_batch), the method's per-step arrays, everything staged once, then
+ * the forward through the graph logic (replayed without any hook call once
+ * captured). false: not this step (not pure decode, no bucket, the method
+ * declines): the caller runs the per-layer path. */
+static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                       lethe_layer_plan *out);
+static void after_attn(void *ctx, int32_t layer, const lethe_fwd_batch *b, const lethe_attn_args *a);
+
+static bool graph_sel_forward(lethe_engine *e, float *logits) {
+    lethe_sparse_method *m = e->method;
+    const lethe_fwd_batch *b0 = &e->step.batch;
+    const int32_t S = b0->n_seqs, scratch = e->fwd.scratch_slot;
+    if (b0->n_tokens != S || b0->n_logits != S || e->diag.seldump) return false;
+    for (int32_t s = 0; s < S; s++)
+        if (e->step.seqs[s].is_prefill || e->step.seqs[s].n_new != 1) return false;
+    const int32_t bucket = e->fwd.max_bucket > 0 ? lethe_graph_bucket(S, e->fwd.max_bucket) : 0;
+    if (bucket == 0) return false;
+    LETHE_ASSERT(bucket <= e->step.cap_rows && bucket <= e->step.cap_seqs && scratch >= 0);
+    /* full rows of the real sequences, then one scratch entry per dummy */
+    const int32_t sp = lethe_kv_space_of(e->pool, 0);
+    int64_t total = bucket - S;
+    for (int32_t s = 0; s < S; s++) total += lethe_kv_row_len(e->pool, sp, e->step.seqs[s].row);
+    if (total > e->plan.cap_rows) {
+        e->plan.cap_rows = LETHE_MAX(total, 2 * e->plan.cap_rows);
+        e->plan.rows = lethe_xrealloc(e->plan.rows, (size_t)e->plan.cap_rows * sizeof(int32_t));
+    }
+    int32_t off = 0;
+    for (int32_t s = 0; s < bucket; s++) {
+        e->plan.rows_begin[s] = off;
+        if (s >= S) {
+            e->plan.rows[off++] = scratch;
+            e->plan.store[s] = scratch;
+            continue;
+        }
+        const lethe_sparse_seq *sq = &e->step.seqs[s];
+        const int32_t len = lethe_kv_row_len(e->pool, sp, sq->row);
+        memcpy(e->plan.rows + off, lethe_kv_row_slots(e->pool, sp, sq->row), (size_t)len * sizeof(int32_t));
+        off += len;
+        e->plan.store[sq->q_row] = e->plan.rows[off - 1]; /* the new token: the row's last entry */
+    }
+    e->plan.rows_begin[bucket] = off;
+    const lethe_step_rows rows = {.begin = e->plan.rows_begin, .slots = e->plan.rows};
+    lethe_graph_arrays ga = {0};
+    if (!m->ops->graph_step(m, &e->step.st, &rows, bucket, &ga)) return false;
+    LETHE_ASSERT(ga.n >= 0 && ga.n <= LETHE_GRAPH_MAX_ARRAYS);
+    /* the dummies' batch rows (pad_batch's, without a plan: store is done) */
+    lethe_fwd_batch b = *b0;
+    for (int32_t i = S; i < bucket; i++) {
+        e->step.tokens[i] = 0;
+        e->step.pos[i] = 0;
+        e->step.seq_begin[i + 1] = i + 1;
+        e->step.logit_rows[i] = i;
+        if (b.state_slots) e->step.state_slots[i] = lethe_kv_scratch_state(e->pool);
+    }
+    b.n_tokens = b.n_seqs = b.n_logits = bucket;
+    e->stats.cur.padded_seqs += bucket - S;
+    const int32_t *arrays[8 + LETHE_GRAPH_MAX_ARRAYS] = {
+        b.tokens, b.pos, b.seq_begin, b.logit_rows, e->plan.store, e->plan.rows_begin, e->plan.rows,
+        b.state_slots};
+    size_t counts[8 + LETHE_GRAPH_MAX_ARRAYS] = {
+        (size_t)bucket, (size_t)bucket, (size_t)bucket + 1, (size_t)bucket, (size_t)bucket,
+        (size_t)bucket + 1, (size_t)off, (size_t)bucket};
+    int n = b.state_slots ? 8 : 7;
+    for (int32_t i = 0; i < ga.n; i++, n++) arrays[n] = ga.arrays[i], counts[n] = ga.counts[i];
+    e->plan.rows_staged = e->plan.graph = true;
+    const lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};
+    lethe_graph_state *gs = e->fwd.gs;
+    const int64_t graphs_before = gs->n_replays + gs->n_captures;
+    e->runner.forward_graph(e->runner.ctx, &b, &hooks, arrays, counts, n, e->fwd.use_graphs, gs, logits);
+    if (gs->n_replays + gs->n_captures == graphs_before) e->stats.cur.eager_steps++;
+    e->stats.cur.graph_replays = gs->n_replays;
+    e->stats.cur.graph_captures = gs->n_captures;
+    e->plan.rows_staged = e->plan.graph = false;
+    /* a replay calls no hook: the step's reads come from the method's plan */
+    e->stats.sparse.selected_slots += ga.selected;
+    e->stats.sparse.resident_slots += (int64_t)e->plan.rows_begin[S] * lethe_kv_n_layers(e->pool);
+    return true;
+}
+
 /* ---- the layer plan: where the new K/V go, what attention reads ---- */
 
 /* lethe_engine_sparse_stats: the entries a plan reads and the entries its
@@ -169,7 +256,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     if (r == LETHE_SEL_FULL) {
         out->sel_begin = e->plan.rows_begin;
         out->sel_slots = e->plan.rows;
-        count_reads(e, e->plan.rows_begin[n_seqs], e->plan.rows_begin[n_seqs]);
+        if (!e->plan.graph) count_reads(e, e->plan.rows_begin[n_seqs], e->plan.rows_begin[n_seqs]);
     } else {
         LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
         /* counts always; the contents live on the backend, readable here when
@@ -191,7 +278,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
         }
         out->sel_begin = sb;
         out->sel_slots = ss;
-        count_reads(e, sb[n_seqs], e->plan.rows_begin[n_seqs]);
+        if (!e->plan.graph) count_reads(e, sb[n_seqs], e->plan.rows_begin[n_seqs]);
         e->stats.cur.device_selections++;
     }
     e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);
@@ -409,6 +496,8 @@ lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t
 
 lethe_status eng_forward(lethe_engine *e, float *logits) {
     if (!e->fwd.uniform) {
+        if (e->fwd.graph_sel && e->fwd.max_bucket > 0 && graph_sel_forward(e, logits))
+            return lethe_runner_step_status(&e->runner, &e->step.batch);
         if (e->method->ops->select_layer) stage_rows(e);
         const lethe_fwd_hooks hooks = {
             .ctx = e, .plan_layer = plan_layer, .after_attn = after_attn};

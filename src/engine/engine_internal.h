@@ -96,6 +96,7 @@ typedef struct eng_plan {
     int32_t *rows, *rows_begin;       /* [cap_rows], [cap_seqs + 1] */
     int64_t cap_rows;
     bool rows_staged;                 /* this step's forward asks select_layer */
+    bool graph;                       /* ... through graph_sel_forward (the method's graph_step plan) */
     /* per-KV-head selections of the current layer (head masks, engine_forward.c) */
     int32_t *hsel, *hsel_begin;       /* [cap_hsel], [cap_hsel_begin] */
     int64_t cap_hsel, cap_hsel_begin;
@@ -104,7 +105,8 @@ typedef struct eng_plan {
 /* How the forward runs (engine_forward.c), chosen at create. */
 typedef struct eng_fwd {
     bool uniform;                     /* one plan per step (LETHE_SPARSE_UNIFORM + runner support) */
-    bool use_graphs;                  /* uniform, a backend with graphs, not enforce_eager */
+    bool graph_sel;                   /* a select_layer method with graph_step (engine_forward.c) */
+    bool use_graphs;                  /* uniform or graph_sel, a backend with graphs, not enforce_eager */
     int32_t max_bucket;               /* decode batches <= this are padded to a bucket; 0 = never */
     int32_t scratch_slot;             /* KV slot of padding sequences (pool-reserved), -1 = none */
     lethe_graph_state *gs;
@@ -136,6 +138,8 @@ typedef struct eng_diag {
     double t0, t1;                    /* the current step's begin and forward_done */
     int64_t n_timed;
     double t_step, t_fwd, t_plan, t_sample; /* sums over the timed steps */
+    double t_graph, t_graph0;         /* graph launch + wait inside t_fwd; gs->t_graph at begin */
+    int64_t n_graph_steps, graphs0;   /* timed steps that replayed / captured a graph */
     FILE *seldump;                    /* LETHE_DUMP_SELECTIONS (engine_seldump.c), NULL: off */
 } eng_diag;
 

@@ -70,6 +70,14 @@ static void mr_forward_uniform(void *ctx, const lethe_fwd_batch *b, const lethe_
     lethe_model_forward_uniform(&mr->model, b, mr->k, mr->v, plan, use_graph, gs, logits);
 }
 
+static void mr_forward_graph(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks,
+                             const int32_t *const *arrays, const size_t *counts, int n_arrays,
+                             bool use_graph, lethe_graph_state *gs, float *logits) {
+    model_runner *mr = ctx;
+    lethe_model_forward_graph(&mr->model, b, mr->k, mr->v, hooks, arrays, counts, n_arrays,
+                              use_graph, gs, logits);
+}
+
 static void mr_destroy(void *ctx) {
     model_runner *mr = ctx;
     if (!mr) return;
@@ -92,6 +100,7 @@ lethe_status lethe_runner_model(lethe_model *model, lethe_backend *be, lethe_run
     out->bind = mr_bind;
     out->forward = mr_forward;
     out->forward_uniform = mr_forward_uniform;
+    out->forward_graph = mr_forward_graph;
     out->sample = be->ops->sample ? mr_sample : NULL;
     out->destroy = mr_destroy;
     return LETHE_OK;

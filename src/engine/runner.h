@@ -42,6 +42,13 @@ typedef struct lethe_runner {
      * engine always calls forward (the fake runner). */
     void (*forward_uniform)(void *ctx, const lethe_fwd_batch *b, const lethe_layer_plan *plan,
                             bool use_graph, lethe_graph_state *gs, float *logits);
+    /* optional: forward with per-layer hooks through the graph logic
+     * (lethe_model_forward_graph: arrays staged once, decode steps
+     * captured/replayed through gs when use_graph). NULL: no graphs for
+     * per-layer hooks (the fake runner). */
+    void (*forward_graph)(void *ctx, const lethe_fwd_batch *b, const lethe_fwd_hooks *hooks,
+                          const int32_t *const *arrays, const size_t *counts, int n_arrays,
+                          bool use_graph, lethe_graph_state *gs, float *logits);
     /* optional: the backend sample op (backend/sample.h) over the logits rows
      * of the last forward(logits = NULL); a->logits is filled in by the
      * runner, a->rows[i] is logits row i (padding rows, if any, come after

@@ -41,6 +41,10 @@ int32_t lethe_graph_max_bucket(int32_t max_seqs, int32_t max_rows);
 typedef struct lethe_graph_state {
     uint8_t warm[LETHE_GRAPH_MAX_BATCH + 1]; /* batch size ran eagerly once */
     int64_t n_replays, n_captures, n_eager;  /* counters for reports and tests */
+    /* host seconds inside graph_launch / graph_end: the launch and the wait
+     * for the device to run the graph (LETHE_STEP_TIMES splits it off the
+     * host's own issue time) */
+    double t_graph;
 } lethe_graph_state;
 
 /* Runs one step with `plan` for every layer (no after_attn hook).
@@ -51,5 +55,15 @@ typedef struct lethe_graph_state {
 void lethe_model_forward_uniform(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
                                  void *const *v_cache, const lethe_layer_plan *plan,
                                  bool use_graph, lethe_graph_state *gs, float *logits_out);
+
+/* The same graph logic for any per-layer hooks (a sparse method whose
+ * select_layer issues the same backend ops every step, sparse.h graph_step):
+ * arrays[0..n_arrays) are every host index array the step's ops get (staged
+ * once; the same arrays in the same order every step), and a replay runs
+ * the captured kernels without calling the hooks at all. */
+void lethe_model_forward_graph(lethe_model *m, const lethe_fwd_batch *b, void *const *k_cache,
+                               void *const *v_cache, const lethe_fwd_hooks *hooks,
+                               const int32_t *const *arrays, const size_t *counts, int n_arrays,
+                               bool use_graph, lethe_graph_state *gs, float *logits_out);
 
 #endif /* LETHE_MODEL_FORWARD_UNIFORM_H */

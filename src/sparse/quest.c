@@ -71,6 +71,9 @@ typedef struct quest_priv {
     int32_t cap_ex;
     /* device scratch: page scores [sum n_done] f32, chosen pages, selections */
     lethe_dev_buf u, top, sel;
+    /* graph decode (quest_graph_step): this step's arrays serve every layer */
+    bool graph;
+    int32_t g_pad;              /* sequences (and page_minmax pages) of the step */
 } quest_priv;
 #define PRIV(m) ((quest_priv *)(m)->priv)
 
@@ -158,7 +161,8 @@ static lethe_status meta_init(lethe_sparse_method *m) {
     LETHE_ASSERT(!lethe_kv_per_layer(m->env.pool)); /* shared rows: one page id for all layers */
     int32_t n = lethe_kv_n_slots(m->env.pool) / p->page;
     if (!be || n == 0 || meta_layers(m) == 0) return LETHE_OK; /* every layer reads densely */
-    size_t bytes = (size_t)n * 2u * (size_t)m->env.n_kv_heads * (size_t)m->env.head_dim * be->ops->kv_size;
+    /* + 1: the scratch page graph steps pad page_minmax with (never read) */
+    size_t bytes = (size_t)(n + 1) * 2u * (size_t)m->env.n_kv_heads * (size_t)m->env.head_dim * be->ops->kv_size;
     for (int32_t l = p->skip; l < m->env.n_layers; l++) {
         lethe_status st = be->ops->alloc(be, bytes, &p->meta[l]);
         if (st != LETHE_OK) {
@@ -226,6 +230,7 @@ static void note_changes(lethe_sparse_method *m, const lethe_sparse_seq *q) {
 }
 
 static void quest_prepare(lethe_sparse_method *m, const lethe_sparse_step *st) {
+    PRIV(m)->graph = false; /* until graph_step plans this step */
     for (int32_t s = 0; s < st->n_seqs; s++) note_changes(m, &st->seqs[s]);
 }
 
@@ -262,6 +267,149 @@ static void add_stale_pages(quest_priv *p, quest_state *qs, int32_t layer, int32
     qs->n_valid[layer] = nd;
 }
 
+/* ---- graph decode ----
+ * One plan for every layer >= skip (their bounds are refreshed in lockstep:
+ * the same stale pages in every layer), built once per step and staged by
+ * the engine, so a layer costs four kernels and no host work: page_minmax
+ * over exactly g_pad pages (the real stale ones, then copies of one
+ * throwaway page: meta page n_meta from the row's first slot), page_scores
+ * / topk over g_pad segments (empty for rows read densely and for padding),
+ * select_expand of all g_pad sequences. A step with more stale pages than
+ * g_pad (the first decode after a prefill, a changed row) runs eagerly. */
+static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st,
+                             const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out) {
+    quest_priv *p = PRIV(m);
+    if (!m->env.be) return false;
+    const int32_t S = st->n_seqs, P = p->page, n_layers = m->env.n_layers;
+    const int32_t n_sparse = p->n_meta > 0 ? meta_layers(m) : 0;
+    *out = (lethe_graph_arrays){0};
+    if (n_sparse == 0) { /* every layer reads the full rows */
+        p->graph = true;
+        p->g_pad = n_pad;
+        out->selected = (int64_t)rows->begin[S] * n_layers;
+        return true;
+    }
+    /* pass 1: sizes, and whether the step fits (no bound is marked current before) */
+    int32_t n_mm = 0;
+    int64_t n_sc_all = 0, n_top_all = 0, n_sel_all = rows->begin[n_pad] - rows->begin[S];
+    for (int32_t s = 0; s < S; s++) {
+        const lethe_sparse_seq *q = &st->seqs[s];
+        quest_state *qs = q->state;
+        const int32_t L = rows->begin[s + 1] - rows->begin[s];
+        int32_t take = 0, nd = plan_pages(m, p->skip, q, &take);
+        if (nd < 0 || !ensure_ids(p, qs, nd)) {
+            if (nd >= 0) return false; /* page ids ran out: the eager path warns, reads densely */
+            n_sel_all += L;
+            continue;
+        }
+        int32_t v = nd;
+        for (int32_t l = p->skip; l < n_layers; l++) v = LETHE_MIN(v, qs->n_valid[l]);
+        n_mm += nd - v;
+        const int32_t k = LETHE_MIN(take, nd);
+        n_sc_all += nd;
+        n_top_all += k;
+        n_sel_all += (int64_t)k * P + (L - nd * P);
+    }
+    if (n_mm > n_pad) return false;
+    if (lethe_dev_buf_reserve(m, &p->u, (size_t)(n_sc_all + 1) * sizeof(float)) != LETHE_OK ||
+        lethe_dev_buf_reserve(m, &p->top, (size_t)(n_top_all + 1) * sizeof(int32_t)) != LETHE_OK ||
+        lethe_dev_buf_reserve(m, &p->sel, (size_t)n_sel_all * sizeof(int32_t)) != LETHE_OK) {
+        LOG_WARN("quest: no backend memory for the selection scratch (%s); the step runs eagerly",
+                 lethe_last_error());
+        return false;
+    }
+    /* pass 2: the arrays */
+    if (n_pad > p->cap_ex) {
+        p->cap_ex = LETHE_MAX(n_pad, 2 * p->cap_ex);
+        p->ex = lethe_xrealloc(p->ex, (size_t)p->cap_ex * sizeof(*p->ex));
+    }
+    iv(&p->mm_ids, n_pad);
+    iv(&p->mm_beg, n_pad + 1);
+    iv(&p->sc_rows, n_pad);
+    iv(&p->sc_beg, n_pad + 1);
+    iv(&p->top_beg, n_pad + 1);
+    iv(&p->sel_beg, n_pad + 1);
+    iv(&p->sc_ids, 1); /* a real pointer even when no page is scored (staged with count 0) */
+    int32_t n_mm_slots = 0, n_sc_ids = 0, n_top = 0, n_sel = 0;
+    int64_t sel_real = 0;
+    n_mm = 0;
+    for (int32_t s = 0; s < n_pad; s++) {
+        const int32_t L = rows->begin[s + 1] - rows->begin[s];
+        lethe_expand_seq ex = {.row_begin = rows->begin[s], .row_len = L, .out_begin = n_sel};
+        p->sc_rows.v[s] = s; /* decode: sequence s is batch row s */
+        p->sc_beg.v[s] = n_sc_ids;
+        p->top_beg.v[s] = n_top;
+        int32_t take = 0, nd = s < S ? plan_pages(m, p->skip, &st->seqs[s], &take) : -1;
+        if (nd >= 0) {
+            quest_state *qs = st->seqs[s].state;
+            int32_t v = nd;
+            for (int32_t l = p->skip; l < n_layers; l++) v = LETHE_MIN(v, qs->n_valid[l]);
+            for (int32_t l = p->skip; l < n_layers; l++) qs->n_valid[l] = v;
+            add_stale_pages(p, qs, p->skip, nd, rows->slots + rows->begin[s], &n_mm, &n_mm_slots);
+            for (int32_t l = p->skip; l < n_layers; l++) qs->n_valid[l] = nd;
+            iv(&p->sc_ids, n_sc_ids + nd);
+            memcpy(p->sc_ids.v + n_sc_ids, qs->page_id, (size_t)nd * sizeof(int32_t));
+            const int32_t k = LETHE_MIN(take, nd);
+            ex = (lethe_expand_seq){.row_begin = rows->begin[s], .row_len = L, .head = 0,
+                                    .pick_begin = n_top, .n_picks = k, .pick_off = 0,
+                                    .tail = nd * P, .out_begin = n_sel};
+            n_sc_ids += nd;
+            n_top += k;
+        }
+        p->ex[s] = ex;
+        p->sel_beg.v[s] = n_sel;
+        n_sel += lethe_expand_count(&ex, P);
+        if (s < S) sel_real += lethe_expand_count(&ex, P);
+    }
+    p->sc_beg.v[n_pad] = n_sc_ids;
+    p->top_beg.v[n_pad] = n_top;
+    p->sel_beg.v[n_pad] = n_sel;
+    /* pad page_minmax to n_pad pages: the throwaway page from the row's first slot */
+    iv(&p->mm_slots, n_mm_slots + (n_pad - n_mm));
+    while (n_mm < n_pad) {
+        p->mm_ids.v[n_mm] = p->n_meta;
+        p->mm_beg.v[n_mm++] = n_mm_slots;
+        p->mm_slots.v[n_mm_slots++] = rows->slots[0];
+    }
+    p->mm_beg.v[n_pad] = n_mm_slots;
+    LETHE_ASSERT(n_sc_ids == n_sc_all && n_top == n_top_all && n_sel == n_sel_all);
+    const struct { const int32_t *a; size_t n; } list[] = {
+        {p->mm_ids.v, (size_t)n_pad},      {p->mm_beg.v, (size_t)n_pad + 1},
+        {p->mm_slots.v, (size_t)n_mm_slots}, {p->sc_rows.v, (size_t)n_pad},
+        {p->sc_beg.v, (size_t)n_pad + 1},  {p->sc_ids.v, (size_t)n_sc_ids},
+        {p->top_beg.v, (size_t)n_pad + 1}, {(const int32_t *)p->ex, (size_t)n_pad * 8},
+        {p->sel_beg.v, (size_t)n_pad + 1},
+    };
+    _Static_assert(sizeof(lethe_expand_seq) == 8 * sizeof(int32_t), "staged as 8 int32 each");
+    for (size_t i = 0; i < LETHE_ARRAY_LEN(list); i++) {
+        out->arrays[out->n] = list[i].a;
+        out->counts[out->n++] = list[i].n;
+    }
+    out->selected = sel_real * n_sparse + (int64_t)rows->begin[S] * (n_layers - n_sparse);
+    p->graph = true;
+    p->g_pad = n_pad;
+    return true;
+}
+
+/* select_layer of a graph step: the same four ops in every step (above) */
+static lethe_sel_result graph_select_layer(lethe_sparse_method *m, int32_t layer, const void *qact,
+                                           const lethe_step_rows *rows, const int32_t **sel_begin,
+                                           const int32_t **sel_slots) {
+    quest_priv *p = PRIV(m);
+    lethe_backend *be = m->env.be;
+    if (layer < p->skip || !p->meta[layer] || p->n_meta == 0) return LETHE_SEL_FULL;
+    const int32_t n = p->g_pad;
+    be->ops->page_minmax(be, p->meta[layer], lethe_kv_k(m->env.pool, layer), p->mm_ids.v,
+                         p->mm_beg.v, p->mm_slots.v, n, m->env.n_kv_heads * m->env.head_dim);
+    be->ops->page_scores(be, p->u.p, qact, p->meta[layer], n, p->sc_rows.v, p->sc_beg.v,
+                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, true);
+    be->ops->topk(be, p->top.p, p->u.p, n, p->sc_beg.v, p->top_beg.v);
+    be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n, p->page);
+    *sel_begin = p->sel_beg.v;
+    *sel_slots = p->sel.p;
+    return LETHE_SEL_BUILT;
+}
+
 static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer,
                                            const lethe_sparse_step *st, const void *qact,
                                            const lethe_step_rows *rows, const int32_t **sel_begin,
@@ -269,6 +417,7 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
     quest_priv *p = PRIV(m);
     lethe_backend *be = m->env.be;
     if (!be) return LETHE_SEL_PER_SEQ; /* (no page bounds without a backend: reads all) */
+    if (p->graph) return graph_select_layer(m, layer, qact, rows, sel_begin, sel_slots);
     if (layer < p->skip || !p->meta[layer]) return LETHE_SEL_FULL;
     lethe_kv_pool *pool = m->env.pool;
     const int32_t P = p->page, n_seqs = st->n_seqs;
@@ -365,4 +514,5 @@ const lethe_sparse_ops lethe_sparse_quest = {
     .request_finished = quest_request_finished,
     .prepare = quest_prepare,
     .select_layer = quest_select_layer,
+    .graph_step = quest_graph_step,
 };

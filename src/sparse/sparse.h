@@ -136,6 +136,14 @@ typedef struct lethe_step_rows {
     const int32_t *slots;      /* host [begin[n_seqs]], staged: sequence s's row is
                                 * slots[begin[s] .. begin[s+1]) (the new tokens last) */
 } lethe_step_rows;
+/* graph_step (below): the per-step host arrays a method's select_layer reads */
+#define LETHE_GRAPH_MAX_ARRAYS 12
+typedef struct lethe_graph_arrays {
+    int32_t n;
+    const int32_t *arrays[LETHE_GRAPH_MAX_ARRAYS];
+    size_t counts[LETHE_GRAPH_MAX_ARRAYS];
+    int64_t selected;
+} lethe_graph_arrays;
 typedef enum lethe_sel_result {
     LETHE_SEL_PER_SEQ = 0,
     LETHE_SEL_FULL,
@@ -365,6 +373,23 @@ struct lethe_sparse_ops {
     lethe_sel_result (*select_layer)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                                      const void *q, const lethe_step_rows *rows,
                                      const int32_t **sel_begin, const int32_t **sel_slots);
+    /* Graph decode (select_layer methods only; optional). Called once for a
+     * pure decode step (one new token per sequence, no prefill) that the
+     * engine would run as a CUDA graph, before the forward and after
+     * prepare. rows: the step's full rows for n_pad >= st->n_seqs sequences:
+     * the real ones first, then padding sequences whose row is one scratch
+     * slot (their query rows are batch rows n_seqs .. n_pad - 1). The method
+     * builds, for every layer at once, each host array its select_layer will
+     * hand to backend ops, lists them in *out (the same arrays in the same
+     * order every step; contents and counts may change), and reserves its
+     * backend scratch; then true. During this step select_layer answers for
+     * all n_pad sequences and must issue the same backend ops in every step,
+     * reading only those arrays, rows and backend memory: on a replay it is
+     * not called at all. false: the step runs the per-layer path instead
+     * (e.g. more stale state than a graph step refreshes). out->selected:
+     * entries the real sequences read, summed over layers (engine stats). */
+    bool (*graph_step)(lethe_sparse_method *m, const lethe_sparse_step *st,
+                       const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out);
     /* Write the selection of prefill sequence `seq` for `layer` into
      * sel[0..cap) and return its length (cap >= the row length). Default:
      * every resident slot of the row (lethe_sparse_select_all). */
@@ -525,7 +550,8 @@ bool lethe_sparse_scores_on_backend(const lethe_sparse_method *m, const lethe_at
 
 /* A growable backend buffer a method owns (device scratch for select_layer).
  * Contents are NOT kept when it grows (scratch). Growth releases and
- * allocates (a device sync on CUDA; rare: 25% headroom). */
+ * allocates (a device sync on CUDA; rare: 25% headroom) and drops the
+ * backend's captured graphs, which may hold the old address. */
 typedef struct lethe_dev_buf {
     void *p;
     size_t cap;                /* bytes */

@@ -243,7 +243,11 @@ lethe_status lethe_dev_buf_reserve(const lethe_sparse_method *m, lethe_dev_buf *
     void *p = NULL;
     lethe_status st = be->ops->alloc(be, cap, &p);
     if (st != LETHE_OK) return st;
-    if (b->p) be->ops->release(be, b->p);
+    if (b->p) {
+        be->ops->release(be, b->p);
+        /* captured decode graphs (sparse.h graph_step) may hold the old address */
+        be->ops->graph_reset(be);
+    }
     b->p = p;
     b->cap = cap;
     return LETHE_OK;

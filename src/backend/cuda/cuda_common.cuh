@@ -66,7 +66,7 @@ typedef __nv_bfloat16 bf16;
 extern "C" [[noreturn]] void lethe_cuda_fatal_(const char *what, const char *msg, const char *file,
                                             int line);
 
-#define LETHE_CUDA_MAX_STAGED 8
+#define LETHE_CUDA_MAX_STAGED 24
 #define LETHE_CUDA_MAX_GRAPHS 64
 
 typedef struct cuda_staged {

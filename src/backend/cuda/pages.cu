@@ -11,7 +11,8 @@
  *
  * page_scores: the decode-time cost of Quest, a pass over 2 / P of the keys
  * (bf16 bounds: 1/8 of K at P = 16), so it must run at DRAM bandwidth. Grid
- * (page tiles of PS_PAGES_PER_BLOCK, sequences); the block stages its
+ * (page tiles of PS_PAGES_PER_BLOCK, striding when there are more tiles than
+ * blocks: ps_next; sequences); the block stages its
  * sequence's query row [n_heads, head_dim] in shared memory and each warp
  * takes pages of the tile, one at a time. Two kernels:
  *  - page_scores_vec_kernel<R> (head_dim a power of two in [8, 256], kv_dim
@@ -121,6 +122,20 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+/* The pages a warp scores, in order: tiles blockIdx.x, blockIdx.x +
+ * gridDim.x, ... of PS_PAGES_PER_BLOCK pages of its sequence, in each tile
+ * the pages warp, warp + PS_WARPS, ... . So any grid covers every page (a
+ * graph captures a grid fixed by the batch size, not by the page counts),
+ * and each page is scored by one warp in the same way whatever the grid.
+ * Returns the page after i (base = the sequence's first page), >= end when
+ * none is left; the order is increasing. */
+__device__ __forceinline__ int32_t ps_next(int32_t i, int32_t base) {
+    const int32_t r = i - base;
+    int32_t tile = r / PS_PAGES_PER_BLOCK, off = r % PS_PAGES_PER_BLOCK + PS_WARPS;
+    if (off >= PS_PAGES_PER_BLOCK) tile += (int32_t)gridDim.x, off -= PS_PAGES_PER_BLOCK;
+    return base + tile * PS_PAGES_PER_BLOCK + off;
+}
+
 __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
                                    const bf16 *__restrict__ meta,
                                    const int32_t *__restrict__ q_rows,
@@ -129,16 +144,15 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
                                    int32_t n_kv_heads, int32_t head_dim) {
     extern __shared__ float q_s[]; /* [n_heads * head_dim] */
     const int32_t s = blockIdx.y;
-    const int32_t p0 = page_begin[s] + blockIdx.x * PS_PAGES_PER_BLOCK;
-    const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
-    if (p0 >= p1) return; /* uniform over the block */
+    const int32_t base = page_begin[s], end = page_begin[s + 1];
+    if (base + (int32_t)blockIdx.x * PS_PAGES_PER_BLOCK >= end) return; /* uniform over the block */
     const int32_t qd = n_heads * head_dim, kd = n_kv_heads * head_dim, g = n_heads / n_kv_heads;
     const bf16 *q = Q + (size_t)q_rows[s] * qd;
     for (int32_t i = threadIdx.x; i < qd; i += blockDim.x) q_s[i] = __bfloat162float(q[i]);
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t n_pairs = head_dim / 2;
-    for (int32_t i = p0 + warp; i < p1; i += PS_WARPS) {
+    for (int32_t i = base + (int32_t)blockIdx.x * PS_PAGES_PER_BLOCK + warp; i < end; i = ps_next(i, base)) {
         const bf16 *pm = meta + (size_t)page_ids[i] * 2 * kd;
         float best = -INFINITY;
         for (int32_t kh = 0; kh < n_kv_heads; kh++) {
@@ -225,9 +239,8 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
                        int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
     extern __shared__ uint4 q8[]; /* [n_heads * head_dim / 8] */
     const int32_t s = blockIdx.y;
-    const int32_t p0 = page_begin[s] + blockIdx.x * PS_PAGES_PER_BLOCK;
-    const int32_t p1 = min(p0 + PS_PAGES_PER_BLOCK, page_begin[s + 1]);
-    if (p0 >= p1) return; /* uniform over the block */
+    const int32_t base = page_begin[s], end = page_begin[s + 1];
+    if (base + (int32_t)blockIdx.x * PS_PAGES_PER_BLOCK >= end) return; /* uniform over the block */
     const int32_t qd8 = n_heads * head_dim / 8, n_chunks = n_kv_heads * head_dim / 8;
     const int32_t cph = CPH_T ? CPH_T : head_dim / 8, g = G_T ? G_T : n_heads / n_kv_heads;
     const uint4 *q = (const uint4 *)(Q + (size_t)q_rows[s] * n_heads * head_dim);
@@ -235,8 +248,8 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint4 *meta8 = (const uint4 *)meta; /* a page: 2 * n_chunks uint4 */
-    int32_t i = p0 + warp;
-    if (i >= p1) return;
+    int32_t i = base + (int32_t)blockIdx.x * PS_PAGES_PER_BLOCK + warp;
+    if (i >= end) return;
     /* per r: the lane's chunk, its KV head's first query head, its offset in the head */
     int32_t qoff[R];
     bool valid[R];
@@ -248,10 +261,10 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
     }
     uint4 mn[R], mx[R];
     load_page<R>(mn, mx, meta8 + (size_t)page_ids[i] * 2 * n_chunks, n_chunks, lane);
-    for (; i < p1; i += PS_WARPS) {
+    for (int32_t ni; i < end; i = ni) {
         uint4 nmn[R], nmx[R]; /* the warp's next page, in flight during this one's math */
-        const int32_t ni = i + PS_WARPS;
-        if (ni < p1) {
+        ni = ps_next(i, base);
+        if (ni < end) {
             load_page<R>(nmn, nmx, meta8 + (size_t)page_ids[ni] * 2 * n_chunks, n_chunks, lane);
         } else {
 #pragma unroll
@@ -295,16 +308,22 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
                                        int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                        bool out_on_backend) {
     cuda_ctx *c = cuda_ctx_of(be);
-    LETHE_ASSERT(!c->capturing && "graph capture: page_scores stages its arguments");
+    LETHE_ASSERT((out_on_backend || !c->capturing) && "graph capture: page_scores to the host syncs");
     lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads);
     LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
     static_assert(2 * 32 * PS_MAX_PAIRS >= LETHE_SCORES_HEAD_DIM_MAX, "page_scores head_dim");
     if (n_seqs == 0) return;
     LETHE_ASSERT(n_seqs <= 65535);
     const int32_t total = page_begin[n_seqs];
-    if (total == 0) return;
+    if (total == 0 && !c->capturing) return; /* captured: a replay may have pages */
     int32_t max_pages = 0;
     for (int32_t s = 0; s < n_seqs; s++) max_pages = max(max_pages, page_begin[s + 1] - page_begin[s]);
+    /* page tiles per sequence: what the pages need, at most ~8 blocks per SM
+     * in all (the blocks then stride, ps_next); captured, the most, since a
+     * replay's page counts are not known now */
+    const int32_t cap_x = max(1, (8 * c->n_sms + n_seqs - 1) / n_seqs);
+    int32_t grid_x = (max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK;
+    if (c->capturing || grid_x > cap_x) grid_x = cap_x;
     /* the vector kernel: chunks of 8 channels, cph = head_dim / 8 a divisor of 32 */
     const int32_t n_chunks = n_kv_heads * head_dim / 8, R = (n_chunks + 31) / 32;
     const bool vec = head_dim >= 8 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0 &&
@@ -318,7 +337,7 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     float *d_out = out_on_backend
                        ? out
                        : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
-    dim3 grid((unsigned)((max_pages + PS_PAGES_PER_BLOCK - 1) / PS_PAGES_PER_BLOCK), (unsigned)n_seqs);
+    dim3 grid((unsigned)grid_x, (unsigned)n_seqs);
 #define PS_VEC_LAUNCH(RR, CC, GG)                                                                   \
     do {                                                                                           \
         ps_smem_optin((const void *)page_scores_vec_kernel<RR, CC, GG>, smem);                     \

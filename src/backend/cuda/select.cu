@@ -169,7 +169,8 @@ extern "C" void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *sc
                                 int32_t n_segs, const int32_t *seg_begin,
                                 const int32_t *out_begin) {
     cuda_ctx *c = cuda_ctx_of(be);
-    if (!lethe_check_topk(n_segs, seg_begin, out_begin)) return; /* no segment asks for k > 0 */
+    /* no segment asks for k > 0: nothing to do, unless captured (a replay's k may not be 0) */
+    if (!lethe_check_topk(n_segs, seg_begin, out_begin) && (!c->capturing || n_segs == 0)) return;
     const int32_t *d_seg = lethe_cuda_stage_idx(c, seg_begin, (size_t)n_segs + 1);
     const int32_t *d_out = lethe_cuda_stage_idx(c, out_begin, (size_t)n_segs + 1);
     topk_kernel<<<(unsigned)n_segs, TOPK_THREADS, 0, c->stream>>>(out, scores, d_seg, d_out);
@@ -183,28 +184,31 @@ extern "C" void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *sc
 static_assert(sizeof(lethe_expand_seq) == 8 * sizeof(int32_t), "staged as 8 int32 per sequence");
 
 /* grid (output tiles of EXPAND_THREADS, sequences): one thread per output
- * entry o of sequence s, in [0, head + n_picks * unit + row_len - tail). */
+ * entry o of sequence s, in [0, head + n_picks * unit + row_len - tail),
+ * striding by the grid when the tiles are fewer than the entries (a graph's
+ * grid is fixed by the batch size, not by this step's selection sizes). */
 __global__ void select_expand_kernel(int32_t *__restrict__ out, const int32_t *__restrict__ rows,
                                      const int32_t *__restrict__ picks,
                                      const lethe_expand_seq *__restrict__ seqs, int32_t unit) {
     const lethe_expand_seq q = seqs[blockIdx.y];
     const int32_t n_mid = q.n_picks * unit;
     const int32_t n_out = q.head + n_mid + (q.row_len - q.tail);
-    const int32_t o = blockIdx.x * EXPAND_THREADS + threadIdx.x;
-    if (o >= n_out) return;
-    int32_t e; /* row entry */
-    if (o < q.head) {
-        e = o;
-    } else if (o < q.head + n_mid) {
-        const int32_t p = (o - q.head) / unit, j = (o - q.head) - p * unit;
-        e = q.pick_off + picks[q.pick_begin + p] * unit + j;
-        /* a pick outside (head, tail) is a caller bug (the CPU twin asserts);
-         * trap instead of reading past the row */
-        if (e < q.head || e >= q.tail) __trap();
-    } else {
-        e = q.tail + (o - q.head - n_mid);
+    for (int32_t o = blockIdx.x * EXPAND_THREADS + threadIdx.x; o < n_out;
+         o += (int32_t)gridDim.x * EXPAND_THREADS) {
+        int32_t e; /* row entry */
+        if (o < q.head) {
+            e = o;
+        } else if (o < q.head + n_mid) {
+            const int32_t p = (o - q.head) / unit, j = (o - q.head) - p * unit;
+            e = q.pick_off + picks[q.pick_begin + p] * unit + j;
+            /* a pick outside (head, tail) is a caller bug (the CPU twin asserts);
+             * trap instead of reading past the row */
+            if (e < q.head || e >= q.tail) __trap();
+        } else {
+            e = q.tail + (o - q.head - n_mid);
+        }
+        out[q.out_begin + o] = rows[q.row_begin + e];
     }
-    out[q.out_begin + o] = rows[q.row_begin + e];
 }
 
 extern "C" void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const int32_t *rows,
@@ -214,13 +218,17 @@ extern "C" void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const 
     /* host-side checks of the request (the picks themselves live on the device) */
     const lethe_expand_extent x = lethe_check_select_expand(seqs, n_seqs, unit);
     LETHE_ASSERT(n_seqs <= 65535); /* grid y */
-    if (x.max_out == 0) return;
+    if (x.max_out == 0 && (!c->capturing || n_seqs == 0)) return;
     const int64_t max_out = x.max_out, n_rows = x.rows_end, n_picks = x.picks_end;
     const int32_t *d_seqs = lethe_cuda_stage_idx(c, (const int32_t *)seqs, (size_t)n_seqs * 8);
     const int32_t *d_rows = lethe_cuda_stage_idx(c, rows, (size_t)n_rows);
     /* picks are backend memory (topk's out); a host array is staged all the same */
     const int32_t *d_picks = n_picks ? lethe_cuda_stage_idx(c, picks, (size_t)n_picks) : picks;
-    dim3 grid(lethe_cuda_blocks((size_t)max_out, EXPAND_THREADS), (unsigned)n_seqs);
+    /* at most ~8 blocks per SM in all; captured, that many (a replay's sizes are unknown) */
+    const unsigned cap_x = (unsigned)max(1, (8 * c->n_sms + n_seqs - 1) / n_seqs);
+    unsigned grid_x = lethe_cuda_blocks((size_t)max_out, EXPAND_THREADS);
+    if (c->capturing || grid_x > cap_x) grid_x = cap_x;
+    dim3 grid(grid_x, (unsigned)n_seqs);
     select_expand_kernel<<<grid, EXPAND_THREADS, 0, c->stream>>>(
         out, d_rows, d_picks, (const lethe_expand_seq *)d_seqs, unit);
     CU_LAUNCH_CHECK();
