@@ -3,7 +3,7 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs,graphs
 # (default: build,test,bench,dev,peer,plot,profile; the others only when named).
 #
 #   quality every method vs dense on the real SmolLM2-135M (Q4_1 GGUF, 98 MB:
@@ -30,6 +30,19 @@
 #           quest, omnikv at batch 8 x ${BASECMP_SPARSE_INPUT:-8192}) once each
 #           (BASECMP_REPS=N engine repeats, default 2; BASECMP_SPARSE=0 skips sparse).
 #           Ratios new/base per point -> $OUT/basecmp.txt. ~4-5 min.
+#
+#   graphs  sparse methods on the CUDA-graph decode path, dummy Llama-3.1-8B,
+#           every engine with LETHE_STEP_TIMES=1: (1) `bench sparse --parts
+#           matched` dense, quest, omnikv at batch 8 x each of
+#           ${GRAPH_INPUTS:-32768} (decode tok/s vs dense; add 131072 for the
+#           8 x 128K row when the device time allows: its 8 real prefills cost
+#           ~2 min per engine); (2) host issue vs device time per decode step
+#           of every method of ${GRAPH_METHODS} (default dense, quest, omnikv,
+#           snapkv, pyramidkv, h2o, streamingllm, fp8_kv, kivi) at batch 8 and
+#           64 x ${GRAPH_STEP_INPUT:-2048} (budget 1024, 32 decode steps).
+#           The step-time lines (one per engine: host issue ms, graph
+#           launch/wait ms, sample/wait ms, host share) -> $OUT/graphs.txt;
+#           the JSON -> $OUT/graphs-*.json. ~3 min.
 #
 #   dev     dev/cuda/attn_bench (built by the build phase): the attention
 #           kernel generations v1, v2 and lethe's op against the CPU twin,
@@ -261,6 +274,31 @@ if has sparse; then
         ${SPARSE_ARGS:-} --json "$OUT/sparse-retroinfer.json" 2>&1 | tee "$OUT/sparse-retroinfer.log"
     add_gpu "$OUT/sparse-retroinfer.json"
     log "sparse: ($(( $(date +%s) - t0 ))s)"
+fi
+if has graphs; then
+    t0=$(date +%s)
+    : >"$OUT/graphs.txt"
+    cfg=configs/llama-3.1-8b-instruct/config.json
+    for L in $(echo ${GRAPH_INPUTS:-32768} | tr ',' ' '); do
+        LETHE_STEP_TIMES=1 ./build/lethe bench sparse -m $cfg --load-format dummy --device cuda --parts matched \
+            --budget 2048 --matched-methods quest,omnikv --matched-batch 8 --matched-input "$L" --matched-output 64 \
+            --no-progress ${GRAPH_ARGS:-} --json "$OUT/graphs-8x$L.json" >"$OUT/graphs-8x$L.log" 2>&1
+        echo "matched 8 x $L (rc $?):" >>"$OUT/graphs.txt"
+        grep -E "^[a-z_0-9]+ +\||^method|step times|eagerly" "$OUT/graphs-8x$L.log" >>"$OUT/graphs.txt"
+        add_gpu "$OUT/graphs-8x$L.json"
+    done
+    gm=${GRAPH_METHODS:-quest,omnikv,snapkv,pyramidkv,h2o,streamingllm,fp8_kv,kivi}
+    for B in 8 64; do
+        LETHE_STEP_TIMES=1 ./build/lethe bench sparse -m $cfg --load-format dummy --device cuda --parts matched \
+            --budget 1024 --matched-methods "$gm" --matched-batch $B --matched-input ${GRAPH_STEP_INPUT:-2048} \
+            --matched-output 32 --no-progress ${GRAPH_ARGS:-} --json "$OUT/graphs-steps-b$B.json" \
+            >"$OUT/graphs-steps-b$B.log" 2>&1
+        echo "step times, batch $B x ${GRAPH_STEP_INPUT:-2048} (rc $?):" >>"$OUT/graphs.txt"
+        grep -E "^[a-z_0-9]+ +\||step times|eagerly" "$OUT/graphs-steps-b$B.log" >>"$OUT/graphs.txt"
+        add_gpu "$OUT/graphs-steps-b$B.json"
+    done
+    cat "$OUT/graphs.txt"
+    log "graphs: ($(( $(date +%s) - t0 ))s) -> graphs.txt"
 fi
 if has prefill; then
     t0=$(date +%s)
