@@ -223,6 +223,8 @@ static lethe_engine_stats run_padded_method(bool pad, fullout *outs, const char 
     lethe_engine_default_params(&p);
     p.sparse_method = method;
     p.sparse_config = config;
+    /* radix reuse is refused with evicting methods */
+    p.enable_prefix_caching = !method || !strcmp(method, "quest");
     p.model = TINY;
     p.kv_cache_bytes = 1 << 20;
     p.max_num_batched_tokens = 96;
@@ -284,35 +286,49 @@ static void test_padded_decode_same_logits(void) {
             (long long)s1.padded_seqs, (long long)s1.n_steps);
 }
 
-/* Quest's graph decode plan (sparse.h graph_step: one plan per step for
- * every layer, padded to the bucket, what a CUDA graph replays) against its
- * per-layer eager path: on the CPU backend the padded steps run the graph
- * plan's ops eagerly, so every logit must be bit-identical, and the pages
- * really are selected (fewer entries read than resident). */
-static void test_padded_quest_same_logits(void) {
+/* The graph decode plans of sparse methods (sparse.h graph_step) against
+ * their per-layer eager path. Quest plans one selection per step for every
+ * layer, padded to the bucket; the evicting methods' decode steps read each
+ * layer's resident row, built and staged for all layers at once, with their
+ * compaction in finish_step between steps. On the CPU backend the padded
+ * steps run those plans eagerly, so every logit must be bit-identical, and
+ * the methods really select / evict (checked through the sparse stats). */
+static void check_padded_method(const char *method, const char *cfg) {
     make_jobs(g_jobs, false);
     static fullout plain[NREQ], padded[NREQ];
-    const char *cfg = "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1";
     lethe_engine_sparse_stats sp0, sp1;
-    lethe_engine_stats s0 = run_padded_method(false, plain, "quest", cfg, &sp0);
-    lethe_engine_stats s1 = run_padded_method(true, padded, "quest", cfg, &sp1);
+    lethe_engine_stats s0 = run_padded_method(false, plain, method, cfg, &sp0);
+    lethe_engine_stats s1 = run_padded_method(true, padded, method, cfg, &sp1);
     CHECK_EQ_INT(s0.padded_seqs, 0);
-    CHECK(s1.padded_seqs > 0); /* graph plans ran (only they pad a select_layer method) */
+    CHECK_MSG(s1.padded_seqs > 0, "%s: no graph plan ran (only they pad a sparse method)", method);
     CHECK_EQ_INT(s0.n_steps, s1.n_steps);
-    CHECK(sp0.selected_slots < sp0.resident_slots);
+    CHECK(sp0.selected_slots < sp0.resident_slots || sp0.evicted_slots > 0);
     CHECK_EQ_INT(sp0.selected_slots, sp1.selected_slots);
     CHECK_EQ_INT(sp0.resident_slots, sp1.resident_slots);
+    CHECK_EQ_INT(sp0.evicted_slots, sp1.evicted_slots);
     for (int i = 0; i < NREQ; i++) {
         CHECK(plain[i].done && padded[i].done);
         CHECK_EQ_INT(plain[i].n, padded[i].n);
         for (int32_t t = 0; t < plain[i].n; t++) {
-            CHECK_MSG(plain[i].tokens[t] == padded[i].tokens[t], "quest: request %d token %d", i, t);
+            CHECK_MSG(plain[i].tokens[t] == padded[i].tokens[t], "%s: request %d token %d", method, i, t);
             CHECK_MSG(!memcmp(plain[i].logits[t], padded[i].logits[t], sizeof(plain[i].logits[t])),
-                      "quest: request %d token %d: graph-plan logits differ", i, t);
+                      "%s: request %d token %d: graph-plan logits differ", method, i, t);
         }
     }
-    fprintf(stderr, "    quest graph plan: %lld dummy sequences, read %lld of %lld entries, logits bit-identical\n",
-            (long long)s1.padded_seqs, (long long)sp1.selected_slots, (long long)sp1.resident_slots);
+    fprintf(stderr, "    %s graph plan: %lld dummy sequences, read %lld of %lld entries, %lld evicted, "
+                    "logits bit-identical\n", method, (long long)s1.padded_seqs,
+            (long long)sp1.selected_slots, (long long)sp1.resident_slots, (long long)sp1.evicted_slots);
+}
+
+static void test_padded_methods_same_logits(void) {
+    check_padded_method("quest", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1");
+    check_padded_method("snapkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8");
+    /* (decode eviction scores every decode step: those steps stay eager) */
+    check_padded_method("pyramidkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,"
+                                     "pyramidkv_decode_eviction=false");
+    check_padded_method("h2o", "sink_keep_tokens=2,recent_keep_tokens=6,h2o_decode_budget=16");
+    /* trims rows back to s + r in finish_step whenever they reach 2 (s + r) */
+    check_padded_method("streamingllm", "sink_keep_tokens=2,recent_keep_tokens=6");
 }
 
 /* the default model: chat prompts with a shared system message */
@@ -376,7 +392,7 @@ int main(void) {
     TEST_RUN(test_prefix_cache_on_off);
     TEST_RUN(test_preemption_same_output);
     TEST_RUN(test_padded_decode_same_logits);
-    TEST_RUN(test_padded_quest_same_logits);
+    TEST_RUN(test_padded_methods_same_logits);
     TEST_RUN(test_smollm2_chat);
     return 0;
 }

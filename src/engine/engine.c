@@ -868,6 +868,9 @@ void lethe_engine_destroy(lethe_engine *e) {
     free(e->step.seqs);
     free(e->step.seq_req);
     free(e->plan.store);
+    free(e->plan.lstore);
+    free(e->plan.lbegin);
+    free(e->plan.lslots);
     free(e->plan.sel);
     free(e->plan.sel_begin);
     free(e->plan.rows);

@@ -63,12 +63,17 @@ void eng_forward_init(lethe_engine *e) {
     /* a select_layer method that plans its decode steps for graphs (sparse.h graph_step) */
     e->fwd.graph_sel = !e->fwd.uniform && ops->select_layer && ops->graph_step &&
                        e->runner.forward_graph && e->runner.be;
+    /* an evicting method whose decode reads every resident slot (graph_step with rows NULL) */
+    e->fwd.graph_rows = !e->fwd.uniform && (ops->flags & LETHE_SPARSE_PER_LAYER_ROWS) &&
+                        !(ops->flags & LETHE_SPARSE_HEAD_ROWS) && ops->graph_step &&
+                        e->runner.forward_graph && e->runner.be;
+    const bool graphed = e->fwd.uniform || e->fwd.graph_sel || e->fwd.graph_rows;
     const bool has_graphs = lethe_backend_has(e->runner.be, LETHE_BE_GRAPHS);
-    e->fwd.use_graphs = (e->fwd.uniform || e->fwd.graph_sel) && has_graphs && !e->p.enforce_eager;
-    if (!e->fwd.uniform && !e->fwd.graph_sel && has_graphs && !e->p.enforce_eager)
+    e->fwd.use_graphs = graphed && has_graphs && !e->p.enforce_eager;
+    if (!graphed && has_graphs && !e->p.enforce_eager)
         LOG_INFO("sparse method %s: decode steps run eagerly (its selection is not captured as a "
                  "CUDA graph)", ops->name);
-    const bool pad = (e->fwd.uniform || e->fwd.graph_sel) && (e->fwd.use_graphs || e->p.pad_decode_batches);
+    const bool pad = graphed && (e->fwd.use_graphs || e->p.pad_decode_batches);
     e->fwd.max_bucket = pad ? lethe_graph_max_bucket(e->p.max_num_seqs, e->p.max_num_batched_tokens) : 0;
     e->fwd.scratch_slot = -1;
     e->fwd.gs = lethe_xcalloc(1, sizeof(*e->fwd.gs));
@@ -225,6 +230,108 @@ static bool graph_sel_forward(lethe_engine *e, float *logits) {
     /* a replay calls no hook: the step's reads come from the method's plan */
     e->stats.sparse.selected_slots += ga.selected;
     e->stats.sparse.resident_slots += (int64_t)e->plan.rows_begin[S] * lethe_kv_n_layers(e->pool);
+    return true;
+}
+
+/* The plan_layer hook of graph_rows_forward: layer `layer`'s slices of the
+ * step's per-layer arrays (staged once; the slices' offsets depend only on
+ * the layer and the bucket, so a captured step reads the right ones). */
+static void plan_layer_rows(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                            lethe_layer_plan *out) {
+    lethe_engine *e = ctx;
+    const int32_t B = e->plan.lbucket;
+    LETHE_ASSERT(b->n_seqs == B);
+    *out = (lethe_layer_plan){.store_slots = e->plan.lstore + (size_t)layer * B,
+                              .sel_begin = e->plan.lbegin + (size_t)layer * (B + 1),
+                              .sel_slots = e->plan.lslots};
+}
+
+/* A graph step of a method with per-layer rows whose decode reads every
+ * resident slot (sparse.h graph_step with rows NULL: SnapKV, PyramidKV,
+ * StreamingLLM, H2O without decode scoring): its compaction happens in
+ * finish_step, between steps, so the step itself is dense attention over
+ * each layer's row. Every layer's store slots and selection are built here
+ * at once, padded to the bucket (dummies: the scratch slot, in every slot
+ * space), staged once, and the step runs through the graph logic with no
+ * method hook inside. false: not this step (the caller runs the per-layer
+ * path). */
+static bool graph_rows_forward(lethe_engine *e, float *logits) {
+    lethe_sparse_method *m = e->method;
+    lethe_kv_pool *pool = e->pool;
+    const lethe_fwd_batch *b0 = &e->step.batch;
+    const int32_t S = b0->n_seqs, scratch = e->fwd.scratch_slot, NL = lethe_kv_n_layers(pool);
+    if (b0->n_tokens != S || b0->n_logits != S || e->diag.seldump || b0->state_slots) return false;
+    for (int32_t s = 0; s < S; s++)
+        if (e->step.seqs[s].is_prefill || e->step.seqs[s].n_new != 1) return false;
+    const int32_t bucket = e->fwd.max_bucket > 0 ? lethe_graph_bucket(S, e->fwd.max_bucket) : 0;
+    if (bucket == 0 || lethe_kv_has_head_masks(pool) || lethe_sparse_kv_path(m)) return false;
+    for (int32_t l = 0; l < NL; l++)
+        if (lethe_kv_quant_of(pool, l)) return false;
+    lethe_graph_arrays ga = {0};
+    if (!m->ops->graph_step(m, &e->step.st, NULL, bucket, &ga)) {
+        if (!e->fwd.warned_decline)
+            LOG_INFO("sparse method %s: this configuration scores during decode, so its decode steps "
+                     "run eagerly (no CUDA graph)", m->ops->name);
+        e->fwd.warned_decline = true;
+        return false;
+    }
+    LETHE_ASSERT(ga.n == 0 && scratch >= 0 && bucket <= e->step.cap_rows && bucket <= e->step.cap_seqs);
+    int64_t total = (int64_t)NL * (bucket - S);
+    for (int32_t l = 0; l < NL; l++) {
+        const int32_t sp = lethe_kv_space_of(pool, l);
+        for (int32_t s = 0; s < S; s++) total += lethe_kv_row_len(pool, sp, e->step.seqs[s].row);
+    }
+    LETHE_ASSERT(total <= INT32_MAX);
+    const int64_t n_store = (int64_t)NL * bucket, n_begin = (int64_t)NL * (bucket + 1);
+#define GROW(ptr, cap, need)                                                                           if ((need) > (cap)) {                                                                                  (cap) = LETHE_MAX((need), (cap) + (cap) / 4);                                                      (ptr) = lethe_xrealloc((ptr), (size_t)(cap) * sizeof(int32_t));                                }
+    GROW(e->plan.lstore, e->plan.cap_lstore, n_store);
+    GROW(e->plan.lbegin, e->plan.cap_lbegin, n_begin);
+    GROW(e->plan.lslots, e->plan.cap_lslots, total);
+#undef GROW
+    int32_t off = 0;
+    int64_t real = 0;
+    for (int32_t l = 0; l < NL; l++) {
+        const int32_t sp = lethe_kv_space_of(pool, l);
+        int32_t *store = e->plan.lstore + (size_t)l * bucket, *beg = e->plan.lbegin + (size_t)l * (bucket + 1);
+        for (int32_t s = 0; s < bucket; s++) {
+            beg[s] = off;
+            if (s >= S) {
+                e->plan.lslots[off++] = scratch;
+                store[s] = scratch;
+                continue;
+            }
+            const int32_t row = e->step.seqs[s].row, len = lethe_kv_row_len(pool, sp, row);
+            LETHE_ASSERT(len >= 1);
+            memcpy(e->plan.lslots + off, lethe_kv_row_slots(pool, sp, row), (size_t)len * sizeof(int32_t));
+            off += len;
+            real += len;
+            store[s] = e->plan.lslots[off - 1]; /* the new token: the row's last entry */
+        }
+        beg[bucket] = off;
+    }
+    e->plan.lbucket = bucket;
+    lethe_fwd_batch b = *b0;
+    for (int32_t i = S; i < bucket; i++) {
+        e->step.tokens[i] = 0;
+        e->step.pos[i] = 0;
+        e->step.seq_begin[i + 1] = i + 1;
+        e->step.logit_rows[i] = i;
+    }
+    b.n_tokens = b.n_seqs = b.n_logits = bucket;
+    e->stats.cur.padded_seqs += bucket - S;
+    const int32_t *arrays[7] = {b.tokens,       b.pos,          b.seq_begin, b.logit_rows,
+                                e->plan.lstore, e->plan.lbegin, e->plan.lslots};
+    size_t counts[7] = {(size_t)bucket, (size_t)bucket, (size_t)bucket + 1, (size_t)bucket,
+                        (size_t)n_store, (size_t)n_begin, (size_t)off};
+    const lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer_rows, .after_attn = NULL};
+    lethe_graph_state *gs = e->fwd.gs;
+    const int64_t graphs_before = gs->n_replays + gs->n_captures;
+    e->runner.forward_graph(e->runner.ctx, &b, &hooks, arrays, counts, 7, e->fwd.use_graphs, gs, logits);
+    if (gs->n_replays + gs->n_captures == graphs_before) e->stats.cur.eager_steps++;
+    e->stats.cur.graph_replays = gs->n_replays;
+    e->stats.cur.graph_captures = gs->n_captures;
+    e->stats.sparse.selected_slots += real; /* every resident entry of every layer */
+    e->stats.sparse.resident_slots += real;
     return true;
 }
 
@@ -497,6 +604,8 @@ lethe_status eng_aux_prefill(void *ctx, const lethe_sparse_seq *s, const int32_t
 lethe_status eng_forward(lethe_engine *e, float *logits) {
     if (!e->fwd.uniform) {
         if (e->fwd.graph_sel && e->fwd.max_bucket > 0 && graph_sel_forward(e, logits))
+            return lethe_runner_step_status(&e->runner, &e->step.batch);
+        if (e->fwd.graph_rows && e->fwd.max_bucket > 0 && graph_rows_forward(e, logits))
             return lethe_runner_step_status(&e->runner, &e->step.batch);
         if (e->method->ops->select_layer) stage_rows(e);
         const lethe_fwd_hooks hooks = {

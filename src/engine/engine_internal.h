@@ -99,6 +99,12 @@ typedef struct eng_plan {
     bool graph;                       /* ... through graph_sel_forward (the method's graph_step plan) */
     /* per-KV-head selections of the current layer (head masks, engine_forward.c) */
     int32_t *hsel, *hsel_begin;       /* [cap_hsel], [cap_hsel_begin] */
+    /* a per-layer-rows method's graph step (engine_forward.c graph_rows_forward):
+     * every layer's store slots [n_layers][bucket], selection starts
+     * [n_layers][bucket + 1] (offsets into lslots), and all selections */
+    int32_t *lstore, *lbegin, *lslots;
+    int64_t cap_lstore, cap_lbegin, cap_lslots;
+    int32_t lbucket;                  /* the bucket they were built for */
     int64_t cap_hsel, cap_hsel_begin;
 } eng_plan;
 
@@ -106,6 +112,8 @@ typedef struct eng_plan {
 typedef struct eng_fwd {
     bool uniform;                     /* one plan per step (LETHE_SPARSE_UNIFORM + runner support) */
     bool graph_sel;                   /* a select_layer method with graph_step (engine_forward.c) */
+    bool graph_rows;                  /* a per-layer-rows method with graph_step */
+    bool warned_decline;              /* the method declined a decode step's graph (logged once) */
     bool use_graphs;                  /* uniform or graph_sel, a backend with graphs, not enforce_eager */
     int32_t max_bucket;               /* decode batches <= this are padded to a bucket; 0 = never */
     int32_t scratch_slot;             /* KV slot of padding sequences (pool-reserved), -1 = none */

@@ -115,6 +115,22 @@ static bool h2o_needs_scores(lethe_sparse_method *m, int32_t layer) {
     return false;
 }
 
+/* A decode step without decode scoring reads the resident rows and needs no
+ * hook inside the step: the accumulators get the new tokens' 0 entries
+ * here, as after_attn would. */
+static bool h2o_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st,
+                           const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out) {
+    if (rows) return false;
+    for (int32_t i = 0; i < st->n_seqs; i++)
+        if (seq_scores(PRIV(m), &st->seqs[i])) return false;
+    for (int32_t i = 0; i < st->n_seqs; i++) {
+        h2o_state *hs = st->seqs[i].state;
+        for (int32_t l = 0; l < m->env.n_layers; l++)
+            lethe_rowvec_resize(&hs->acc[l], lethe_sparse_row_len(m, l, st->seqs[i].row), 0.0f);
+    }
+    return true;
+}
+
 static void h2o_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                            const lethe_attn_args *attn) {
     h2o_priv *p = PRIV(m);
@@ -226,6 +242,7 @@ const lethe_sparse_ops lethe_sparse_h2o = {
     .finish_step = h2o_finish,
     .needs_scores = h2o_needs_scores,
     .after_attn = h2o_after_attn,
+    .graph_step = h2o_graph_step,
     .snapshot = h2o_snapshot,
     .restore = h2o_restore,
 };

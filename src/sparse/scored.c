@@ -95,6 +95,23 @@ bool lethe_scored_needs_scores(lethe_sparse_method *m, int32_t layer) {
     return false;
 }
 
+/* A decode step without scoring (no snapkv_decode_eviction) reads the
+ * resident rows and needs no hook inside the step: the score vectors get
+ * their -INF entries for the new tokens here, as after_attn would. */
+bool lethe_scored_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st,
+                             const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out) {
+    lethe_scored_priv *p = PRIV(m);
+    if (rows) return false;
+    for (int32_t i = 0; i < st->n_seqs; i++)
+        if (seq_scores(p, &st->seqs[i])) return false;
+    for (int32_t i = 0; i < st->n_seqs; i++) {
+        sc_state *ss = st->seqs[i].state;
+        for (int32_t l = 0; l < m->env.n_layers; l++)
+            lethe_rowvec_resize(&ss->score[l], lethe_sparse_row_len(m, l, st->seqs[i].row), -INFINITY);
+    }
+    return true;
+}
+
 void lethe_scored_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                              const lethe_attn_args *attn) {
     lethe_scored_priv *p = PRIV(m);

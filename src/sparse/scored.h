@@ -31,8 +31,11 @@ typedef struct lethe_scored_priv {
     .request_init = lethe_scored_request_init, .request_finished = lethe_scored_request_finished,  \
     .prepare = lethe_scored_prepare, .finish_step = lethe_scored_finish,                           \
     .needs_scores = lethe_scored_needs_scores, .after_attn = lethe_scored_after_attn,              \
-    .snapshot = lethe_scored_snapshot, .restore = lethe_scored_restore
+    .snapshot = lethe_scored_snapshot, .restore = lethe_scored_restore,                           \
+    .graph_step = lethe_scored_graph_step
 
+bool lethe_scored_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st,
+                             const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out);
 lethe_status lethe_scored_init(lethe_sparse_method *m);
 void lethe_scored_destroy(lethe_sparse_method *m);
 lethe_status lethe_scored_set_knob(lethe_sparse_method *m, const char *key, const char *value);

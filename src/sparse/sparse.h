@@ -387,7 +387,13 @@ struct lethe_sparse_ops {
      * reading only those arrays, rows and backend memory: on a replay it is
      * not called at all. false: the step runs the per-layer path instead
      * (e.g. more stale state than a graph step refreshes). out->selected:
-     * entries the real sequences read, summed over layers (engine stats). */
+     * entries the real sequences read, summed over layers (engine stats).
+     * A LETHE_SPARSE_PER_LAYER_ROWS method (no select_layer) gets rows NULL
+     * and answers whether this step's decode reads every resident slot of
+     * every layer with no per-layer hook to call (needs_scores false in every
+     * layer, after_attn / layer_end with nothing to do: the method does now
+     * whatever bookkeeping they would do); out stays empty, and the engine
+     * builds and stages every layer's rows itself. */
     bool (*graph_step)(lethe_sparse_method *m, const lethe_sparse_step *st,
                        const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out);
     /* Write the selection of prefill sequence `seq` for `layer` into

@@ -44,6 +44,13 @@ static int32_t sl_max_resident(const lethe_sparse_method *m, int32_t layer, int3
     return LETHE_MIN(n_total, LETHE_MAX(n_prompt, b));
 }
 
+/* decode reads every resident slot and no hook runs inside the step: every
+ * decode step may be a graph (trimming happens in finish_step, between steps) */
+static bool sl_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st,
+                          const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out) {
+    return rows == NULL;
+}
+
 const lethe_sparse_ops lethe_sparse_streamingllm = {
     .name = "streamingllm",
     .aliases = {"attention-sink", NULL}, /* attention_sink too (lookup treats - and _ alike) */
@@ -55,4 +62,5 @@ const lethe_sparse_ops lethe_sparse_streamingllm = {
                      .small = "sink_keep_tokens=2,recent_keep_tokens=6"},
     .max_resident = sl_max_resident,
     .finish_step = sl_finish,
+    .graph_step = sl_graph_step,
 };

@@ -124,8 +124,8 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "no storage or capacity hooks of its own");
     RULE(!o->select_layer || (!per_layer && !uniform), "select_layer needs shared rows: not with "
          "LETHE_SPARSE_PER_LAYER_ROWS or LETHE_SPARSE_UNIFORM");
-    RULE(!o->graph_step || o->select_layer, "graph_step needs select_layer (it plans what "
-         "select_layer issues)");
+    RULE(!o->graph_step || o->select_layer || per_layer, "graph_step needs select_layer (it plans "
+         "what select_layer issues) or LETHE_SPARSE_PER_LAYER_ROWS (decode over the resident rows)");
     RULE(!uniform || !(o->needs_scores || o->after_attn || o->layer_end),
          "a LETHE_SPARSE_UNIFORM method must not have needs_scores, after_attn or layer_end "
          "(the engine builds one plan per step)");

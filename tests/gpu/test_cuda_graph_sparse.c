@@ -19,8 +19,9 @@
  * streams); graphs vs eager+pad: bit-identical logits of every token (a
  * replay computes exactly what the eager launch of the same plan does); the
  * graph engine replayed graphs, the eager ones never did; attention read
- * fewer entries than the rows held (the method selected), the same counts
- * in all three runs. Needs a CUDA device (make test-gpu). */
+ * fewer entries than the rows held (Quest selected) or the method evicted
+ * (SnapKV, PyramidKV, H2O, StreamingLLM: dense decode over compacted rows,
+ * compaction between steps), the same counts in all three runs. Needs a CUDA device (make test-gpu). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +42,11 @@ typedef struct method_case {
 /* budgets of 2-4 pages / 48 tokens against rows of 64 .. 231 tokens */
 static const method_case g_methods[] = {
     {"quest", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16,quest_skip_layers=2"},
+    /* eviction: compacted rows at prompt end (and StreamingLLM's trims in decode), dense decode */
+    {"snapkv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16"},
+    {"pyramidkv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16,pyramidkv_decode_eviction=false"},
+    {"h2o", "sink_keep_tokens=4,recent_keep_tokens=8,h2o_decode_budget=32"},
+    {"streamingllm", "sink_keep_tokens=4,recent_keep_tokens=12"},
 };
 
 typedef struct rec {
@@ -110,10 +116,11 @@ static void run_mode(const method_case *mc, bool eager, bool pad, rec out[NB][MA
     lethe_engine_get_sparse_stats(e, sp);
     CHECK_EQ_INT(st->kv_slots_used, 0);
     fprintf(stderr, "    %-6s %-9s %lld steps: %lld graph replays, %lld captures, %lld eager, %lld padding "
-                    "seqs; read %lld of %lld entries\n",
+                    "seqs; read %lld of %lld entries, %lld evicted\n",
             mc->name, eager ? (pad ? "eager+pad" : "eager") : "graphs", (long long)st->n_steps,
             (long long)st->graph_replays, (long long)st->graph_captures, (long long)st->eager_steps,
-            (long long)st->padded_seqs, (long long)sp->selected_slots, (long long)sp->resident_slots);
+            (long long)st->padded_seqs, (long long)sp->selected_slots, (long long)sp->resident_slots,
+            (long long)sp->evicted_slots);
     lethe_engine_destroy(e);
 }
 
@@ -139,7 +146,9 @@ static void check_method(const method_case *mc) {
               "%s: no decode graph replayed", mc->name);
     CHECK(se.graph_replays == 0 && se.graph_captures == 0 && se.padded_seqs == 0);
     CHECK(sp.graph_replays == 0 && sp.graph_captures == 0 && sp.padded_seqs == sg.padded_seqs);
-    CHECK_MSG(xg.selected_slots < xg.resident_slots, "%s: nothing was dropped", mc->name);
+    CHECK_MSG(xg.selected_slots < xg.resident_slots || xg.evicted_slots > 0, "%s: nothing was dropped",
+              mc->name);
+    CHECK_EQ_INT(xg.evicted_slots, xe.evicted_slots);
     CHECK_EQ_INT(xg.selected_slots, xe.selected_slots);
     CHECK_EQ_INT(xg.resident_slots, xe.resident_slots);
     CHECK_EQ_INT(xg.selected_slots, xp.selected_slots);
