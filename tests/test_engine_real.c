@@ -290,10 +290,11 @@ static void test_padded_decode_same_logits(void) {
  * their per-layer eager path. Quest plans one selection per step for every
  * layer, padded to the bucket; the evicting methods' decode steps read each
  * layer's resident row, built and staged for all layers at once, with their
- * compaction in finish_step between steps. On the CPU backend the padded
+ * compaction in finish_step between steps; fp8_kv takes dense's uniform
+ * plan with each layer's codes and scales. On the CPU backend the padded
  * steps run those plans eagerly, so every logit must be bit-identical, and
  * the methods really select / evict (checked through the sparse stats). */
-static void check_padded_method(const char *method, const char *cfg) {
+static void check_padded_method(const char *method, const char *cfg, bool drops) {
     make_jobs(g_jobs, false);
     static fullout plain[NREQ], padded[NREQ];
     lethe_engine_sparse_stats sp0, sp1;
@@ -302,7 +303,7 @@ static void check_padded_method(const char *method, const char *cfg) {
     CHECK_EQ_INT(s0.padded_seqs, 0);
     CHECK_MSG(s1.padded_seqs > 0, "%s: no graph plan ran (only they pad a sparse method)", method);
     CHECK_EQ_INT(s0.n_steps, s1.n_steps);
-    CHECK(sp0.selected_slots < sp0.resident_slots || sp0.evicted_slots > 0);
+    if (drops) CHECK(sp0.selected_slots < sp0.resident_slots || sp0.evicted_slots > 0);
     CHECK_EQ_INT(sp0.selected_slots, sp1.selected_slots);
     CHECK_EQ_INT(sp0.resident_slots, sp1.resident_slots);
     CHECK_EQ_INT(sp0.evicted_slots, sp1.evicted_slots);
@@ -321,14 +322,16 @@ static void check_padded_method(const char *method, const char *cfg) {
 }
 
 static void test_padded_methods_same_logits(void) {
-    check_padded_method("quest", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1");
-    check_padded_method("snapkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8");
+    check_padded_method("quest", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1", true);
+    check_padded_method("snapkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8", true);
     /* (decode eviction scores every decode step: those steps stay eager) */
     check_padded_method("pyramidkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,"
-                                     "pyramidkv_decode_eviction=false");
-    check_padded_method("h2o", "sink_keep_tokens=2,recent_keep_tokens=6,h2o_decode_budget=16");
+                                     "pyramidkv_decode_eviction=false", true);
+    check_padded_method("h2o", "sink_keep_tokens=2,recent_keep_tokens=6,h2o_decode_budget=16", true);
     /* trims rows back to s + r in finish_step whenever they reach 2 (s + r) */
-    check_padded_method("streamingllm", "sink_keep_tokens=2,recent_keep_tokens=6");
+    check_padded_method("streamingllm", "sink_keep_tokens=2,recent_keep_tokens=6", true);
+    /* FP8 KV: the uniform plan, each layer reading its own codes and scales */
+    check_padded_method("fp8_kv", NULL, false);
 }
 
 /* the default model: chat prompts with a shared system message */

@@ -18,7 +18,7 @@
  *    store slots, tokens and positions are staged once (stage_rows) and the
  *    method answers per layer with "read the full rows" or a selection it
  *    built on the backend (no per-layer upload, no host sync).
- *  - uniform plan (methods flagged LETHE_SPARSE_UNIFORM, i.e. dense, on a
+ *  - uniform plan (methods flagged LETHE_SPARSE_UNIFORM: dense, fp8_kv, on a
  *    runner with forward_uniform): plan_layer is asked once (layer 0, q =
  *    NULL) and that plan serves every layer (lethe_model_forward_uniform):
  *    the step's arrays are staged once, for prefill and mixed steps too. A
@@ -335,6 +335,16 @@ static bool graph_rows_forward(lethe_engine *e, float *logits) {
     return true;
 }
 
+/* The uniform plan of a quantized-KV method (FP8): layer `layer` reads the
+ * step's one selection from its own codes and scales. */
+static void plan_layer_quant(void *ctx, int32_t layer, const lethe_fwd_batch *b, const void *q,
+                             lethe_layer_plan *out) {
+    lethe_engine *e = ctx;
+    *out = e->plan.uplan;
+    out->kvq = lethe_kv_quant_of(e->pool, layer);
+    LETHE_ASSERT(out->kvq && (out->kvq->format == LETHE_KV_FP8_E4M3 || out->kvq->format == LETHE_KV_NATIVE));
+}
+
 /* ---- the layer plan: where the new K/V go, what attention reads ---- */
 
 /* lethe_engine_sparse_stats: the entries a plan reads and the entries its
@@ -619,14 +629,31 @@ lethe_status eng_forward(lethe_engine *e, float *logits) {
     lethe_fwd_batch b = e->step.batch; /* padded below; methods keep seeing e->step.batch */
     lethe_layer_plan plan;
     plan_layer(e, 0, &b, NULL, &plan); /* the same in every layer */
-    LETHE_ASSERT(!plan.kvq && !plan.path); /* per-layer KV storage (quantized formats, payloads) is not uniform */
+    /* payloads are not uniform; of the quantized formats only FP8 (per-token
+     * codes and scales: its store and attention need no host plan, so its
+     * steps can be graphs), each layer with its own side arrays */
+    LETHE_ASSERT(!plan.path && (!plan.kvq || plan.kvq->format == LETHE_KV_FP8_E4M3 ||
+                                plan.kvq->format == LETHE_KV_NATIVE)); /* (hybrid: layer 0 holds states) */
     const int32_t S = b.n_seqs;
     const bool decode = b.n_tokens == S && b.n_logits == S;
     const int32_t bucket = decode && e->fwd.max_bucket > 0 ? lethe_graph_bucket(S, e->fwd.max_bucket) : 0;
     if (bucket > S) pad_batch(e, &b, &plan, bucket);
     lethe_graph_state *gs = e->fwd.gs;
     const int64_t graphs_before = gs->n_replays + gs->n_captures;
-    e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->fwd.use_graphs && bucket > 0, gs, logits);
+    if (plan.kvq) {
+        /* the uniform plan with each layer's quantized side arrays */
+        e->plan.uplan = plan;
+        const int32_t n = b.n_tokens, S2 = b.n_seqs;
+        const int32_t *arrays[8] = {b.tokens, b.pos, b.seq_begin, b.logit_rows, plan.store_slots,
+                                    plan.sel_begin, plan.sel_slots, b.state_slots};
+        size_t counts[8] = {(size_t)n, (size_t)n, (size_t)S2 + 1, (size_t)b.n_logits, (size_t)n,
+                            (size_t)S2 + 1, (size_t)plan.sel_begin[S2], (size_t)S2};
+        const lethe_fwd_hooks hooks = {.ctx = e, .plan_layer = plan_layer_quant, .after_attn = NULL};
+        e->runner.forward_graph(e->runner.ctx, &b, &hooks, arrays, counts, b.state_slots ? 8 : 7,
+                                e->fwd.use_graphs && bucket > 0, gs, logits);
+    } else {
+        e->runner.forward_uniform(e->runner.ctx, &b, &plan, e->fwd.use_graphs && bucket > 0, gs, logits);
+    }
     if (gs->n_replays + gs->n_captures == graphs_before) e->stats.cur.eager_steps++;
     e->stats.cur.graph_replays = gs->n_replays;
     e->stats.cur.graph_captures = gs->n_captures;

@@ -105,6 +105,7 @@ typedef struct eng_plan {
     int32_t *lstore, *lbegin, *lslots;
     int64_t cap_lstore, cap_lbegin, cap_lslots;
     int32_t lbucket;                  /* the bucket they were built for */
+    lethe_layer_plan uplan;           /* the uniform plan of a quantized-KV method's step */
     int64_t cap_hsel, cap_hsel_begin;
 } eng_plan;
 

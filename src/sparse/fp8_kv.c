@@ -23,7 +23,9 @@ const lethe_sparse_ops lethe_sparse_fp8_kv = {
     .aliases = {"fp8", NULL},
     .summary = "E4M3 KV with per-token, per-KV-head dynamic scales (1-byte codes in the pool)",
     .kind = LETHE_SPARSE_KIND_QUANTIZATION,
-    .flags = LETHE_SPARSE_PREFIX_CACHE,
+    /* uniform: every layer reads every resident slot; per-token codes need no
+     * host plan, so decode steps are CUDA graphs like dense (engine_forward.c) */
+    .flags = LETHE_SPARSE_PREFIX_CACHE | LETHE_SPARSE_UNIFORM,
     /* the defaults (no budget): lossy by design, so close to dense, not equal */
     .test_configs = {.identity = NULL},
     .kv_format = fp8_kv_format,

@@ -203,9 +203,9 @@ enum {
      * checks). The engine then builds the plan once per step (layer 0, q =
      * NULL) and runs the step as one plan: index arrays staged once, pure
      * decode steps replayed as CUDA graphs padded to bucket sizes
-     * (engine_forward.c). Only dense qualifies today (fp8_kv / kivi store
-     * quantized KV through the per-layer forward, quest / omnikv select per
-     * layer). */
+     * (engine_forward.c). Dense and fp8_kv (per-token FP8 codes: each layer
+     * reads its own codes and scales, no host plan) qualify; kivi's store
+     * and attention read a host plan, quest / omnikv select per layer. */
     LETHE_SPARSE_UNIFORM = 1u << 3,
     /* Per-(layer, KV head) row lengths: the pool keeps a KV-head mask per row
      * entry (kv_pool.h head masks), the method narrows them with
