@@ -932,6 +932,15 @@ static void test_registry_rules(void) {
     o.flags = LETHE_SPARSE_UNIFORM;
     expect_broken(&o, "select_layer needs shared rows");
 
+    /* graph_step plans what select_layer issues, or decode over per-layer resident rows */
+    o = lethe_sparse_dense;
+    o.name = "gs";
+    o.flags = 0;
+    o.graph_step = lethe_sparse_find("quest")->graph_step;
+    expect_broken(&o, "graph_step needs select_layer");
+    o.select_layer = stub_select_layer;
+    CHECK_MSG(lethe_sparse_validate(&o) == LETHE_OK, "%s", lethe_last_error());
+
     o = lethe_sparse_dense; /* UNIFORM */
     o.name = "uni";
     o.needs_scores = stub_needs_scores;
