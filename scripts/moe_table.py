@@ -9,7 +9,7 @@ For each MODEL (a folder name under configs/) it reads from OUT:
   moe-MODEL-hf.json        bench/peer_hf.py: HF transformers at batch 32
   moe-MODEL-snapkv.json    lethe bench sparse --parts capacity (SnapKV 2K at 32K)
 and prints decode tok/s and % of the roofline per (batch, context) against
-the issue's targets (batch 1 >= 70%, batch 64 >= 60%), prefill % of the GEMM
+the decode targets (batch 1 >= 70%, batch 64 >= 60% of the roofline), prefill % of the GEMM
 peak (expanded and absorbed), lethe / HF at batch 32, and SnapKV vs dense.
 The ceilings (copy bandwidth, GEMM peak) are those each lethe run measured."""
 import json
