@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.." || exit 1
 # spin while waiting starve those processes (measured: 11x slower decode at
 # load 10), so waiting threads sleep unless the caller says otherwise.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+# the Python tests run the lethe binary of the build under test
+export LETHE_BUILD=${LETHE_BUILD:-$build}
 pass=0; fail=0; failed=()
 logdir="$build/test-logs"; mkdir -p "$logdir"
 for t in "$build"/tests/test_*; do

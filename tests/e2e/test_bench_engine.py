@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LETHE = os.path.join(ROOT, os.environ.get("LETHE_BUILD", "build-cpu"), "lethe")
+LETHE = os.path.join(ROOT, os.environ.get("LETHE_BUILD", "build"), "lethe")
 DATA = os.path.join(ROOT, "tests", "data")
 
 
