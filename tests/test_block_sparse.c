@@ -151,6 +151,29 @@ static void test_forced_blocks(void) {
         lethe_cpu_bsp_free(bp, 1);
         free(o);
     }
+    /* prompt_end: the last query blocks are dense only in a prompt's last chunk */
+    for (int end = 0; end < 2; end++) {
+        const bool flag = end != 0;
+        lethe_block_sparse p = params(32, 1.0f, false), want_p = p;
+        p.last_q_blocks = 3;
+        p.prompt_end = &flag;
+        want_p.last_q_blocks = end ? 3 : 0;
+        float *o = lethe_xmalloc((size_t)d.n_tok * d.c.H * d.c.hd * sizeof(float));
+        lethe_attn_args a = args(&d, o, &p);
+        CHECK_EQ_INT(lethe_bsp_last_q(&a, 0), want_p.last_q_blocks);
+        lethe_cpu_bsp *bp = lethe_cpu_bsp_plan(&a);
+        const int32_t n_sel = d.sel_begin[1], n_q = d.q_begin[1];
+        for (int32_t t = 0; t < bp[0].nqb; t++) {
+            int32_t kb_last, n_full;
+            lethe_bsp_block_range(&p, n_q, n_sel, t, &kb_last, &n_full);
+            for (int g = 0; g < d.c.KH; g++)
+                for (int32_t b = 0; b < bp[0].nkb; b++)
+                    CHECK(bp[0].keep[((size_t)t * d.c.KH + g) * bp[0].nkb + b] ==
+                          (b <= kb_last && lethe_bsp_forced(&want_p, t, bp[0].nqb, b, kb_last, n_full)));
+        }
+        lethe_cpu_bsp_free(bp, 1);
+        free(o);
+    }
     unmake(&d);
 }
 
@@ -306,9 +329,22 @@ static void test_method_knobs(void) {
     lethe_sparse_env env = {.n_layers = 2, .n_heads = 4, .n_kv_heads = 2, .head_dim = 16, .max_model_len = 128};
     lethe_sparse_method *m = NULL;
     CHECK(lethe_sparse_create("flashprefill", "flashprefill_threshold=0.01,flashprefill_block=64", &env, &m) == LETHE_OK);
-    const lethe_block_sparse *p = m->ops->block_sparse(m, 1);
+    /* a step of a middle chunk (is_final_chunk false) and a prompt's last one */
+    const lethe_sparse_seq seqs[2] = {{.is_prefill = true}, {.is_prefill = true, .is_final_chunk = true}};
+    const lethe_sparse_step st = {.n_seqs = 2, .seqs = seqs};
+    const lethe_block_sparse *p = m->ops->block_sparse(m, 1, &st);
     CHECK(p && p->block == 64 && fabsf(p->threshold - 0.01f) < 1e-7f && p->sink_blocks == 2 &&
           p->window_blocks == 4 && p->last_q_blocks == 8 && p->min_q == 4096 && p->mean_correction);
+    /* default scope: the last query blocks are dense in the prompt's last chunk only */
+    CHECK(p->prompt_end && !p->prompt_end[0] && p->prompt_end[1]);
+    lethe_sparse_destroy(m);
+    CHECK(lethe_sparse_create("flashprefill", "flashprefill_last_q_scope=chunk", &env, &m) == LETHE_OK);
+    p = m->ops->block_sparse(m, 0, &st);
+    CHECK(p && p->prompt_end == NULL);
+    lethe_sparse_destroy(m);
+    CHECK(lethe_sparse_create("flashprefill", "flashprefill_last_q_scope=all", &env, &m) == LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "prompt or chunk");
+    CHECK(lethe_sparse_create("flashprefill", NULL, &env, &m) == LETHE_OK);
     lethe_sparse_destroy(m);
     CHECK(lethe_sparse_find("flashprefill_v2") == lethe_sparse_find("flashprefill"));
     CHECK(lethe_sparse_create("flashprefill", "flashprefill_block=48", &env, &m) == LETHE_ERR_INVALID);

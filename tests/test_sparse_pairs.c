@@ -290,7 +290,9 @@ static void test_pair_names(void) {
                                   &m) == LETHE_OK, "%s", lethe_last_error());
     CHECK(!strcmp(m->ops->name, "flashprefill+snapkv"));
     CHECK(m->ops->kind == LETHE_SPARSE_KIND_EVICTION && (m->ops->flags & LETHE_SPARSE_PER_LAYER_ROWS));
-    CHECK(m->ops->block_sparse && m->ops->block_sparse(m, 0)->threshold == 0.01f);
+    const lethe_sparse_seq sq = {.is_prefill = true};
+    const lethe_sparse_step st = {.n_seqs = 1, .seqs = &sq};
+    CHECK(m->ops->block_sparse && m->ops->block_sparse(m, 0, &st)->threshold == 0.01f);
     CHECK_EQ_INT(m->knobs.decode_keep_tokens, 16);
     lethe_sparse_destroy(m);
     /* omnikv_full_layers is a knob of both: one entry, set in both */

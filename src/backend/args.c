@@ -138,6 +138,10 @@ void lethe_bsp_block_range(const lethe_block_sparse *p, int32_t n_q, int32_t n_s
     *n_full = (n_pre + first + 1) / B; /* key blocks all of whose entries its first query sees */
 }
 
+int32_t lethe_bsp_last_q(const lethe_attn_args *a, int32_t s) {
+    return !a->bsp->prompt_end || a->bsp->prompt_end[s] ? a->bsp->last_q_blocks : 0;
+}
+
 bool lethe_bsp_forced(const lethe_block_sparse *p, int32_t t, int32_t n_qb, int32_t b, int32_t kb_last,
                       int32_t n_full) {
     return b < p->sink_blocks || b > kb_last - p->window_blocks || b >= n_full ||

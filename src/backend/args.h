@@ -79,8 +79,12 @@ bool lethe_bsp_seq_sparse(const lethe_attn_args *a, int32_t s);
  * leading key blocks all of whose entries its first query sees. */
 void lethe_bsp_block_range(const lethe_block_sparse *p, int32_t n_q, int32_t n_sel, int32_t t,
                            int32_t *kb_last, int32_t *n_full);
+/* The last query blocks of sequence s that attend densely: last_q_blocks
+ * when its chunk ends the prompt (or prompt_end is NULL), else 0. */
+int32_t lethe_bsp_last_q(const lethe_attn_args *a, int32_t s);
 /* Whether key block b (<= kb_last) of query block t (of n_qb) is read
- * whatever its score: sink, window, diagonal or last query blocks. */
+ * whatever its score: sink, window, diagonal or last query blocks (p's
+ * last_q_blocks: the caller's lethe_bsp_last_q for the sequence). */
 bool lethe_bsp_forced(const lethe_block_sparse *p, int32_t t, int32_t n_qb, int32_t b, int32_t kb_last,
                       int32_t n_full);
 

@@ -174,7 +174,9 @@ static inline size_t lethe_kv_layout_slot_bytes(const lethe_kv_layout *l) {
  * KV head g's queries of block t then read key block b when
  *   b < sink_blocks, or b is among the last window_blocks blocks t sees, or
  *   some query of t sees only part of b (the diagonal), or t is among the
- *   last last_q_blocks query blocks of the chunk, or p(t, g, b) >= threshold;
+ *   last last_q_blocks query blocks of the chunk and the chunk ends the
+ *   prompt (prompt_end[s]; every chunk when prompt_end is NULL), or
+ *   p(t, g, b) >= threshold;
  * inside a read block the usual causal rule holds. With mean_correction every
  * skipped block (all of it visible to all of t: never a diagonal block) adds
  * one pseudo-entry per query: key km(b, g), value vm(b, g) (the mean V) and
@@ -189,6 +191,10 @@ typedef struct lethe_block_sparse {
     int32_t min_q;               /* sequences with fewer new tokens attend densely */
     float threshold;             /* in [0, 1] */
     bool mean_correction;
+    /* host [n_seqs of the call] or NULL: whether sequence s's chunk is the
+     * last of its prompt (its last query blocks, whose outputs give the
+     * logits, attend densely only there); NULL = every chunk's do */
+    const bool *prompt_end;
 } lethe_block_sparse;
 
 typedef struct lethe_attn_args {

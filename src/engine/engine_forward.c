@@ -510,10 +510,7 @@ static void plan_layer(void *ctx, int32_t layer, const lethe_fwd_batch *b, const
     const double t0 = e->diag.timed ? lethe_time_s() : 0;
     if (!e->plan.rows_staged || !plan_from_select_layer(e, layer, q, out))
         plan_per_seq(e, layer, q, out);
-    out->bsp = e->method->ops->block_sparse ? e->method->ops->block_sparse(e->method, layer) : NULL;
-    /* per-KV-head lists (a head-rows decode method after it evicted) attend
-     * through the varlen path, which reads whole lists: no blocks there */
-    if (out->head_sel_begin) out->bsp = NULL;
+    out->bsp = e->method->ops->block_sparse ? e->method->ops->block_sparse(e->method, layer, &e->step.st) : NULL;
     eng_seldump_layer(e, layer, out); /* LETHE_DUMP_SELECTIONS (engine_seldump.c) */
     if (e->diag.timed) e->diag.t_plan += lethe_time_s() - t0; /* LETHE_STEP_TIMES, engine_diag.c */
 }

@@ -168,9 +168,10 @@ static size_t cb_slot_overhead(const lethe_sparse_method *m) { return lethe_spar
 static size_t cb_kv_reserve(lethe_sparse_method *m, int32_t n_seqs, int32_t n_tokens) {
     return lethe_sparse_kv_reserve(C(m)->dm, n_seqs, n_tokens);
 }
-static const lethe_block_sparse *cb_block_sparse(const lethe_sparse_method *m, int32_t layer) {
+static const lethe_block_sparse *cb_block_sparse(const lethe_sparse_method *m, int32_t layer,
+                                                 const lethe_sparse_step *st) {
     const lethe_sparse_method *p = C(m)->pm;
-    return p->ops->block_sparse(p, layer);
+    return p->ops->block_sparse(p, layer, st);
 }
 
 static lethe_status cb_request_init(lethe_sparse_method *m, const lethe_sparse_seq *s, void **state) {

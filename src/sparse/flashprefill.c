@@ -9,7 +9,10 @@
  * block scores are a softmax of the mean query against the mean key of
  * every visible key block (max over the group's query heads); the sink
  * blocks, the last window blocks, the diagonal and the last query blocks of
- * the chunk are always read, the other key blocks when their score reaches
+ * the prompt (flashprefill_last_q_scope=prompt, the default: only in the
+ * chunk that completes it, whose last queries give the logits; =chunk: of
+ * every chunk, which with 8K chunks makes 1/8 of every chunk dense) are
+ * always read, the other key blocks when their score reaches
  * flashprefill_threshold. Mean correction (on by default) stands in for each
  * skipped block with one pseudo-entry: its mean key and mean value, weighted
  * by the block's size (logit + ln 128), so the softmax keeps the skipped
@@ -26,6 +29,9 @@
 typedef struct fp_priv {
     lethe_knob_values kv;
     lethe_block_sparse bsp;
+    bool prompt_scope;         /* last query blocks dense in a prompt's last chunk only */
+    bool *prompt_end;          /* [cap]: the step's sequences (bsp.prompt_end) */
+    int32_t cap;
 } fp_priv;
 #define PRIV(m) ((fp_priv *)(m)->priv)
 
@@ -36,7 +42,9 @@ static const lethe_sparse_knob knobs[] = {
     {"flashprefill_window_blocks", LETHE_KNOB_INT, "4", 2, 1 << 20,
      "last key blocks of each query block always read (the diagonal included)"},
     {"flashprefill_last_q_blocks", LETHE_KNOB_INT, "8", 0, 1 << 20,
-     "last query blocks of a chunk attend densely"},
+     "last query blocks attend densely (of the prompt, or of every chunk: flashprefill_last_q_scope)"},
+    {"flashprefill_last_q_scope", LETHE_KNOB_STR, "prompt", 0, 0,
+     "prompt: only the prompt's last chunk has dense last query blocks | chunk: every chunk"},
     {"flashprefill_min_q", LETHE_KNOB_INT, "4096", 2, 1 << 30,
      "chunks with fewer new tokens attend densely"},
     {"flashprefill_mean_correction", LETHE_KNOB_BOOL, "true", 0, 1,
@@ -52,7 +60,9 @@ static lethe_status fp_init(lethe_sparse_method *m) {
     return LETHE_OK;
 }
 static void fp_destroy(lethe_sparse_method *m) {
-    free(m->priv);
+    fp_priv *p = PRIV(m);
+    if (p) free(p->prompt_end);
+    free(p);
     m->priv = NULL;
 }
 static lethe_status fp_set_knob(lethe_sparse_method *m, const char *key, const char *value) {
@@ -70,6 +80,11 @@ static lethe_status fp_configure(lethe_sparse_method *m) {
                                   .threshold = (float)K("threshold"),
                                   .mean_correction = K("mean_correction") != 0};
 #undef K
+    const char *scope = lethe_knob_str(m->ops, &p->kv, "flashprefill_last_q_scope");
+    if (strcmp(scope, "prompt") && strcmp(scope, "chunk"))
+        return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config flashprefill_last_q_scope=%s: expected "
+                            "prompt or chunk", scope);
+    p->prompt_scope = !strcmp(scope, "prompt");
     if (p->bsp.block % 32)
         return lethe_errorf(LETHE_ERR_INVALID, "--sparse-config flashprefill_block=%d: expected a "
                             "multiple of 32", p->bsp.block);
@@ -80,9 +95,21 @@ static lethe_status fp_configure(lethe_sparse_method *m) {
     return LETHE_OK;
 }
 
-static const lethe_block_sparse *fp_block_sparse(const lethe_sparse_method *m, int32_t layer) {
+/* the step's prompt_end flags (prompt scope): a chunk that completes its
+ * prompt (is_final_chunk; never an auxiliary prefill's) */
+static const lethe_block_sparse *fp_block_sparse(const lethe_sparse_method *m, int32_t layer,
+                                                 const lethe_sparse_step *st) {
     (void)layer;
-    return &PRIV(m)->bsp;
+    fp_priv *p = PRIV(m);
+    p->bsp.prompt_end = NULL;
+    if (!p->prompt_scope || !st) return &p->bsp;
+    if (st->n_seqs > p->cap) {
+        p->cap = LETHE_MAX(st->n_seqs, 2 * p->cap);
+        p->prompt_end = lethe_xrealloc(p->prompt_end, (size_t)p->cap * sizeof(bool));
+    }
+    for (int32_t i = 0; i < st->n_seqs; i++) p->prompt_end[i] = st->seqs[i].is_final_chunk && !st->seqs[i].is_aux;
+    p->bsp.prompt_end = p->prompt_end;
+    return &p->bsp;
 }
 
 const lethe_sparse_ops lethe_sparse_flashprefill = {

@@ -328,12 +328,14 @@ struct lethe_sparse_ops {
      * when flags has LETHE_SPARSE_PAGE_META; default 0 */
     int32_t page_meta_floats;
     /* Block-sparse prefill attention (backend.h lethe_block_sparse) for
-     * layer `layer`, or NULL = dense: the engine hands it to the layer's
-     * attention in every step, and the backend applies it to the sequences
-     * whose chunk holds at least min_q new tokens (decode rows attend
-     * densely). Only the attention's reads change, never the KV. Default
-     * none (dense). */
-    const lethe_block_sparse *(*block_sparse)(const lethe_sparse_method *m, int32_t layer);
+     * layer `layer` of step st (its sequences are the attention call's, in
+     * order: prompt_end may follow them), or NULL = dense: the engine hands
+     * it to the layer's attention in every step (auxiliary prefills
+     * included), and the backend applies it to the sequences whose chunk
+     * holds at least min_q new tokens (decode rows attend densely). Only the
+     * attention's reads change, never the KV. Default none (dense). */
+    const lethe_block_sparse *(*block_sparse)(const lethe_sparse_method *m, int32_t layer,
+                                              const lethe_sparse_step *st);
 
     /* ---- engine lifetime (pool NULL in all four) ---- */
     lethe_status (*init)(lethe_sparse_method *m);        /* allocate m->priv; default none */

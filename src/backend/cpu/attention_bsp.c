@@ -21,7 +21,9 @@
 #include "core/util.h"
 
 static void plan_seq(const lethe_attn_args *a, int32_t s, lethe_cpu_bsp *o) {
-    const lethe_block_sparse *p = a->bsp;
+    lethe_block_sparse ps = *a->bsp; /* this sequence's dense last query blocks */
+    ps.last_q_blocks = lethe_bsp_last_q(a, s);
+    const lethe_block_sparse *p = &ps;
     const int32_t B = p->block, H = a->n_heads, KH = a->n_kv_heads, G = H / KH, hd = a->head_dim;
     const int32_t q0 = a->q_begin[s], n_q = a->q_begin[s + 1] - q0;
     const int32_t *sel = a->sel_slots + a->sel_begin[s];

@@ -220,7 +220,7 @@ void lethe_cuda_attn_bsp(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d
             x[QD_KB_LAST] = kb_last;
             x[QD_N_FULL] = n_full;
             x[QD_KEND] = n_pre + t * BSP_B + rows;
-            x[QD_ALL] = t >= nqb - p->last_q_blocks;
+            x[QD_ALL] = t >= nqb - lethe_bsp_last_q(a, s);
         }
         for (int32_t b = 0; b < nk; b++, kb++) {
             kd[(size_t)kb * KD_NI + KD_E0] = a->sel_begin[s] + b * BSP_B;
