@@ -559,6 +559,11 @@ static void test_attn_scores(void) {
         /* head_dim 256 and 96, MHA */
         {"d256 gqa16", 16, 1, 256, 2, {5, 1}, {700, 2000}, {0, 100}, {10, 100}, 0},
         {"d96 mha", 4, 4, 96, 1, {17}, {513}, {3}, {5}, 0},
+        /* a head_dim not a multiple of 8 (row_dots' 2-channel loop), and KVzip's
+         * replay shape: rows = the replay so far, keys = sink + chunk + replay,
+         * candidates = the chunk (row blocks of 16 with a ragged last one) */
+        {"d10 gqa2", 4, 2, 10, 2, {19, 3}, {300, 40}, {2, 0}, {7, 1}, 0},
+        {"kvzip replay d128", 32, 8, 128, 1, {333}, {4 + 300 + 333}, {4}, {333}, 1},
         /* every sequence one row: the single-row kernels (scores.cu sc1_*), incl. a
          * KV group above 48 KiB of shared memory, MHA head_dim 16, an empty range */
         {"decode d256 gqa16", 16, 1, 256, 2, {1, 1}, {3000, 70}, {0, 5}, {100, 5}, 0},

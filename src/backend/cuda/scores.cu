@@ -36,7 +36,7 @@
 #include <math.h>
 
 #define SC_THREADS 128
-#define SC_RB 8      /* scored rows per register block */
+#define SC_RB 16     /* scored rows per register block (each K row read once per 16 rows) */
 
 /* per-sequence device descriptor (offsets in floats into the scratch) */
 typedef struct sc_desc {
@@ -55,11 +55,44 @@ __device__ __forceinline__ void load_rows(float *Qs, const bf16 *__restrict__ q,
     }
 }
 
-/* acc[r] = sum_d Qs[r][d] * k[d] for r < nr: one fmaf chain over d in order */
+/* acc[r] = sum_d Qs[r][d] * k[d] for r < nr: one fmaf chain over d in order.
+ * head_dim % 8 == 0 (every model's): the key row is read 16 bytes at a time
+ * and the rows' queries as float4 broadcasts from shared memory (Qs and k
+ * 16-byte aligned), one load per 8 (key) / 4 (query) channels instead of
+ * per 2 / 1; the chain per (row, key) is the same fmaf sequence in d order,
+ * so the values are bit-identical to the 2-channel loop below. */
 __device__ __forceinline__ void row_dots(const float *Qs, const bf16 *__restrict__ k, int D, int nr,
                                          float *acc) {
 #pragma unroll
     for (int r = 0; r < SC_RB; r++) acc[r] = 0.0f;
+    if ((D & 7) == 0) {
+        const uint4 *k8 = (const uint4 *)k;
+        const float4 *Q4 = (const float4 *)Qs;
+        const int D4 = D / 4;
+        for (int c8 = 0; c8 < D / 8; c8++) {
+            const uint4 kv = __ldg(k8 + c8);
+            const __nv_bfloat162 *kb = (const __nv_bfloat162 *)&kv;
+            const float2 k01 = __bfloat1622float2(kb[0]), k23 = __bfloat1622float2(kb[1]);
+            const float2 k45 = __bfloat1622float2(kb[2]), k67 = __bfloat1622float2(kb[3]);
+#pragma unroll
+            for (int r = 0; r < SC_RB; r++) {
+                if (r < nr) {
+                    const float4 qa = Q4[r * D4 + 2 * c8], qb = Q4[r * D4 + 2 * c8 + 1];
+                    float x = acc[r];
+                    x = fmaf(qa.x, k01.x, x);
+                    x = fmaf(qa.y, k01.y, x);
+                    x = fmaf(qa.z, k23.x, x);
+                    x = fmaf(qa.w, k23.y, x);
+                    x = fmaf(qb.x, k45.x, x);
+                    x = fmaf(qb.y, k45.y, x);
+                    x = fmaf(qb.z, k67.x, x);
+                    x = fmaf(qb.w, k67.y, x);
+                    acc[r] = x;
+                }
+            }
+        }
+        return;
+    }
     const __nv_bfloat162 *k2 = (const __nv_bfloat162 *)k;
     for (int d = 0; d < D; d += 2) {
         const float2 kf = __bfloat1622float2(k2[d / 2]);
@@ -85,7 +118,8 @@ __global__ void sc_stats_kernel(const sc_desc *__restrict__ descs, const int32_t
                                 const bf16 *__restrict__ q, const bf16 *__restrict__ kc,
                                 const int32_t *__restrict__ slots, int H, int n_kv, int D,
                                 float scale, float2 *__restrict__ stats) {
-    extern __shared__ float Qs[];
+    extern __shared__ float4 Qs_st4[]; /* 16-byte aligned for row_dots' float4 reads */
+    float *Qs = (float *)Qs_st4;
     __shared__ float red_m[SC_RB][SC_THREADS / 32], red_l[SC_RB][SC_THREADS / 32];
     const sc_desc sd = descs[work[2 * blockIdx.x]];
     const int r0 = work[2 * blockIdx.x + 1], h = blockIdx.y, kvh = h / (H / n_kv);
@@ -140,7 +174,8 @@ __global__ void sc_values_kernel(const sc_desc *__restrict__ descs, const int32_
                                  const int32_t *__restrict__ slots, int H, int n_kv, int D,
                                  float scale, const float2 *__restrict__ stats,
                                  float *__restrict__ hv) {
-    extern __shared__ float Qs[];
+    extern __shared__ float4 Qs_va4[]; /* 16-byte aligned for row_dots' float4 reads */
+    float *Qs = (float *)Qs_va4;
     const sc_desc sd = descs[work[2 * blockIdx.x]];
     const int32_t j = work[2 * blockIdx.x + 1] + threadIdx.x, nc = sd.c1 - sd.c0;
     const int h = blockIdx.y, kvh = h / (H / n_kv);
