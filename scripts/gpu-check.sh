@@ -3,7 +3,7 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs,graphs
+# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,prefillprof,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs,graphs
 # (default: build,test,bench,dev,peer,plot,profile; the others only when named).
 #
 #   quality every method vs dense on the real SmolLM2-135M (Q4_1 GGUF, 98 MB:
@@ -62,11 +62,19 @@
 #             RETRO_INPUT=130560 RETRO_METHODS=retro_infer scripts/gpu-check.sh build,compress,sparse
 #           -> $OUT/sparse.json (copy to docs/results/, run gen_docs.py)
 #   prefill `lethe bench prefill`: one prompt of 32K and one of 128K alone in
-#           the engine, prefill time (submit -> first token) of flashprefill
-#           and omnikv_prefill vs dense in the same run, dummy Llama-3.1-8B,
-#           8K chunks. ~3 min. PREFILL_ARGS adds/overrides flags (e.g.
-#           "--method-config flashprefill:flashprefill_threshold=0.01").
-#           -> $OUT/prefill.{log,json}
+#           the engine, prefill time (submit -> first token) and the next-token
+#           KL / top-1 vs dense of flashprefill (threshold 0.002, and 0.01 as
+#           flashprefill#t01: dummy weights' block softmax is near uniform,
+#           1 / blocks, so 0.002 reads every block below ~500 blocks) and
+#           omnikv_prefill, dummy Llama-3.1-8B, 8K chunks; then KVzip at 32K
+#           (budget 2048, its context replay: extra prefill cost = 1 / speed-up).
+#           ~4 min. PREFILL_ARGS adds/overrides flags of the first run.
+#           -> $OUT/prefill.{log,json}, $OUT/prefill-kvzip.{log,json}
+#   prefillprof ncu (durations only) over the attention kernels of one 32K
+#           prefill, dense then flashprefill (kernel names bsp_* and
+#           prefill_v2_kernel<D, true> are flashprefill's, <D, false> both),
+#           and over KVzip's scores kernels (sc_*) of its 32K replay: where
+#           their time goes. ~3-5 min. -> $OUT/prefillprof.txt
 #   compress  the compression methods vs dense, dummy Llama-3.1-8B: first
 #           `lethe fit palu` ON THE DUMMY WEIGHTS (rank ratio 0.5; README.md +
 #           docs/architecture.md as calibration text; factors of random weights:
@@ -303,10 +311,34 @@ fi
 if has prefill; then
     t0=$(date +%s)
     ./build/lethe bench prefill -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
-        --inputs ${PREFILL_INPUTS:-32768,131070} --methods flashprefill,omnikv_prefill --max-num-batched-tokens 8192 \
+        --inputs ${PREFILL_INPUTS:-32768,131070} --methods flashprefill,flashprefill#t01,omnikv_prefill \
+        --method-config flashprefill#t01:flashprefill_threshold=0.01 --max-num-batched-tokens 8192 \
         ${PREFILL_ARGS:-} --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log"
     add_gpu "$OUT/prefill.json"
+    ./build/lethe bench prefill -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+        --inputs 32768 --methods kvzip --method-config kvzip:kvzip_token_budget=2048 --max-num-batched-tokens 8192 \
+        --json "$OUT/prefill-kvzip.json" 2>&1 | tee "$OUT/prefill-kvzip.log"
+    add_gpu "$OUT/prefill-kvzip.json"
     log "prefill: ($(( $(date +%s) - t0 ))s)"
+fi
+if has prefillprof; then
+    t0=$(date +%s)
+    NCU=$(find_ncu)
+    : >"$OUT/prefillprof.txt"
+    for what in flashprefill kvzip; do
+        if [ $what = flashprefill ]; then kn='regex:bsp_|prefill_v2'; mc=""; else kn='regex:^sc_'; mc="--method-config kvzip:kvzip_token_budget=2048"; fi
+        timeout 400 "$NCU" --clock-control none --force-overwrite --metrics gpu__time_duration.sum \
+            --kernel-name "$kn" -o "$OUT/ncu-pf-$what" \
+            ./build/lethe bench prefill -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+            --inputs 32768 --warmup 128 --methods $what $mc --max-num-batched-tokens 8192 >"$OUT/ncu-pf-$what.log" 2>&1
+        echo "prefillprof $what ncu rc=$?" >>"$OUT/prefillprof.txt"
+        "$NCU" --import "$OUT/ncu-pf-$what.ncu-rep" --csv --page raw --print-units base >"$OUT/ncu-pf-$what.csv" \
+            2>>"$OUT/ncu-pf-$what.log"
+        python3 scripts/ncu_summary.py share "32K prefill, dense + $what ($kn)" "$OUT/ncu-pf-$what.csv" \
+            >>"$OUT/prefillprof.txt" 2>&1
+        rm -f "$OUT/ncu-pf-$what.ncu-rep"
+    done
+    log "prefillprof: ($(( $(date +%s) - t0 ))s) -> prefillprof.txt"
 fi
 if has compress; then
     t0=$(date +%s)
