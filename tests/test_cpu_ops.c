@@ -405,7 +405,8 @@ static void bench_matmul(void) {
 /* page_minmax over pages of arbitrary slots (lengths 1..P, so partial pages)
  * and permuted meta page ids == lethe_page_minmax_build over the gathered
  * keys; page_scores of three sequences (query rows, page lists sharing meta
- * pages) == lethe_quest_page_scores. Bit-identical, both thread counts. */
+ * pages) == lethe_quest_page_scores, and per KV head ==
+ * lethe_quest_page_scores_grouped. Bit-identical, both thread counts. */
 static void test_page_ops(void) {
     enum { NS = 300, HK = 2, G = 4, D = 24, KVD = HK * D, P = 16, NP = 23, NMETA = 40, NQ = 5 };
     float *K = rand_vec((size_t)NS * KVD), *q = rand_vec((size_t)NQ * G * HK * D);
@@ -435,13 +436,28 @@ static void test_page_ops(void) {
         for (int i = 9; i < 23; i++) pids[i] = ids[NP - 1 - (i - 9)];
         float out[23], want[1];
         for (int i = 0; i < 23; i++) out[i] = NAN;
-        bes[b]->ops->page_scores(bes[b], out, q, meta, 3, rows, pbeg, pids, G * HK, HK, D, false);
+        bes[b]->ops->page_scores(bes[b], out, q, meta, 3, rows, pbeg, pids, G * HK, HK, D, 1, false);
         for (int s = 0; s < 3; s++)
             for (int i = pbeg[s]; i < pbeg[s + 1]; i++) {
                 const float *pm = meta + (size_t)pids[i] * 2 * KVD;
                 lethe_quest_page_scores(q + (size_t)rows[s] * G * HK * D, G * HK, HK, D, pm, pm + KVD, 1, want);
                 CHECK_MSG(!memcmp(&out[i], want, sizeof(float)), "page %d: %g vs %g", i, (double)out[i],
                           (double)want[0]);
+            }
+        /* per KV head: sequence s's [HK, n_s] block from HK * pbeg[s] */
+        float outg[HK * 23], wantg[HK];
+        for (int i = 0; i < HK * 23; i++) outg[i] = NAN;
+        bes[b]->ops->page_scores(bes[b], outg, q, meta, 3, rows, pbeg, pids, G * HK, HK, D, HK, false);
+        for (int s = 0; s < 3; s++)
+            for (int i = pbeg[s]; i < pbeg[s + 1]; i++) {
+                const float *pm = meta + (size_t)pids[i] * 2 * KVD;
+                lethe_quest_page_scores_grouped(q + (size_t)rows[s] * G * HK * D, G * HK, HK, D, pm, pm + KVD, 1,
+                                                HK, wantg);
+                for (int g = 0; g < HK; g++) {
+                    const float got = outg[HK * pbeg[s] + g * (pbeg[s + 1] - pbeg[s]) + (i - pbeg[s])];
+                    CHECK_MSG(!memcmp(&got, &wantg[g], sizeof(float)), "page %d KV head %d: %g vs %g", i, g,
+                              (double)got, (double)wantg[g]);
+                }
             }
         free(meta);
     }

@@ -70,8 +70,9 @@ void lethe_check_page_minmax(const int32_t *page_ids, const int32_t *slot_begin,
 }
 
 void lethe_check_page_scores(int32_t n_seqs, const int32_t *page_begin, int32_t n_heads,
-                             int32_t n_kv_heads) {
+                             int32_t n_kv_heads, int32_t n_groups) {
     LETHE_ASSERT(n_seqs >= 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+    LETHE_ASSERT(n_groups == 1 || n_groups == n_kv_heads);
     if (n_seqs == 0) return;
     LETHE_ASSERT(page_begin[0] == 0);
     for (int32_t s = 0; s < n_seqs; s++) LETHE_ASSERT(page_begin[s + 1] >= page_begin[s]);

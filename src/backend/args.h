@@ -45,9 +45,9 @@ void lethe_check_page_minmax(const int32_t *page_ids, const int32_t *slot_begin,
                              int32_t kv_dim);
 
 /* page_scores: n_seqs >= 0, heads (n_heads a multiple of n_kv_heads > 0),
- * page_begin [n_seqs + 1] from 0, non-decreasing. */
+ * n_groups 1 or n_kv_heads, page_begin [n_seqs + 1] from 0, non-decreasing. */
 void lethe_check_page_scores(int32_t n_seqs, const int32_t *page_begin, int32_t n_heads,
-                             int32_t n_kv_heads);
+                             int32_t n_kv_heads, int32_t n_groups);
 
 /* topk: n_segs >= 0, and per segment 0 <= k_s <= n_s (seg_begin, out_begin
  * [n_segs + 1], starting >= 0). Returns whether some k_s > 0 (false: the op

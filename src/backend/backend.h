@@ -597,15 +597,20 @@ typedef struct lethe_backend_ops {
                         int32_t kv_dim);
     /* page_scores: Quest upper bounds of sequence s in [0, n_seqs): its query
      * row q_rows[s] of q ([n_tokens, n_heads, head_dim] activations) against
-     * meta pages page_ids[page_begin[s] .. page_begin[s+1]):
-     *   out[i] = max over query heads h of sum_c max(q[h,c] * min[kh,c], q[h,c] * max[kh,c])
-     * with kh = h / (n_heads / n_kv_heads). out: HOST float [page_begin[n_seqs]],
-     * written when the op returns (a host sync on a device backend). Host
-     * arrays: q_rows [n_seqs], page_begin [n_seqs + 1], page_ids. */
+     * meta pages page_ids[page_begin[s] .. page_begin[s+1]) (n_s of them):
+     *   U(h, i) = sum_c max(q[h,c] * min[kh,c], q[h,c] * max[kh,c]),
+     * kh = h / (n_heads / n_kv_heads), reduced by max over the query heads of
+     * each of n_groups groups: n_groups 1 = all heads (one page set per layer),
+     * n_groups = n_kv_heads = the heads of each KV head (per-KV-head sets).
+     * Sequence s's outputs are [n_groups, n_s] from out[n_groups * page_begin[s]]
+     * (row g = group g); n_groups 1: out[i] for page i. out: HOST float
+     * [n_groups * page_begin[n_seqs]], written when the op returns (a host sync
+     * on a device backend). Host arrays: q_rows [n_seqs], page_begin [n_seqs +
+     * 1], page_ids. */
     void (*page_scores)(lethe_backend *be, float *out, const void *q, const void *meta,
                         int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                         const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
-                        int32_t head_dim, bool out_on_backend);
+                        int32_t head_dim, int32_t n_groups, bool out_on_backend);
     /* (out_on_backend: out is backend f32 memory, no host copy and no sync.) */
     /* Optional (NULL = not offered; benchmarks and tests only). profile_range:
      * starts/stops the device profiler's capture range (CUDA:

@@ -402,7 +402,7 @@ static lethe_sel_result graph_select_layer(lethe_sparse_method *m, int32_t layer
     be->ops->page_minmax(be, p->meta[layer], lethe_kv_k(m->env.pool, layer), p->mm_ids.v,
                          p->mm_beg.v, p->mm_slots.v, n, m->env.n_kv_heads * m->env.head_dim);
     be->ops->page_scores(be, p->u.p, qact, p->meta[layer], n, p->sc_rows.v, p->sc_beg.v,
-                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, true);
+                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, 1, true);
     be->ops->topk(be, p->top.p, p->u.p, n, p->sc_beg.v, p->top_beg.v);
     be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n, p->page);
     *sel_begin = p->sel_beg.v;
@@ -483,7 +483,7 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
                              p->mm_slots.v, n_mm, m->env.n_kv_heads * m->env.head_dim);
     }
     be->ops->page_scores(be, p->u.p, qact, p->meta[layer], n_sc, p->sc_rows.v, p->sc_beg.v,
-                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, true);
+                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, 1, true);
     be->ops->topk(be, p->top.p, p->u.p, n_sc, p->sc_beg.v, p->top_beg.v);
     be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n_seqs, P);
     *sel_begin = p->sel_beg.v;

@@ -192,8 +192,15 @@ void lethe_page_minmax_build(const float *keys, int32_t n, int32_t kv_dim, int32
 void lethe_quest_page_scores(const float *q, int32_t n_heads, int32_t n_kv_heads,
                              int32_t head_dim, const float *kmin, const float *kmax,
                              int32_t n_pages, float *out) {
+    lethe_quest_page_scores_grouped(q, n_heads, n_kv_heads, head_dim, kmin, kmax, n_pages, 1, out);
+}
+
+void lethe_quest_page_scores_grouped(const float *q, int32_t n_heads, int32_t n_kv_heads,
+                                     int32_t head_dim, const float *kmin, const float *kmax,
+                                     int32_t n_pages, int32_t n_groups, float *out) {
     LETHE_ASSERT(n_kv_heads > 0 && n_heads % n_kv_heads == 0);
-    int32_t g = n_heads / n_kv_heads;
+    LETHE_ASSERT(n_groups == 1 || n_groups == n_kv_heads);
+    int32_t g = n_heads / n_kv_heads, per_group = n_heads / n_groups;
     size_t kv_dim = (size_t)n_kv_heads * head_dim;
     for (int32_t p = 0; p < n_pages; p++) {
         float best = -INFINITY;
@@ -207,8 +214,11 @@ void lethe_quest_page_scores(const float *q, int32_t n_heads, int32_t n_kv_heads
                 u += a > b ? a : b;
             }
             if (u > best) best = u;
+            if ((h + 1) % per_group == 0) {
+                out[(size_t)(h / per_group) * n_pages + p] = best;
+                best = -INFINITY;
+            }
         }
-        out[p] = best;
     }
 }
 

@@ -107,6 +107,12 @@ void lethe_page_minmax_build(const float *keys, int32_t n, int32_t kv_dim, int32
 void lethe_quest_page_scores(const float *q, int32_t n_heads, int32_t n_kv_heads,
                              int32_t head_dim, const float *kmin, const float *kmax,
                              int32_t n_pages, float *out);
+/* The same reduced per group: n_groups 1 (as above) or n_kv_heads (out[kh *
+ * n_pages + p] = max over the query heads of KV head kh: per-KV-head page
+ * sets, quest_granularity=head); out [n_groups, n_pages]. */
+void lethe_quest_page_scores_grouped(const float *q, int32_t n_heads, int32_t n_kv_heads,
+                                     int32_t head_dim, const float *kmin, const float *kmax,
+                                     int32_t n_pages, int32_t n_groups, float *out);
 
 /* Page choice: the last page (n_pages - 1, the current one) always, plus the
  * top-(K - 1) of the completed pages [0, n_pages - 1) by scores; ascending.

@@ -14,7 +14,7 @@
  * generic split-K kernel; dev/cuda compares v1 too), attn_scores (every mode, up to 40K
  * candidates; single-row shapes on all logits kernels; MLA's latent rows of
  * head_dim 576 shared by 4..40 heads), key_redundancy (up to head_dim 576), the Quest page ops
- * (page_minmax: exact; page_scores: fp32 reassociation only, both kernels, head_dim up to 576), the sample op (exact token equality, see
+ * (page_minmax: exact; page_scores: fp32 reassociation only, both kernels, max over all heads and per KV head, head_dim up to 576), the sample op (exact token equality, see
  * test_sample), and the device-side selection ops topk / select_expand
  * (exact int equality, -7-poisoned outputs: many segments up to 300K with
  * ties / NaN / +-inf / +-0; chains page_scores or attn_scores with
@@ -603,8 +603,9 @@ typedef struct page_case {
  * pages) into permuted meta pages of a NaN-poisoned buffer: written pages
  * bit-identical to the CPU twin (a min / max of bf16 keys is a bf16 key),
  * the others still NaN. page_scores of each sequence's query row over its
- * page list (pages shared between sequences, some pages twice): host output
- * NaN-poisoned, |gpu - cpu| <= 1e-5 of sum_c |q_c| max(|m_c|, |M_c|). */
+ * page list (pages shared between sequences, some pages twice), max over all
+ * heads and per KV head (n_groups = n_kv_heads): host output NaN-poisoned,
+ * |gpu - cpu| <= 1e-5 of sum_c |q_c| max(|m_c|, |M_c|). */
 static void run_page_case(const page_case *tc) {
     const int H = tc->n_heads, KV = tc->n_kv, D = tc->hd, KVD = KV * D, S = tc->n_seqs;
     int32_t n_pages = 0;
@@ -656,37 +657,44 @@ static void run_page_case(const page_case *tc) {
         pbeg[s + 1] = pbeg[s] + tc->n_pages[s];
     }
     const int32_t total = pbeg[S];
-    float *ug = lethe_xmalloc((size_t)(total + 1) * sizeof(float));
-    float *uc = lethe_xmalloc((size_t)(total + 1) * sizeof(float));
-    for (int32_t i = 0; i <= total; i++) ug[i] = NAN;
-    ug[total] = 12345.0f; /* guard: nothing past the output */
-    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, rows, pbeg, pids, H, KV, D, false);
-    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, rows, pbeg, pids, H, KV, D, false);
-    CHECK(ug[total] == 12345.0f);
+    /* per KV head too (n_groups = n_kv_heads: sequence s's [KV, n_s] block at KV * pbeg[s]) */
     double worst = 0;
-    for (int s = 0; s < S; s++)
-        for (int32_t i = pbeg[s]; i < pbeg[s + 1]; i++) {
-            const float *mn = mc + (size_t)pids[i] * 2 * KVD, *mx = mn + KVD;
-            double scale = 1e-30;
-            for (int h = 0; h < H; h++) {
-                double a = 0;
-                for (int c = 0; c < D; c++) {
-                    int kc = (h / (H / KV)) * D + c;
-                    a += fabs(qh[(size_t)rows[s] * H * D + (size_t)h * D + c]) *
-                         fmax(fabs(mn[kc]), fabs(mx[kc]));
+    for (int G = 1; G <= KV; G = G == 1 && KV > 1 ? KV : KV + 1) {
+        const int32_t n_out = G * total;
+        float *ug = lethe_xmalloc((size_t)(n_out + 1) * sizeof(float));
+        float *uc = lethe_xmalloc((size_t)(n_out + 1) * sizeof(float));
+        for (int32_t i = 0; i <= n_out; i++) ug[i] = NAN;
+        ug[n_out] = 12345.0f; /* guard: nothing past the output */
+        g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, rows, pbeg, pids, H, KV, D, G, false);
+        g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, rows, pbeg, pids, H, KV, D, G, false);
+        CHECK(ug[n_out] == 12345.0f);
+        for (int s = 0; s < S; s++)
+            for (int g = 0; g < G; g++)
+                for (int32_t i = pbeg[s]; i < pbeg[s + 1]; i++) {
+                    const int32_t o = G * pbeg[s] + g * (pbeg[s + 1] - pbeg[s]) + (i - pbeg[s]);
+                    const float *mn = mc + (size_t)pids[i] * 2 * KVD, *mx = mn + KVD;
+                    double scale = 1e-30;
+                    for (int h = g * (H / G); h < (g + 1) * (H / G); h++) {
+                        double a = 0;
+                        for (int c = 0; c < D; c++) {
+                            int kc = (h / (H / KV)) * D + c;
+                            a += fabs(qh[(size_t)rows[s] * H * D + (size_t)h * D + c]) *
+                                 fmax(fabs(mn[kc]), fabs(mx[kc]));
+                        }
+                        scale = fmax(scale, a);
+                    }
+                    CHECK_MSG(isfinite(ug[o]), "%s page_scores (%d groups): output %d not written", tc->name, G, o);
+                    double e = fabs((double)ug[o] - uc[o]) / scale;
+                    worst = fmax(worst, e);
+                    CHECK_MSG(e <= 1e-5, "%s page_scores (%d groups): seq %d group %d page %d: %g vs %g (err %.3g of scale)",
+                              tc->name, G, s, g, i, (double)ug[o], (double)uc[o], e);
                 }
-                scale = fmax(scale, a);
-            }
-            CHECK_MSG(isfinite(ug[i]), "%s page_scores: output %d not written", tc->name, i);
-            double e = fabs((double)ug[i] - uc[i]) / scale;
-            worst = fmax(worst, e);
-            CHECK_MSG(e <= 1e-5, "%s page_scores: seq %d page %d: %g vs %g (err %.3g of scale)", tc->name,
-                      s, i, (double)ug[i], (double)uc[i], e);
-        }
+        free(ug), free(uc);
+    }
     fprintf(stderr, "    %s: page_minmax exact, page_scores max err %.3g\n", tc->name, worst);
     pair_free(&pk), pair_free(&pq), pair_free(&pm);
     free(keys), free(qh), free(ids), free(beg), free(slots), free(mg), free(mc), free(written);
-    free(pids), free(ug), free(uc);
+    free(pids);
 }
 
 static void test_page_ops(void) {
@@ -1072,8 +1080,8 @@ static void chain_page_scores(void) {
     g_cpu->ops->page_minmax(g_cpu, pm.c, pk.c, ids, sbeg, slots, n_meta, KVD);
     g_gpu->ops->page_minmax(g_gpu, pm.g, pk.g, ids, sbeg, slots, n_meta, KVD);
     float *uc = lethe_xmalloc((size_t)n_meta * sizeof(float)), *ug = gpu_buf((size_t)n_meta * sizeof(float));
-    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, q_rows, page_begin, ids, H, KV, D, true);
-    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, q_rows, page_begin, ids, H, KV, D, true);
+    g_cpu->ops->page_scores(g_cpu, uc, pq.c, pm.c, S, q_rows, page_begin, ids, H, KV, D, 1, true);
+    g_gpu->ops->page_scores(g_gpu, ug, pq.g, pm.g, S, q_rows, page_begin, ids, H, KV, D, 1, true);
     float *uh = lethe_xmalloc((size_t)n_meta * sizeof(float));
     gpu_get(uh, ug, (size_t)n_meta * sizeof(float));
     for (int32_t i = 0; i < n_meta; i++)

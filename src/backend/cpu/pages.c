@@ -2,7 +2,9 @@
  *
  *   page_minmax  meta[page_ids[i]] = (min, max) over keys k_cache[slots[j]],
  *                j in [slot_begin[i], slot_begin[i+1])         meta [n_meta, 2, kv_dim]
- *   page_scores  out[i] = max_h sum_c max(q[h,c] min[kh,c], q[h,c] max[kh,c])
+ *   page_scores  out[i] = max_h sum_c max(q[h,c] min[kh,c], q[h,c] max[kh,c]), the max
+ *                over all heads (n_groups 1) or per KV head (n_groups = n_kv_heads:
+ *                out[g * n_s + i] for the sequence's page i, backend.h)
  *
  * These are the reference computations, written to be bit-identical to the
  * host helpers the method used before (select_util.c lethe_page_minmax_add and
@@ -52,17 +54,17 @@ void lethe_cpu_page_minmax(lethe_backend *be, void *meta_, const void *k_cache_,
 }
 
 typedef struct pscore_job {
-    float *out;
+    float *out;                 /* the sequence's [n_groups, n_pages] block */
     const float *q, *meta;
-    const int32_t *page_ids;
-    int32_t first, n_heads, g, head_dim;
+    const int32_t *page_ids;    /* the sequence's pages */
+    int32_t n_pages, n_heads, g, head_dim, n_groups;
     size_t kd;
 } pscore_job;
 
 static void pscore_task(void *ctx, int t, int worker) {
     const pscore_job *jb = ctx;
-    const int32_t i = jb->first + t, head_dim = jb->head_dim;
-    const float *pm = jb->meta + (size_t)jb->page_ids[i] * 2 * jb->kd;
+    const int32_t head_dim = jb->head_dim, per_group = jb->n_heads / jb->n_groups;
+    const float *pm = jb->meta + (size_t)jb->page_ids[t] * 2 * jb->kd;
     float best = -INFINITY;
     for (int32_t h = 0; h < jb->n_heads; h++) {
         const float *qh = jb->q + (size_t)h * head_dim;
@@ -73,23 +75,27 @@ static void pscore_task(void *ctx, int t, int worker) {
             u += a > b ? a : b;
         }
         if (u > best) best = u;
+        if ((h + 1) % per_group == 0) { /* the group's last head */
+            jb->out[(size_t)(h / per_group) * jb->n_pages + t] = best;
+            best = -INFINITY;
+        }
     }
-    jb->out[i] = best;
 }
 
 void lethe_cpu_page_scores(lethe_backend *be, float *out, const void *q_, const void *meta_,
                            int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                            const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
-                           int32_t head_dim, bool out_on_backend) {
+                           int32_t head_dim, int32_t n_groups, bool out_on_backend) {
     (void)out_on_backend; /* backend memory is host memory here */
-    lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads);
+    lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads, n_groups);
     const float *Q = q_, *meta = meta_;
     const int32_t g = n_heads / n_kv_heads;
     const size_t kd = (size_t)n_kv_heads * head_dim, qd = (size_t)n_heads * head_dim;
     int nt = (int64_t)page_begin[n_seqs] * n_heads * head_dim < 65536 ? 1 : lethe_cpu_threads(be);
     for (int32_t s = 0; s < n_seqs; s++) {
-        pscore_job jb = {out, Q + (size_t)q_rows[s] * qd, meta, page_ids, page_begin[s], n_heads, g,
-                         head_dim, kd};
-        lethe_cpu_parallel(be, nt, page_begin[s + 1] - page_begin[s], pscore_task, &jb);
+        const int32_t n = page_begin[s + 1] - page_begin[s];
+        pscore_job jb = {out + (size_t)n_groups * page_begin[s], Q + (size_t)q_rows[s] * qd, meta,
+                         page_ids + page_begin[s], n, n_heads, g, head_dim, n_groups, kd};
+        lethe_cpu_parallel(be, nt, n, pscore_task, &jb);
     }
 }

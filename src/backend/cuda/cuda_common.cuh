@@ -239,7 +239,7 @@ void lethe_cuda_page_minmax(lethe_backend *be, void *meta, const void *k_cache,
 void lethe_cuda_page_scores(lethe_backend *be, float *out, const void *q, const void *meta,
                             int32_t n_seqs, const int32_t *q_rows, const int32_t *page_begin,
                             const int32_t *page_ids, int32_t n_heads, int32_t n_kv_heads,
-                            int32_t head_dim, bool out_on_backend);
+                            int32_t head_dim, int32_t n_groups, bool out_on_backend);
 /* RetroInfer key clusters (clusters.cu) */
 void lethe_cuda_cluster_assign(lethe_backend *be, int32_t *out, const void *k_cache,
                                const int32_t *slots, int32_t n, const float *cent,

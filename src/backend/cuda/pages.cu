@@ -2,7 +2,9 @@
  *
  *   page_minmax  meta[page_ids[i]] = (min, max) over keys k_cache[slots[j]],
  *                j in [slot_begin[i], slot_begin[i+1])   meta [n_meta, 2, kv_dim] bf16
- *   page_scores  out[i] = max_h sum_c max(q[h,c] min[kh,c], q[h,c] max[kh,c])  (host f32)
+ *   page_scores  out[i] = max_h sum_c max(q[h,c] min[kh,c], q[h,c] max[kh,c])  (host f32),
+ *                the max over all heads (n_groups 1) or per KV head (n_groups =
+ *                n_kv_heads: out[n_groups * base + kh * n_s + (i - base)], backend.h)
  *
  * page_minmax: one block per page, each thread owns VEC channels and folds
  * the page's slots in list order with strict < / > compares in fp32, the CPU
@@ -25,6 +27,8 @@
  *    head j of the group: a lane's partial sum over its 8 channels, then xor
  *    shuffles over the cph lanes of the head (offsets cph/2 .. 1 stay in the
  *    group), max over (r, j); the max across heads takes the offsets cph .. 16.
+ *    Per KV head (n_groups = n_kv_heads) the max stops at (r, j): lane l with
+ *    l % cph == 0 holds KV head (l + 32 r) / cph's bound and writes it.
  *    The query row stays bf16 in shared memory (16-byte reads by consecutive
  *    lanes: conflict-free for cph >= 8), converted on use (exact).
  *  - page_scores_kernel (any other shape, head_dim <= 640, e.g. MLA's latent
@@ -141,7 +145,7 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
                                    const int32_t *__restrict__ q_rows,
                                    const int32_t *__restrict__ page_begin,
                                    const int32_t *__restrict__ page_ids, int32_t n_heads,
-                                   int32_t n_kv_heads, int32_t head_dim) {
+                                   int32_t n_kv_heads, int32_t head_dim, int32_t n_groups) {
     extern __shared__ float q_s[]; /* [n_heads * head_dim] */
     const int32_t s = blockIdx.y;
     const int32_t base = page_begin[s], end = page_begin[s + 1];
@@ -156,6 +160,7 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
         const bf16 *pm = meta + (size_t)page_ids[i] * 2 * kd;
         float best = -INFINITY;
         for (int32_t kh = 0; kh < n_kv_heads; kh++) {
+            if (n_groups > 1) best = -INFINITY; /* per KV head: this head's group only */
             float2 mn[PS_MAX_PAIRS], mx[PS_MAX_PAIRS];
 #pragma unroll
             for (int r = 0; r < PS_MAX_PAIRS; r++) {
@@ -182,8 +187,9 @@ __global__ void page_scores_kernel(float *__restrict__ out, const bf16 *__restri
                 u = warp_sum(u);
                 if (u > best) best = u;
             }
+            if (n_groups > 1 && lane == 0) out[(size_t)n_groups * base + (size_t)kh * (end - base) + (i - base)] = best;
         }
-        if (lane == 0) out[i] = best;
+        if (n_groups == 1 && lane == 0) out[i] = best;
     }
 }
 
@@ -236,7 +242,7 @@ __global__ void __launch_bounds__(PS_WARPS * 32)
 page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
                        const bf16 *__restrict__ meta, const int32_t *__restrict__ q_rows,
                        const int32_t *__restrict__ page_begin, const int32_t *__restrict__ page_ids,
-                       int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
+                       int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t n_groups) {
     extern __shared__ uint4 q8[]; /* [n_heads * head_dim / 8] */
     const int32_t s = blockIdx.y;
     const int32_t base = page_begin[s], end = page_begin[s + 1];
@@ -270,7 +276,9 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
 #pragma unroll
             for (int r = 0; r < R; r++) nmn[r] = nmx[r] = make_uint4(0u, 0u, 0u, 0u);
         }
-        float best = -INFINITY;
+        float best_r[R]; /* per chunk r: the max over the group's heads j */
+#pragma unroll
+        for (int r = 0; r < R; r++) best_r[r] = -INFINITY;
 #pragma unroll
         for (int32_t j = 0; j < g; j++) {
             float u[R];
@@ -286,11 +294,21 @@ page_scores_vec_kernel(float *__restrict__ out, const bf16 *__restrict__ Q,
             }
 #pragma unroll
             for (int r = 0; r < R; r++)
-                if (valid[r]) best = fmaxf(best, u[r]);
+                if (valid[r]) best_r[r] = fmaxf(best_r[r], u[r]);
         }
+        if (n_groups > 1) { /* per KV head: lane ch % cph == 0 holds KV head ch / cph's bound */
+            const size_t o0 = (size_t)n_groups * base + (size_t)(i - base);
 #pragma unroll
-        for (int o = cph; o < 32; o <<= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, o));
-        if (lane == 0) out[i] = best;
+            for (int r = 0; r < R; r++)
+                if (valid[r] && lane % cph == 0) out[o0 + (size_t)((lane + 32 * r) / cph) * (end - base)] = best_r[r];
+        } else {
+            float best = -INFINITY;
+#pragma unroll
+            for (int r = 0; r < R; r++) best = fmaxf(best, best_r[r]);
+#pragma unroll
+            for (int o = cph; o < 32; o <<= 1) best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, o));
+            if (lane == 0) out[i] = best;
+        }
 #pragma unroll
         for (int r = 0; r < R; r++) mn[r] = nmn[r], mx[r] = nmx[r];
     }
@@ -306,10 +324,10 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
                                        const void *meta, int32_t n_seqs, const int32_t *q_rows,
                                        const int32_t *page_begin, const int32_t *page_ids,
                                        int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
-                                       bool out_on_backend) {
+                                       int32_t n_groups, bool out_on_backend) {
     cuda_ctx *c = cuda_ctx_of(be);
     LETHE_ASSERT((out_on_backend || !c->capturing) && "graph capture: page_scores to the host syncs");
-    lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads);
+    lethe_check_page_scores(n_seqs, page_begin, n_heads, n_kv_heads, n_groups);
     LETHE_ASSERT(head_dim % 2 == 0 && head_dim <= 2 * 32 * PS_MAX_PAIRS);
     static_assert(2 * 32 * PS_MAX_PAIRS >= LETHE_SCORES_HEAD_DIM_MAX, "page_scores head_dim");
     if (n_seqs == 0) return;
@@ -336,14 +354,14 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
     void *h_out = NULL;
     float *d_out = out_on_backend
                        ? out
-                       : (float *)lethe_cuda_ring_alloc(c, (size_t)total * sizeof(float), &h_out);
+                       : (float *)lethe_cuda_ring_alloc(c, (size_t)n_groups * total * sizeof(float), &h_out);
     dim3 grid((unsigned)grid_x, (unsigned)n_seqs);
 #define PS_VEC_LAUNCH(RR, CC, GG)                                                                   \
     do {                                                                                           \
         ps_smem_optin((const void *)page_scores_vec_kernel<RR, CC, GG>, smem);                     \
         page_scores_vec_kernel<RR, CC, GG><<<grid, PS_WARPS * 32, smem, c->stream>>>(              \
             d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads, \
-            head_dim);                                                                             \
+            head_dim, n_groups);                                                                   \
     } while (0)
     const int32_t cph = head_dim / 8, g = n_heads / n_kv_heads;
     if (vec && R == 4 && cph == 16 && g == 4) PS_VEC_LAUNCH(4, 16, 4);      /* Llama-3 8B */
@@ -356,13 +374,13 @@ extern "C" void lethe_cuda_page_scores(lethe_backend *be, float *out, const void
         ps_smem_optin((const void *)page_scores_kernel, smem);
         page_scores_kernel<<<grid, PS_WARPS * 32, smem, c->stream>>>(
             d_out, (const bf16 *)q, (const bf16 *)meta, d_rows, d_beg, d_ids, n_heads, n_kv_heads,
-            head_dim);
+            head_dim, n_groups);
     }
 #undef PS_VEC_LAUNCH
     CU_LAUNCH_CHECK();
     if (out_on_backend) return; /* stays on the device (feeds topk): no sync */
-    CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost,
+    CU_CHECK(cudaMemcpyAsync(h_out, d_out, (size_t)n_groups * total * sizeof(float), cudaMemcpyDeviceToHost,
                              c->stream));
     CU_CHECK(cudaStreamSynchronize(c->stream));
-    memcpy(out, h_out, (size_t)total * sizeof(float));
+    memcpy(out, h_out, (size_t)n_groups * total * sizeof(float));
 }
