@@ -323,6 +323,9 @@ static void check_padded_method(const char *method, const char *cfg, bool drops)
 
 static void test_padded_methods_same_logits(void) {
     check_padded_method("quest", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1", true);
+    /* per-KV-head lists: one plan per step too (head lists staged with the step's arrays) */
+    check_padded_method("quest", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,quest_skip_layers=1,"
+                                 "quest_granularity=head", true);
     check_padded_method("snapkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8", true);
     /* (decode eviction scores every decode step: those steps stay eager) */
     check_padded_method("pyramidkv", "sink_keep_tokens=2,recent_keep_tokens=6,decode_keep_tokens=8,"

@@ -23,7 +23,9 @@
  *  - retention pins: every eviction method with test_configs.small, in chain
  *    mode, keeps a pinned range of the prompt in every layer of the chain's
  *    compacted row while it evicts other tokens (the engine's checker also
- *    verifies the pins after every step, lethe_kv_keep asserts them).
+ *    verifies the pins after every step, lethe_kv_keep asserts them);
+ *  - Quest per KV head (quest_granularity=head): the identity and small runs
+ *    above for that mode (per-KV-head lists through the varlen attention).
  * The suite iterates the registry, including a throwaway method registered
  * here (sparse_throwaway.h): a new method needs no edit in this file.
  * Per-method algorithm properties are in test_sparse_methods.c. */
@@ -367,6 +369,44 @@ static void test_pinned_every_eviction_method(void) {
     CHECK(n_methods >= 4); /* streamingllm, snapkv, pyramidkv, h2o (+ the throwaway) */
 }
 
+/* Quest per KV head (quest_granularity=head, per-KV-head lists through
+ * select_layer and the varlen attention): with the identity budgets (every
+ * page scored and selected) tokens and logits bit-identical to dense, the
+ * selections built on the backend; with small budgets it reads subsets and
+ * frees nothing. On the tiny Llama (GQA 4/2) and the tiny hybrid. */
+static void quest_heads(void) {
+    static run_out dense, o;
+    const lethe_sparse_ops *ops = lethe_sparse_find("quest");
+    char cfg[512];
+    run("dense", NULL, &dense);
+    snprintf(cfg, sizeof(cfg), "%s,quest_granularity=head", ops->test_configs.identity);
+    run("quest", cfg, &o);
+    size_t n = (size_t)NGEN * (size_t)dense.n_vocab;
+    for (int r = 0; r < 2; r++) {
+        CHECK_MSG(!memcmp(o.tokens[r], dense.tokens[r], sizeof(o.tokens[r])), "quest head tokens");
+        CHECK_MSG(!memcmp(o.logits[r], dense.logits[r], n * sizeof(float)), "quest head logits");
+    }
+    CHECK(o.device_selections > 0);
+    free_out(&o);
+    snprintf(cfg, sizeof(cfg), "%s,quest_granularity=head", ops->test_configs.small);
+    run("quest", cfg, &o);
+    CHECK_EQ_INT(o.slots_used_end, dense.slots_used_end);
+    CHECK(o.device_selections > 0);
+    free_out(&o);
+    free_out(&dense);
+}
+
+static void test_quest_heads(void) {
+    quest_heads();
+    g_model = TINY_HYBRID;
+    g_hybrid = true;
+    g_nprompt = NPROMPT_MAX;
+    quest_heads();
+    g_nprompt = NPROMPT;
+    g_model = TINY;
+    g_hybrid = false;
+}
+
 static void test_smollm2_snapkv(void) {
     static run_out dense, o;
     g_model = SMOL;
@@ -393,6 +433,7 @@ int main(void) {
     TEST_RUN(test_identity_and_eviction_mla);
     TEST_RUN(test_identity_and_eviction_hybrid);
     TEST_RUN(test_pinned_every_eviction_method);
+    TEST_RUN(test_quest_heads);
     TEST_RUN(test_smollm2_snapkv);
     return 0;
 }

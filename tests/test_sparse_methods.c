@@ -77,9 +77,11 @@ typedef struct harness {
     lethe_sparse_method *m;
     hreq r[MAXR];
     int32_t chunk;
-    /* the last step's selections (positions) of request 0, per layer */
+    /* the last step's selections (positions) of request 0, per layer, and
+     * per KV head when select_layer built per-KV-head lists (n_hsel 0: none) */
     int32_t sel_pos[NL][NSLOTS], n_sel[NL];
-    int32_t n_select_layer[3]; /* select_layer answers by lethe_sel_result */
+    int32_t hsel_pos[NL][HK][NSLOTS], n_hsel[NL][HK];
+    int32_t n_select_layer[4]; /* select_layer answers by lethe_sel_result */
 } harness;
 
 static void h_open(harness *h, const char *method, const char *cfg) {
@@ -184,7 +186,7 @@ static void h_step(harness *h) {
          * select_layer answers for the whole step from the full rows; its
          * BUILT selections are backend memory, which is host memory here */
         static int32_t rows[MAXR * NSLOTS], rows_begin[MAXR + 1];
-        const int32_t *lsb = NULL, *lss = NULL;
+        const int32_t *lsb = NULL, *lss = NULL, *hb = NULL, *hs = NULL;
         lethe_sel_result how = LETHE_SEL_PER_SEQ;
         if (m->ops->select_layer) {
             int32_t off = 0;
@@ -198,7 +200,27 @@ static void h_step(harness *h) {
             lethe_step_rows sr = {.begin = rows_begin, .slots = rows};
             how = m->ops->select_layer(m, l, &st, q, &sr, &lsb, &lss);
             if (how == LETHE_SEL_FULL) lsb = rows_begin, lss = rows;
+            /* per-KV-head lists: attention reads them, the sequences' selections are the rows */
+            if (how == LETHE_SEL_BUILT_HEADS) hb = lsb, hs = lss, lsb = rows_begin, lss = rows;
             h->n_select_layer[how]++;
+        }
+        memset(h->n_hsel[l], 0, sizeof(h->n_hsel[l]));
+        for (int s = 0; hb && s < n_seqs; s++) { /* each list: a subsequence of the row, new tokens last */
+            const int32_t L = lethe_kv_row_len(h->pool, sp, seqs[s].row);
+            const int32_t *rs = lethe_kv_row_slots(h->pool, sp, seqs[s].row);
+            const int32_t *rp = lethe_kv_row_pos(h->pool, sp, seqs[s].row);
+            for (int g = 0; g < HK; g++) {
+                const int32_t *lst = hs + hb[s * HK + g], n = hb[s * HK + g + 1] - hb[s * HK + g];
+                CHECK(n >= seqs[s].n_new && n <= L);
+                for (int t = 0; t < seqs[s].n_new; t++)
+                    CHECK_EQ_INT(lst[n - seqs[s].n_new + t], rs[L - seqs[s].n_new + t]);
+                for (int32_t e = 0, j = 0; e < n; e++, j++) {
+                    while (j < L && rs[j] != lst[e]) j++;
+                    CHECK(j < L);
+                    if (idx[s] == 0) h->hsel_pos[l][g][e] = rp[j];
+                }
+                if (idx[s] == 0) h->n_hsel[l][g] = n;
+            }
         }
         bool want = m->ops->needs_scores && m->ops->needs_scores(m, l);
         for (int s = 0; s < n_seqs; s++) {
@@ -240,6 +262,7 @@ static void h_step(harness *h) {
         lethe_attn_args a = {.out = out, .q = q, .k_cache = lethe_kv_k(h->pool, l),
                              .v_cache = lethe_kv_v(h->pool, l), .n_tokens = n_tok, .n_seqs = n_seqs,
                              .q_begin = q_begin, .sel_begin = sel_begin, .sel_slots = sel,
+                             .head_sel_begin = hb, .head_sel_slots = hs,
                              .n_heads = H, .n_kv_heads = HK, .head_dim = D, .scale = 0.25f, .kvq = kvq};
         if (path)
             path->attend(path->ctx, l, &a);
@@ -276,6 +299,9 @@ typedef struct trace {
     int n;
 } trace;
 
+/* layers whose per-KV-head lists select_layer built in the last run_script */
+static int32_t g_heads_built;
+
 /* returns whether the method stores lossy codes with this config (its pool's
  * KV format is not the backend's native one) */
 static bool run_script(const char *method, const char *cfg, trace *tr) {
@@ -287,6 +313,7 @@ static bool run_script(const char *method, const char *cfg, trace *tr) {
     h.r[0].by_pos = tr->out;
     while (h.r[0].n_done < h.r[0].n_total) h_step(&h);
     tr->n = h.r[0].n_total;
+    g_heads_built = h.n_select_layer[LETHE_SEL_BUILT_HEADS];
     h_close(&h);
     return lossy;
 }
@@ -700,6 +727,121 @@ static void test_quest_oracle(void) {
     h_close(&h);
 }
 
+/* Request 0's per-KV-head Quest lists (quest_granularity=head) in layer l,
+ * from scratch as check_quest_oracle, but scored per group
+ * (lethe_quest_page_scores_grouped, HK groups): KV head g reads its own
+ * top-(K - current pages), then the current page(s). Returns whether the two
+ * KV heads read different pages. */
+static bool check_quest_head_oracle(harness *h, int l, int32_t budget) {
+    enum { P = 16 };
+    const int32_t L = len_of(h, l, 0), *pos = pos_of(h, l, 0);
+    const uint64_t id = h->r[0].id;
+    const int32_t nd = (L - 1) / P, n_cur = LETHE_CEIL_DIV(L, P) - nd, K = LETHE_MAX(3, budget / P);
+    static float keys[NSLOTS * KVD], mn[NSLOTS * KVD], mx[NSLOTS * KVD], q[H * D], u[HK * NSLOTS];
+    for (int32_t e = 0; e < nd * P; e++)
+        for (int i = 0; i < KVD; i++) keys[e * KVD + i] = gen(id, l, pos[e], 1, i);
+    lethe_page_minmax_build(keys, nd * P, KVD, P, mn, mx);
+    for (int i = 0; i < H * D; i++) q[i] = gen(id, l, pos[L - 1], 0, i);
+    lethe_quest_page_scores_grouped(q, H, HK, D, mn, mx, nd, HK, u);
+    int32_t top[HK][NSLOTS], np[HK];
+    for (int g = 0; g < HK; g++) {
+        np[g] = lethe_topk_indices(u + (size_t)g * nd, nd, K - n_cur, top[g]);
+        CHECK_EQ_INT(h->n_hsel[l][g], np[g] * P + (L - nd * P));
+        int32_t e = 0;
+        for (int32_t i = 0; i < np[g]; i++)
+            for (int32_t t = 0; t < P; t++) CHECK_EQ_INT(h->hsel_pos[l][g][e++], pos[top[g][i] * P + t]);
+        for (int32_t t = nd * P; t < L; t++) CHECK_EQ_INT(h->hsel_pos[l][g][e++], pos[t]);
+    }
+    CHECK_EQ_INT(h->n_sel[l], L); /* the sequence's selection: its row */
+    return np[0] != np[1] || memcmp(top[0], top[1], sizeof(int32_t) * (size_t)np[0]) != 0;
+}
+
+/* Quest per KV head: every decode step's lists == the per-head oracle (the
+ * scenario of test_quest_oracle: two requests batched, page boundaries, a
+ * compaction), the heads really choose different pages, the lists come from
+ * select_layer (LETHE_SEL_BUILT_HEADS) and attention read them; with budgets
+ * >= the context (every page selected through the page ops) the outputs are
+ * bit-identical to dense. */
+static void test_quest_heads(void) {
+    harness h;
+    h_open(&h, "quest", "sink_keep_tokens=4,recent_keep_tokens=4,decode_keep_tokens=56,quest_skip_layers=1,"
+                        "quest_granularity=head");
+    h_add(&h, 0, 31, 150, 175);
+    h_add(&h, 1, 32, 120, 175);
+    while (h.r[0].n_done < 151) h_step(&h);
+    int n_differ = 0;
+    for (int step = 0; step < 12; step++) {
+        for (int l = 1; l < NL; l++) n_differ += check_quest_head_oracle(&h, l, 64);
+        CHECK_EQ_INT(h.n_hsel[0][0], 0); /* skipped layer: dense, no head lists */
+        h_step(&h);
+    }
+    int32_t keep[NSLOTS], n = 0, L = len_of(&h, 0, 0);
+    for (int32_t e = 0; e < L; e++)
+        if (e < 21 || e >= 45) keep[n++] = e;
+    lethe_kv_keep(h.pool, 0, h.r[0].row, keep, n);
+    check_invariants(&h);
+    for (int step = 0; step < 5; step++) {
+        h_step(&h);
+        for (int l = 1; l < NL; l++) n_differ += check_quest_head_oracle(&h, l, 64);
+    }
+    fprintf(stderr, "    per-KV-head page sets differ in %d of %d (step, layer) checks\n", n_differ, 17 * (NL - 1));
+    CHECK(n_differ > 0);
+    CHECK(h.n_select_layer[LETHE_SEL_BUILT_HEADS] > 0 && h.n_select_layer[LETHE_SEL_BUILT] == 0);
+    h_close(&h);
+
+    static trace dense, tr;
+    run_script("dense", NULL, &dense);
+    run_script("quest", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=4096,quest_skip_layers=0,"
+                        "quest_always_score=true,quest_granularity=head", &tr);
+    CHECK(g_heads_built > 0);
+    CHECK_MSG(memcmp(tr.out, dense.out, sizeof(tr.out[0]) * (size_t)tr.n) == 0,
+              "quest head mode with budgets >= context differs from dense");
+    /* a bad value is a clear error */
+    lethe_sparse_env env = {.n_layers = NL, .n_heads = H, .n_kv_heads = HK, .head_dim = D, .max_model_len = 4096};
+    lethe_sparse_method *m = NULL;
+    CHECK(lethe_sparse_create("quest", "quest_granularity=kv", &env, &m) == LETHE_ERR_INVALID);
+    CHECK(strstr(lethe_last_error(), "quest_granularity=kv") != NULL);
+}
+
+/* A layer whose selection scratch cannot be allocated reads densely and
+ * leaves its stale page bounds stale: the next step (memory back) computes
+ * them and selects exactly what the oracle selects. The backend's alloc
+ * refuses while g_refuse_alloc is set (a wrapped CPU backend table). */
+static bool g_refuse_alloc;
+static lethe_status (*g_cpu_alloc)(lethe_backend *, size_t, void **);
+static lethe_status refusing_alloc(lethe_backend *be, size_t n, void **out) {
+    if (g_refuse_alloc) return lethe_errorf(LETHE_ERR_NOMEM, "test: backend allocation refused");
+    return g_cpu_alloc(be, n, out);
+}
+
+static void test_quest_scratch_refused(void) {
+    for (int heads = 0; heads < 2; heads++) {
+        harness h;
+        h_open(&h, "quest", heads ? "sink_keep_tokens=4,recent_keep_tokens=4,decode_keep_tokens=56,"
+                                    "quest_skip_layers=1,quest_granularity=head"
+                                  : "sink_keep_tokens=4,recent_keep_tokens=4,decode_keep_tokens=56,"
+                                    "quest_skip_layers=1");
+        static lethe_backend_ops ops;
+        ops = *h.be->ops;
+        g_cpu_alloc = ops.alloc;
+        ops.alloc = refusing_alloc;
+        const lethe_backend_ops *real = h.be->ops;
+        h.be->ops = &ops;
+        h_add(&h, 0, 41, 150, 160); /* the page bounds are allocated here */
+        while (h.r[0].n_done < 150) h_step(&h);
+        g_refuse_alloc = true; /* the first decode: no scratch, every stale bound stays stale */
+        h_step(&h);
+        g_refuse_alloc = false;
+        for (int l = 0; l < NL; l++) CHECK_EQ_INT(h.n_sel[l], len_of(&h, l, 0)); /* read densely */
+        for (int step = 0; step < 3; step++) {
+            h_step(&h);
+            for (int l = 1; l < NL; l++) heads ? (void)check_quest_head_oracle(&h, l, 64) : check_quest_oracle(&h, l, 64);
+        }
+        h.be->ops = real;
+        h_close(&h);
+    }
+}
+
 /* omnikv_prefill: in a prefill chunk with a long enough history, the
  * sparse layers read sink + the oracle top-K of the filter layer's
  * chunk-mean logits (max over heads) + recent history + the chunk; full
@@ -1052,6 +1194,8 @@ int main(void) {
     TEST_RUN(test_h2o);
     TEST_RUN(test_quest);
     TEST_RUN(test_quest_oracle);
+    TEST_RUN(test_quest_heads);
+    TEST_RUN(test_quest_scratch_refused);
     TEST_RUN(test_omnikv);
     TEST_RUN(test_omnikv_prefill);
     TEST_RUN(test_rkv_duplicates);

@@ -12,6 +12,8 @@
  *    prefill, a third aborted mid-prefill, the KV checker after every step);
  *  - both small: the pair runs with both methods narrowing (evicting decode
  *    methods still free slots, a select_layer prefill builds on the backend);
+ *  - Quest per KV head (quest_granularity=head) after every prefill method:
+ *    identical to quest head alone at the prefill identity, runs both small;
  *  - Chain Cache: three turns of one chain (the decode method's per-request
  *    state snapshot at each turn's end and restored at the next) give the
  *    same tokens, logits and per-layer resident positions as the decode
@@ -267,6 +269,47 @@ static void test_pairs(void) {
 }
 
 /* names: order, axes, unknown methods, knobs of both in one config */
+/* Quest per KV head (quest_granularity=head: per-KV-head lists from its
+ * select_layer) as the decode side of every prefill method: with the prefill
+ * method's identity config the pair equals quest head alone bit for bit
+ * (steps where both sides built selections gather the prefill chunks' lists
+ * per KV head, combined.c merge), and it runs with both narrowing. */
+static void test_quest_heads_pairs(void) {
+    const lethe_sparse_ops *Q = lethe_sparse_find("quest");
+    char *dcfg = join(Q->test_configs.small, "quest_granularity=head");
+    int n = 0;
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const lethe_sparse_ops *P = lethe_sparse_method_at(i);
+        if (!is_prefill(P)) continue;
+        char name[128], pid[256], psm[256];
+        snprintf(name, sizeof(name), "%s+quest", P->name);
+        const lethe_sparse_ops *p2, *d2;
+        if (lethe_sparse_combine(name, &p2, &d2) != LETHE_OK) continue;
+        fprintf(stderr, "    %s, quest_granularity=head\n", name);
+        snprintf(pid, sizeof(pid), "%s%s", P->test_configs.identity ? P->test_configs.identity : "",
+                 strcmp(g_device, "cpu") && P->block_sparse ? ",flashprefill_block=128" : "");
+        snprintf(psm, sizeof(psm), "%s%s", P->test_configs.small ? P->test_configs.small : "",
+                 strcmp(g_device, "cpu") && P->block_sparse ? ",flashprefill_block=128" : "");
+        static run_out alone, pair;
+        run("quest", dcfg, &alone);
+        char *cfg = join(pid, dcfg);
+        run(name, cfg, &pair);
+        same(&alone, &pair, name);
+        CHECK(pair.device_selections > 0);
+        free_out(&pair);
+        free(cfg);
+        cfg = join(psm, dcfg);
+        run(name, cfg, &pair);
+        CHECK_EQ_INT(pair.slots_used_end, alone.slots_used_end); /* selection: nothing freed */
+        free_out(&pair);
+        free_out(&alone);
+        free(cfg);
+        n++;
+    }
+    CHECK(n >= 2); /* flashprefill, omnikv_prefill */
+    free(dcfg);
+}
+
 static void test_pair_names(void) {
     const lethe_sparse_ops *p, *d;
     CHECK(lethe_sparse_combine("flashprefill+snapkv", &p, &d) == LETHE_OK);
@@ -313,5 +356,6 @@ int main(void) {
     CHECK_MSG(lethe_sparse_register_extra(&throwaway_plane_copy) == LETHE_OK, "%s", lethe_last_error());
     TEST_RUN(test_pair_names);
     TEST_RUN(test_pairs);
+    TEST_RUN(test_quest_heads_pairs);
     return 0;
 }

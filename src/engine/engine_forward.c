@@ -365,7 +365,7 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
     const int32_t *sb = NULL, *ss = NULL;
     lethe_sel_result r = m->ops->select_layer(m, layer, &e->step.st, q, &rows, &sb, &ss);
     if (r == LETHE_SEL_PER_SEQ) return false;
-    out->head_sel_begin = out->head_sel_slots = NULL; /* shared rows: no head masks */
+    out->head_sel_begin = out->head_sel_slots = NULL; /* unless LETHE_SEL_BUILT_HEADS (below) */
     out->store_slots = e->plan.store; /* staged: the new tokens' slots, the same in every layer */
     out->kvq = lethe_kv_quant_of(e->pool, layer);
     LETHE_ASSERT(!out->kvq); /* built selections live on the backend: native KV only */
@@ -375,16 +375,19 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
         out->sel_slots = e->plan.rows;
         if (!e->plan.graph) count_reads(e, e->plan.rows_begin[n_seqs], e->plan.rows_begin[n_seqs]);
     } else {
-        LETHE_ASSERT(r == LETHE_SEL_BUILT && sb && ss && sb[0] == 0);
+        LETHE_ASSERT((r == LETHE_SEL_BUILT || r == LETHE_SEL_BUILT_HEADS) && sb && ss && sb[0] == 0);
+        /* per-KV-head lists (BUILT_HEADS): n_lists per sequence, the sequence's
+         * own selection is its full row (each list a subsequence of it) */
+        const int32_t n_lists = r == LETHE_SEL_BUILT_HEADS ? e->runner.cfg.n_kv_heads : 1;
         /* counts always; the contents live on the backend, readable here when
          * backend memory is host memory (the CPU backend: every test) */
         const bool host_view = e->p.check_invariants &&
                                lethe_backend_has(e->runner.be, LETHE_BE_HOST_MEMORY);
         const int32_t sp = lethe_kv_space_of(e->pool, layer);
-        for (int32_t s = 0; s < n_seqs; s++) {
-            const lethe_sparse_seq *sq = &e->step.seqs[s];
+        for (int32_t s = 0; s < n_seqs * n_lists; s++) {
+            const lethe_sparse_seq *sq = &e->step.seqs[s / n_lists];
             const int32_t n = sb[s + 1] - sb[s],
-                          cap = e->plan.rows_begin[s + 1] - e->plan.rows_begin[s];
+                          cap = e->plan.rows_begin[s / n_lists + 1] - e->plan.rows_begin[s / n_lists];
             LETHE_ASSERT(n >= sq->n_new && n <= cap);
             if (!host_view) continue;
             const int32_t *sel = ss + sb[s];
@@ -393,9 +396,17 @@ static bool plan_from_select_layer(lethe_engine *e, int32_t layer, const void *q
             for (int32_t j = 0; j < n; j++)
                 LETHE_ASSERT(lethe_kv_refcount(e->pool, sp, sel[j]) > 0);
         }
-        out->sel_begin = sb;
-        out->sel_slots = ss;
-        if (!e->plan.graph) count_reads(e, sb[n_seqs], e->plan.rows_begin[n_seqs]);
+        if (n_lists > 1) {
+            out->sel_begin = e->plan.rows_begin;
+            out->sel_slots = e->plan.rows;
+            out->head_sel_begin = sb;
+            out->head_sel_slots = ss;
+        } else {
+            out->sel_begin = sb;
+            out->sel_slots = ss;
+        }
+        /* reads: a KV head's list each, counted as their mean */
+        if (!e->plan.graph) count_reads(e, sb[n_seqs * n_lists] / n_lists, e->plan.rows_begin[n_seqs]);
         e->stats.cur.device_selections++;
     }
     e->plan.layer_scores = m->ops->needs_scores && m->ops->needs_scores(m, layer);

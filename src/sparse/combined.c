@@ -261,34 +261,42 @@ static lethe_sel_result child_select(lethe_sparse_method *ch, bool prefill_side,
 /* Both sides built device selections: sequence s's list from PREFILL's
  * (a prompt chunk) or DECODE's (the others), gathered into c->sel. Each side
  * read whole rows for the sequences it does not own, so either list holds a
- * valid selection; this only picks the owner's. */
+ * valid selection; this only picks the owner's. With per-KV-head lists from
+ * DECODE (heads > 1: LETHE_SEL_BUILT_HEADS, [S * heads + 1] begins) every
+ * sequence gets `heads` lists: a prompt chunk's one selection for each head. */
 static lethe_sel_result merge(lethe_sparse_method *m, const lethe_sparse_step *st, const int32_t *pb,
-                              const int32_t *ps, const int32_t *db, const int32_t *ds, const int32_t **sel_begin,
-                              const int32_t **sel_slots) {
+                              const int32_t *ps, const int32_t *db, const int32_t *ds, int32_t heads,
+                              const int32_t **sel_begin, const int32_t **sel_slots) {
     combo *c = C(m);
-    const int32_t S = st->n_seqs;
-    if (S > c->cap_seqs) {
-        c->cap_seqs = LETHE_MAX(S, 2 * c->cap_seqs);
+    const int32_t S = st->n_seqs, NS = S * heads;
+    if (NS > c->cap_seqs) {
+        c->cap_seqs = LETHE_MAX(NS, 2 * c->cap_seqs);
         c->sel_begin = lethe_xrealloc(c->sel_begin, ((size_t)c->cap_seqs + 1) * sizeof(int32_t));
         c->ex = lethe_xrealloc(c->ex, (size_t)c->cap_seqs * sizeof(*c->ex));
     }
-    /* c->ex: PREFILL's sequences first (n_p of them), then DECODE's */
+    /* c->ex: PREFILL's lists first (n_p of them), then DECODE's; out_begin
+     * holds the list index until the offsets are known */
     int32_t n = 0, n_p = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int32_t i = 0; i < S; i++) {
             const bool from_p = st->seqs[i].is_prefill;
             if (from_p != (pass == 0)) continue;
-            const int32_t *b = from_p ? pb : db;
-            c->ex[n++] = (lethe_expand_seq){.row_begin = b[i], .row_len = b[i + 1] - b[i], .out_begin = i};
-            n_p += from_p;
+            for (int32_t h = 0; h < heads; h++) {
+                const int32_t li = from_p ? i : i * heads + h; /* the list in its side's begins */
+                const int32_t *b = from_p ? pb : db;
+                c->ex[n++] = (lethe_expand_seq){.row_begin = b[li], .row_len = b[li + 1] - b[li],
+                                                .out_begin = i * heads + h};
+                n_p += from_p;
+            }
         }
     int32_t off = 0;
-    for (int32_t i = 0; i < S; i++) {
+    for (int32_t k = 0; k < NS; k++) {
+        const int32_t i = k / heads, li = st->seqs[i].is_prefill ? i : k;
         const int32_t *b = st->seqs[i].is_prefill ? pb : db;
-        c->sel_begin[i] = off;
-        off += b[i + 1] - b[i];
+        c->sel_begin[k] = off;
+        off += b[li + 1] - b[li];
     }
-    c->sel_begin[S] = off;
+    c->sel_begin[NS] = off;
     for (int32_t k = 0; k < n; k++) c->ex[k].out_begin = c->sel_begin[c->ex[k].out_begin];
     if (lethe_dev_buf_reserve(m, &c->sel, (size_t)off * sizeof(int32_t)) != LETHE_OK)
         return LETHE_SEL_FULL; /* (reading more than needed is always correct) */
@@ -298,7 +306,7 @@ static lethe_sel_result merge(lethe_sparse_method *m, const lethe_sparse_step *s
     if (n > n_p) be->ops->select_expand(be, c->sel.p, ds, ds, c->ex + n_p, n - n_p, 1);
     *sel_begin = c->sel_begin;
     *sel_slots = c->sel.p;
-    return LETHE_SEL_BUILT;
+    return heads > 1 ? LETHE_SEL_BUILT_HEADS : LETHE_SEL_BUILT;
 }
 
 static lethe_sel_result cb_select_layer(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
@@ -309,14 +317,16 @@ static lethe_sel_result cb_select_layer(lethe_sparse_method *m, int32_t layer, c
     const lethe_sel_result rp = prefill_on(c, st) ? child_select(c->pm, true, layer, st, q, rows, &pb, &ps)
                                                   : LETHE_SEL_FULL;
     const lethe_sel_result rd = child_select(c->dm, false, layer, st, q, rows, &db, &ds);
+    LETHE_ASSERT(rp != LETHE_SEL_BUILT_HEADS); /* prefill-axis methods build one list per sequence */
     if (rp == LETHE_SEL_PER_SEQ || rd == LETHE_SEL_PER_SEQ) return LETHE_SEL_PER_SEQ;
     if (rp == LETHE_SEL_FULL && rd == LETHE_SEL_FULL) return LETHE_SEL_FULL;
     if (rp == LETHE_SEL_FULL || rd == LETHE_SEL_FULL) {
-        *sel_begin = rp == LETHE_SEL_BUILT ? pb : db;
-        *sel_slots = rp == LETHE_SEL_BUILT ? ps : ds;
-        return LETHE_SEL_BUILT;
+        *sel_begin = rp != LETHE_SEL_FULL ? pb : db;
+        *sel_slots = rp != LETHE_SEL_FULL ? ps : ds;
+        return rp != LETHE_SEL_FULL ? rp : rd;
     }
-    return merge(m, st, pb, ps, db, ds, sel_begin, sel_slots);
+    return merge(m, st, pb, ps, db, ds, rd == LETHE_SEL_BUILT_HEADS ? m->env.n_kv_heads : 1, sel_begin,
+                 sel_slots);
 }
 
 /* ---- the pair's table ---- */

@@ -9,9 +9,11 @@
  * total, as in the anchor) reads K = max(3, B / P) pages: the page(s) holding
  * the new token(s) always, plus the top pages among the completed ones by the
  * upper bound U_p = sum_c max(q_c M_c, q_c m_c), max over all query heads (one
- * page set per layer, the anchor; the original selects per head). Prefill is
- * dense; nothing is ever freed. Without a backend (the fake runner) every
- * layer reads densely.
+ * page set per layer, the anchor: quest_granularity=shared), or per KV head
+ * (quest_granularity=head: U_p maxed over the KV head's query heads, each KV
+ * head reads its own top pages, the GQA form of the paper's per-head
+ * selection). Prefill is dense; nothing is ever freed. Without a backend (the
+ * fake runner) every layer reads densely.
  *
  * Device state. Per layer >= skip, meta[l] = [n_meta, 2, kv_dim] in the KV
  * element type (backend.h page_minmax), n_meta = n_slots / P, allocated at the
@@ -31,15 +33,22 @@
  * first decode after prefill.
  *
  * Selection on the backend (select_layer, once per layer for the whole
- * step, no host sync): one page_minmax call (the stale pages of every decode
- * sequence), one page_scores call into device scratch u ([sum n_done] f32:
- * each sequence's last query row against its completed pages), one topk call
- * (per sequence the best min(take, n_done) pages, ascending), one
- * select_expand call (the chosen pages' 16 entries each, then the current
- * page(s), mapped to slots through the engine's staged full rows). A layer
- * where no sequence needs scoring reads the full rows (LETHE_SEL_FULL).
- * Without a backend (select_layer answers PER_SEQ) the selection hooks keep
- * their default: the whole row. */
+ * step, no host sync), with G = 1 group (shared) or G = n_kv_heads (head):
+ * one page_minmax call (the stale pages of every decode sequence), one
+ * page_scores call into device scratch u ([G * sum n_done] f32: each
+ * sequence's last query row against its completed pages, [G, n_done] per
+ * sequence), one topk call (per sequence and group the best min(take,
+ * n_done) pages, ascending), one select_expand call (per sequence and group
+ * the chosen pages' entries, then the current page(s), mapped to slots
+ * through the engine's staged full rows). Shared: one selection per
+ * sequence (LETHE_SEL_BUILT). Head: one list per (sequence, KV head)
+ * (LETHE_SEL_BUILT_HEADS: attention reads per KV head, the varlen path), all
+ * of the same length. A layer where no sequence needs scoring reads the full
+ * rows (LETHE_SEL_FULL). Bounds count as current only once their
+ * page_minmax is issued: a layer that falls back to the full rows (no
+ * scratch memory) leaves them stale, to be refreshed next time. Without a
+ * backend (select_layer answers PER_SEQ) the selection hooks keep their
+ * default: the whole row. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,15 +67,18 @@ typedef struct ivec {
 typedef struct quest_priv {
     lethe_knob_values kv;
     int32_t budget, page, skip;
+    int32_t groups;             /* page sets per sequence: 1 (shared) or n_kv_heads (head) */
     bool always;                /* score pages even when the budget covers the row */
     /* page bounds */
     void **meta;                /* [n_layers]: [n_meta, 2, kv_dim] KV type; NULL below skip */
     int32_t n_meta;             /* meta pages per layer (0: not allocated yet / none fit) */
     int32_t *free_ids, n_free;  /* free meta page ids */
     bool meta_ready, warned_full;
-    /* op arguments (host): page_minmax, page_scores, topk, select_expand */
+    /* op arguments (host): page_minmax, page_scores, topk, select_expand;
+     * per (sequence, group): sg_beg (score segments), top_beg, ex, sel_beg */
     ivec mm_ids, mm_beg, mm_slots;
-    ivec sc_rows, sc_beg, sc_ids, top_beg, sel_beg;
+    ivec sc_rows, sc_beg, sc_ids, sg_beg, top_beg, sel_beg;
+    ivec nd;                    /* eager: each sequence's scored pages this layer (-1: none) */
     lethe_expand_seq *ex;
     int32_t cap_ex;
     /* device scratch: page scores [sum n_done] f32, chosen pages, selections */
@@ -88,6 +100,8 @@ static const lethe_sparse_knob knobs[] = {
     {"quest_skip_layers", LETHE_KNOB_INT, "2", 0, 1 << 16, "first layers stay dense"},
     {"quest_always_score", LETHE_KNOB_BOOL, "false", 0, 1,
      "score pages even when the budget covers the row (tests, op cost): then every page is read"},
+    {"quest_granularity", LETHE_KNOB_STR, "shared", 0, 0,
+     "shared (one page set per layer, the anchor) | head (each KV head reads its own top pages)"},
 };
 
 /* grows an array to hold at least `need` elements of `elem` bytes */
@@ -115,8 +129,8 @@ static void quest_destroy(lethe_sparse_method *m) {
         if (p->meta[l]) m->env.be->ops->release(m->env.be, p->meta[l]);
     free(p->meta);
     free(p->free_ids);
-    ivec *arrays[] = {&p->mm_ids, &p->mm_beg, &p->mm_slots, &p->sc_rows,
-                      &p->sc_beg, &p->sc_ids, &p->top_beg, &p->sel_beg};
+    ivec *arrays[] = {&p->mm_ids, &p->mm_beg, &p->mm_slots, &p->sc_rows, &p->sc_beg,
+                      &p->sc_ids, &p->sg_beg, &p->top_beg, &p->sel_beg, &p->nd};
     for (size_t i = 0; i < LETHE_ARRAY_LEN(arrays); i++) free(arrays[i]->v);
     free(p->ex);
     if (m->env.be) {
@@ -138,6 +152,12 @@ static lethe_status quest_configure(lethe_sparse_method *m) {
     p->page = (int32_t)lethe_knob_num(m->ops, &p->kv, "quest_chunk_size");
     p->skip = (int32_t)lethe_knob_num(m->ops, &p->kv, "quest_skip_layers");
     p->always = lethe_knob_num(m->ops, &p->kv, "quest_always_score") != 0;
+    const char *gran = lethe_knob_str(m->ops, &p->kv, "quest_granularity");
+    if (strcmp(gran, "shared") && strcmp(gran, "head"))
+        return lethe_errorf(LETHE_ERR_INVALID,
+                            "--sparse-config quest_granularity=%s: expected shared or head (method quest)", gran);
+    /* one KV head (MQA, latent KV): per KV head is the shared set */
+    p->groups = !strcmp(gran, "head") && m->env.n_kv_heads > 1 ? m->env.n_kv_heads : 1;
     return LETHE_OK;
 }
 
@@ -251,7 +271,8 @@ static int32_t plan_pages(const lethe_sparse_method *m, int32_t layer, const let
 }
 
 /* Stale bounds of sequence q's pages [n_valid, nd) in `layer`: appended to
- * the page_minmax arguments (their slots in entry order). */
+ * the page_minmax arguments (their slots in entry order). The caller marks
+ * them current (n_valid = nd) once the page_minmax call is issued. */
 static void add_stale_pages(quest_priv *p, quest_state *qs, int32_t layer, int32_t nd,
                             const int32_t *row_slots, int32_t *n_mm, int32_t *n_mm_slots) {
     const int32_t P = p->page, v = LETHE_MIN(qs->n_valid[layer], nd);
@@ -264,7 +285,42 @@ static void add_stale_pages(quest_priv *p, quest_state *qs, int32_t layer, int32
         memcpy(p->mm_slots.v + *n_mm_slots, row_slots + (size_t)pg * P, (size_t)P * sizeof(int32_t));
         *n_mm_slots += P;
     }
-    qs->n_valid[layer] = nd;
+}
+
+/* The expand entries of one sequence, one per group g, from `ex` (its
+ * pick_begin unused): group g's picks are top_beg[seg0 + g] (seg0 < 0: a
+ * sequence read whole, no picks); outputs appended at *n_sel. */
+static void add_expands(quest_priv *p, int32_t s, lethe_expand_seq ex, int32_t seg0, int32_t *n_sel) {
+    for (int32_t g = 0; g < p->groups; g++) {
+        lethe_expand_seq e = ex;
+        if (seg0 >= 0) e.pick_begin = p->top_beg.v[seg0 + g];
+        e.out_begin = *n_sel;
+        p->ex[s * p->groups + g] = e;
+        p->sel_beg.v[s * p->groups + g] = *n_sel;
+        *n_sel += lethe_expand_count(&e, p->page);
+    }
+}
+
+/* Score segment i of nd pages from page offset `beg` (its groups' segments in
+ * u and their first pick) with k picks each; *n_top advances. */
+static void add_segments(quest_priv *p, int32_t i, int32_t beg, int32_t nd, int32_t k, int32_t *n_top) {
+    for (int32_t g = 0; g < p->groups; g++) {
+        p->sg_beg.v[i * p->groups + g] = p->groups * beg + g * nd;
+        p->top_beg.v[i * p->groups + g] = *n_top;
+        *n_top += k;
+    }
+}
+
+/* room for n sequences' per-group arrays (and their expand entries) */
+static void reserve_groups(quest_priv *p, int32_t n) {
+    const int32_t ng = n * p->groups;
+    if (ng > p->cap_ex) {
+        p->cap_ex = LETHE_MAX(ng, 2 * p->cap_ex);
+        p->ex = lethe_xrealloc(p->ex, (size_t)p->cap_ex * sizeof(*p->ex));
+    }
+    iv(&p->sg_beg, ng + 1);
+    iv(&p->top_beg, ng + 1);
+    iv(&p->sel_beg, ng + 1);
 }
 
 /* ---- graph decode ----
@@ -273,14 +329,15 @@ static void add_stale_pages(quest_priv *p, quest_state *qs, int32_t layer, int32
  * the engine, so a layer costs four kernels and no host work: page_minmax
  * over exactly g_pad pages (the real stale ones, then copies of one
  * throwaway page: meta page n_meta from the row's first slot), page_scores
- * / topk over g_pad segments (empty for rows read densely and for padding),
- * select_expand of all g_pad sequences. A step with more stale pages than
- * g_pad (the first decode after a prefill, a changed row) runs eagerly. */
+ * / topk over g_pad (x G) segments (empty for rows read densely and for
+ * padding), select_expand of all g_pad (x G) sequences. A step with more
+ * stale pages than g_pad (the first decode after a prefill, a changed row)
+ * runs eagerly. */
 static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st,
                              const lethe_step_rows *rows, int32_t n_pad, lethe_graph_arrays *out) {
     quest_priv *p = PRIV(m);
     if (!m->env.be) return false;
-    const int32_t S = st->n_seqs, P = p->page, n_layers = m->env.n_layers;
+    const int32_t S = st->n_seqs, P = p->page, n_layers = m->env.n_layers, G = p->groups;
     const int32_t n_sparse = p->n_meta > 0 ? meta_layers(m) : 0;
     *out = (lethe_graph_arrays){0};
     if (n_sparse == 0) { /* every layer reads the full rows */
@@ -291,7 +348,7 @@ static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st
     }
     /* pass 1: sizes, and whether the step fits (no bound is marked current before) */
     int32_t n_mm = 0;
-    int64_t n_sc_all = 0, n_top_all = 0, n_sel_all = rows->begin[n_pad] - rows->begin[S];
+    int64_t n_sc_all = 0, n_top_all = 0, n_sel_all = (int64_t)G * (rows->begin[n_pad] - rows->begin[S]);
     for (int32_t s = 0; s < S; s++) {
         const lethe_sparse_seq *q = &st->seqs[s];
         quest_state *qs = q->state;
@@ -299,7 +356,7 @@ static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st
         int32_t take = 0, nd = plan_pages(m, p->skip, q, &take);
         if (nd < 0 || !ensure_ids(p, qs, nd)) {
             if (nd >= 0) return false; /* page ids ran out: the eager path warns, reads densely */
-            n_sel_all += L;
+            n_sel_all += (int64_t)G * L;
             continue;
         }
         int32_t v = nd;
@@ -307,11 +364,11 @@ static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st
         n_mm += nd - v;
         const int32_t k = LETHE_MIN(take, nd);
         n_sc_all += nd;
-        n_top_all += k;
-        n_sel_all += (int64_t)k * P + (L - nd * P);
+        n_top_all += (int64_t)G * k;
+        n_sel_all += (int64_t)G * ((int64_t)k * P + (L - nd * P));
     }
     if (n_mm > n_pad) return false;
-    if (lethe_dev_buf_reserve(m, &p->u, (size_t)(n_sc_all + 1) * sizeof(float)) != LETHE_OK ||
+    if (lethe_dev_buf_reserve(m, &p->u, (size_t)(G * n_sc_all + 1) * sizeof(float)) != LETHE_OK ||
         lethe_dev_buf_reserve(m, &p->top, (size_t)(n_top_all + 1) * sizeof(int32_t)) != LETHE_OK ||
         lethe_dev_buf_reserve(m, &p->sel, (size_t)n_sel_all * sizeof(int32_t)) != LETHE_OK) {
         LOG_WARN("quest: no backend memory for the selection scratch (%s); the step runs eagerly",
@@ -319,26 +376,20 @@ static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st
         return false;
     }
     /* pass 2: the arrays */
-    if (n_pad > p->cap_ex) {
-        p->cap_ex = LETHE_MAX(n_pad, 2 * p->cap_ex);
-        p->ex = lethe_xrealloc(p->ex, (size_t)p->cap_ex * sizeof(*p->ex));
-    }
+    reserve_groups(p, n_pad);
     iv(&p->mm_ids, n_pad);
     iv(&p->mm_beg, n_pad + 1);
     iv(&p->sc_rows, n_pad);
     iv(&p->sc_beg, n_pad + 1);
-    iv(&p->top_beg, n_pad + 1);
-    iv(&p->sel_beg, n_pad + 1);
     iv(&p->sc_ids, 1); /* a real pointer even when no page is scored (staged with count 0) */
     int32_t n_mm_slots = 0, n_sc_ids = 0, n_top = 0, n_sel = 0;
     int64_t sel_real = 0;
     n_mm = 0;
     for (int32_t s = 0; s < n_pad; s++) {
         const int32_t L = rows->begin[s + 1] - rows->begin[s];
-        lethe_expand_seq ex = {.row_begin = rows->begin[s], .row_len = L, .out_begin = n_sel};
+        lethe_expand_seq ex = {.row_begin = rows->begin[s], .row_len = L};
         p->sc_rows.v[s] = s; /* decode: sequence s is batch row s */
         p->sc_beg.v[s] = n_sc_ids;
-        p->top_beg.v[s] = n_top;
         int32_t take = 0, nd = s < S ? plan_pages(m, p->skip, &st->seqs[s], &take) : -1;
         if (nd >= 0) {
             quest_state *qs = st->seqs[s].state;
@@ -346,24 +397,26 @@ static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st
             for (int32_t l = p->skip; l < n_layers; l++) v = LETHE_MIN(v, qs->n_valid[l]);
             for (int32_t l = p->skip; l < n_layers; l++) qs->n_valid[l] = v;
             add_stale_pages(p, qs, p->skip, nd, rows->slots + rows->begin[s], &n_mm, &n_mm_slots);
+            /* current in every layer: each layer's graph_select_layer issues this page_minmax */
             for (int32_t l = p->skip; l < n_layers; l++) qs->n_valid[l] = nd;
             iv(&p->sc_ids, n_sc_ids + nd);
             memcpy(p->sc_ids.v + n_sc_ids, qs->page_id, (size_t)nd * sizeof(int32_t));
             const int32_t k = LETHE_MIN(take, nd);
             ex = (lethe_expand_seq){.row_begin = rows->begin[s], .row_len = L, .head = 0,
-                                    .pick_begin = n_top, .n_picks = k, .pick_off = 0,
-                                    .tail = nd * P, .out_begin = n_sel};
+                                    .n_picks = k, .pick_off = 0, .tail = nd * P};
+            add_segments(p, s, n_sc_ids, nd, k, &n_top);
             n_sc_ids += nd;
-            n_top += k;
+        } else {
+            add_segments(p, s, n_sc_ids, 0, 0, &n_top); /* empty segments */
         }
-        p->ex[s] = ex;
-        p->sel_beg.v[s] = n_sel;
-        n_sel += lethe_expand_count(&ex, P);
-        if (s < S) sel_real += lethe_expand_count(&ex, P);
+        const int32_t sel0 = n_sel;
+        add_expands(p, s, ex, nd >= 0 ? s * G : -1, &n_sel);
+        if (s < S) sel_real += n_sel - sel0;
     }
     p->sc_beg.v[n_pad] = n_sc_ids;
-    p->top_beg.v[n_pad] = n_top;
-    p->sel_beg.v[n_pad] = n_sel;
+    p->sg_beg.v[n_pad * G] = G * n_sc_ids;
+    p->top_beg.v[n_pad * G] = n_top;
+    p->sel_beg.v[n_pad * G] = n_sel;
     /* pad page_minmax to n_pad pages: the throwaway page from the row's first slot */
     iv(&p->mm_slots, n_mm_slots + (n_pad - n_mm));
     while (n_mm < n_pad) {
@@ -373,22 +426,32 @@ static bool quest_graph_step(lethe_sparse_method *m, const lethe_sparse_step *st
     }
     p->mm_beg.v[n_pad] = n_mm_slots;
     LETHE_ASSERT(n_sc_ids == n_sc_all && n_top == n_top_all && n_sel == n_sel_all);
+    const size_t ng = (size_t)n_pad * (size_t)G;
     const struct { const int32_t *a; size_t n; } list[] = {
         {p->mm_ids.v, (size_t)n_pad},      {p->mm_beg.v, (size_t)n_pad + 1},
         {p->mm_slots.v, (size_t)n_mm_slots}, {p->sc_rows.v, (size_t)n_pad},
         {p->sc_beg.v, (size_t)n_pad + 1},  {p->sc_ids.v, (size_t)n_sc_ids},
-        {p->top_beg.v, (size_t)n_pad + 1}, {(const int32_t *)p->ex, (size_t)n_pad * 8},
-        {p->sel_beg.v, (size_t)n_pad + 1},
+        {p->sg_beg.v, ng + 1},             {p->top_beg.v, ng + 1},
+        {(const int32_t *)p->ex, ng * 8},  {p->sel_beg.v, ng + 1},
     };
     _Static_assert(sizeof(lethe_expand_seq) == 8 * sizeof(int32_t), "staged as 8 int32 each");
+    _Static_assert(LETHE_ARRAY_LEN(list) <= LETHE_GRAPH_MAX_ARRAYS, "graph arrays");
     for (size_t i = 0; i < LETHE_ARRAY_LEN(list); i++) {
         out->arrays[out->n] = list[i].a;
         out->counts[out->n++] = list[i].n;
     }
-    out->selected = sel_real * n_sparse + (int64_t)rows->begin[S] * (n_layers - n_sparse);
+    /* head lists: each KV head reads its own list; counted as their mean */
+    out->selected = sel_real / G * n_sparse + (int64_t)rows->begin[S] * (n_layers - n_sparse);
     p->graph = true;
     p->g_pad = n_pad;
     return true;
+}
+
+/* the selection result: one list per sequence, or one per (sequence, KV head) */
+static lethe_sel_result built(const quest_priv *p, const int32_t **sel_begin, const int32_t **sel_slots) {
+    *sel_begin = p->sel_beg.v;
+    *sel_slots = p->sel.p;
+    return p->groups > 1 ? LETHE_SEL_BUILT_HEADS : LETHE_SEL_BUILT;
 }
 
 /* select_layer of a graph step: the same four ops in every step (above) */
@@ -398,16 +461,14 @@ static lethe_sel_result graph_select_layer(lethe_sparse_method *m, int32_t layer
     quest_priv *p = PRIV(m);
     lethe_backend *be = m->env.be;
     if (layer < p->skip || !p->meta[layer] || p->n_meta == 0) return LETHE_SEL_FULL;
-    const int32_t n = p->g_pad;
+    const int32_t n = p->g_pad, G = p->groups;
     be->ops->page_minmax(be, p->meta[layer], lethe_kv_k(m->env.pool, layer), p->mm_ids.v,
                          p->mm_beg.v, p->mm_slots.v, n, m->env.n_kv_heads * m->env.head_dim);
     be->ops->page_scores(be, p->u.p, qact, p->meta[layer], n, p->sc_rows.v, p->sc_beg.v,
-                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, 1, true);
-    be->ops->topk(be, p->top.p, p->u.p, n, p->sc_beg.v, p->top_beg.v);
-    be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n, p->page);
-    *sel_begin = p->sel_beg.v;
-    *sel_slots = p->sel.p;
-    return LETHE_SEL_BUILT;
+                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, G, true);
+    be->ops->topk(be, p->top.p, p->u.p, n * G, p->sg_beg.v, p->top_beg.v);
+    be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n * G, p->page);
+    return built(p, sel_begin, sel_slots);
 }
 
 static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer,
@@ -420,15 +481,11 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
     if (p->graph) return graph_select_layer(m, layer, qact, rows, sel_begin, sel_slots);
     if (layer < p->skip || !p->meta[layer]) return LETHE_SEL_FULL;
     lethe_kv_pool *pool = m->env.pool;
-    const int32_t P = p->page, n_seqs = st->n_seqs;
-    if (n_seqs > p->cap_ex) {
-        p->cap_ex = LETHE_MAX(n_seqs, 2 * p->cap_ex);
-        p->ex = lethe_xrealloc(p->ex, (size_t)p->cap_ex * sizeof(*p->ex));
-    }
+    const int32_t P = p->page, n_seqs = st->n_seqs, G = p->groups;
+    reserve_groups(p, n_seqs);
     iv(&p->sc_rows, n_seqs);
     iv(&p->sc_beg, n_seqs + 1);
-    iv(&p->top_beg, n_seqs + 1);
-    iv(&p->sel_beg, n_seqs + 1);
+    iv(&p->nd, n_seqs);
     int32_t n_mm = 0, n_mm_slots = 0, n_sc = 0, n_sc_ids = 0, n_top = 0, n_sel = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
         const lethe_sparse_seq *q = &st->seqs[s];
@@ -436,7 +493,7 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
         const int32_t L = rows->begin[s + 1] - rows->begin[s];
         LETHE_ASSERT(L == lethe_sparse_row_len(m, layer, q->row));
         /* default: the whole row */
-        lethe_expand_seq ex = {.row_begin = rows->begin[s], .row_len = L, .out_begin = n_sel};
+        lethe_expand_seq ex = {.row_begin = rows->begin[s], .row_len = L};
         int32_t take = 0, nd = q->is_prefill ? -1 : plan_pages(m, layer, q, &take);
         if (nd >= 0 && !ensure_ids(p, qs, nd)) {
             if (!p->warned_full)
@@ -445,34 +502,35 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
             p->warned_full = true;
             nd = -1;
         }
+        p->nd.v[s] = nd;
+        int32_t seg0 = -1;
         if (nd >= 0) {
             add_stale_pages(p, qs, layer, nd, rows->slots + rows->begin[s], &n_mm, &n_mm_slots);
             /* scoring: the sequence's last query row against its pages [0, nd) */
             iv(&p->sc_ids, n_sc_ids + nd);
             p->sc_rows.v[n_sc] = q->q_row + q->n_new - 1;
             p->sc_beg.v[n_sc] = n_sc_ids;
-            p->top_beg.v[n_sc] = n_top;
             memcpy(p->sc_ids.v + n_sc_ids, qs->page_id, (size_t)nd * sizeof(int32_t));
             const int32_t k = LETHE_MIN(take, nd);
             ex = (lethe_expand_seq){.row_begin = rows->begin[s], .row_len = L, .head = 0,
-                                    .pick_begin = n_top, .n_picks = k, .pick_off = 0,
-                                    .tail = nd * P, .out_begin = n_sel};
+                                    .n_picks = k, .pick_off = 0, .tail = nd * P};
+            add_segments(p, n_sc, n_sc_ids, nd, k, &n_top);
+            seg0 = n_sc * G;
             n_sc++;
             n_sc_ids += nd;
-            n_top += k;
         }
-        p->ex[s] = ex;
-        p->sel_beg.v[s] = n_sel;
-        n_sel += lethe_expand_count(&ex, P);
+        add_expands(p, s, ex, seg0, &n_sel);
     }
     if (n_sc == 0) return LETHE_SEL_FULL;
     p->sc_beg.v[n_sc] = n_sc_ids;
-    p->top_beg.v[n_sc] = n_top;
-    p->sel_beg.v[n_seqs] = n_sel;
-    if (lethe_dev_buf_reserve(m, &p->u, (size_t)n_sc_ids * sizeof(float)) != LETHE_OK ||
+    p->sg_beg.v[n_sc * G] = G * n_sc_ids;
+    p->top_beg.v[n_sc * G] = n_top;
+    p->sel_beg.v[n_seqs * G] = n_sel;
+    if (lethe_dev_buf_reserve(m, &p->u, (size_t)G * (size_t)n_sc_ids * sizeof(float)) != LETHE_OK ||
         lethe_dev_buf_reserve(m, &p->top, (size_t)(n_top + 1) * sizeof(int32_t)) != LETHE_OK ||
         lethe_dev_buf_reserve(m, &p->sel, (size_t)n_sel * sizeof(int32_t)) != LETHE_OK) {
-        /* no device memory for the scratch: this layer reads densely (bounds stay current) */
+        /* no device memory for the scratch: this layer reads densely; its stale
+         * bounds stay stale (not computed), so a later step refreshes them */
         LOG_WARN("quest: no backend memory for the selection scratch (%s); layer %d reads densely",
                  lethe_last_error(), layer);
         return LETHE_SEL_FULL;
@@ -482,13 +540,13 @@ static lethe_sel_result quest_select_layer(lethe_sparse_method *m, int32_t layer
         be->ops->page_minmax(be, p->meta[layer], lethe_kv_k(pool, layer), p->mm_ids.v, p->mm_beg.v,
                              p->mm_slots.v, n_mm, m->env.n_kv_heads * m->env.head_dim);
     }
+    for (int32_t s = 0; s < n_seqs; s++) /* the bounds just issued are current now */
+        if (p->nd.v[s] >= 0) ((quest_state *)st->seqs[s].state)->n_valid[layer] = p->nd.v[s];
     be->ops->page_scores(be, p->u.p, qact, p->meta[layer], n_sc, p->sc_rows.v, p->sc_beg.v,
-                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, 1, true);
-    be->ops->topk(be, p->top.p, p->u.p, n_sc, p->sc_beg.v, p->top_beg.v);
-    be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n_seqs, P);
-    *sel_begin = p->sel_beg.v;
-    *sel_slots = p->sel.p;
-    return LETHE_SEL_BUILT;
+                         p->sc_ids.v, m->env.n_heads, m->env.n_kv_heads, m->env.head_dim, G, true);
+    be->ops->topk(be, p->top.p, p->u.p, n_sc * G, p->sg_beg.v, p->top_beg.v);
+    be->ops->select_expand(be, p->sel.p, rows->slots, p->top.p, p->ex, n_seqs * G, P);
+    return built(p, sel_begin, sel_slots);
 }
 
 const lethe_sparse_ops lethe_sparse_quest = {

@@ -148,6 +148,7 @@ typedef enum lethe_sel_result {
     LETHE_SEL_PER_SEQ = 0,
     LETHE_SEL_FULL,
     LETHE_SEL_BUILT,
+    LETHE_SEL_BUILT_HEADS,
 } lethe_sel_result;
 
 /* What a method does to the KV (for `lethe methods` and capacity reasoning). */
@@ -369,9 +370,14 @@ struct lethe_sparse_ops {
      * Returns LETHE_SEL_FULL (attention reads `rows`), LETHE_SEL_BUILT
      * (*sel_begin: host [n_seqs + 1]; *sel_slots: backend int32 memory, e.g.
      * written by ops->select_expand; both owned by the method and valid until
-     * its next call) or LETHE_SEL_PER_SEQ (build per sequence, below). The
-     * selection convention is the same (ascending, new tokens last). Default
-     * none: always per sequence. */
+     * its next call), LETHE_SEL_BUILT_HEADS (per-KV-head selections, Quest's
+     * quest_granularity=head: *sel_begin host [n_seqs * n_kv_heads + 1],
+     * sequence s's KV head h reads *sel_slots[sel_begin[s * n_kv_heads + h]
+     * ..], each list a subsequence of the sequence's row; the engine hands
+     * them to attention as lethe_attn_args.head_sel_* with `rows` as the
+     * sequences' selections) or LETHE_SEL_PER_SEQ (build per sequence,
+     * below). The selection convention is the same (ascending, new tokens
+     * last). Default none: always per sequence. */
     lethe_sel_result (*select_layer)(lethe_sparse_method *m, int32_t layer, const lethe_sparse_step *st,
                                      const void *q, const lethe_step_rows *rows,
                                      const int32_t **sel_begin, const int32_t **sel_slots);

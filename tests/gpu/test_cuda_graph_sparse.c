@@ -42,6 +42,9 @@ typedef struct method_case {
 /* budgets of 2-4 pages / 48 tokens against rows of 64 .. 231 tokens */
 static const method_case g_methods[] = {
     {"quest", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16,quest_skip_layers=2"},
+    /* per-KV-head lists (the varlen attention) inside the graph */
+    {"quest", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16,quest_skip_layers=2,"
+              "quest_granularity=head"},
     /* eviction: compacted rows at prompt end (and StreamingLLM's trims in decode), dense decode */
     {"snapkv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16"},
     {"pyramidkv", "sink_keep_tokens=4,recent_keep_tokens=8,decode_keep_tokens=16,pyramidkv_decode_eviction=false"},
