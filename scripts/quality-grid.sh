@@ -91,6 +91,7 @@ snapkv|snapkv|$BUDGETS|snapkv:decode_keep_tokens|||-
 pyramidkv|pyramidkv|$BUDGETS|pyramidkv:decode_keep_tokens|||-
 h2o|h2o|$BUDGETS|h2o:h2o_decode_budget|||-
 quest|quest|$BUDGETS|quest:decode_keep_tokens|||-
+quest_head|quest|$BUDGETS|quest:decode_keep_tokens|quest_granularity=head||-
 omnikv|omnikv|$BUDGETS|omnikv:decode_keep_tokens|||-
 omnikv_prefill|omnikv_prefill|$BUDGETS|omnikv_prefill:omnikv_prefill_keep_tokens||--max-num-batched-tokens 1024|-
 retroinfer-r018|retroinfer|-||retroinfer_min_tokens=1024||-

@@ -1,6 +1,6 @@
 """Paper references (tests/ref) against lethe's selections on the tiny Llama:
 for every case of tests/ref/compare.py (kvzip shared / pair / pair with a
-ratio, rkv, skipkv, quest), `lethe generate` runs a teacher-forced decode with
+ratio, rkv, skipkv, quest shared and per KV head), `lethe generate` runs a teacher-forced decode with
 LETHE_DUMP_SELECTIONS, the float64 numpy reference runs the same token ids,
 and the positions every decode query reads (per step, layer and KV head) must
 agree: mean Jaccard >= 0.98 (the required agreement where the granularity is the

@@ -51,6 +51,13 @@ CASES = [
     ("quest skip 1", "quest", "sink_keep_tokens=0,recent_keep_tokens=0,decode_keep_tokens=24,"
      "quest_chunk_size=4,quest_skip_layers=1",
      lambda t: Quest(24, page=4, skip=1), lambda t: Quest(24, page=4, skip=1, level="head")),
+    # quest_granularity=head: each KV head its own top pages (the reference's per-head level)
+    ("quest head", "quest", "sink_keep_tokens=0,recent_keep_tokens=0,decode_keep_tokens=32,"
+     "quest_chunk_size=4,quest_skip_layers=0,quest_granularity=head",
+     lambda t: Quest(32, page=4, skip=0, level="head"), lambda t: Quest(32, page=4, skip=0)),
+    ("quest head skip 1", "quest", "sink_keep_tokens=0,recent_keep_tokens=0,decode_keep_tokens=24,"
+     "quest_chunk_size=4,quest_skip_layers=1,quest_granularity=head",
+     lambda t: Quest(24, page=4, skip=1, level="head"), lambda t: Quest(24, page=4, skip=1)),
 ]
 
 
