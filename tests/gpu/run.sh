@@ -4,13 +4,17 @@
 # test`), then the Python checks tests/gpu/test_*.py BUILD against
 # transformers on the GPU (they FAIL, not skip, when torch sees no GPU).
 # Prints PASS/FAIL per test and "N passed, N failed".
+# LETHE_GPU_TESTS=name,name runs only the named tests (a short check of what
+# changed when the device time is short; `make test-gpu` without it runs all).
 set -u
 build=${1:-build}
 cd "$(dirname "$0")/../.." || exit 1
 pass=0; fail=0; failed=()
 logdir="$build/test-logs/gpu"; mkdir -p "$logdir"
+only=",${LETHE_GPU_TESTS:-},"
 run() { # name, command...
     local name=$1; shift
+    [ "$only" = ",," ] || [ "${only#*,$name,}" != "$only" ] || return 0
     local start=$(date +%s)
     if timeout 900 "$@" >"$logdir/$name.log" 2>&1; then
         echo "PASS $name ($(( $(date +%s) - start ))s)"; pass=$((pass+1))
