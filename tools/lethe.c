@@ -14,10 +14,10 @@ typedef struct subcommand {
 static const subcommand g_cmds[] = {
     {"serve", lethe_cmd_serve, "OpenAI-compatible HTTP server (the main job)"},
     {"generate", lethe_cmd_generate, "generate from a prompt, chat interactively, or run a JSONL batch"},
-    {"bench", lethe_cmd_bench, "benchmarks: engine throughput vs roofline, agent-trace replay, serving"},
+    {"bench", lethe_cmd_bench, "benchmarks: engine, serve, replay, sparse, prefill, prune (lethe bench --help)"},
     {"eval", lethe_cmd_eval, "long-context quality of sparse methods against dense"},
     {"methods", lethe_cmd_methods, "list the sparse methods and their knobs"},
-    {"fit", lethe_cmd_fit, "fit a sparse method's assets from the model (palu factors)"},
+    {"fit", lethe_cmd_fit, "fit a sparse method's assets from the model (palu, deltakv)"},
 };
 
 static void usage(FILE *f) {

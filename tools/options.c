@@ -220,8 +220,9 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     ROW("--split-prefill-decode", NULL, LETHE_OPT_BOOL, &p->split_prefill_decode, NULL,
         "never mix prefill chunks and decode tokens in one step (anchor-style)", 1, 0);
     ROW("--enforce-eager", NULL, LETHE_OPT_BOOL, &p->enforce_eager, NULL,
-        "CUDA: never capture/replay CUDA graphs (by default dense decode steps replay one graph per "
-        "batch-size bucket, padded to 1, 2, 4, 8, 16, 24, ... 256)", 1, 0);
+        "CUDA: never capture/replay CUDA graphs (by default decode steps of dense, fp8_kv, quest and "
+        "the evicting methods replay one graph per batch-size bucket, padded to 1, 2, 4, 8, 16, 24, "
+        "... 256)", 1, 0);
     return n;
 }
 

@@ -8,9 +8,9 @@
 static const lethe_env_var g_vars[LETHE_ENV_N] = {
     [LETHE_ENV_STEP_TIMES] =
         {"LETHE_STEP_TIMES", LETHE_ENV_BOOL, "0", NULL, "engine",
-         "log, when an engine is destroyed, the host ms per pure decode step split into the "
-         "forward call, plan_layer inside it and the sampling wait (a large wait: "
-         "device-bound)"},
+         "log, when an engine is destroyed, the host ms per pure decode step split into "
+         "host issue time (planning with plan_layer inside it, staging, launching), the "
+         "graph launch + device wait and the sampling wait (a large wait: device-bound)"},
     [LETHE_ENV_PROFILE_STEP] =
         {"LETHE_PROFILE_STEP", LETHE_ENV_UINT, "0", NULL, "engine",
          "put the device profiler's range around the N-th pure decode step (1-based; 0: "

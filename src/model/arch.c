@@ -2,9 +2,8 @@
  *
  * lethe_arch_find() maps a config's architecture name (GGUF spelling, which
  * matches HF model_type for the families served) to the family that runs it.
- * One entry per arch_<family>.c; adding a family = one line here. Names that
- * parse but have no family (MoE, MLA, hybrid) get an error that lists what
- * is supported. */
+ * One entry per arch_<family>.c; adding a family = one line here. Any other
+ * name gets an error that lists what is supported. */
 #include <string.h>
 
 #include "core/util.h"
