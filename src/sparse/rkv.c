@@ -32,25 +32,24 @@
 #include <string.h>
 
 #include "core/util.h"
+#include "sparse/compact_util.h"
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
 
 typedef struct rkv_priv {
     lethe_knob_values kv;
-    int32_t w, interval, kernel, budget;
+    int32_t w, kernel;
     float alpha, threshold;
+    lethe_decode_compact dc; /* budget, interval, which sequences this step compacts */
     const lethe_sparse_step *st;
-    uint8_t *compact; /* [n_seqs] this step compacts the sequence */
-    int32_t cap_compact;
     lethe_dev_buf qbuf; /* the ring's queries in order, [w, n_heads, head_dim] */
 } rkv_priv;
 #define PRIV(m) ((rkv_priv *)(m)->priv)
 
 typedef struct rkv_state {
     lethe_dev_buf *ring; /* [n_layers] each [w, n_heads, head_dim] activations */
-    int32_t n_rec, head; /* queries recorded (<= w), next ring slot */
-    float *score;        /* [len] F of the compaction in progress */
-    int32_t n_score;
+    int32_t n_rec, head;       /* queries recorded (<= w), next ring slot */
+    lethe_compact_scores score; /* [len] F of the compaction in progress */
 } rkv_state;
 
 static const lethe_sparse_knob knobs[] = {
@@ -74,7 +73,7 @@ static lethe_status rkv_init(lethe_sparse_method *m) {
 static void rkv_destroy(lethe_sparse_method *m) {
     rkv_priv *p = PRIV(m);
     if (p->qbuf.p) lethe_dev_buf_free(m, &p->qbuf);
-    free(p->compact);
+    lethe_decode_compact_free(&p->dc);
     free(p);
     m->priv = NULL;
 }
@@ -85,22 +84,21 @@ static lethe_status rkv_set_knob(lethe_sparse_method *m, const char *key, const 
 static lethe_status rkv_configure(lethe_sparse_method *m) {
     rkv_priv *p = PRIV(m);
     p->w = (int32_t)lethe_knob_num(m->ops, &p->kv, "rkv_observation_tokens");
-    p->interval = (int32_t)lethe_knob_num(m->ops, &p->kv, "rkv_compression_interval");
+    lethe_decode_compact_configure(
+        m, &p->dc, (int32_t)lethe_knob_num(m->ops, &p->kv, "rkv_compression_interval"));
     p->kernel = (int32_t)lethe_knob_num(m->ops, &p->kv, "rkv_kernel_size");
     p->alpha = (float)lethe_knob_num(m->ops, &p->kv, "rkv_alpha");
     p->threshold = (float)lethe_knob_num(m->ops, &p->kv, "rkv_similarity_threshold");
-    p->budget = m->knobs.sink_keep_tokens + m->knobs.decode_keep_tokens +
-                m->knobs.recent_keep_tokens;
-    if (p->interval < p->w)
+    if (p->dc.interval < p->w)
         return lethe_errorf(LETHE_ERR_INVALID,
                             "--sparse-config rkv_compression_interval=%d must be >= "
                             "rkv_observation_tokens=%d (method rkv)",
-                            p->interval, p->w);
-    if (p->budget <= p->w)
+                            p->dc.interval, p->w);
+    if (p->dc.budget <= p->w)
         return lethe_errorf(LETHE_ERR_INVALID,
                             "rkv: budget sink + keep + recent = %d must exceed "
                             "rkv_observation_tokens=%d",
-                            p->budget, p->w);
+                            p->dc.budget, p->w);
     return LETHE_OK;
 }
 
@@ -117,32 +115,19 @@ static void rkv_request_finished(lethe_sparse_method *m, void *state) {
     for (int32_t l = 0; l < m->env.n_layers; l++)
         if (rs->ring[l].p) lethe_dev_buf_free(m, &rs->ring[l]);
     free(rs->ring);
-    free(rs->score);
+    lethe_compact_scores_free(&rs->score);
     free(rs);
-}
-
-/* the row length after this step's compaction (len: the row now) */
-static bool compacts(const rkv_priv *p, const lethe_sparse_seq *q, int32_t len) {
-    return !q->is_prefill && len >= p->budget + p->interval;
 }
 
 static void rkv_prepare(lethe_sparse_method *m, const lethe_sparse_step *st) {
     rkv_priv *p = PRIV(m);
     p->st = st;
-    if (st->n_seqs > p->cap_compact) {
-        p->cap_compact = st->n_seqs;
-        p->compact = lethe_xrealloc(p->compact, (size_t)p->cap_compact);
-    }
+    lethe_decode_compact_plan(m, &p->dc, st);
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
-        p->compact[i] = compacts(p, q, lethe_sparse_row_len(m, 0, q->row));
         rkv_state *rs = q->state;
-        if (p->compact[i]) {
-            const int32_t L = lethe_sparse_row_len(m, 0, q->row);
-            rs->score = lethe_xrealloc(rs->score, ((size_t)L + 1) * sizeof(float));
-            for (int32_t j = 0; j < L; j++) rs->score[j] = 0.0f;
-            rs->n_score = L;
-        }
+        if (p->dc.compact[i])
+            lethe_compact_scores_reset(&rs->score, lethe_sparse_row_len(m, 0, q->row));
     }
 }
 
@@ -183,7 +168,7 @@ static void score_layer(lethe_sparse_method *m, rkv_priv *p, rkv_state *rs, int3
     lethe_backend *be = m->env.be;
     const int32_t L = attn->sel_begin[seq + 1] - attn->sel_begin[seq];
     const int32_t *keys = attn->sel_slots + attn->sel_begin[seq];
-    LETHE_ASSERT(L == rs->n_score);
+    LETHE_ASSERT(L == rs->score.n);
     const int32_t nq = LETHE_MIN(rs->n_rec, p->w), nc = L - p->w;
     if (nc <= 0 || nq <= 0) return;
     /* the ring's queries oldest first (the current one last) */
@@ -219,7 +204,7 @@ static void score_layer(lethe_sparse_method *m, rkv_priv *p, rkv_state *rs, int3
         for (int32_t j = 0; j < nc; j++) {
             float r = 0.0f;
             for (int32_t h = 0; h < KH; h++) r += red[(size_t)h * L + j];
-            rs->score[j] += p->alpha * pooled[j] - (1.0f - p->alpha) * (r / (float)KH);
+            rs->score.v[j] += p->alpha * pooled[j] - (1.0f - p->alpha) * (r / (float)KH);
         }
     }
     free(red);
@@ -238,7 +223,7 @@ static void rkv_after_attn(lethe_sparse_method *m, int32_t layer, const lethe_sp
         if (!records(q)) continue;
         const int32_t n = LETHE_MIN(q->n_new, p->w);
         record(m, p, rs, layer, attn->q, q->q_row + q->n_new - n, n, last_layer);
-        if (p->compact[i]) score_layer(m, p, rs, layer, i, attn);
+        if (p->dc.compact[i]) score_layer(m, p, rs, layer, i, attn);
     }
 }
 
@@ -248,19 +233,15 @@ static void rkv_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
         rkv_state *rs = q->state;
-        if (!p->compact[i]) continue;
-        const int32_t L = rs->n_score, nc = L - p->w, B = p->budget;
-        LETHE_ASSERT(nc > 0 && B < L);
+        if (!p->dc.compact[i]) continue;
+        const int32_t L = rs->score.n, nc = L - p->w, B = p->dc.budget;
+        LETHE_ASSERT(nc > 0 && B < L && lethe_sparse_row_len(m, 0, q->row) == L);
         keep = lethe_xrealloc(keep, ((size_t)L + 1) * sizeof(int32_t));
-        int32_t k = lethe_topk_indices(rs->score, nc, B - p->w, keep);
+        int32_t k = lethe_topk_indices(rs->score.v, nc, B - p->w, keep);
         for (int32_t j = nc; j < L; j++) keep[k++] = j; /* the last w tokens */
         LETHE_ASSERT(k == B);
-        k = lethe_sparse_keep_add_pins(m, 0, q->row, keep, k); /* pinned tokens stay (may exceed B) */
-        for (int32_t l = 0; l < m->env.n_layers; l++) {
-            LETHE_ASSERT(lethe_sparse_row_len(m, l, q->row) == L); /* one token set: equal rows */
-            lethe_kv_keep(m->env.pool, l, q->row, keep, k);
-        }
-        rs->n_score = 0;
+        lethe_decode_compact_apply(m, q->row, keep, k);
+        rs->score.n = 0;
     }
     free(keep);
     p->st = NULL;
@@ -268,8 +249,7 @@ static void rkv_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
 
 static int32_t rkv_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                                 int32_t n_total, int32_t chunk) {
-    const rkv_priv *p = PRIV(m);
-    return LETHE_MIN(n_total, LETHE_MAX(n_prompt + 1, p->budget + p->interval));
+    return lethe_decode_compact_max_resident(&PRIV(m)->dc, n_prompt, n_total);
 }
 
 const lethe_sparse_ops lethe_sparse_rkv = {

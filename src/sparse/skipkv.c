@@ -33,24 +33,23 @@
 #include <string.h>
 
 #include "core/util.h"
+#include "sparse/compact_util.h"
 #include "sparse/select_util.h"
 #include "sparse/sparse.h"
 #include "tokenizer/tokenizer.h"
 
 typedef struct skipkv_priv {
     lethe_knob_values kv;
-    int32_t interval, segment, min_sent, max_sent, budget;
+    int32_t segment, min_sent, max_sent;
     float threshold;
+    lethe_decode_compact dc; /* budget, interval, which sequences this step compacts */
     const lethe_sparse_step *st;
-    uint8_t *compact; /* [n_seqs] */
-    int32_t cap_compact;
     lethe_dev_buf vbuf; /* gathered last-layer V rows (device backends) */
 } skipkv_priv;
 #define PRIV(m) ((skipkv_priv *)(m)->priv)
 
 typedef struct skipkv_state {
-    float *imp; /* [len] importance of the compaction in progress */
-    int32_t n_imp;
+    lethe_compact_scores imp; /* [len] importance of the compaction in progress */
 } skipkv_state;
 
 static const lethe_sparse_knob knobs[] = {
@@ -78,7 +77,7 @@ static lethe_status skipkv_init(lethe_sparse_method *m) {
 static void skipkv_destroy(lethe_sparse_method *m) {
     skipkv_priv *p = PRIV(m);
     if (p->vbuf.p) lethe_dev_buf_free(m, &p->vbuf);
-    free(p->compact);
+    lethe_decode_compact_free(&p->dc);
     free(p);
     m->priv = NULL;
 }
@@ -102,13 +101,12 @@ static lethe_status skipkv_configure(lethe_sparse_method *m) {
             "assets yet; run skipkv with skipkv_steering=false",
             asset);
     }
-    p->interval = (int32_t)lethe_knob_num(m->ops, &p->kv, "skipkv_compression_interval");
+    lethe_decode_compact_configure(
+        m, &p->dc, (int32_t)lethe_knob_num(m->ops, &p->kv, "skipkv_compression_interval"));
     p->threshold = (float)lethe_knob_num(m->ops, &p->kv, "skipkv_similarity_threshold");
     p->segment = (int32_t)lethe_knob_num(m->ops, &p->kv, "skipkv_segment");
     p->min_sent = (int32_t)lethe_knob_num(m->ops, &p->kv, "skipkv_min_sentence");
     p->max_sent = (int32_t)lethe_knob_num(m->ops, &p->kv, "skipkv_max_sentence");
-    p->budget = m->knobs.sink_keep_tokens + m->knobs.decode_keep_tokens +
-                m->knobs.recent_keep_tokens;
     if (p->min_sent > p->max_sent)
         return lethe_errorf(LETHE_ERR_INVALID,
                             "--sparse-config skipkv_min_sentence=%d > skipkv_max_sentence=%d",
@@ -129,34 +127,25 @@ static lethe_status skipkv_request_init(lethe_sparse_method *m, const lethe_spar
 static void skipkv_request_finished(lethe_sparse_method *m, void *state) {
     skipkv_state *ss = state;
     if (!ss) return;
-    free(ss->imp);
+    lethe_compact_scores_free(&ss->imp);
     free(ss);
 }
 
 static void skipkv_prepare(lethe_sparse_method *m, const lethe_sparse_step *st) {
     skipkv_priv *p = PRIV(m);
     p->st = st;
-    if (st->n_seqs > p->cap_compact) {
-        p->cap_compact = st->n_seqs;
-        p->compact = lethe_xrealloc(p->compact, (size_t)p->cap_compact);
-    }
+    lethe_decode_compact_plan(m, &p->dc, st);
     for (int32_t i = 0; i < st->n_seqs; i++) {
         const lethe_sparse_seq *q = &st->seqs[i];
-        const int32_t L = lethe_sparse_row_len(m, 0, q->row);
-        p->compact[i] = !q->is_prefill && L >= p->budget + p->interval;
-        if (!p->compact[i]) continue;
         skipkv_state *ss = q->state;
-        ss->imp = lethe_xrealloc(ss->imp, ((size_t)L + 1) * sizeof(float));
-        for (int32_t j = 0; j < L; j++) ss->imp[j] = 0.0f;
-        ss->n_imp = L;
+        if (p->dc.compact[i])
+            lethe_compact_scores_reset(&ss->imp, lethe_sparse_row_len(m, 0, q->row));
     }
 }
 
 static bool skipkv_needs_scores(lethe_sparse_method *m, int32_t layer) {
     const skipkv_priv *p = PRIV(m);
-    for (int32_t i = 0; p->st && i < p->st->n_seqs; i++)
-        if (p->compact[i]) return true;
-    return false;
+    return lethe_decode_compact_any(&p->dc, p->st);
 }
 
 /* importance: the decode query's softmax over the middle, mean over heads, summed over layers */
@@ -165,10 +154,10 @@ static void skipkv_after_attn(lethe_sparse_method *m, int32_t layer, const lethe
     skipkv_priv *p = PRIV(m);
     const int32_t s = m->knobs.sink_keep_tokens, r = m->knobs.recent_keep_tokens;
     for (int32_t i = 0; attn && i < st->n_seqs; i++) {
-        if (!p->compact[i]) continue;
+        if (!p->dc.compact[i]) continue;
         skipkv_state *ss = st->seqs[i].state;
         const int32_t L = attn->sel_begin[i + 1] - attn->sel_begin[i];
-        LETHE_ASSERT(L == ss->n_imp);
+        LETHE_ASSERT(L == ss->imp.n);
         const int32_t c0 = LETHE_MIN(s, L), c1 = LETHE_MAX(c0, L - r);
         if (c1 == c0) continue;
         lethe_score_seq req = {.q_row = st->seqs[i].q_row,
@@ -180,7 +169,7 @@ static void skipkv_after_attn(lethe_sparse_method *m, int32_t layer, const lethe
                                .mode = LETHE_SCORES_PROB_MEAN | LETHE_SCORES_CAND_DENOM};
         float *out = lethe_xmalloc(((size_t)(c1 - c0) + 1) * sizeof(float));
         if (lethe_sparse_scores(m, attn, &req, 1, 1, out))
-            for (int32_t j = c0; j < c1; j++) ss->imp[j] += out[j - c0];
+            for (int32_t j = c0; j < c1; j++) ss->imp.v[j] += out[j - c0];
         free(out);
     }
 }
@@ -247,10 +236,10 @@ static void compact_seq(lethe_sparse_method *m, const lethe_sparse_seq *q) {
     skipkv_priv *p = PRIV(m);
     skipkv_state *ss = q->state;
     const int32_t sp0 = lethe_kv_space_of(m->env.pool, 0);
-    const int32_t L = lethe_kv_row_len(m->env.pool, sp0, q->row), B = p->budget;
+    const int32_t L = lethe_kv_row_len(m->env.pool, sp0, q->row), B = p->dc.budget;
     const int32_t c0 = LETHE_MIN(m->knobs.sink_keep_tokens, L),
                   c1 = LETHE_MAX(c0, L - m->knobs.recent_keep_tokens);
-    LETHE_ASSERT(ss->n_imp == L);
+    LETHE_ASSERT(ss->imp.n == L);
     const int32_t *pos = lethe_kv_row_pos(m->env.pool, sp0, q->row);
     const int32_t last = m->env.n_layers - 1;
     const int32_t *slots_last = lethe_kv_row_slots(m->env.pool,
@@ -290,7 +279,7 @@ static void compact_seq(lethe_sparse_method *m, const lethe_sparse_seq *q) {
         float *score = lethe_xmalloc(((size_t)ns + 1) * sizeof(float));
         for (int32_t k = 0; k < ns; k++) {
             double a = 0;
-            for (int32_t t = sb[k]; t < sb[k + 1]; t++) a += ss->imp[t];
+            for (int32_t t = sb[k]; t < sb[k + 1]; t++) a += ss->imp.v[t];
             /* dropped sentences rank first: they are gone already */
             score[k] = drop[k] ? -INFINITY : (float)(a / (sb[k + 1] - sb[k]));
         }
@@ -318,14 +307,10 @@ static void compact_seq(lethe_sparse_method *m, const lethe_sparse_seq *q) {
             if (!drop[k])
                 for (int32_t t = sb[k]; t < sb[k + 1]; t++) keep[n++] = t;
         for (int32_t e = c1; e < L; e++) keep[n++] = e;
-        n = lethe_sparse_keep_add_pins(m, 0, q->row, keep, n); /* pinned tokens stay */
-        for (int32_t l = 0; l < m->env.n_layers; l++) {
-            LETHE_ASSERT(lethe_sparse_row_len(m, l, q->row) == L); /* one token set: equal rows */
-            lethe_kv_keep(m->env.pool, l, q->row, keep, n);
-        }
+        lethe_decode_compact_apply(m, q->row, keep, n);
         free(keep);
     }
-    ss->n_imp = 0;
+    ss->imp.n = 0;
     free(drop);
     free(sb);
 }
@@ -333,14 +318,13 @@ static void compact_seq(lethe_sparse_method *m, const lethe_sparse_seq *q) {
 static void skipkv_finish(lethe_sparse_method *m, const lethe_sparse_step *st) {
     skipkv_priv *p = PRIV(m);
     for (int32_t i = 0; i < st->n_seqs; i++)
-        if (p->compact[i]) compact_seq(m, &st->seqs[i]);
+        if (p->dc.compact[i]) compact_seq(m, &st->seqs[i]);
     p->st = NULL;
 }
 
 static int32_t skipkv_max_resident(const lethe_sparse_method *m, int32_t layer, int32_t n_prompt,
                                    int32_t n_total, int32_t chunk) {
-    const skipkv_priv *p = PRIV(m);
-    return LETHE_MIN(n_total, LETHE_MAX(n_prompt + 1, p->budget + p->interval));
+    return lethe_decode_compact_max_resident(&PRIV(m)->dc, n_prompt, n_total);
 }
 
 const lethe_sparse_ops lethe_sparse_skipkv = {
