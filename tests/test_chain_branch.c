@@ -21,40 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/util.h"
-#include "engine/engine_internal.h"
-#include "test.h"
-
-#define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-#define SHARE 64
 #define GEN 4
+#include "engine_run.h"
+
+#define SHARE 64
 #define MAXV 49152
-
-typedef struct result {
-    int32_t tokens[GEN];
-    int32_t n, cached;
-    float *logits; /* [GEN][n_vocab] */
-    int32_t n_vocab;
-    bool finished;
-} result;
-
-static void on_event(void *user, const lethe_event *ev) {
-    result *r = user;
-    if (ev->n_tokens == 1 && r->n < GEN) {
-        if (ev->logits) memcpy(r->logits + (size_t)r->n * r->n_vocab, ev->logits, (size_t)r->n_vocab * sizeof(float));
-        r->tokens[r->n++] = ev->token;
-    }
-    r->cached = ev->cached_tokens;
-    if (ev->finished) r->finished = true;
-}
-
-static void run_all(lethe_engine *e) {
-    for (int guard = 0; lethe_engine_has_work(e); guard++) {
-        CHECK(guard < 100000);
-        int st = lethe_engine_step(e);
-        CHECK_MSG(st == 0, "%s", lethe_engine_last_error());
-    }
-}
 
 static lethe_engine *mk(const char *method, const char *config) {
     lethe_engine_params p;
@@ -75,31 +46,6 @@ static lethe_engine *mk(const char *method, const char *config) {
     return e;
 }
 
-/* one synchronous turn; res->logits must hold GEN * vocab floats */
-static int turn(lethe_engine *e, const char *id, const int32_t *toks, int32_t n, bool append, int32_t share,
-                lethe_chain_result *cr, result *res) {
-    float *lg = res->logits;
-    int32_t nv = res->n_vocab;
-    memset(res, 0, sizeof(*res));
-    res->logits = lg;
-    res->n_vocab = nv;
-    lethe_request_params rp = {.prompt = toks, .n_prompt = n, .cb = on_event, .user = res, .want_logits = true};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = GEN;
-    rp.sampling.ignore_eos = true;
-    lethe_chain_params cp = {.chain_id = id, .append = append, .share_prefix_tokens = share};
-    int st = lethe_engine_add_request_chain(e, &rp, &cp, cr, NULL);
-    if (st != 0) return st;
-    run_all(e);
-    CHECK(res->finished && res->n == GEN);
-    return 0;
-}
-
-static void fill(int32_t *a, int32_t n, uint64_t seed) {
-    for (int32_t i = 0; i < n; i++) a[i] = 1000 + (int32_t)(lethe_splitmix64(&seed) % 20000);
-}
-
 /* the second chain's two turns, on engine e (optionally after a first chain) */
 typedef struct branch_out {
     result t1, t2;
@@ -109,7 +55,7 @@ typedef struct branch_out {
 static void second_chain(lethe_engine *e, const int32_t *prompt, int32_t n, const int32_t *app, int32_t n_app,
                          branch_out *o) {
     lethe_chain_result cr;
-    CHECK(turn(e, NULL, prompt, n, false, SHARE, &cr, &o->t1) == 0);
+    CHECK(turn(e, NULL, prompt, n, false, SHARE, &o->t1, &cr) == 0);
     CHECK_EQ_INT(cr.shared_tokens, SHARE);
     char id[48];
     snprintf(id, sizeof(id), "%s", cr.chain_id);
@@ -125,7 +71,7 @@ static void second_chain(lethe_engine *e, const int32_t *prompt, int32_t n, cons
     CHECK(nc >= 1);
     CHECK(!strcmp(cs[0].chain_id, id) && cs[0].shared_tokens == SHARE);
     o->resident_tokens = cs[0].resident_tokens;
-    CHECK(turn(e, id, app, n_app, true, 0, &cr, &o->t2) == 0);
+    CHECK(turn(e, id, app, n_app, true, 0, &o->t2, &cr) == 0);
     CHECK(!strcmp(cr.status, "resumed"));
 }
 
@@ -140,12 +86,12 @@ static void test_branch_equals_cold(const char *method, const char *config) {
     const int32_t nv = lethe_engine_vocab_size(hot);
     CHECK(nv <= MAXV);
     branch_out *h = lethe_xcalloc(1, sizeof(*h)), *c = lethe_xcalloc(1, sizeof(*c));
-    result first = {.logits = lethe_xcalloc((size_t)GEN * nv, sizeof(float)), .n_vocab = nv};
+    result first = {.logits = lethe_xcalloc((size_t)GEN * nv, sizeof(float)), .nv = nv};
     result *rs[] = {&h->t1, &h->t2, &c->t1, &c->t2};
-    for (int i = 0; i < 4; i++) rs[i]->logits = lethe_xcalloc((size_t)GEN * nv, sizeof(float)), rs[i]->n_vocab = nv;
+    for (int i = 0; i < 4; i++) rs[i]->logits = lethe_xcalloc((size_t)GEN * nv, sizeof(float)), rs[i]->nv = nv;
     /* hot: chain A computes and publishes the prefix, chain B attaches it */
     lethe_chain_result cr;
-    CHECK(turn(hot, NULL, a, np, false, SHARE, &cr, &first) == 0);
+    CHECK(turn(hot, NULL, a, np, false, SHARE, &first, &cr) == 0);
     CHECK_EQ_INT(first.cached, 0);
     lethe_engine_stats s0;
     lethe_engine_get_stats(hot, &s0);
@@ -188,16 +134,16 @@ static void test_branch_equals_cold(const char *method, const char *config) {
 static void test_refs_and_errors(void) {
     lethe_engine *e = mk("snapkv", "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=24,snapkv_window_size=8");
     const int32_t nv = lethe_engine_vocab_size(e);
-    result r = {.logits = lethe_xcalloc((size_t)GEN * nv, sizeof(float)), .n_vocab = nv};
+    result r = {.logits = lethe_xcalloc((size_t)GEN * nv, sizeof(float)), .nv = nv};
     int32_t a[100], b[100];
     fill(a, 100, 11);
     fill(b, 100, 12); /* another prefix */
     lethe_chain_result cr;
-    CHECK(turn(e, NULL, a, 100, false, SHARE, &cr, &r) == 0);
+    CHECK(turn(e, NULL, a, 100, false, SHARE, &r, &cr) == 0);
     int64_t reclaim0 = lethe_pcache_reclaimable(e->pcache);
     CHECK_EQ_INT((int)reclaim0, 0); /* held by the IDLE chain */
     /* a different prefix: its own blocks, nothing attached */
-    CHECK(turn(e, NULL, b, 100, false, SHARE, &cr, &r) == 0);
+    CHECK(turn(e, NULL, b, 100, false, SHARE, &r, &cr) == 0);
     CHECK_EQ_INT(r.cached, 0);
     lethe_engine_chain_stats st;
     lethe_engine_get_chain_stats(e, &st);
@@ -228,7 +174,7 @@ static void test_refs_and_errors(void) {
     CHECK_EQ_INT(cr.code, LETHE_CHAIN_INVALID_REQUEST);
     CHECK_STR_CONTAINS(cr.message, "share_prefix_tokens");
     /* longer than the prompt: cut to whole blocks before the last token */
-    CHECK(turn(e, NULL, a, 40, false, 1000, &cr, &r) == 0);
+    CHECK(turn(e, NULL, a, 40, false, 1000, &r, &cr) == 0);
     CHECK_EQ_INT(cr.shared_tokens, 32);
     CHECK_EQ_INT(r.cached, 32); /* a's first two blocks are still cached */
     free(r.logits);
@@ -236,12 +182,7 @@ static void test_refs_and_errors(void) {
 }
 
 int main(void) {
-    FILE *f = fopen(MODEL, "rb");
-    if (!f) {
-        printf("test_chain_branch: skipped (no %s)\n", MODEL);
-        return 0;
-    }
-    fclose(f);
+    if (no_model("test_chain_branch")) return 0;
     const char *small = "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=24";
     char cfg[256];
     test_refs_and_errors();

@@ -28,33 +28,14 @@
 #include <string.h>
 
 #include "cache/host_tier.h"
-#include "core/util.h"
-#include "engine/engine_internal.h"
-#include "test.h"
 
-#define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define GEN 4
+#include "engine_run.h"
+
 #define NA 100
 #define NB 176
 #define NAPP 16
 #define SMALL "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=24"
-
-typedef struct result {
-    int32_t tokens[GEN];
-    int32_t n;
-    float *logits; /* [GEN][vocab] */
-    int32_t nv;
-    bool finished;
-} result;
-
-static void on_event(void *user, const lethe_event *ev) {
-    result *r = user;
-    if (ev->n_tokens == 1 && r->n < GEN) {
-        if (ev->logits) memcpy(r->logits + (size_t)r->n * r->nv, ev->logits, (size_t)r->nv * sizeof(float));
-        r->tokens[r->n++] = ev->token;
-    }
-    if (ev->finished) r->finished = true;
-}
 
 static lethe_engine *mk(const char *method, const char *config, size_t kv_bytes, size_t host_bytes) {
     lethe_engine_params p;
@@ -76,51 +57,6 @@ static lethe_engine *mk(const char *method, const char *config, size_t kv_bytes,
     return e;
 }
 
-static void run_all(lethe_engine *e) {
-    for (int guard = 0; lethe_engine_has_work(e); guard++) {
-        CHECK(guard < 100000);
-        CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-    }
-    CHECK(eng_check(e) == LETHE_OK);
-}
-
-/* one synchronous turn; returns the chain code (OK: finished) */
-static lethe_chain_code turn(lethe_engine *e, char *id, const int32_t *toks, int32_t n, bool append,
-                             int32_t share, result *res, lethe_chain_result *cr) {
-    float *lg = res->logits;
-    int32_t nv = res->nv;
-    memset(res, 0, sizeof(*res));
-    res->logits = lg;
-    res->nv = nv;
-    lethe_request_params rp = {.prompt = toks, .n_prompt = n, .cb = on_event, .user = res, .want_logits = true};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = GEN;
-    rp.sampling.ignore_eos = true;
-    lethe_chain_params cp = {.chain_id = id[0] ? id : NULL, .append = append, .share_prefix_tokens = share};
-    if (lethe_engine_add_request_chain(e, &rp, &cp, cr, NULL) != 0) return cr->code;
-    if (!id[0]) snprintf(id, 48, "%s", cr->chain_id);
-    run_all(e);
-    CHECK(res->finished && res->n == GEN);
-    return LETHE_CHAIN_OK;
-}
-
-static void fill(int32_t *a, int32_t n, uint64_t seed) {
-    for (int32_t i = 0; i < n; i++) a[i] = 1000 + (int32_t)(lethe_splitmix64(&seed) % 20000);
-}
-
-static result mk_result(lethe_engine *e) {
-    result r = {.nv = lethe_engine_vocab_size(e)};
-    r.logits = lethe_xcalloc((size_t)GEN * r.nv, sizeof(float));
-    return r;
-}
-
-static void same(const result *a, const result *b, const char *what) {
-    CHECK_MSG(memcmp(a->tokens, b->tokens, sizeof(a->tokens)) == 0, "%s: tokens differ", what);
-    CHECK_MSG(memcmp(a->logits, b->logits, (size_t)GEN * a->nv * sizeof(float)) == 0, "%s: logits differ",
-              what);
-}
-
 /* every layer's resident positions of chain id on e and f are equal */
 static void same_positions(lethe_engine *e, const char *ide, lethe_engine *f, const char *idf) {
     static int32_t pe[256], pf[256];
@@ -130,12 +66,6 @@ static void same_positions(lethe_engine *e, const char *ide, lethe_engine *f, co
         CHECK_EQ_INT(ne, nf);
         CHECK(ne > 0 && memcmp(pe, pf, (size_t)ne * sizeof(int32_t)) == 0);
     }
-}
-
-static int64_t computed(lethe_engine *e) {
-    lethe_engine_stats s;
-    lethe_engine_get_stats(e, &s);
-    return s.prefill_tokens_computed;
 }
 
 /* KV for the longest turn alone: two chains' turns do not fit together */
@@ -276,12 +206,7 @@ static void test_second_budget(void) {
 }
 
 int main(void) {
-    FILE *f = fopen(MODEL, "rb");
-    if (!f) {
-        printf("test_chain_host: skipped (no %s)\n", MODEL);
-        return 0;
-    }
-    fclose(f);
+    if (no_model("test_chain_host")) return 0;
     test_demote_restore("snapkv", SMALL ",snapkv_window_size=8", 0);
     test_demote_restore("h2o", SMALL, 0);
     test_demote_restore("dense", NULL, 64); /* uncompacted rows: the private part is large */

@@ -20,12 +20,9 @@
 #include <string.h>
 
 #include "cache/host_tier.h"
-#include "core/util.h"
-#include "engine/engine_internal.h"
-#include "test.h"
 
-#define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define GEN 3
+#include "engine_run.h"
 
 /* ---- 1. the tier alone ---- */
 
@@ -89,24 +86,6 @@ static void test_tier_unit(void) {
 
 /* ---- 2..5. through the engine ---- */
 
-typedef struct result {
-    int32_t tokens[GEN];
-    int32_t n, cached;
-    float *logits; /* [GEN][vocab] */
-    int32_t nv;
-    bool finished;
-} result;
-
-static void on_event(void *user, const lethe_event *ev) {
-    result *r = user;
-    if (ev->n_tokens == 1 && r->n < GEN) {
-        if (ev->logits) memcpy(r->logits + (size_t)r->n * r->nv, ev->logits, (size_t)r->nv * sizeof(float));
-        r->tokens[r->n++] = ev->token;
-    }
-    r->cached = ev->cached_tokens;
-    if (ev->finished) r->finished = true;
-}
-
 static lethe_engine *mk(const char *method, size_t kv_bytes, size_t host_bytes, bool prefix, int *status) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
@@ -130,35 +109,6 @@ static lethe_engine *mk_ok(const char *method, size_t kv_bytes, size_t host_byte
     lethe_engine *e = mk(method, kv_bytes, host_bytes, true, &st);
     CHECK_MSG(st == 0 && e, "%s", lethe_engine_last_error());
     return e;
-}
-
-static void run_one(lethe_engine *e, const int32_t *toks, int32_t n, result *r) {
-    float *lg = r->logits;
-    int32_t nv = r->nv;
-    memset(r, 0, sizeof(*r));
-    r->logits = lg;
-    r->nv = nv;
-    lethe_request_params rp = {.prompt = toks, .n_prompt = n, .cb = on_event, .user = r, .want_logits = true};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = GEN;
-    rp.sampling.ignore_eos = true;
-    CHECK_MSG(lethe_engine_add_request(e, &rp, NULL) == 0, "%s", lethe_engine_last_error());
-    for (int guard = 0; lethe_engine_has_work(e); guard++) {
-        CHECK(guard < 10000);
-        CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-    }
-    CHECK(r->finished && r->n == GEN);
-}
-
-static void fill(int32_t *a, int32_t n, uint64_t seed) {
-    for (int32_t i = 0; i < n; i++) a[i] = 1000 + (int32_t)(lethe_splitmix64(&seed) % 20000);
-}
-
-static result mk_result(lethe_engine *e) {
-    result r = {.nv = lethe_engine_vocab_size(e)};
-    r.logits = lethe_xcalloc((size_t)GEN * r.nv, sizeof(float));
-    return r;
 }
 
 /* bytes of KV per token (all layers) of the dense engine */

@@ -20,34 +20,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/util.h"
-#include "engine/engine_internal.h"
-#include "test.h"
-
-#define MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define GEN 3
+#include "engine_run.h"
+
 #define N_REQ 6
 #define N_CHAINS 5
 #define SNAP "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=24,snapkv_window_size=8"
-
-typedef struct result {
-    int32_t tokens[GEN];
-    int32_t n, cached;
-    float *logits; /* [GEN][vocab] */
-    int32_t nv;
-    bool finished;
-    char chain[48];
-} result;
-
-static void on_event(void *user, const lethe_event *ev) {
-    result *r = user;
-    if (ev->n_tokens == 1 && r->n < GEN) {
-        if (ev->logits) memcpy(r->logits + (size_t)r->n * r->nv, ev->logits, (size_t)r->nv * sizeof(float));
-        r->tokens[r->n++] = ev->token;
-    }
-    r->cached = ev->cached_tokens;
-    if (ev->finished) r->finished = true;
-}
 
 static lethe_engine *mk(const char *method, const char *config, const char *mode) {
     lethe_engine_params p;
@@ -68,30 +46,10 @@ static lethe_engine *mk(const char *method, const char *config, const char *mode
     return e;
 }
 
-static void run_all(lethe_engine *e) {
-    for (int guard = 0; lethe_engine_has_work(e); guard++) {
-        CHECK(guard < 100000);
-        CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-    }
-    CHECK(eng_check(e) == LETHE_OK);
-}
-
-static void reset(result *r) {
-    float *lg = r->logits;
-    int32_t nv = r->nv;
-    memset(r, 0, sizeof(*r));
-    r->logits = lg;
-    r->nv = nv;
-}
-
 /* submits without stepping; share < 0: a plain (radix) request */
 static void submit(lethe_engine *e, const int32_t *toks, int32_t n, int32_t share, result *r) {
     reset(r);
-    lethe_request_params rp = {.prompt = toks, .n_prompt = n, .cb = on_event, .user = r, .want_logits = true};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = GEN;
-    rp.sampling.ignore_eos = true;
+    lethe_request_params rp = greedy(toks, n, r);
     if (share < 0) {
         CHECK_MSG(lethe_engine_add_request(e, &rp, NULL) == 0, "%s", lethe_engine_last_error());
         return;
@@ -100,16 +58,6 @@ static void submit(lethe_engine *e, const int32_t *toks, int32_t n, int32_t shar
     lethe_chain_result cr;
     CHECK_MSG(lethe_engine_add_request_chain(e, &rp, &cp, &cr, NULL) == 0, "%s", cr.message);
     snprintf(r->chain, sizeof(r->chain), "%s", cr.chain_id);
-}
-
-static void fill(int32_t *a, int32_t n, uint64_t seed) {
-    for (int32_t i = 0; i < n; i++) a[i] = 1000 + (int32_t)(lethe_splitmix64(&seed) % 20000);
-}
-
-static int64_t computed(lethe_engine *e) {
-    lethe_engine_stats s;
-    lethe_engine_get_stats(e, &s);
-    return s.prefill_tokens_computed;
 }
 
 static int64_t waits(lethe_engine *e) {
@@ -236,12 +184,7 @@ static void test_no_wait(void) {
 }
 
 int main(void) {
-    FILE *f = fopen(MODEL, "rb");
-    if (!f) {
-        printf("test_inflight_share: skipped (no %s)\n", MODEL);
-        return 0;
-    }
-    fclose(f);
+    if (no_model("test_inflight_share")) return 0;
     test_no_wait();
     test_radix();
     test_chains();
