@@ -222,6 +222,16 @@ typedef struct lethe_engine_params {
      * runs (CPU backend, or with enforce_eager), to prove padding changes no
      * real request's output */
     bool pad_decode_batches;
+    /* Hybrid models (linear-attention layers with per-request states, e.g.
+     * qwen3_5), radix prefix cache: a prefix hit needs the states at its
+     * end, so the cache snapshots them every state_snapshot_interval tokens
+     * of a prompt (--state-snapshot-interval, a multiple of 64; 0 = 1024) and
+     * at the prompt's last multiple of 64; prefill chunks end there. The
+     * snapshots take at most state_snapshot_bytes (--state-snapshot-bytes;
+     * 0 = an eighth of the KV budget) off the KV budget, least recently
+     * used out first. Other models ignore both. */
+    int32_t state_snapshot_interval;
+    size_t state_snapshot_bytes;
 } lethe_engine_params;
 
 void lethe_engine_default_params(lethe_engine_params *p);

@@ -13,8 +13,8 @@
  *  - padded decode batches (the CPU stand-in for CUDA-graph buckets): the
  *    scratch state slot serves the dummies, logits bit-identical;
  *  - abort mid-prefill and mid-decode: every state slot comes back;
- *  - refusals: a method with its own output projection (palu), an explicit
- *    prefix-cache mode, a step budget below one chunk, states over the KV
+ *  - refusals: a method with its own output projection (palu), the Chain
+ *    Cache (prefix hits from state snapshots: test_hybrid_prefix), a step budget below one chunk, states over the KV
  *    budget; methods that combine run on the attention layer: FP8 KV, and
  *    per-layer SnapKV (prompts whose final chunk would be shorter than its
  *    window past the last multiple of 64 the budget reaches: the scheduler
@@ -55,7 +55,7 @@ static void on_event(void *user, const lethe_event *ev) {
 typedef struct cfg {
     size_t kv_bytes;
     int32_t budget, max_seqs;
-    bool split, pad;
+    bool split, pad, no_cache;
     const char *method, *pc_mode, *method_cfg;
 } cfg;
 
@@ -71,6 +71,7 @@ static int mk(const cfg *c, lethe_engine **e) {
     if (c->method) p.sparse_method = c->method;
     if (c->method_cfg) p.sparse_config = c->method_cfg;
     if (c->pc_mode) p.prefix_cache_mode = c->pc_mode;
+    p.enable_prefix_caching = !c->no_cache;
     p.check_invariants = true;
     p.n_threads = 2;
     p.max_model_len = 512;
@@ -123,10 +124,15 @@ static void drain(lethe_engine *e) {
     while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
 }
 
+/* every state slot is free but the radix cache's snapshots (prefix caching
+ * is on by default: test_hybrid_prefix) */
 static void all_states_free(lethe_engine *e) {
     const int32_t scratch = lethe_kv_scratch_state(e->pool) >= 0;
-    CHECK_EQ_INT(lethe_kv_state_n_free(e->pool), lethe_kv_n_state_slots(e->pool) - scratch);
-    CHECK(lethe_kv_check(e->pool, NULL, 0) == LETHE_OK);
+    lethe_pc_stats pcs;
+    lethe_pcache_stats(e->pcache, &pcs);
+    CHECK_EQ_INT(lethe_kv_state_n_held(e->pool), pcs.snapshots);
+    CHECK_EQ_INT(lethe_kv_state_n_free(e->pool), lethe_kv_n_state_slots(e->pool) - scratch - pcs.snapshots);
+    CHECK(eng_check(e) == LETHE_OK);
 }
 
 static lethe_engine_stats run_all(lethe_engine *e, out *outs) {
@@ -217,10 +223,11 @@ static void test_alone_vs_batch(void) {
 static void test_preemption_same_output(void) {
     /* one attention layer of 2 KV heads x 32 f32 K and V: 512 bytes per token; the
      * states of 16 requests come off the budget first */
-    lethe_engine *probe = mk_ok(&(cfg){.budget = 256, .max_seqs = 16});
+    lethe_engine *probe = mk_ok(&(cfg){.budget = 256, .max_seqs = 16, .no_cache = true});
     const size_t states = eng_state_bytes(probe, probe->n_state_slots);
     lethe_engine_destroy(probe);
-    cfg small = {.kv_bytes = states + 700 * 512, .budget = 256, .max_seqs = 16};
+    /* prefix caching off: its snapshots would take a share of the budget too */
+    cfg small = {.kv_bytes = states + 700 * 512, .budget = 256, .max_seqs = 16, .no_cache = true};
     lethe_engine *e = mk_ok(&small);
     CHECK_EQ_INT(lethe_kv_n_slots(e->pool), 700);
     lethe_engine_stats s = run_all(e, g_other);
@@ -252,7 +259,7 @@ static void test_abort_releases_states(void) {
     for (int k = 0; k < 3; k++) CHECK(lethe_engine_step(e) == 0);
     CHECK(lethe_kv_state_n_free(e->pool) < lethe_kv_n_state_slots(e->pool));
     for (int i = 0; i < 8; i += 2) CHECK(lethe_engine_abort(e, ids[i]) == 0); /* mid-prefill or decode */
-    CHECK(lethe_kv_check(e->pool, NULL, 0) == LETHE_OK);
+    CHECK(eng_check(e) == LETHE_OK);
     for (int k = 0; k < 12; k++) CHECK(lethe_engine_step(e) == 0);
     for (int i = 1; i < 8; i += 2) CHECK(lethe_engine_abort(e, ids[i]) == 0);
     drain(e);
@@ -267,8 +274,8 @@ static void test_refusals(void) {
     CHECK_MSG(strstr(lethe_engine_last_error(), "cannot use method palu") &&
                   strstr(lethe_engine_last_error(), "output gate"),
               "%s", lethe_engine_last_error());
-    CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .pc_mode = "radix"}, &e) != 0);
-    CHECK_MSG(strstr(lethe_engine_last_error(), "prefix caching is not available"), "%s",
+    CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .pc_mode = "chain"}, &e) != 0);
+    CHECK_MSG(strstr(lethe_engine_last_error(), "Chain Cache is not available"), "%s",
               lethe_engine_last_error());
     CHECK(mk(&(cfg){.budget = 32, .max_seqs = 4}, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "needs at least 64"), "%s", lethe_engine_last_error());

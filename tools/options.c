@@ -210,6 +210,13 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     ROW("--prefix-cache-mode", NULL, LETHE_OPT_STR, &p->prefix_cache_mode, "MODE",
         "auto | radix | chain: auto = radix for dense / logical selection, chain (multi-turn KV "
         "continuation) for eviction methods", 1, 0);
+    ROW("--state-snapshot-interval", NULL, LETHE_OPT_INT, &p->state_snapshot_interval, "N",
+        "hybrid models (qwen3_5): the radix prefix cache snapshots the linear-attention states "
+        "every N prompt tokens (a multiple of 64; 0 = 1024) and at the prompt's last multiple of "
+        "64; a hit resumes from the deepest snapshot", 0, 1 << 24);
+    ROW("--state-snapshot-bytes", NULL, LETHE_OPT_BYTES, &p->state_snapshot_bytes, "SIZE",
+        "hybrid models: memory for those snapshots, taken off the KV budget, LRU (0 = an eighth "
+        "of the KV budget)", 1, 0);
     ROW("--sparse-method", NULL, LETHE_OPT_STR, &p->sparse_method, "NAME",
         "sparse attention / KV method (see `lethe methods`)", 1, 0);
     ROW("--sparse-config", NULL, LETHE_OPT_STR, &p->sparse_config, "K=V,...",

@@ -68,6 +68,13 @@ int32_t lethe_pcache_publishes(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
     return pc && pc->ops->publishes ? pc->ops->publishes(pc, s) : 0;
 }
 
+int32_t lethe_pcache_chunk_end(lethe_prefix_cache *pc, const lethe_pc_seq *s, int32_t start, int32_t n) {
+    if (!pc || !pc->ops->chunk_end) return n;
+    const int32_t k = pc->ops->chunk_end(pc, s, start, n);
+    LETHE_ASSERT(k >= 1 && k <= n);
+    return k;
+}
+
 void lethe_pcache_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how) {
     if (pc) pc->ops->release(pc, s, how);
 }
@@ -117,10 +124,17 @@ static void holder_none(void *ctx, void (*visit)(void *, int32_t, int32_t), void
     (void)ctx, (void)visit, (void)vctx;
 }
 
+static void states_none(void *ctx, void (*visit)(void *, int32_t), void *vctx) {
+    (void)ctx, (void)visit, (void)vctx;
+}
+
+/* always lists state slots (none when the cache holds none), so the checker
+ * also verifies that nothing else holds one between steps */
 lethe_kv_holder lethe_pcache_holder(lethe_prefix_cache *pc) {
-    if (!pc || !pc->ops->holder_for_each)
-        return (lethe_kv_holder){.ctx = NULL, .for_each = holder_none};
-    return (lethe_kv_holder){.ctx = pc, .for_each = pc->ops->holder_for_each};
+    lethe_kv_holder h = {.ctx = pc, .for_each = holder_none, .for_each_state = states_none};
+    if (pc && pc->ops->holder_for_each) h.for_each = pc->ops->holder_for_each;
+    if (pc && pc->ops->holder_for_each_state) h.for_each_state = pc->ops->holder_for_each_state;
+    return h;
 }
 
 int32_t lethe_pcache_rows_held(lethe_prefix_cache *pc) {

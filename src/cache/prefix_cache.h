@@ -58,6 +58,8 @@ typedef struct lethe_pc_seq {
     const int32_t *tokens;      /* [n_tokens] prompt then generated */
     int32_t n_tokens;
     int32_t n_computed;         /* tokens with KV in *row */
+    int32_t n_prompt;           /* the user's prompt; tokens past it (generated) were computed
+                                 * one per step, also when re-prefilled after a preemption */
     int32_t *row;               /* KV row, -1 when none */
     void **method_state;        /* the sparse method's per-request state */
     void **ref;                 /* the cache's record for this request (NULL: none) */
@@ -119,6 +121,10 @@ typedef struct lethe_pc_stats {
     /* host tier (cumulative): blocks demoted / promoted back, tokens promoted */
     int64_t host_demoted, host_promoted, host_promoted_tokens;
     int64_t chain_restored_tokens; /* chain mode: KV entries restored from demoted chains */
+    /* radix cache of a hybrid model: state snapshots held now, taken, dropped
+     * for room (LRU), resumed from (cumulative) */
+    int32_t snapshots;
+    int64_t snapshots_taken, snapshots_evicted, snapshot_hits;
 } lethe_pc_stats;
 
 typedef struct lethe_prefix_cache_ops {
@@ -133,6 +139,10 @@ typedef struct lethe_prefix_cache_ops {
      * shared blocks once computed (radix: all of them; a branching chain:
      * its shared prefix); NULL: 0 */
     int32_t (*publishes)(lethe_prefix_cache *pc, const lethe_pc_seq *s);
+    /* the most tokens of a prefill chunk from token `start` (n asked, >= 1):
+     * the radix cache of a hybrid model ends chunks where it takes state
+     * snapshots (NULL: n) */
+    int32_t (*chunk_end)(lethe_prefix_cache *pc, const lethe_pc_seq *s, int32_t start, int32_t n);
     /* before the scheduler frees *row and *method_state (what the cache took is -1 / NULL then) */
     void (*release)(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how);
 
@@ -152,6 +162,8 @@ typedef struct lethe_prefix_cache_ops {
     void (*stats)(lethe_prefix_cache *pc, lethe_pc_stats *out);        /* NULL: zeros */
     /* slot references held outside rows, for lethe_kv_check (NULL: none) */
     void (*holder_for_each)(void *pc, void (*visit)(void *, int32_t, int32_t), void *vctx);
+    /* state slots it holds (snapshots), for lethe_kv_check (NULL: none) */
+    void (*holder_for_each_state)(void *pc, void (*visit)(void *, int32_t), void *vctx);
     int32_t (*rows_held)(lethe_prefix_cache *pc);  /* KV rows held outside requests (NULL: 0) */
     lethe_status (*check)(lethe_prefix_cache *pc);         /* own invariants (NULL: none) */
 
@@ -197,6 +209,13 @@ typedef struct lethe_pc_params {
      * chains' KV (--host-cache-bytes), NULL = none; the engine owns it (it
      * outlives the cache) */
     struct lethe_host_tier *host_tier;
+    /* Hybrid models (the pool has per-request states): the radix cache keeps
+     * at most snapshot_slots state snapshots (state slots the engine added to
+     * the pool for them), one every snapshot_every tokens of a prompt (a
+     * multiple of LETHE_GDN_CHUNK) and one at the prompt's last multiple of
+     * LETHE_GDN_CHUNK; a hit resumes from the deepest snapshot of the match. */
+    int32_t snapshot_slots;
+    int32_t snapshot_every;
 } lethe_pc_params;
 
 /* The mode choice: auto = radix when the method's KV is shareable, else the
@@ -220,6 +239,7 @@ void lethe_pcache_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_
 void lethe_pcache_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const lethe_pc_match *m);
 void lethe_pcache_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s);
 int32_t lethe_pcache_publishes(lethe_prefix_cache *pc, const lethe_pc_seq *s);
+int32_t lethe_pcache_chunk_end(lethe_prefix_cache *pc, const lethe_pc_seq *s, int32_t start, int32_t n);
 void lethe_pcache_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_end how);
 int64_t lethe_pcache_reclaimable(const lethe_prefix_cache *pc);
 void lethe_pcache_evict(lethe_prefix_cache *pc, int64_t want_free);

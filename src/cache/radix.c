@@ -45,6 +45,8 @@ struct lethe_radix_block {
     int32_t n_res;     /* resident tokens: 16, fewer once pruned */
     uint32_t prune_id; /* the prune job that shrank it (0: never pruned) */
     uint32_t pin;      /* bit o: token o is retention-pinned (pruning keeps it) */
+    int32_t snap;      /* state snapshot after its last token: a held state slot, -1 none */
+    uint64_t snap_access; /* the snapshot's LRU stamp (taken, or resumed from) */
     int32_t tokens[LETHE_RADIX_BLOCK];
     uint8_t offs[LETHE_RADIX_BLOCK]; /* offsets in the block of the resident tokens, ascending */
     int32_t slots[]; /* [n_spaces][LETHE_RADIX_BLOCK], the first n_res of each used */
@@ -80,6 +82,10 @@ struct lethe_radix {
     /* host tier (NULL: evicted blocks are dropped) */
     lethe_host_tier *tier;
     int64_t n_demoted, n_promoted, promoted_tokens;
+    /* state snapshots (hybrid models): the blocks holding one, at most max_snaps */
+    lethe_radix_block **snaps;
+    int32_t n_snaps, max_snaps;
+    int64_t n_snap_taken, n_snap_evicted, n_snap_hits;
 };
 
 /* a demoted block's header; its payload follows: per slot space the host
@@ -106,10 +112,14 @@ lethe_radix *lethe_radix_create(lethe_kv_pool *pool, uint64_t fingerprint) {
     return r;
 }
 
+static void snap_drop(lethe_radix *r, lethe_radix_block *b);
+
+/* the block's slot references and its snapshot go back to the pool */
 static void block_free_slots(lethe_radix *r, lethe_radix_block *b) {
     for (int32_t sp = 0; sp < r->n_spaces; sp++)
         for (int32_t i = 0; i < b->n_res; i++)
             lethe_kv_unref(r->pool, sp, b->slots[sp * LETHE_RADIX_BLOCK + i]);
+    if (b->snap >= 0) snap_drop(r, b);
 }
 
 void lethe_radix_destroy(lethe_radix *r) {
@@ -124,6 +134,7 @@ void lethe_radix_destroy(lethe_radix *r) {
     free(r->free_ids);
     free(r->buckets);
     free(r->heap);
+    free(r->snaps);
     free(r);
 }
 
@@ -376,6 +387,7 @@ static lethe_radix_block *block_new(lethe_radix *r, lethe_radix_block *parent, u
     b->hash = h;
     b->parent = parent;
     b->depth = parent ? parent->depth + 1 : 0;
+    b->snap = -1;
     memcpy(b->tokens, tokens, sizeof(b->tokens));
     if (parent) parent->n_children++;
     /* id */
@@ -585,6 +597,67 @@ int32_t lethe_radix_evict(lethe_radix *r, int32_t want_free) {
     return n;
 }
 
+/* ---- state snapshots ---- */
+
+void lethe_radix_set_snapshots(lethe_radix *r, int32_t max_snaps) {
+    LETHE_ASSERT(r->n_snaps == 0 && max_snaps >= 0);
+    LETHE_ASSERT(max_snaps == 0 || lethe_kv_has_states(r->pool));
+    r->max_snaps = max_snaps;
+    free(r->snaps);
+    r->snaps = max_snaps ? lethe_xcalloc((size_t)max_snaps, sizeof(*r->snaps)) : NULL;
+}
+
+int32_t lethe_radix_max_snapshots(const lethe_radix *r) { return r->max_snaps; }
+int32_t lethe_radix_n_snapshots(const lethe_radix *r) { return r->n_snaps; }
+int32_t lethe_radix_block_snapshot(const lethe_radix_block *b) { return b->snap; }
+
+/* b's snapshot slot goes back to the pool (b stays in the tree) */
+static void snap_drop(lethe_radix *r, lethe_radix_block *b) {
+    int32_t i = 0;
+    while (i < r->n_snaps && r->snaps[i] != b) i++;
+    LETHE_ASSERT(i < r->n_snaps);
+    r->snaps[i] = r->snaps[--r->n_snaps];
+    lethe_kv_state_give(r->pool, b->snap);
+    b->snap = -1;
+}
+
+bool lethe_radix_snapshot(lethe_radix *r, lethe_radix_block *b, int32_t state) {
+    if (b->snap >= 0) { /* the same content's states: the one held stays */
+        b->snap_access = ++r->clock;
+        return true;
+    }
+    if (r->max_snaps == 0) return false;
+    if (r->n_snaps == r->max_snaps) { /* the least recently used one makes room */
+        lethe_radix_block *v = r->snaps[0];
+        for (int32_t i = 1; i < r->n_snaps; i++)
+            if (r->snaps[i]->snap_access < v->snap_access) v = r->snaps[i];
+        snap_drop(r, v);
+        r->n_snap_evicted++;
+    }
+    const int32_t slot = lethe_kv_state_take(r->pool);
+    LETHE_ASSERT(slot >= 0); /* the engine sized the state pool for max_snaps of them */
+    lethe_kv_state_copy(r->pool, slot, state);
+    b->snap = slot;
+    b->snap_access = ++r->clock;
+    r->snaps[r->n_snaps++] = b;
+    r->n_snap_taken++;
+    return true;
+}
+
+void lethe_radix_snapshot_restore(lethe_radix *r, lethe_radix_block *b, int32_t state) {
+    LETHE_ASSERT(b->snap >= 0);
+    lethe_kv_state_copy(r->pool, state, b->snap);
+    b->snap_access = ++r->clock;
+    r->n_snap_hits++;
+}
+
+void lethe_radix_snapshot_counts(const lethe_radix *r, int64_t *taken, int64_t *evicted,
+                                 int64_t *hits) {
+    *taken = r->n_snap_taken;
+    *evicted = r->n_snap_evicted;
+    *hits = r->n_snap_hits;
+}
+
 int32_t lethe_radix_n_blocks(const lethe_radix *r) { return r->n_blocks; }
 int32_t lethe_radix_n_unreferenced(const lethe_radix *r) { return r->n_unref; }
 uint64_t lethe_radix_block_hash(const lethe_radix_block *b) { return b->hash; }
@@ -603,8 +676,14 @@ static void holder_for_each(void *ctx, void (*visit)(void *, int32_t, int32_t), 
     }
 }
 
+static void holder_for_each_state(void *ctx, void (*visit)(void *, int32_t), void *vctx) {
+    const lethe_radix *r = ctx;
+    for (int32_t i = 0; i < r->n_snaps; i++) visit(vctx, r->snaps[i]->snap);
+}
+
 lethe_kv_holder lethe_radix_holder(lethe_radix *r) {
-    return (lethe_kv_holder){.ctx = r, .for_each = holder_for_each};
+    return (lethe_kv_holder){
+        .ctx = r, .for_each = holder_for_each, .for_each_state = holder_for_each_state};
 }
 
 lethe_status lethe_radix_check(const lethe_radix *r) {
@@ -669,6 +748,24 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
         if (b && b->n_children != children[id])
             st = lethe_errorf(LETHE_ERR_INVALID, "radix check: block %d counts %d children, has %d", id,
                               b->n_children, children[id]);
+    }
+    /* snapshots: each listed once, on a live block that names it, at most max_snaps */
+    int32_t n_snap_blocks = 0;
+    for (int32_t id = 0; id < r->n_ids_used && st == LETHE_OK; id++)
+        if (r->blocks[id] && r->blocks[id]->snap >= 0) n_snap_blocks++;
+    if (st == LETHE_OK && (n_snap_blocks != r->n_snaps || r->n_snaps > r->max_snaps))
+        st = lethe_errorf(LETHE_ERR_INVALID,
+                          "radix check: %d blocks hold a state snapshot, %d listed (at most %d)",
+                          n_snap_blocks, r->n_snaps, r->max_snaps);
+    for (int32_t i = 0; i < r->n_snaps && st == LETHE_OK; i++) {
+        const lethe_radix_block *b = r->snaps[i];
+        if (b->id < 0 || b->id >= r->n_ids_used || r->blocks[b->id] != b || b->snap < 0)
+            st = lethe_errorf(LETHE_ERR_INVALID,
+                              "radix check: snapshot %d is listed on a dead block or names no slot", i);
+        for (int32_t j = 0; j < i && st == LETHE_OK; j++)
+            if (r->snaps[j] == b || r->snaps[j]->snap == b->snap)
+                st = lethe_errorf(LETHE_ERR_INVALID,
+                                  "radix check: snapshot state slot %d listed twice", b->snap);
     }
     if (st == LETHE_OK && pinned_slots != r->pinned_unref_slots)
         st = lethe_errorf(LETHE_ERR_INVALID,

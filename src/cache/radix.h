@@ -140,15 +140,40 @@ int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_b
 void lethe_radix_host_counts(const lethe_radix *r, int64_t *demoted, int64_t *promoted,
                              int64_t *promoted_tokens);
 
+/* ---- state snapshots (hybrid models: kv_pool.h "per-request states") ----
+ * A block may hold a snapshot: one state slot held from the pool
+ * (lethe_kv_state_take) with every linear-attention layer's recurrent and
+ * conv state after the block's last token, copied from the row that computed
+ * it. At most max_snaps are held (the engine sized the state pool for them);
+ * taking one past the cap first drops the least recently used (taken or
+ * resumed from). A snapshot goes with its block (eviction, deletion,
+ * destroy); demotion to the host tier drops it. */
+void lethe_radix_set_snapshots(lethe_radix *r, int32_t max_snaps); /* before any is taken */
+int32_t lethe_radix_max_snapshots(const lethe_radix *r);
+int32_t lethe_radix_n_snapshots(const lethe_radix *r);
+/* b's snapshot state slot, -1 when it has none */
+int32_t lethe_radix_block_snapshot(const lethe_radix_block *b);
+/* state slot `state` (a row's, after b's last token) becomes b's snapshot;
+ * a block that already has one keeps it (equal content). False when
+ * snapshots are off (max_snaps 0). */
+bool lethe_radix_snapshot(lethe_radix *r, lethe_radix_block *b, int32_t state);
+/* state slot `state` := b's snapshot (b must have one) */
+void lethe_radix_snapshot_restore(lethe_radix *r, lethe_radix_block *b, int32_t state);
+/* cumulative: snapshots taken, dropped for room (LRU), resumed from */
+void lethe_radix_snapshot_counts(const lethe_radix *r, int64_t *taken, int64_t *evicted,
+                                 int64_t *hits);
+
 int32_t lethe_radix_n_blocks(const lethe_radix *r);
 int32_t lethe_radix_n_unreferenced(const lethe_radix *r);
 uint64_t lethe_radix_block_hash(const lethe_radix_block *b);
 int32_t lethe_radix_block_req_refs(const lethe_radix_block *b);
 
-/* A holder for lethe_kv_check(): enumerates the slot references of all blocks. */
+/* A holder for lethe_kv_check(): enumerates the slot references of all
+ * blocks and the state slots of their snapshots. */
 lethe_kv_holder lethe_radix_holder(lethe_radix *r);
 /* The cache's own invariants (tree links, child counts, req_refs of
- * ancestors >= descendants, unreferenced blocks own their slots alone). */
+ * ancestors >= descendants, unreferenced blocks own their slots alone,
+ * snapshots listed once each on live blocks, at most max_snaps). */
 lethe_status lethe_radix_check(const lethe_radix *r);
 
 #endif /* LETHE_RADIX_H */

@@ -3,7 +3,23 @@
  * row entries [0, 16 * n). match looks the prompt up block by block, acquire
  * attaches the blocks' slots to the fresh row, commit publishes every newly
  * completed block of the row (prompt and generated tokens alike), release
- * drops the references whatever the outcome. */
+ * drops the references whatever the outcome.
+ *
+ * Hybrid models (the pool has per-request states, kv_pool.h): a prefix is
+ * only usable with the linear-attention states at its end, which cannot be
+ * cut back from a longer computation. So commit also takes a state snapshot
+ * (radix.h) of the row at its snapshot points: every snapshot_every tokens
+ * of the prompt and at the prompt's last multiple of LETHE_GDN_CHUNK; the
+ * scheduler ends prefill chunks there (chunk_end), so the row's state slot
+ * holds exactly those states after the step. Snapshot points are multiples
+ * of LETHE_GDN_CHUNK inside the user's prompt, so the states are those of
+ * a cold prefill however it was split (the delta rule cuts its segments at
+ * those absolute positions) and never states built by one-step decode
+ * updates (generated tokens). match stops at the deepest block of the
+ * cached chain that holds a snapshot ("a hit resumes from the nearest
+ * snapshot at or before the match"; the tokens after it are recomputed and
+ * their blocks found again on publishing), and acquire copies that snapshot
+ * into the row's own state slot. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +41,8 @@ typedef struct radix_cache {
     lethe_radix_block **match;
     int32_t n_match, n_host, cap_match;
     uint64_t match_id;
+    bool states;        /* hybrid model: hits need a snapshot (above) */
+    int32_t snap_every; /* tokens between snapshot points (a multiple of LETHE_GDN_CHUNK) */
 } radix_cache;
 
 static radix_cache *rc_of(lethe_prefix_cache *pc) { return (radix_cache *)pc; }
@@ -44,8 +62,13 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     }
     int32_t nb = lethe_radix_match(rc->tree, s->tokens, s->n_tokens, rc->match, max_blocks);
     int32_t host_res = 0; /* demoted blocks after them: restored into fresh slots */
-    rc->n_host = lethe_radix_match_host(rc->tree, s->tokens, s->n_tokens, rc->match, nb, max_blocks,
-                                        &host_res);
+    if (rc->states) { /* resume from the deepest snapshot (no host tier with states) */
+        while (nb > 0 && lethe_radix_block_snapshot(rc->match[nb - 1]) < 0) nb--;
+        rc->n_host = 0;
+    } else {
+        rc->n_host = lethe_radix_match_host(rc->tree, s->tokens, s->n_tokens, rc->match, nb,
+                                            max_blocks, &host_res);
+    }
     rc->n_match = nb;
     rc->match_id = s->id;
     out->tokens = (nb + rc->n_host) * LETHE_RADIX_BLOCK;
@@ -54,6 +77,30 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     out->queried = s->n_tokens;
     out->shareable = max_blocks * LETHE_RADIX_BLOCK;
     out->share_block = LETHE_RADIX_BLOCK;
+    if (rc->states) { /* what another request's snapshots can supply: whole intervals */
+        const int32_t every = lethe_radix_max_snapshots(rc->tree) > 0 ? rc->snap_every : 0;
+        out->shareable = every ? out->shareable / every * every : 0;
+        out->share_block = every;
+    }
+}
+
+/* hybrid models: whether the state after the first `pos` tokens of s is a
+ * snapshot point (file comment) */
+static bool snap_point(const radix_cache *rc, const lethe_pc_seq *s, int32_t pos) {
+    if (pos <= 0 || pos > s->n_prompt || pos % LETHE_GDN_CHUNK) return false;
+    return pos % rc->snap_every == 0 || pos == s->n_prompt / LETHE_GDN_CHUNK * LETHE_GDN_CHUNK;
+}
+
+/* a prefill chunk from `start` ends at the next snapshot point before start + n */
+static int32_t rc_chunk_end(lethe_prefix_cache *pc, const lethe_pc_seq *s, int32_t start, int32_t n) {
+    const radix_cache *rc = rc_of(pc);
+    if (!rc->states || lethe_radix_max_snapshots(rc->tree) == 0) return n;
+    int32_t end = start + n;
+    const int32_t next = (start / rc->snap_every + 1) * rc->snap_every;
+    const int32_t last = s->n_prompt / LETHE_GDN_CHUNK * LETHE_GDN_CHUNK;
+    if (next < end && next <= s->n_prompt) end = next;
+    if (last > start && last < end) end = last;
+    return end - start;
 }
 
 /* every completed block of the row, prompt and generated tokens alike */
@@ -81,6 +128,10 @@ static void rc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const leth
     ref->entries = m->resident;
     lethe_radix_acquire(rc->tree, ref->blocks, ref->n, *s->row);
     *s->ref = ref;
+    /* the states at the end of the hit: the row continues from its own copy */
+    if (rc->states)
+        lethe_radix_snapshot_restore(rc->tree, ref->blocks[ref->n - 1],
+                                     lethe_kv_row_state(pc->pool, *s->row));
 }
 
 static void rc_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
@@ -97,6 +148,12 @@ static void rc_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
                                             ref->entries);
         ref->entries += LETHE_RADIX_BLOCK;
         ref->n = n + 1;
+    }
+    /* the step ended at a snapshot point: the row's state slot holds the states there */
+    if (rc->states && snap_point(rc, s, s->n_computed)) {
+        LETHE_ASSERT(ref && ref->n >= s->n_computed / LETHE_RADIX_BLOCK);
+        lethe_radix_snapshot(rc->tree, ref->blocks[s->n_computed / LETHE_RADIX_BLOCK - 1],
+                             lethe_kv_row_state(pc->pool, *s->row));
     }
 }
 
@@ -123,11 +180,19 @@ static void rc_holder_for_each(void *pc, void (*visit)(void *, int32_t, int32_t)
     h.for_each(h.ctx, visit, vctx);
 }
 
+static void rc_holder_for_each_state(void *pc, void (*visit)(void *, int32_t), void *vctx) {
+    lethe_kv_holder h = lethe_radix_holder(rc_of(pc)->tree);
+    h.for_each_state(h.ctx, visit, vctx);
+}
+
 static lethe_status rc_check(lethe_prefix_cache *pc) { return lethe_radix_check(rc_of(pc)->tree); }
 
 static void rc_stats(lethe_prefix_cache *pc, lethe_pc_stats *out) {
-    lethe_radix_host_counts(rc_of(pc)->tree, &out->host_demoted, &out->host_promoted,
-                            &out->host_promoted_tokens);
+    lethe_radix *t = rc_of(pc)->tree;
+    lethe_radix_host_counts(t, &out->host_demoted, &out->host_promoted, &out->host_promoted_tokens);
+    out->snapshots = lethe_radix_n_snapshots(t);
+    lethe_radix_snapshot_counts(t, &out->snapshots_taken, &out->snapshots_evicted,
+                                &out->snapshot_hits);
 }
 
 static void rc_destroy(lethe_prefix_cache *pc) {
@@ -143,10 +208,12 @@ static const lethe_prefix_cache_ops radix_ops = {
     .acquire = rc_acquire,
     .commit = rc_commit,
     .publishes = rc_publishes,
+    .chunk_end = rc_chunk_end,
     .release = rc_release,
     .reclaimable = rc_reclaimable,
     .evict = rc_evict,
     .holder_for_each = rc_holder_for_each,
+    .holder_for_each_state = rc_holder_for_each_state,
     .check = rc_check,
     .stats = rc_stats,
     .destroy = rc_destroy,
@@ -163,6 +230,13 @@ lethe_prefix_cache *lethe_radix_cache_create(const lethe_pc_params *p) {
     int32_t block = LETHE_RADIX_BLOCK;
     uint64_t fp = lethe_hash64(&block, sizeof(block), lethe_hash64(d, strlen(d), 0x1e7e));
     rc->tree = lethe_radix_create(p->pool, fp);
+    rc->states = lethe_kv_has_states(p->pool);
+    if (rc->states) { /* the engine refuses the host tier here: it keeps no snapshots */
+        LETHE_ASSERT(!p->host_tier && p->snapshot_slots >= 0 && p->snapshot_every > 0 &&
+                     p->snapshot_every % LETHE_GDN_CHUNK == 0);
+        rc->snap_every = p->snapshot_every;
+        lethe_radix_set_snapshots(rc->tree, p->snapshot_slots);
+    }
     lethe_radix_set_host_tier(rc->tree, p->host_tier);
     return &rc->base;
 }

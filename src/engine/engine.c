@@ -27,6 +27,7 @@
 
 #define ENG_QUEUE_CAP 4096
 #define ENG_DEFAULT_KV_BYTES ((size_t)1 << 30)
+#define ENG_MAX_SNAPSHOTS 65536 /* hybrid models: state snapshots the radix cache may hold */
 
 void lethe_sampling_default_params(lethe_sampling_params *p) {
     memset(p, 0, sizeof(*p));
@@ -184,14 +185,24 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
         budget -= reserve;
         e->kv_reserve = reserve;
     }
+    if (c->n_linear_layers > 0 && e->snap_every > 0) {
+        /* the radix cache's state snapshots (engine_hybrid.c): state slots of their own */
+        const size_t one = eng_state_bytes(e, 1);
+        const size_t want = e->p.state_snapshot_bytes ? e->p.state_snapshot_bytes : budget / 8;
+        e->n_snap_slots = (int32_t)LETHE_MIN((int64_t)(want / one), (int64_t)ENG_MAX_SNAPSHOTS);
+        e->n_state_slots += e->n_snap_slots;
+        if (e->n_snap_slots == 0)
+            LOG_WARN("engine: state snapshots of %.1f MB do not fit in %zu bytes (--state-snapshot-bytes): "
+                     "no prefix hits for hybrid model %s", (double)one / 1e6, want, c->arch);
+    }
     if (c->n_linear_layers > 0) {
         const size_t sb = eng_state_bytes(e, e->n_state_slots);
         if (sb >= budget)
             return lethe_errorf(LETHE_ERR_CAPACITY,
-                                "the recurrent states of %d requests (%d linear-attention layers, %.1f MB each) "
-                                "need %.1f MB, more than the KV budget of %.1f MB: lower --max-num-seqs or raise "
-                                "--kv-cache-bytes%s",
-                                e->p.max_num_seqs, c->n_linear_layers,
+                                "the recurrent states of %d requests and %d snapshots (%d linear-attention layers, "
+                                "%.1f MB each) need %.1f MB, more than the KV budget of %.1f MB: lower "
+                                "--max-num-seqs or --state-snapshot-bytes, or raise --kv-cache-bytes%s",
+                                e->p.max_num_seqs, e->n_snap_slots, c->n_linear_layers,
                                 (double)eng_state_bytes(e, 1) / 1e6, (double)sb / 1e6, (double)budget / 1e6,
                                 device_mem ? " / --gpu-memory-utilization" : "");
         budget -= sb;
@@ -369,9 +380,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     e->stats.spaces = lethe_xcalloc((size_t)e->stats.n_spaces, sizeof(*e->stats.spaces));
     eng_publish_stats(e);
     if (c->n_linear_layers > 0)
-        LOG_INFO("engine: %d of %d layers are linear attention: no KV, %d state slots of %.1f MB (%.1f MB)",
+        LOG_INFO("engine: %d of %d layers are linear attention: no KV, %d state slots of %.1f MB (%.1f MB; "
+                 "%d for prefix snapshots every %d tokens)",
                  c->n_linear_layers, c->n_layers, e->n_state_slots, (double)eng_state_bytes(e, 1) / 1e6,
-                 (double)eng_state_bytes(e, e->n_state_slots) / 1e6);
+                 (double)eng_state_bytes(e, e->n_state_slots) / 1e6, e->n_snap_slots, e->snap_every);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
              e->kv_layouts ? ops->name : lethe_kv_format_name(pp.format), e->max_model_len,

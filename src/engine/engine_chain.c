@@ -107,7 +107,9 @@ lethe_status eng_cache_init(lethe_engine *e) {
                          .release_ctx = e->method,
                          .snapshot_state = snapshot_state,
                          .restore_state = restore_state,
-                         .host_tier = e->host_tier};
+                         .host_tier = e->host_tier,
+                         .snapshot_slots = e->n_snap_slots,
+                         .snapshot_every = e->snap_every ? e->snap_every : 1024};
     return lethe_pcache_create(&p, &e->pcache);
 }
 

@@ -24,9 +24,15 @@
  * linear-attention layers run the same segments however the prompt is split
  * and a request's logits do not depend on its batch, as with every model.
  *
- * Prefix caching is off for hybrid models: a shared prefix would need the
- * states at its end, and the radix / chain caches keep token KV only; a
- * request of a hybrid model always prefills its whole prompt. */
+ * Prefix caching: a shared prefix needs the states at its end, which a
+ * longer computation cannot give back. The radix cache keeps state
+ * snapshots at chosen points of a prompt (radix_cache.c: every
+ * state_snapshot_interval tokens and the prompt's last multiple of
+ * LETHE_GDN_CHUNK) in state slots the engine adds to the pool for them
+ * (state_snapshot_bytes, engine.c size_pool), and a hit resumes from the
+ * deepest snapshot of the matched blocks. The host tier keeps no snapshots
+ * and is refused. The Chain Cache is not offered yet: in auto mode with a
+ * method whose KV depends on history, prefix caching is off. */
 #include <string.h>
 
 #include "core/log.h"
@@ -47,14 +53,32 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "states) cannot use method %s: %s",
                             e->model_path ? e->model_path : c->arch, c->arch, c->n_linear_layers,
                             c->n_layers, ops->name, why);
+    const int32_t every = e->p.state_snapshot_interval ? e->p.state_snapshot_interval : 1024;
+    if (every < 0 || every % LETHE_GDN_CHUNK)
+        return lethe_errorf(LETHE_ERR_INVALID,
+                            "--state-snapshot-interval %d: must be a positive multiple of %d (the "
+                            "linear-attention layers' prefill segments)",
+                            e->p.state_snapshot_interval, LETHE_GDN_CHUNK);
+    if (!e->p.enable_prefix_caching) return LETHE_OK;
     const char *mode = e->p.prefix_cache_mode && e->p.prefix_cache_mode[0] ? e->p.prefix_cache_mode : "auto";
-    if (e->p.enable_prefix_caching && strcmp(mode, "auto"))
+    const bool shareable = ops && (ops->flags & LETHE_SPARSE_PREFIX_CACHE);
+    if (!strcmp(mode, "chain") || (!strcmp(mode, "auto") && !shareable)) {
+        if (strcmp(mode, "auto"))
+            return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                                "--prefix-cache-mode %s: the Chain Cache is not available for hybrid "
+                                "model %s (its chains do not keep linear-attention states yet)",
+                                mode, c->arch);
+        LOG_INFO("engine: prefix caching off for hybrid model %s with method %s (its KV depends "
+                 "on history: the Chain Cache does not keep linear-attention states yet)",
+                 c->arch, ops ? ops->name : "?");
+        e->p.enable_prefix_caching = false;
+        return LETHE_OK;
+    }
+    if (e->p.host_cache_bytes > 0)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
-                            "--prefix-cache-mode %s: prefix caching is not available for hybrid model %s "
-                            "(its linear-attention layers keep states, not per-token KV)",
-                            mode, c->arch);
-    if (e->p.enable_prefix_caching)
-        LOG_INFO("engine: prefix caching off for hybrid model %s (linear-attention states)", c->arch);
-    e->p.enable_prefix_caching = false;
+                            "--host-cache-bytes: the host tier keeps no linear-attention state "
+                            "snapshots, which every prefix hit of hybrid model %s needs; leave it off",
+                            c->arch);
+    e->snap_every = every;
     return LETHE_OK;
 }

@@ -188,7 +188,10 @@ struct lethe_engine {
     char *model_path, *model_name, *sparse_method, *sparse_config, *load_format, *device;
     int32_t max_model_len, n_vocab;
     int32_t kivi_res_blocks;          /* KIVI residual blocks (engine.c size_pool), else 0 */
-    int32_t n_state_slots;            /* hybrid models: per-request state slots (engine_hybrid.c) */
+    int32_t n_state_slots;            /* hybrid models: per-request state slots (engine_hybrid.c),
+                                       * the radix cache's snapshots included */
+    int32_t snap_every;               /* hybrid + radix cache: tokens between state snapshots, else 0 */
+    int32_t n_snap_slots;             /* of n_state_slots, the snapshots' (engine.c size_pool) */
     lethe_kv_layout *kv_layouts;      /* [n_layers] the method's payload layout, or NULL */
     size_t kv_reserve;                /* the method's fixed reserve (kv_reserve_bytes, engine.c size_pool) */
 

@@ -18,7 +18,8 @@
  *  - per-request states: every state slot is on the free list exactly once,
  *    owned by exactly one row in use, or held (lethe_kv_state_take) and by
  *    nothing else; every row in use owns one, none the scratch state, and
- *    the counts add up. */
+ *    the counts add up; when a holder lists state slots (the radix cache's
+ *    snapshots), every held slot is listed exactly once and nothing else is. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,6 +32,18 @@ typedef struct check_ctx {
     bool bad;
     int32_t bad_sp, bad_slot;
 } check_ctx;
+
+typedef struct state_claims {
+    int32_t *n;     /* [n_state_slots] claims per slot */
+    int32_t n_slots;
+    bool bad;       /* a claim out of range */
+} state_claims;
+
+static void visit_state(void *vctx, int32_t slot) {
+    state_claims *c = vctx;
+    if (slot < 0 || slot >= c->n_slots) c->bad = true;
+    else c->n[slot]++;
+}
 
 static void visit_holder(void *vctx, int32_t sp, int32_t slot) {
     check_ctx *c = vctx;
@@ -202,6 +215,23 @@ lethe_status lethe_kv_check(const lethe_kv_pool *pool, const lethe_kv_holder *ho
             st = lethe_errorf(LETHE_ERR_INVALID,
                               "kv check: %d free + %d owned + %d held state slots (+ scratch) != %d",
                               pool->n_state_free, owned, held, nst);
+        /* the held ones are exactly what the holders say they hold */
+        bool listed = false;
+        for (int32_t h = 0; h < n_holders; h++) listed |= holders[h].for_each_state != NULL;
+        if (st == LETHE_OK && listed) {
+            state_claims sc = {.n = calloc((size_t)nst, sizeof(int32_t)), .n_slots = nst};
+            if (!sc.n) { free(own); st = lethe_errorf(LETHE_ERR_NOMEM, "kv check: out of memory"); goto out; }
+            for (int32_t h = 0; h < n_holders; h++)
+                if (holders[h].for_each_state) holders[h].for_each_state(holders[h].ctx, visit_state, &sc);
+            if (sc.bad) st = lethe_errorf(LETHE_ERR_INVALID, "kv check: a holder lists a state slot out of range");
+            for (int32_t x = 0; x < nst && st == LETHE_OK; x++)
+                if (sc.n[x] != (pool->state_held[x] ? 1 : 0))
+                    st = lethe_errorf(LETHE_ERR_INVALID,
+                                      "kv check: state slot %d is %s and listed by %d holder(s) (a snapshot "
+                                      "leaked or freed twice)",
+                                      x, pool->state_held[x] ? "held" : "not held", sc.n[x]);
+            free(sc.n);
+        }
         free(own);
     }
 

@@ -288,18 +288,24 @@ void lethe_kv_page_meta_set_valid(lethe_kv_pool *pool, int32_t sp, int32_t row, 
 
 /* ---- ownership checker (kv_check.c) ---- */
 /* Something outside the rows that holds slot references (the prefix cache):
- * for_each calls visit(visit_ctx, sp, slot) once per reference it holds. */
+ * for_each calls visit(visit_ctx, sp, slot) once per reference it holds;
+ * for_each_state (may be NULL) visit(visit_ctx, state_slot) once per state
+ * slot it holds (lethe_kv_state_take: the radix cache's snapshots). */
 typedef struct lethe_kv_holder {
     void *ctx;
     void (*for_each)(void *ctx, void (*visit)(void *visit_ctx, int32_t sp, int32_t slot),
                      void *visit_ctx);
+    void (*for_each_state)(void *ctx, void (*visit)(void *visit_ctx, int32_t state_slot),
+                           void *visit_ctx);
 } lethe_kv_holder;
 
 /* Verifies: every slot is free (count 0, on its free list exactly once) or
  * referenced exactly `count` times by rows + holders (+ the pool's own
  * reference on the scratch slot); every state slot free exactly once or owned
  * by exactly one row in use (every row in use owns one), the scratch state by
- * none;
+ * none; when some holder lists state slots (for_each_state), the held ones
+ * are exactly those the holders list, each once (nothing else holds one
+ * between engine steps);
  * no row points at a free slot, at the
  * scratch slot or twice at the same slot; positions ascend; free-list sizes add up.
  * Returns LETHE_OK or LETHE_ERR_INVALID with a message naming the violation. */

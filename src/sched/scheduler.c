@@ -127,6 +127,7 @@ void lethe_sched_add(lethe_sched *s, lethe_req *r) {
 /* the prefix cache's view of r */
 static lethe_pc_seq pc_seq(lethe_req *r) {
     return (lethe_pc_seq){.id = r->id, .tokens = r->tokens, .n_tokens = r->n_tokens, .n_computed = r->n_computed,
+                          .n_prompt = r->n_prompt,
                           .row = &r->row, .method_state = &r->method_state, .ref = &r->cache_ref};
 }
 
@@ -260,6 +261,16 @@ static int32_t respect_final_chunk(const lethe_sched *s, const lethe_req *r, int
     return full > 0 && aligned_end(s, r, start, full) > 0 ? 0 : nf;
 }
 
+/* n tokens of a prefill chunk from `start`, cut where the prefix cache wants
+ * the chunk to end (a hybrid model's radix cache: its state snapshot points),
+ * unless that would leave the method less than its minimum final chunk */
+static int32_t cache_chunk_end(const lethe_sched *s, lethe_req *r, int32_t start, int32_t n) {
+    lethe_pc_seq v = pc_seq(r);
+    const int32_t k = lethe_pcache_chunk_end(s->pc, &v, start, n);
+    const int32_t mfc = s->m ? lethe_sparse_min_final_chunk(s->m) : 0;
+    return k < n && r->n_tokens - start - k < mfc ? n : k;
+}
+
 /* Takes `n` new slots at the next positions (evicting from the cache if needed). */
 static void allocate(lethe_sched *s, lethe_req *r, int32_t n, int32_t peak) {
     int64_t need = (int64_t)n + s->reserved_extra + (peak - n);
@@ -319,6 +330,7 @@ static int32_t schedule_running(lethe_sched *s, lethe_sched_out *out, int phase,
         int32_t remaining = r->n_tokens - r->n_computed;
         int32_t n = LETHE_MIN(remaining, budget);
         LETHE_ASSERT(n >= 1);
+        if (prefill) n = cache_chunk_end(s, r, r->n_computed, n);
         if (prefill && (n = respect_final_chunk(s, r, r->n_computed, n, remaining)) <= 0) continue;
         int32_t res = resident(s, r);
         for (;;) {
@@ -389,7 +401,8 @@ static int32_t admit_waiting(lethe_sched *s, lethe_sched_out *out, int32_t budge
         }
         int32_t hit = m.tokens;
         int32_t res0 = m.resident; /* resident entries before the first chunk (max over slot spaces) */
-        int32_t n = respect_final_chunk(s, r, hit, LETHE_MIN(r->n_tokens - hit, budget), r->n_tokens - hit);
+        int32_t n = respect_final_chunk(s, r, hit, cache_chunk_end(s, r, hit, LETHE_MIN(r->n_tokens - hit, budget)),
+                                        r->n_tokens - hit);
         if (n <= 0) break; /* the final chunk needs more budget than this step has left */
         int64_t avail = lethe_sched_available(s) - m.pinned;
         /* peak of the first chunk, asked with the state it will have */

@@ -1,0 +1,331 @@
+/* test_hybrid_prefix.c - prefix reuse on a hybrid linear-attention model
+ * (tests/data/tiny-qwen3_5: 3 Gated DeltaNet layers with per-request states
+ * + 1 gated attention layer) through the radix cache's state snapshots, on
+ * the CPU forward, with the invariant checker (KV slots, state slots and
+ * the snapshots the cache lists) after every step.
+ *
+ * The comparator of every hit is a cold run: the same prompt on an engine
+ * with prefix caching off. Snapshot points are multiples of LETHE_GDN_CHUNK
+ * inside the prompt, and the delta rule cuts its segments at those absolute
+ * positions, so the cold run's arithmetic is the same whatever its chunking
+ * (test_engine_hybrid shows that for budgets of 64, 100 and 2048); each
+ * case below still names the cold budget it is compared with.
+ *
+ *  - a hit at a snapshot: cached tokens = the snapshot's position, every
+ *    logit of the prompt's continuation bit-identical to the cold run, and
+ *    the requests that made the snapshots identical to their cold runs too
+ *    (the chunk cuts at snapshot points change nothing);
+ *  - a hit between snapshots resumes from the earlier one and recomputes
+ *    the rest: still identical;
+ *  - warm engines with step budgets of 64 and 100 tokens against the cold
+ *    budget-2048 run;
+ *  - a snapshot budget of two: LRU drops the oldest, a prompt whose
+ *    snapshots are gone is a miss (computed from 0, identical), the newest
+ *    still hit;
+ *  - 8 requests over one shared prefix in a pool small enough to preempt:
+ *    identical to cold, every state slot accounted;
+ *  - release: abort mid-prefill and finish leave only the snapshots held;
+ *    evicting every block gives every snapshot back; a state slot held
+ *    behind the cache's back is an invariant failure. */
+#include <string.h>
+
+#include "cache/radix.h"
+#include "core/util.h"
+#include "engine/engine_internal.h"
+#include "test.h"
+
+#define TINY "tests/data/tiny-qwen3_5"
+#define NV 256
+#define MAXT 8
+#define MAXP 400
+
+typedef struct out {
+    int32_t tokens[MAXT];
+    float logits[MAXT][NV];
+    int32_t n, cached;
+    bool done;
+    lethe_finish_reason why;
+} out;
+
+static void on_event(void *user, const lethe_event *ev) {
+    out *o = user;
+    if (ev->n_tokens) {
+        CHECK(o->n < MAXT && ev->logits && ev->n_vocab == NV);
+        memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
+        o->tokens[o->n++] = ev->token;
+    }
+    o->cached = ev->cached_tokens;
+    if (ev->finished) {
+        o->done = true;
+        o->why = ev->finish_reason;
+    }
+}
+
+typedef struct cfg {
+    bool cache;
+    int32_t budget, max_seqs, every, max_len;
+    size_t kv_bytes, snap_bytes;
+} cfg;
+
+static lethe_engine *mk(const cfg *c) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = TINY;
+    p.kv_cache_bytes = c->kv_bytes ? c->kv_bytes : 64u << 20;
+    p.max_num_batched_tokens = c->budget;
+    p.max_num_seqs = c->max_seqs ? c->max_seqs : 4;
+    p.enable_prefix_caching = c->cache;
+    p.state_snapshot_interval = c->every;
+    p.state_snapshot_bytes = c->snap_bytes;
+    p.check_invariants = true;
+    p.n_threads = 2;
+    p.max_model_len = c->max_len ? c->max_len : 512;
+    lethe_engine *e = NULL;
+    CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
+    CHECK(!strcmp(lethe_engine_prefix_cache_mode(e), c->cache ? "radix" : "off"));
+    return e;
+}
+
+static uint64_t submit(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_tokens, out *o) {
+    memset(o, 0, sizeof(*o));
+    lethe_request_params rp = {0};
+    lethe_sampling_default_params(&rp.sampling);
+    rp.sampling.temperature = 0;
+    rp.sampling.max_tokens = max_tokens;
+    rp.sampling.ignore_eos = true;
+    rp.prompt = prompt;
+    rp.n_prompt = n;
+    rp.want_logits = true;
+    rp.cb = on_event;
+    rp.user = o;
+    uint64_t id;
+    CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
+    return id;
+}
+
+static void drain(lethe_engine *e) {
+    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
+}
+
+static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
+    submit(e, prompt, n, MAXT, o);
+    drain(e);
+    CHECK(o->done && o->n == MAXT);
+}
+
+static void same(const out *a, const out *b, const char *what) {
+    CHECK(a->done && b->done && a->n == b->n);
+    for (int32_t t = 0; t < a->n; t++) {
+        CHECK_MSG(a->tokens[t] == b->tokens[t], "%s token %d: %d vs %d", what, t, a->tokens[t], b->tokens[t]);
+        CHECK_MSG(!memcmp(a->logits[t], b->logits[t], sizeof(a->logits[t])), "%s token %d: logits differ", what,
+                  t);
+    }
+}
+
+static lethe_pc_stats snap_stats(lethe_engine *e) {
+    lethe_pc_stats s;
+    lethe_pcache_stats(e->pcache, &s);
+    return s;
+}
+
+/* every state slot not owned by a row is free, but the snapshots' */
+static void only_snapshots_held(lethe_engine *e) {
+    const int32_t scratch = lethe_kv_scratch_state(e->pool) >= 0;
+    const int32_t n_snap = snap_stats(e).snapshots;
+    CHECK_EQ_INT(lethe_kv_state_n_held(e->pool), n_snap);
+    CHECK_EQ_INT(lethe_kv_state_n_free(e->pool), lethe_kv_n_state_slots(e->pool) - scratch - n_snap);
+    CHECK(eng_check(e) == LETHE_OK);
+}
+
+static int32_t g_a[MAXP], g_b[MAXP], g_c[MAXP];
+
+static void make_prompts(void) {
+    uint64_t rng = 77;
+    for (int32_t k = 0; k < MAXP; k++) {
+        g_a[k] = (int32_t)(lethe_splitmix64(&rng) % NV);
+        g_c[k] = (int32_t)(lethe_splitmix64(&rng) % NV);
+    }
+    /* b shares a's first 200 tokens */
+    memcpy(g_b, g_a, 200 * sizeof(int32_t));
+    for (int32_t k = 200; k < MAXP; k++) g_b[k] = (int32_t)(lethe_splitmix64(&rng) % NV);
+}
+
+static out g_cold_a, g_cold_b, g_cold_b180;
+
+static void cold_runs(void) {
+    lethe_engine *e = mk(&(cfg){.budget = 2048});
+    run1(e, g_a, 250, &g_cold_a);
+    run1(e, g_b, 300, &g_cold_b);
+    /* b truncated: shares 180 tokens with a, then b's own */
+    static int32_t b180[300];
+    memcpy(b180, g_a, 180 * sizeof(int32_t));
+    memcpy(b180 + 180, g_b + 200, 120 * sizeof(int32_t));
+    run1(e, b180, 300, &g_cold_b180);
+    lethe_engine_destroy(e);
+}
+
+static void test_hit_at_snapshot(void) {
+    const int32_t budgets[] = {2048, 64, 100};
+    for (size_t k = 0; k < LETHE_ARRAY_LEN(budgets); k++) {
+        lethe_engine *e = mk(&(cfg){.cache = true, .budget = budgets[k], .every = 64});
+        static out oa, ob;
+        run1(e, g_a, 250, &oa); /* snapshots at 64, 128, 192 (also the last multiple of 64) */
+        CHECK_EQ_INT(oa.cached, 0);
+        same(&oa, &g_cold_a, "the snapshotting run");
+        lethe_pc_stats s = snap_stats(e);
+        CHECK_EQ_INT(s.snapshots, 3);
+        CHECK_EQ_INT(s.snapshots_taken, 3);
+        run1(e, g_b, 300, &ob); /* shares 200 tokens: 12 blocks matched, the deepest snapshot at 192 */
+        CHECK_EQ_INT(ob.cached, 192);
+        same(&ob, &g_cold_b, "hit at 192");
+        s = snap_stats(e);
+        CHECK_EQ_INT(s.snapshot_hits, 1);
+        CHECK_EQ_INT(s.snapshots, 4); /* b's own at 256 (also its prompt's last multiple of 64) */
+        only_snapshots_held(e);
+        fprintf(stderr, "    budget %d: hit of 192 tokens from a snapshot, logits bit-identical to cold\n",
+                budgets[k]);
+        lethe_engine_destroy(e);
+    }
+}
+
+static void test_hit_between_snapshots(void) {
+    lethe_engine *e = mk(&(cfg){.cache = true, .budget = 2048, .every = 128});
+    static out oa, ob;
+    run1(e, g_a, 250, &oa); /* snapshots at 128 and 192 (the last multiple of 64) */
+    same(&oa, &g_cold_a, "the snapshotting run");
+    CHECK_EQ_INT(snap_stats(e).snapshots, 2);
+    static int32_t b180[300];
+    memcpy(b180, g_a, 180 * sizeof(int32_t));
+    memcpy(b180 + 180, g_b + 200, 120 * sizeof(int32_t));
+    run1(e, b180, 300, &ob); /* 11 blocks (176 tokens) match: resumes from 128 */
+    CHECK_EQ_INT(ob.cached, 128);
+    same(&ob, &g_cold_b180, "hit between snapshots");
+    only_snapshots_held(e);
+    fprintf(stderr, "    176 tokens matched, resumed from the snapshot at 128: bit-identical to cold\n");
+    lethe_engine_destroy(e);
+}
+
+static void test_snapshot_lru(void) {
+    lethe_engine *probe = mk(&(cfg){.budget = 2048});
+    const size_t one = eng_state_bytes(probe, 1);
+    lethe_engine_destroy(probe);
+    lethe_engine *e = mk(&(cfg){.cache = true, .budget = 2048, .every = 64, .snap_bytes = 2 * one + one / 2});
+    CHECK_EQ_INT(e->n_snap_slots, 2);
+    static out o;
+    run1(e, g_a, 250, &o); /* 3 snapshot points: the one at 64 is dropped for the one at 192 */
+    same(&o, &g_cold_a, "a");
+    lethe_pc_stats s = snap_stats(e);
+    CHECK(s.snapshots == 2 && s.snapshots_taken == 3 && s.snapshots_evicted == 1);
+    run1(e, g_c, 130, &o); /* c's snapshots at 64 and 128 replace a's */
+    s = snap_stats(e);
+    CHECK(s.snapshots == 2 && s.snapshots_evicted == 3);
+    run1(e, g_b, 300, &o); /* a's snapshots are gone: a miss, computed from 0 */
+    CHECK_EQ_INT(o.cached, 0);
+    same(&o, &g_cold_b, "miss after LRU");
+    /* b's own snapshots at 64 .. 256 took both places; b again hits its newest */
+    run1(e, g_b, 300, &o);
+    CHECK_EQ_INT(o.cached, 256);
+    same(&o, &g_cold_b, "hit after LRU");
+    only_snapshots_held(e);
+    fprintf(stderr, "    2 snapshots: LRU drops the oldest; a miss and a hit both bit-identical to cold\n");
+    lethe_engine_destroy(e);
+}
+
+static void test_shared_prefix_preemption(void) {
+    enum { N = 8, LEN = 240 };
+    static int32_t prompts[N][LEN];
+    static out cold[N], warm[N];
+    uint64_t rng = 5;
+    for (int i = 0; i < N; i++)
+        for (int32_t k = 0; k < LEN; k++)
+            prompts[i][k] = k < 136 ? g_c[k] : (int32_t)(lethe_splitmix64(&rng) % NV);
+    lethe_engine *e = mk(&(cfg){.budget = 2048, .max_seqs = 1});
+    for (int i = 0; i < N; i++) run1(e, prompts[i], LEN, &cold[i]);
+    lethe_engine_destroy(e);
+    /* one attention layer of 2 KV heads x 32 f32 K and V: 512 bytes a token */
+    lethe_engine *probe = mk(&(cfg){.budget = 128, .max_seqs = N});
+    const size_t states = eng_state_bytes(probe, probe->n_state_slots);
+    const size_t one = eng_state_bytes(probe, 1);
+    lethe_engine_destroy(probe);
+    e = mk(&(cfg){.cache = true, .budget = 128, .max_seqs = N, .every = 64, .snap_bytes = 16 * one,
+                  .kv_bytes = states + 16 * one + 300 * 512, .max_len = 256});
+    for (int i = 0; i < N; i++) submit(e, prompts[i], LEN, MAXT, &warm[i]);
+    drain(e);
+    lethe_engine_stats st;
+    lethe_engine_get_stats(e, &st);
+    int32_t hits = 0;
+    for (int i = 0; i < N; i++) {
+        same(&warm[i], &cold[i], "shared prefix");
+        hits += warm[i].cached > 0;
+    }
+    CHECK_MSG(hits > 0 && st.n_preemptions > 0, "%d hits, %lld preemptions", hits, (long long)st.n_preemptions);
+    only_snapshots_held(e);
+    fprintf(stderr, "    %d requests over a 136-token prefix (KV for 300 tokens): %d hits, %lld preemptions, identical to cold\n", N,
+            hits, (long long)st.n_preemptions);
+    lethe_engine_destroy(e);
+}
+
+static void test_release(void) {
+    lethe_engine *e = mk(&(cfg){.cache = true, .budget = 64, .max_seqs = 4, .every = 64});
+    static out o[3];
+    uint64_t id = submit(e, g_a, 250, MAXT, &o[0]);
+    for (int k = 0; k < 2; k++) CHECK(lethe_engine_step(e) == 0); /* 128 of 250 prompt tokens */
+    CHECK_EQ_INT(snap_stats(e).snapshots, 2);
+    CHECK(lethe_engine_abort(e, id) == 0); /* mid-prefill: its row's state goes, the snapshots stay */
+    only_snapshots_held(e);
+    CHECK(o[0].done && o[0].why == LETHE_FINISH_ABORT);
+    run1(e, g_a, 250, &o[1]); /* resumes from the aborted request's snapshot at 128 */
+    CHECK_EQ_INT(o[1].cached, 128);
+    same(&o[1], &g_cold_a, "after abort");
+    only_snapshots_held(e);
+    /* a state slot held outside the cache is caught by the checker */
+    const int32_t x = lethe_kv_state_take(e->pool);
+    CHECK(x >= 0 && eng_check(e) != LETHE_OK);
+    CHECK(strstr(lethe_last_error(), "snapshot leaked"));
+    lethe_kv_state_give(e->pool, x);
+    CHECK(eng_check(e) == LETHE_OK);
+    /* evicting every block gives every snapshot back */
+    CHECK(snap_stats(e).snapshots == 3);
+    lethe_pcache_evict(e->pcache, INT32_MAX);
+    CHECK_EQ_INT(lethe_radix_n_blocks(lethe_radix_cache_tree(e->pcache)), 0);
+    CHECK_EQ_INT(snap_stats(e).snapshots, 0);
+    only_snapshots_held(e);
+    run1(e, g_a, 250, &o[2]);
+    CHECK_EQ_INT(o[2].cached, 0);
+    same(&o[2], &g_cold_a, "after eviction");
+    lethe_engine_destroy(e);
+}
+
+static void test_refusals(void) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = TINY;
+    p.kv_cache_bytes = 64u << 20;
+    p.max_num_seqs = 4;
+    p.max_model_len = 512;
+    lethe_engine *e = NULL;
+    p.state_snapshot_interval = 100;
+    CHECK(lethe_engine_create(&p, &e) != 0);
+    CHECK_MSG(strstr(lethe_engine_last_error(), "multiple of 64"), "%s", lethe_engine_last_error());
+    p.state_snapshot_interval = 0;
+    p.host_cache_bytes = 1u << 20;
+    CHECK(lethe_engine_create(&p, &e) != 0);
+    CHECK_MSG(strstr(lethe_engine_last_error(), "host tier keeps no"), "%s", lethe_engine_last_error());
+    p.host_cache_bytes = 0;
+    p.state_snapshot_bytes = (size_t)1 << 40;
+    CHECK(lethe_engine_create(&p, &e) != 0);
+    CHECK_MSG(strstr(lethe_engine_last_error(), "snapshots"), "%s", lethe_engine_last_error());
+}
+
+int main(void) {
+    make_prompts();
+    cold_runs();
+    TEST_RUN(test_hit_at_snapshot);
+    TEST_RUN(test_hit_between_snapshots);
+    TEST_RUN(test_snapshot_lru);
+    TEST_RUN(test_shared_prefix_preemption);
+    TEST_RUN(test_release);
+    TEST_RUN(test_refusals);
+    fprintf(stderr, "test_hybrid_prefix: ok\n");
+    return 0;
+}
