@@ -225,7 +225,8 @@ typedef struct lethe_engine_params {
     /* Hybrid models (linear-attention layers with per-request states, e.g.
      * qwen3_5), radix prefix cache: a prefix hit needs the states at its
      * end, so the cache snapshots them every state_snapshot_interval tokens
-     * of a prompt (--state-snapshot-interval, a multiple of 64; 0 = 1024) and
+     * of a prompt (--state-snapshot-interval, a multiple of 64; 0 = the step
+     * budget max_num_batched_tokens rounded down to a multiple of 64) and
      * at the prompt's last multiple of 64; prefill chunks end there. The
      * snapshots take at most state_snapshot_bytes (--state-snapshot-bytes;
      * 0 = an eighth of the KV budget) off the KV budget, least recently

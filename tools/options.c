@@ -212,7 +212,8 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
         "continuation) for eviction methods", 1, 0);
     ROW("--state-snapshot-interval", NULL, LETHE_OPT_INT, &p->state_snapshot_interval, "N",
         "hybrid models (qwen3_5): the radix prefix cache snapshots the linear-attention states "
-        "every N prompt tokens (a multiple of 64; 0 = 1024) and at the prompt's last multiple of "
+        "every N prompt tokens (a multiple of 64; 0 = --max-num-batched-tokens rounded down to one) "
+        "and at the prompt's last multiple of "
         "64; a hit resumes from the deepest snapshot", 0, 1 << 24);
     ROW("--state-snapshot-bytes", NULL, LETHE_OPT_BYTES, &p->state_snapshot_bytes, "SIZE",
         "hybrid models: memory for those snapshots, taken off the KV budget, LRU (0 = an eighth "

@@ -109,7 +109,7 @@ lethe_status eng_cache_init(lethe_engine *e) {
                          .restore_state = restore_state,
                          .host_tier = e->host_tier,
                          .snapshot_slots = e->n_snap_slots,
-                         .snapshot_every = e->snap_every ? e->snap_every : 1024};
+                         .snapshot_every = e->snap_every ? e->snap_every : LETHE_GDN_CHUNK};
     return lethe_pcache_create(&p, &e->pcache);
 }
 

@@ -53,7 +53,11 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "states) cannot use method %s: %s",
                             e->model_path ? e->model_path : c->arch, c->arch, c->n_linear_layers,
                             c->n_layers, ops->name, why);
-    const int32_t every = e->p.state_snapshot_interval ? e->p.state_snapshot_interval : 1024;
+    /* default: the step budget, so a long prompt prefilled alone is cut nowhere it
+     * would not be anyway (its chunks end at multiples of the budget) */
+    const int32_t every = e->p.state_snapshot_interval
+                              ? e->p.state_snapshot_interval
+                              : e->p.max_num_batched_tokens / LETHE_GDN_CHUNK * LETHE_GDN_CHUNK;
     if (every < 0 || every % LETHE_GDN_CHUNK)
         return lethe_errorf(LETHE_ERR_INVALID,
                             "--state-snapshot-interval %d: must be a positive multiple of %d (the "
