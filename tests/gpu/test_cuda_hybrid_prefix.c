@@ -1,0 +1,141 @@
+/* test_cuda_hybrid_prefix.c - prefix hits from state snapshots on the CUDA
+ * backend (tests/data/tiny-qwen3_5: 3 Gated DeltaNet layers + 1 gated
+ * attention layer; the CPU twin of every case is tests/test_hybrid_prefix.c).
+ *
+ * The snapshots are state slots copied on the device (ops->state_copy,
+ * stream-ordered after the step that ends at the snapshot point), and a hit
+ * copies one back into the request's slot before its first chunk. The
+ * comparator is a cold run (prefix caching off) of the same prompt with the
+ * same chunking: both engines take steps of 64 tokens, so the hit's chunks
+ * [192, 256), [256, 300) are the cold run's last two, and every matmul sees
+ * the same row counts (cuBLAS may pick another kernel for another row count,
+ * so a cold run in other chunks may differ in the last bits on CUDA).
+ *
+ *  - a prompt extending a cached one by 100 tokens: hit of 192 tokens (its
+ *    deepest snapshot), 8 greedy tokens with bit-identical logits;
+ *  - a prompt that shares 180 tokens with the cached one, snapshots every
+ *    128: resumes from 128, bit-identical;
+ *  - the invariant checker after every step (the held state slots are the
+ *    snapshots the cache lists) and no state slot held but theirs at the end. */
+#include <stdio.h>
+#include <string.h>
+
+#include "core/util.h"
+#include "engine/engine_internal.h"
+#include "test.h"
+
+#define TINY "tests/data/tiny-qwen3_5"
+#define NV 256
+#define MAXT 8
+
+typedef struct out {
+    int32_t tokens[MAXT];
+    float logits[MAXT][NV];
+    int32_t n, cached;
+    bool done;
+} out;
+
+static void on_event(void *user, const lethe_event *ev) {
+    out *o = user;
+    if (ev->n_tokens) {
+        CHECK(o->n < MAXT && ev->logits && ev->n_vocab == NV);
+        memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
+        o->tokens[o->n++] = ev->token;
+    }
+    o->cached = ev->cached_tokens;
+    if (ev->finished) o->done = true;
+}
+
+static lethe_engine *mk(bool cache, int32_t every) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = TINY;
+    p.device = "cuda";
+    p.kv_cache_bytes = 64u << 20;
+    p.max_num_batched_tokens = 64;
+    p.max_num_seqs = 4;
+    p.enable_prefix_caching = cache;
+    p.state_snapshot_interval = every;
+    p.check_invariants = true;
+    p.max_model_len = 512;
+    lethe_engine *e = NULL;
+    CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
+    return e;
+}
+
+static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
+    memset(o, 0, sizeof(*o));
+    lethe_request_params rp = {0};
+    lethe_sampling_default_params(&rp.sampling);
+    rp.sampling.temperature = 0;
+    rp.sampling.max_tokens = MAXT;
+    rp.sampling.ignore_eos = true;
+    rp.prompt = prompt;
+    rp.n_prompt = n;
+    rp.want_logits = true;
+    rp.cb = on_event;
+    rp.user = o;
+    uint64_t id;
+    CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
+    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
+    CHECK(o->done && o->n == MAXT);
+}
+
+static void same(const out *a, const out *b, const char *what) {
+    for (int32_t t = 0; t < MAXT; t++) {
+        CHECK_MSG(a->tokens[t] == b->tokens[t], "%s token %d: %d vs %d", what, t, a->tokens[t], b->tokens[t]);
+        float worst = 0;
+        for (int v = 0; v < NV; v++) worst = LETHE_MAX(worst, fabsf(a->logits[t][v] - b->logits[t][v]));
+        CHECK_MSG(!memcmp(a->logits[t], b->logits[t], sizeof(a->logits[t])),
+                  "%s token %d: logits differ (max abs %g)", what, t, (double)worst);
+    }
+}
+
+static void only_snapshots_held(lethe_engine *e) {
+    lethe_pc_stats s;
+    lethe_pcache_stats(e->pcache, &s);
+    CHECK_EQ_INT(lethe_kv_state_n_held(e->pool), s.snapshots);
+    CHECK(eng_check(e) == LETHE_OK);
+}
+
+static int32_t g_a[400], g_b[400], g_b180[300];
+
+static void test_hits(void) {
+    uint64_t rng = 77;
+    for (int k = 0; k < 400; k++) g_a[k] = (int32_t)(lethe_splitmix64(&rng) % NV);
+    memcpy(g_b, g_a, 200 * sizeof(int32_t));
+    for (int k = 200; k < 400; k++) g_b[k] = (int32_t)(lethe_splitmix64(&rng) % NV);
+    memcpy(g_b180, g_a, 180 * sizeof(int32_t));
+    memcpy(g_b180 + 180, g_b + 200, 120 * sizeof(int32_t));
+    static out cold_a, cold_b, cold_b180, o;
+    lethe_engine *e = mk(false, 0);
+    run1(e, g_a, 250, &cold_a);
+    run1(e, g_b, 300, &cold_b);
+    run1(e, g_b180, 300, &cold_b180);
+    lethe_engine_destroy(e);
+
+    e = mk(true, 64);
+    run1(e, g_a, 250, &o); /* snapshots at 64, 128, 192 */
+    same(&o, &cold_a, "the snapshotting run");
+    run1(e, g_b, 300, &o);
+    CHECK_EQ_INT(o.cached, 192);
+    same(&o, &cold_b, "hit at 192");
+    only_snapshots_held(e);
+    lethe_engine_destroy(e);
+    fprintf(stderr, "    cuda: hit of 192 tokens from a device snapshot, logits bit-identical to cold\n");
+
+    e = mk(true, 128);
+    run1(e, g_a, 250, &o); /* snapshots at 128 and 192 */
+    run1(e, g_b180, 300, &o); /* 176 tokens match: resumes from 128 */
+    CHECK_EQ_INT(o.cached, 128);
+    same(&o, &cold_b180, "hit between snapshots");
+    only_snapshots_held(e);
+    lethe_engine_destroy(e);
+    fprintf(stderr, "    cuda: resumed from the snapshot at 128 of a 176-token match: bit-identical\n");
+}
+
+int main(void) {
+    TEST_RUN(test_hits);
+    fprintf(stderr, "test_cuda_hybrid_prefix: ok\n");
+    return 0;
+}
