@@ -34,12 +34,17 @@ __attribute__((target("avx2,fma,f16c"), noinline)) static int probe_avx2(volatil
     return 1;
 }
 
-/* vpdpbusd on ymm registers: AVX-512 VNNI + VL (qdot_vnni.c uses its vpdpwssd) */
+/* AVX-512 VNNI on ymm and zmm registers, F and VL: vpdpbusd, vpdpwssd on
+ * 512 bits and a masked 512-bit store (what qdot_vnni.c executes) */
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"), noinline)) static int
 probe_vnni(volatile float *io) {
     __m256i a = _mm256_set1_epi8(2), b = _mm256_set1_epi8((char)io[1]); /* 3 */
     __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);  /* 4 * 2 * 3 = 24 */
-    io[2] = (float)(_mm256_extract_epi32(d, 7) - 14);                /* 10 */
+    __m512i z = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(2),
+                                    _mm512_set1_epi16((short)io[1])); /* 2 * 2 * 3 = 12 */
+    float t[16] = {0};
+    _mm512_mask_storeu_ps(t, (__mmask16)0x8000, _mm512_cvtepi32_ps(z));
+    io[2] = (float)(_mm256_extract_epi32(d, 7) - 14) + t[15] - 12.0f; /* 10 */
     return 1;
 }
 

@@ -27,29 +27,26 @@ bool lethe_cpu_qdot_supported(lethe_ggml_type t, int32_t cols) {
     }
 }
 
-static int32_t ns_of(int32_t cols) { return (cols / 16 + 7) / 8 * 8; }
-
 size_t lethe_cpu_qx_bytes(int32_t n, int32_t cols) {
     const size_t q = ((size_t)n * (size_t)cols * 2 + 63) / 64 * 64;
-    return q + (size_t)n * (size_t)(cols / 32 + ns_of(cols)) * sizeof(float);
+    return q + (size_t)n * (size_t)(cols / 32) * 2 * sizeof(float);
 }
 
 void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t cols,
                            void *scratch, lethe_qx_rows *out) {
     LETHE_ASSERT(n >= 0 && cols > 0 && cols % 32 == 0);
-    const int32_t nb = cols / 32, ns = ns_of(cols);
+    const int32_t nb = cols / 32;
     int16_t *q = scratch;
     float *d = (float *)((uint8_t *)scratch + ((size_t)n * (size_t)cols * 2 + 63) / 64 * 64);
     float *s = d + (size_t)n * nb;
-    *out = (lethe_qx_rows){q, d, s, n, cols, ns};
+    *out = (lethe_qx_rows){q, d, s, n, cols};
     if (isa >= LETHE_ISA_AVX2) {
-        lethe_cpu_qx_quantize_avx2(x, n, cols, q, d, s, ns);
+        lethe_cpu_qx_quantize_avx2(x, n, cols, q, d, s);
         return;
     }
     for (int32_t i = 0; i < n; i++) {
         const float *xr = x + (size_t)i * cols;
         int16_t *qr = q + (size_t)i * cols;
-        float *sr = s + (size_t)i * ns;
         for (int32_t b = 0; b < nb; b++) {
             const float *xb = xr + 32 * b;
             float amax = 0.0f;
@@ -62,24 +59,21 @@ void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t
              * the f32 path (and no NaN is converted to an integer) */
             const float db = finite ? amax / 32767.0f : NAN;
             const float id = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
-            int sum[2] = {0, 0};
+            int sum = 0;
             for (int k = 0; k < 32; k++) {
                 const int v = finite ? (int)nearbyintf(xb[k] * id) : 0;
                 qr[32 * b + k] = (int16_t)v;
-                sum[k / 16] += v;
+                sum += v;
             }
             d[(size_t)i * nb + b] = db;
-            sr[2 * b] = d[(size_t)i * nb + b] * (float)sum[0];
-            sr[2 * b + 1] = d[(size_t)i * nb + b] * (float)sum[1];
+            s[(size_t)i * nb + b] = db * (float)sum;
         }
-        for (int32_t h = 2 * nb; h < ns; h++) sr[h] = 0.0f;
     }
 }
 
 size_t lethe_cpu_qdot_scratch_bytes(int32_t cols) {
     const size_t nb = (size_t)(cols / 32);
-    return (size_t)QDOT_QR * ((size_t)cols * 2 + (size_t)ns_of(cols) * sizeof(float)) +
-           nb * 2 * QDOT_QR * (1 + QDOT_XT_MAX) * sizeof(float) + 64;
+    return nb * (16 * QDOT_G * sizeof(int32_t) + 3 * QDOT_G * sizeof(float)) + 64;
 }
 
 /* ---- the portable twin ---- */
@@ -90,33 +84,33 @@ static float f16(const uint8_t *p) {
     return lethe_f16_to_f32(h);
 }
 
-/* the unit's 32 integers and scales, as qk_decode */
-static void decode_unit(lethe_ggml_type t, const uint8_t *row, int u, int8_t wq[32], float *lo,
-                        float *hi, float *o0, float *o1) {
+/* the unit's 32 integers (fixed offsets folded in) and scales, as the
+ * QK_UNIT functions of qdot_kernel.h; *mn the min (0 for formats without) */
+static void decode_unit(lethe_ggml_type t, const uint8_t *row, int u, int wq[32], float *lo,
+                        float *hi, float *mn) {
     switch (t) {
     case LETHE_GGML_Q4_0:
     case LETHE_GGML_Q4_1:
     case LETHE_GGML_Q5_0:
     case LETHE_GGML_Q5_1: {
-        static const int bytes[] = {18, 20, 22, 24}, qoff[] = {2, 4, 6, 8};
+        static const int bytes[] = {18, 20, 22, 24}, qoff[] = {2, 4, 6, 8}, bias[] = {8, 0, 16, 0};
         const int f = t == LETHE_GGML_Q4_0 ? 0 : t == LETHE_GGML_Q4_1 ? 1 : t == LETHE_GGML_Q5_0 ? 2 : 3;
         const uint8_t *b = row + (size_t)u * bytes[f], *qs = b + qoff[f];
         uint32_t qh = 0;
         if (f == 2) memcpy(&qh, b + 2, 4);
         if (f == 3) memcpy(&qh, b + 4, 4);
         for (int k = 0; k < 16; k++) {
-            wq[k] = (int8_t)((qs[k] & 0xf) | (((qh >> k) & 1) << 4));
-            wq[k + 16] = (int8_t)((qs[k] >> 4) | (((qh >> (k + 16)) & 1) << 4));
+            wq[k] = ((qs[k] & 0xf) | (((qh >> k) & 1) << 4)) - bias[f];
+            wq[k + 16] = ((qs[k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - bias[f];
         }
         *lo = *hi = f16(b);
-        if (f == 1 || f == 3) *o0 = *o1 = f16(b + 2);
-        else *o0 = *o1 = (f == 0 ? -8.0f : -16.0f) * *lo;
+        *mn = f == 1 || f == 3 ? f16(b + 2) : 0.0f;
         return;
     }
     case LETHE_GGML_Q8_0: {
         const uint8_t *b = row + (size_t)u * 34;
-        memcpy(wq, b + 2, 32);
-        *lo = *hi = f16(b), *o0 = *o1 = 0.0f;
+        for (int k = 0; k < 32; k++) wq[k] = (int8_t)b[2 + k];
+        *lo = *hi = f16(b), *mn = 0.0f;
         return;
     }
     case LETHE_GGML_Q4_K:
@@ -124,11 +118,11 @@ static void decode_unit(lethe_ggml_type t, const uint8_t *row, int u, int8_t wq[
         const int k5 = t == LETHE_GGML_Q5_K, s = u % 8;
         const uint8_t *b = row + (size_t)(u / 8) * (k5 ? 176 : 144);
         const uint8_t *qs = b + (k5 ? 48 : 16) + 32 * (s / 2), *h = b + 16;
-        int sc, mn;
-        qdot_scale_min_k4(s, b + 4, &sc, &mn);
+        int sc, m;
+        qdot_scale_min_k4(s, b + 4, &sc, &m);
         for (int k = 0; k < 32; k++)
-            wq[k] = (int8_t)(((qs[k] >> ((s & 1) * 4)) & 0xf) | (k5 ? ((h[k] >> s) & 1) << 4 : 0));
-        *lo = *hi = f16(b) * (float)sc, *o0 = *o1 = -(f16(b + 2) * (float)mn);
+            wq[k] = ((qs[k] >> ((s & 1) * 4)) & 0xf) | (k5 ? ((h[k] >> s) & 1) << 4 : 0);
+        *lo = *hi = f16(b) * (float)sc, *mn = -(f16(b + 2) * (float)m);
         return;
     }
     case LETHE_GGML_Q6_K: {
@@ -138,51 +132,40 @@ static void decode_unit(lethe_ggml_type t, const uint8_t *row, int u, int8_t wq[
         const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + 2 * tq;
         const float d = f16(b + 208);
         for (int k = 0; k < 32; k++)
-            wq[k] = (int8_t)(((ql[k] >> ((tq >> 1) * 4)) & 0xf) | (((qh[k] >> (2 * tq)) & 3) << 4));
-        *lo = d * (float)sc[0], *hi = d * (float)sc[1];
-        *o0 = -32.0f * *lo, *o1 = -32.0f * *hi;
+            wq[k] = (((ql[k] >> ((tq >> 1) * 4)) & 0xf) | (((qh[k] >> (2 * tq)) & 3) << 4)) - 32;
+        *lo = d * (float)sc[0], *hi = d * (float)sc[1], *mn = 0.0f;
         return;
     }
     default: LETHE_ASSERT(!"qdot: format without a decoder");
     }
 }
 
+/* x row i . W row `row`, in the order of qdot.h */
 static float dot_c(const lethe_cpu_qweight *w, const uint8_t *row, const lethe_qx_rows *x,
                    int32_t i) {
-    const int nb = x->cols / 32, ns = x->ns;
-    const int is_signed = w->type == LETHE_GGML_Q8_0, split = w->type == LETHE_GGML_Q6_K;
+    const int nb = x->cols / 32;
+    const int split = w->type == LETHE_GGML_Q6_K;
+    const int has_min = w->type == LETHE_GGML_Q4_1 || w->type == LETHE_GGML_Q5_1 ||
+                        w->type == LETHE_GGML_Q4_K || w->type == LETHE_GGML_Q5_K;
     const int16_t *xq = x->q + (size_t)i * x->cols;
-    const float *xd = x->d + (size_t)i * nb, *xs = x->s + (size_t)i * ns;
-    float acc[8] = {0}, wo[2 * 8192 / 16 + 8];
-    LETHE_ASSERT(ns <= (int)LETHE_ARRAY_LEN(wo)); /* rows up to 8192 columns on this tier */
+    const float *xd = x->d + (size_t)i * nb, *xs = x->s + (size_t)i * nb;
+    float acc = 0.0f;
     for (int u = 0; u < nb; u++) {
-        int8_t wq[32];
-        float lo, hi;
-        decode_unit(w->type, row, u, wq, &lo, &hi, &wo[2 * u], &wo[2 * u + 1]);
+        int wq[32];
+        float lo, hi, mn;
+        decode_unit(w->type, row, u, wq, &lo, &hi, &mn);
         const int16_t *xu = xq + 32 * u;
-        const float sl = lo * xd[u], sh = hi * xd[u];
-        /* lane l of half c: elements 16c + 2l, 16c + 2l + 1 (vpmaddwd's pairs) */
-        int iv[2][8];
-        for (int c = 0; c < 2; c++)
-            for (int l = 0; l < 8; l++) {
-                const int k = 16 * c + 2 * l;
-                const int w0 = is_signed ? wq[k] : (uint8_t)wq[k];
-                const int w1 = is_signed ? wq[k + 1] : (uint8_t)wq[k + 1];
-                iv[c][l] = w0 * xu[k] + w1 * xu[k + 1];
-            }
-        for (int l = 0; l < 8; l++) {
-            if (!split) {
-                acc[l] = fmaf((float)(iv[0][l] + iv[1][l]), sl, acc[l]);
-            } else {
-                acc[l] = fmaf((float)iv[0][l], sl, acc[l]);
-                acc[l] = fmaf((float)iv[1][l], sh, acc[l]);
-            }
+        int32_t sum[2] = {0, 0};
+        for (int k = 0; k < 32; k++) sum[k / 16] += wq[k] * xu[k];
+        if (!split) {
+            acc = fmaf((float)(sum[0] + sum[1]), lo * xd[u], acc);
+        } else {
+            acc = fmaf((float)sum[0], lo * xd[u], acc);
+            acc = fmaf((float)sum[1], hi * xd[u], acc);
         }
+        if (has_min) acc = fmaf(mn, xs[u], acc);
     }
-    for (int h = 2 * nb; h < ns; h++) wo[h] = 0.0f;
-    for (int h = 0; h < ns; h += 8)
-        for (int l = 0; l < 8; l++) acc[l] = fmaf(wo[h + l], xs[h + l], acc[l]);
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    return acc;
 }
 
 void lethe_cpu_qdot_rows(lethe_cpu_isa isa, const lethe_cpu_qweight *w, int32_t j0, int32_t j1,
@@ -190,16 +173,13 @@ void lethe_cpu_qdot_rows(lethe_cpu_isa isa, const lethe_cpu_qweight *w, int32_t 
     LETHE_ASSERT(0 <= j0 && j0 <= j1 && j1 <= w->rows && x->cols == w->cols);
     LETHE_ASSERT(lethe_cpu_qdot_supported(w->type, w->cols));
     if (isa >= LETHE_ISA_AVX2) {
-        /* QDOT_QR rows: wq [cols] int16 and wo [ns] floats each; then s4, p */
-        const int32_t nb = w->cols / 32;
+        /* wq [nb][16][QDOT_G] words, ws [nb][2][QDOT_G], wm [nb][QDOT_G] */
+        const size_t nb = (size_t)(w->cols / 32);
         uint8_t *p = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
         qdot_scratch sc;
-        for (int c = 0; c < QDOT_QR; c++) {
-            sc.rows[c].wq = (int16_t *)p, p += (size_t)w->cols * 2;
-            sc.rows[c].wo = (float *)p, p += (size_t)x->ns * sizeof(float);
-        }
-        sc.s4 = (float *)p, p += (size_t)nb * 2 * QDOT_QR * sizeof(float);
-        sc.p = (float *)p;
+        sc.wq = (int32_t *)p, p += nb * 16 * QDOT_G * sizeof(int32_t);
+        sc.ws = (float *)p, p += nb * 2 * QDOT_G * sizeof(float);
+        sc.wm = (float *)p;
         if (isa >= LETHE_ISA_AVX2_VNNI) lethe_cpu_qdot_vnni(w, j0, j1, x, y, ldy, &sc);
         else lethe_cpu_qdot_avx2(w, j0, j1, x, y, ldy, &sc);
         return;

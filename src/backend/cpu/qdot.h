@@ -13,46 +13,43 @@
  * plus f32 rounding. Results do not depend on n, the thread count or the
  * SIMD tier (integer sums are exact and the float operations are in a fixed
  * order), so the engine's batch-invariance and prefix-reuse guarantees hold
- * within this mode. */
+ * within this mode.
+ *
+ * The float order, for W row j and x row i (every path and tier):
+ *   acc = 0; for each unit u (32 elements) in order:
+ *     acc = fma((float) isum_u, ws_u * d_u, acc)        (Q6_K: once per half)
+ *     acc = fma(wm_u, s_u, acc)                         (formats with a min)
+ *   y = acc
+ * where isum_u = the exact integer dot of the unit's weight integers (a
+ * fixed offset such as Q4_0's -8 is folded in: -8..7) with x's, ws_u the
+ * unit's weight scale, d_u x's block scale, wm_u the unit's min (Q4_1, Q5_1,
+ * Q4_K, Q5_K) and s_u = d_u * (sum of x's integers over the unit). One
+ * scalar chain per (i, j), so the prefill kernel can put 16 W rows in the
+ * lanes of one vector and pay one scale multiply-add per unit for all 16. */
 #ifndef LETHE_BACKEND_CPU_QDOT_H
 #define LETHE_BACKEND_CPU_QDOT_H
 
 #include "backend/cpu/cpu_ops.h"
 
-#define QDOT_QR 4 /* rows of W decoded at a time */
-
 /* n rows of x, quantized: q [n, cols] int16, d [n, cols/32] block scales,
- * s [n, ns] = d * (sum of q over each 16-element half block), zero-padded to
- * ns = round_up(cols / 16, 8) */
+ * s [n, cols/32] = d * (sum of q over the block) */
 typedef struct lethe_qx_rows {
     const int16_t *q;
     const float *d, *s;
-    int32_t n, cols, ns;
+    int32_t n, cols;
 } lethe_qx_rows;
 
-/* One decoded W row, per 32-element unit u (nb = cols / 32 units):
- *   wq [32u .. 32u+31]  the unit's integers (0..63; Q8_0: -128..127);
- *   (s4 of qdot_scratch: the scales of its halves, elements 0-15, 16-31;
- *                       equal except for Q6_K);
- *   wo [2u], [2u+1]     the offset coefficient of each half (the m of Q4_1,
- *                       -8 d of Q4_0, ...), zero-padded to ns.
- * So w_k = ws_h * wq_k + wo_h over each half h, and
- *   x.w = sum_u sum_h (int(wq_h . xq_h) * ws_h * d_x) + sum_h wo_h * s_h,
- * where the two halves' integers are summed first when ws_0 == ws_1 by format. */
-typedef struct qdot_row {
-    int16_t *wq;
-    float *wo;
-} qdot_row;
-
-#define QDOT_XT_MAX 4 /* x rows per register tile, at most (qdot_kernel.h) */
-
-/* The kernels' scratch (lethe_cpu_qdot_scratch_bytes): QDOT_QR decoded W
- * rows; their half scales unit-major, s4 [nb][2][QDOT_QR]; and p [nb][2]
- * [QDOT_XT_MAX][QDOT_QR], those scales times the block scales of the x rows
- * of the current tile */
+/* The prefill path decodes QDOT_G rows of W at a time into scratch, pair-
+ * interleaved: for unit u and pair k (elements 2k, 2k+1 of the unit),
+ *   wq [u][k][g] = int16 pair (w_2k, w_2k+1) of row g, as one 32-bit word,
+ * so one 512-bit vector holds pair k of all 16 rows and vpdpwssd with the x
+ * pair broadcast adds it into 16 row accumulators; ws [u][2][g] the half
+ * scales (equal except for Q6_K), wm [u][g] the mins. Rows past the end
+ * repeat the last row. */
+#define QDOT_G 16
 typedef struct qdot_scratch {
-    qdot_row rows[QDOT_QR];
-    float *s4, *p;
+    int32_t *wq;
+    float *ws, *wm;
 } qdot_scratch;
 
 /* 6-bit scale and min j (0..7) of Q4_K / Q5_K, packed in 12 bytes */
@@ -71,15 +68,15 @@ bool lethe_cpu_qdot_supported(lethe_ggml_type t, int32_t cols);
 size_t lethe_cpu_qx_bytes(int32_t n, int32_t cols);
 void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t cols,
                            void *scratch, lethe_qx_rows *out);
-/* scratch for QDOT_QR decoded rows of `cols` and the tile scales */
+/* scratch for QDOT_G decoded rows of `cols` and their scales */
 size_t lethe_cpu_qdot_scratch_bytes(int32_t cols);
 /* y[i*ldy + j - j0] = x row i . W row j for i < x->n, j in [j0, j1) */
 void lethe_cpu_qdot_rows(lethe_cpu_isa isa, const lethe_cpu_qweight *w, int32_t j0, int32_t j1,
                          const lethe_qx_rows *x, float *y, int32_t ldy, void *scratch);
 /* the same with AVX2 (qdot_avx2.c): identical integers and scales */
 void lethe_cpu_qx_quantize_avx2(const float *x, int32_t n, int32_t cols, int16_t *q, float *d,
-                                float *s, int32_t ns);
-/* the tiers (qdot_avx2.c, qdot_vnni.c); scratch: QDOT_QR rows set up by qdot.c */
+                                float *s);
+/* the tiers (qdot_avx2.c, qdot_vnni.c); scratch set up by qdot.c */
 void lethe_cpu_qdot_avx2(const lethe_cpu_qweight *w, int32_t j0, int32_t j1,
                          const lethe_qx_rows *x, float *y, int32_t ldy, qdot_scratch *scratch);
 void lethe_cpu_qdot_vnni(const lethe_cpu_qweight *w, int32_t j0, int32_t j1,

@@ -1,8 +1,8 @@
 /* qdot_avx2.c - the 16-bit-activation matmul on AVX2 (qdot_kernel.h):
  * vpmaddwd multiplies 16-bit pairs and sums each pair into 32 bits, exact
- * (|w| <= 128, |x| <= 32767: four products per lane stay below 2^31). */
+ * (|w| <= 128, |x| <= 32767: a unit's 32 products stay below 2^31). */
 #define QDOT_NAME lethe_cpu_qdot_avx2
-#define QDOT_XT 2 /* x rows per tile: 4 x 2 accumulators of 16 registers */
+#define QDOT_ZMM 0
 #define QDOT_DOT1(w, x) _mm256_madd_epi16((w), (x))
 #define QDOT_DOT2(wl, xl, wh, xh) _mm256_add_epi32(_mm256_madd_epi16((wl), (xl)), _mm256_madd_epi16((wh), (xh)))
 #include "backend/cpu/qdot_kernel.h"
@@ -13,14 +13,14 @@
  * scales): max |x| per block, d = max / 32767, q = round-to-nearest-even(x *
  * (32767 / max)), with the portable code's handling of zero and non-finite blocks */
 void lethe_cpu_qx_quantize_avx2(const float *x, int32_t n, int32_t cols, int16_t *q, float *d,
-                                float *s, int32_t ns) {
+                                float *s) {
     const int32_t nb = cols / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inf = _mm256_set1_ps(INFINITY);
     for (int32_t i = 0; i < n; i++) {
         const float *xr = x + (size_t)i * cols;
         int16_t *qr = q + (size_t)i * cols;
-        float *dr = d + (size_t)i * nb, *sr = s + (size_t)i * ns;
+        float *dr = d + (size_t)i * nb, *sr = s + (size_t)i * nb;
         for (int32_t b = 0; b < nb; b++) {
             __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
             for (int k = 0; k < 4; k++) {
@@ -41,21 +41,19 @@ void lethe_cpu_qx_quantize_avx2(const float *x, int32_t n, int32_t cols, int16_t
             for (int k = 0; k < 4; k++)
                 iq[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], idv),
                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            /* sums of each half (elements 0-15, 16-31) */
-            const __m256i h0 = _mm256_add_epi32(iq[0], iq[1]), h1 = _mm256_add_epi32(iq[2], iq[3]);
-            __m128i t0 = _mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1));
-            __m128i t1 = _mm_add_epi32(_mm256_castsi256_si128(h1), _mm256_extracti128_si256(h1, 1));
-            t0 = _mm_hadd_epi32(t0, t1); /* a0+a1, a2+a3, b0+b1, b2+b3 */
-            t0 = _mm_hadd_epi32(t0, t0); /* sum0, sum1, ... */
+            /* the block's sum (exact) */
+            const __m256i h = _mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]),
+                                               _mm256_add_epi32(iq[2], iq[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
             /* 32 int32 -> 32 int16 (|q| <= 32767: no saturation), in element order */
             const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iq[0], iq[1]), 0xd8);
             const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iq[2], iq[3]), 0xd8);
             _mm256_storeu_si256((__m256i *)(qr + 32 * b), p01);
             _mm256_storeu_si256((__m256i *)(qr + 32 * b + 16), p23);
             dr[b] = db;
-            sr[2 * b] = db * (float)_mm_cvtsi128_si32(t0);
-            sr[2 * b + 1] = db * (float)_mm_extract_epi32(t0, 1);
+            sr[b] = db * (float)_mm_cvtsi128_si32(t);
         }
-        for (int32_t h = 2 * nb; h < ns; h++) sr[h] = 0.0f;
     }
 }

@@ -1,18 +1,21 @@
 /* qdot_kernel.h - the SIMD body of the 16-bit-activation matmul (qdot.c),
- * included by qdot_avx2.c (vpmaddwd) and qdot_vnni.c (vpdpwssd), each
- * compiled for its tier. The includer defines
+ * included by qdot_avx2.c (vpmaddwd, 256-bit) and qdot_vnni.c (vpdpwssd,
+ * 512-bit), each compiled for its tier. The includer defines
  *     QDOT_DOT2(wl, xl, wh, xh) -> __m256i: lane l = the sum over the two
  *                        16-element chunks of w[2l] x[2l] + w[2l+1] x[2l+1]
  *                        (signed 16-bit integers, exact in 32 bits)
  *     QDOT_DOT1(w, x)    the same for one chunk
+ *     QDOT_ZMM           1: the prefill tile on 512-bit vectors (vpdpwssd)
  *     QDOT_NAME          the entry point's name.
- * Both tiers run the same float operations in the same order on the same
- * integers, so their results are bit-identical (and identical to the
- * portable C twin in qdot.c).
+ * Every path runs qdot.h's float order on the same integers, so the tiers,
+ * the two paths and the portable C twin in qdot.c give the same bits.
  *
  * n <= 2 rows of x (decode): one W row at a time in memory order, units
- * decoded in registers. More rows: QDOT_QR rows of W decoded into scratch
- * (16-bit integers, scales, offsets) once, then every row of x against them. */
+ * decoded in registers, one scalar chain per (x row, W row). More rows:
+ * QDOT_G = 16 rows of W decoded into scratch pair-interleaved (qdot.h), then
+ * every x row against them with W rows in the vector lanes: per unit and x
+ * row, 16 (or 2 x 8) integer multiply-adds with the x pair broadcast, one
+ * convert, one scale multiply and one or two FMAs for all 16 W rows. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -24,6 +27,11 @@ static inline float qk_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+static inline int32_t qk_ld32(const int16_t *p) { /* an x pair as one word */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 /* 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0-15), then high */
 static inline __m256i qk_nib16(const uint8_t *q) {
@@ -45,48 +53,49 @@ static inline __m256i qk_bits16(uint32_t qh) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-/* One 32-element unit u of a W row: its integers (returned), the scales of
- * its two halves (lo, hi) and their offset coefficients (o[0], o[1]). One
+/* One 32-element unit u of a W row: its integers as bytes, before the
+ * format's fixed offset (qk_widen subtracts it), the scales of its two
+ * halves (lo, hi) and its min (*mn; formats without one leave it). One
  * always-inlined function per format, so the format switch is outside the loops. */
 #define QK_UNIT(name) \
     static inline __attribute__((always_inline)) __m256i name(const uint8_t *row, int u, float *lo, \
-                                                              float *hi, float *o)
-QK_UNIT(qk_q4_0) {
+                                                              float *hi, float *mn)
+QK_UNIT(qk_q4_0) { /* offset 8 */
     const uint8_t *b = row + (size_t)u * 18;
-    *lo = *hi = qk_f16(b), o[0] = o[1] = -8.0f * *lo;
+    *lo = *hi = qk_f16(b);
     return qk_nib16(b + 2);
 }
 QK_UNIT(qk_q4_1) {
     const uint8_t *b = row + (size_t)u * 20;
-    *lo = *hi = qk_f16(b), o[0] = o[1] = qk_f16(b + 2);
+    *lo = *hi = qk_f16(b), *mn = qk_f16(b + 2);
     return qk_nib16(b + 4);
 }
-QK_UNIT(qk_q5_0) {
+QK_UNIT(qk_q5_0) { /* offset 16 */
     const uint8_t *b = row + (size_t)u * 22;
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    *lo = *hi = qk_f16(b), o[0] = o[1] = -16.0f * *lo;
+    *lo = *hi = qk_f16(b);
     return _mm256_or_si256(qk_nib16(b + 6), qk_bits16(qh));
 }
 QK_UNIT(qk_q5_1) {
     const uint8_t *b = row + (size_t)u * 24;
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
-    *lo = *hi = qk_f16(b), o[0] = o[1] = qk_f16(b + 2);
+    *lo = *hi = qk_f16(b), *mn = qk_f16(b + 2);
     return _mm256_or_si256(qk_nib16(b + 8), qk_bits16(qh));
 }
 QK_UNIT(qk_q8_0) { /* signed bytes, as stored */
     const uint8_t *b = row + (size_t)u * 34;
-    *lo = *hi = qk_f16(b), o[0] = o[1] = 0.0f;
+    *lo = *hi = qk_f16(b);
     return _mm256_loadu_si256((const __m256i *)(b + 2));
 }
 static inline __attribute__((always_inline)) __m256i qk_k45(const uint8_t *row, int u, float *lo,
-                                                            float *hi, float *o, int k5) {
+                                                            float *hi, float *mn, int k5) {
     const int s = u % 8;
     const uint8_t *b = row + (size_t)(u / 8) * (k5 ? 176 : 144);
-    int sc, mn;
-    qdot_scale_min_k4(s, b + 4, &sc, &mn);
-    *lo = *hi = qk_f16(b) * (float)sc, o[0] = o[1] = -(qk_f16(b + 2) * (float)mn);
+    int sc, m;
+    qdot_scale_min_k4(s, b + 4, &sc, &m);
+    *lo = *hi = qk_f16(b) * (float)sc, *mn = -(qk_f16(b + 2) * (float)m);
     __m256i q = qk_nib32(b + (k5 ? 48 : 16) + 32 * (s / 2), (s & 1) * 4);
     if (k5) { /* bit s of qh[l] -> 0x10 */
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
@@ -96,266 +105,343 @@ static inline __attribute__((always_inline)) __m256i qk_k45(const uint8_t *row, 
     }
     return q;
 }
-QK_UNIT(qk_q4_k) { return qk_k45(row, u, lo, hi, o, 0); }
-QK_UNIT(qk_q5_k) { return qk_k45(row, u, lo, hi, o, 1); }
-QK_UNIT(qk_q6_k) {
+QK_UNIT(qk_q4_k) { return qk_k45(row, u, lo, hi, mn, 0); }
+QK_UNIT(qk_q5_k) { return qk_k45(row, u, lo, hi, mn, 1); }
+QK_UNIT(qk_q6_k) { /* offset 32 */
     const int s = u % 8, n = s / 4, tq = s % 4;
     const uint8_t *b = row + (size_t)(u / 8) * 210;
     const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + 2 * tq;
     const float d = qk_f16(b + 208);
     *lo = d * (float)sc[0], *hi = d * (float)sc[1];
-    o[0] = -32.0f * *lo, o[1] = -32.0f * *hi;
     const __m256i l4 = qk_nib32(b + 64 * n + 32 * (tq & 1), (tq >> 1) * 4);
     __m256i h2 = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
     h2 = _mm256_and_si256(_mm256_srl_epi16(h2, _mm_cvtsi32_si128(2 * tq)), _mm256_set1_epi8(3));
     return _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)); /* < 64: no carry across bytes */
 }
 
-/* a unit's 32 integers as two vectors of 16-bit: elements 0-15, 16-31 */
-static inline __attribute__((always_inline)) void qk_widen(__m256i q, int is_signed, __m256i *lo,
-                                                           __m256i *hi) {
+/* The format's constants: the fixed offset subtracted from its integers
+ * (bias: the result is signed), whether they are signed as stored (Q8_0),
+ * whether its halves have their own scales (split: Q6_K) and a min. */
+typedef __m256i (*qk_unit_fn)(const uint8_t *, int, float *, float *, float *);
+
+/* a unit's 32 integers, offset removed, as two vectors of 16-bit: elements
+ * 0-15, 16-31 */
+static inline __attribute__((always_inline)) void qk_widen(__m256i q, int bias, int is_signed,
+                                                           __m256i *lo, __m256i *hi) {
+    if (bias) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)bias));
     const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
-    *lo = is_signed ? _mm256_cvtepi8_epi16(a) : _mm256_cvtepu8_epi16(a);
-    *hi = is_signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
-}
-/* acc += the unit's dot (w lo/hi . x lo/hi) scaled: one scale for both
- * halves (sum the integers first), or Q6_K's two (lo half, then hi half) */
-static inline __attribute__((always_inline)) __m256 qk_acc(__m256 acc, __m256i wl, __m256i wh,
-                                                          const int16_t *x, float sl, float sh,
-                                                          int split) {
-    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
-    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 16));
-    if (!split)
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT2(wl, xl, wh, xh)), _mm256_set1_ps(sl), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT1(wl, xl)), _mm256_set1_ps(sl), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT1(wh, xh)), _mm256_set1_ps(sh), acc);
+    *lo = is_signed || bias ? _mm256_cvtepi8_epi16(a) : _mm256_cvtepu8_epi16(a);
+    *hi = is_signed || bias ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
 }
 
-/* Rows [j0, j1) for n <= 2 x rows: one W row at a time, streamed in
- * memory order (the hardware prefetcher sees one sequential stream), its
- * units decoded in registers; the offset coefficients go to wo and are
- * applied at the end, in the order of the decoded path below (the same bits). */
+/* {sum of v[0]'s lanes, ..., sum of v[7]'s} (exact) */
+static inline __m256i qk_isum8(const __m256i *v) {
+    const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+#define QK_PF_GROUPS 2 /* prefetch distance of the decode path, in 8-row groups */
+
+/* Rows [j0, j1) for n <= 2 x rows: 8 W rows at a time, each streamed in
+ * memory order, units decoded in registers; the rows' unit sums are
+ * gathered into the lanes of one vector (lane r = W row j + r), so the
+ * float chain of qdot.h runs on 8 rows at once. */
 static inline __attribute__((always_inline)) void
 qk_fused(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const lethe_qx_rows *x, float *y,
-         int32_t ldy, float *wo, int is_signed, int split,
-         __m256i (*unit)(const uint8_t *, int, float *, float *, float *)) {
-    const int nb = x->cols / 32, ns = x->ns, m = x->n;
+         int32_t ldy, int bias, int is_signed, int split, int has_min, qk_unit_fn unit) {
+    const int nb = x->cols / 32, m = x->n;
     const size_t unit_bytes = w->row_bytes / (size_t)nb;
-    for (int h = 2 * nb; h < ns; h++) wo[h] = 0.0f;
-    for (int32_t j = j0; j < j1; j++) {
-        const uint8_t *r = w->data + (size_t)j * w->row_bytes;
+    const int16_t *x1 = x->q + (m > 1 ? x->cols : 0);
+    const float *d1 = x->d + (m > 1 ? nb : 0), *s1 = x->s + (m > 1 ? nb : 0);
+    for (int32_t j = j0; j < j1; j += 8) {
+        const int nr = LETHE_MIN(8, j1 - j);
+        const uint8_t *r[8];
+        for (int k = 0; k < 8; k++) /* rows past nr repeat the last (not stored) */
+            r[k] = w->data + (size_t)(j + LETHE_MIN(k, nr - 1)) * w->row_bytes;
+        const uint8_t *pf = w->data + (size_t)(j + 8 * QK_PF_GROUPS) * w->row_bytes;
+        const size_t pf_share = 8 * unit_bytes;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0;
         for (int u = 0; u < nb; u++) {
-            float lo, hi;
-            /* a few hundred bytes ahead of the stream: the next rows' lines
-             * are in flight while this unit computes */
-            _mm_prefetch((const char *)(r + (size_t)u * unit_bytes + 768), _MM_HINT_T0);
-            __m256i wl, wh;
-            qk_widen(unit(r, u, &lo, &hi, wo + 2 * u), is_signed, &wl, &wh);
-            a0 = qk_acc(a0, wl, wh, x->q + 32 * u, lo * x->d[u], hi * x->d[u], split);
+            float lo[8], hi[8], mn[8] = {0};
+            __m256i v0[8], v1[8], h0[8], h1[8];
+            const __m256i x0l = _mm256_loadu_si256((const __m256i *)(x->q + 32 * u));
+            const __m256i x0h = _mm256_loadu_si256((const __m256i *)(x->q + 32 * u + 16));
+            const __m256i x1l = _mm256_loadu_si256((const __m256i *)(x1 + 32 * u));
+            const __m256i x1h = _mm256_loadu_si256((const __m256i *)(x1 + 32 * u + 16));
+            /* the 8 rows are one contiguous region, read as 8 interleaved
+             * short streams that the hardware prefetcher does not follow:
+             * unit u prefetches its share (8 units' bytes) of the region
+             * QK_PF_GROUPS groups ahead */
+            for (size_t o = (size_t)u * pf_share; o < (size_t)(u + 1) * pf_share; o += 64)
+                _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                __m256i wl, wh;
+                qk_widen(unit(r[k], u, &lo[k], &hi[k], &mn[k]), bias, is_signed, &wl, &wh);
+                if (!split) {
+                    v0[k] = QDOT_DOT2(wl, x0l, wh, x0h), h0[k] = v0[k];
+                    v1[k] = m > 1 ? QDOT_DOT2(wl, x1l, wh, x1h) : v0[k], h1[k] = v1[k];
+                } else {
+                    v0[k] = QDOT_DOT1(wl, x0l), h0[k] = QDOT_DOT1(wh, x0h);
+                    v1[k] = m > 1 ? QDOT_DOT1(wl, x1l) : v0[k];
+                    h1[k] = m > 1 ? QDOT_DOT1(wh, x1h) : h0[k];
+                }
+            }
+            const __m256 wlo = _mm256_loadu_ps(lo);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qk_isum8(v0)),
+                                 _mm256_mul_ps(wlo, _mm256_set1_ps(x->d[u])), a0);
             if (m > 1)
-                a1 = qk_acc(a1, wl, wh, x->q + x->cols + 32 * u, lo * x->d[nb + u],
-                            hi * x->d[nb + u], split);
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qk_isum8(v1)),
+                                     _mm256_mul_ps(wlo, _mm256_set1_ps(d1[u])), a1);
+            if (split) {
+                const __m256 whi = _mm256_loadu_ps(hi);
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qk_isum8(h0)),
+                                     _mm256_mul_ps(whi, _mm256_set1_ps(x->d[u])), a0);
+                if (m > 1)
+                    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qk_isum8(h1)),
+                                         _mm256_mul_ps(whi, _mm256_set1_ps(d1[u])), a1);
+            }
+            if (has_min) {
+                const __m256 wm = _mm256_loadu_ps(mn);
+                a0 = _mm256_fmadd_ps(wm, _mm256_set1_ps(x->s[u]), a0);
+                if (m > 1) a1 = _mm256_fmadd_ps(wm, _mm256_set1_ps(s1[u]), a1);
+            }
         }
-        for (int h = 0; h < ns; h += 8) {
-            const __m256 wv = _mm256_loadu_ps(wo + h);
-            a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x->s + h), a0);
-            if (m > 1) a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x->s + ns + h), a1);
+        float *yj = y + (j - j0);
+        if (nr == 8) {
+            _mm256_storeu_ps(yj, a0);
+            if (m > 1) _mm256_storeu_ps(yj + ldy, a1);
+        } else {
+            float t[2][8];
+            _mm256_storeu_ps(t[0], a0), _mm256_storeu_ps(t[1], a1);
+            for (int k = 0; k < nr; k++) {
+                yj[k] = t[0][k];
+                if (m > 1) yj[(size_t)ldy + k] = t[1][k];
+            }
         }
-        y[j - j0] = lethe_hsum8(a0);
-        if (m > 1) y[(size_t)ldy + (j - j0)] = lethe_hsum8(a1);
     }
 }
 
-/* QDOT_QR rows [j, j + nr) of W decoded into scratch: wq the 16-bit
- * integers, wo the offsets (zero-padded to ns), s4 [nb][2][QDOT_QR] the
- * half scales unit-major (rows past nr repeat the last row) */
+/* QDOT_G rows [j, j + nr) of W decoded into scratch, pair-interleaved
+ * (qdot.h); rows past nr repeat the last row */
 static inline __attribute__((always_inline)) void
-qk_decode_rows(const lethe_cpu_qweight *w, int32_t j, int nr, int nb, int ns, qdot_scratch *sc,
-               int is_signed, __m256i (*unit)(const uint8_t *, int, float *, float *, float *)) {
-    for (int c = 0; c < QDOT_QR; c++) {
-        const uint8_t *r = w->data + (size_t)(j + LETHE_MIN(c, nr - 1)) * w->row_bytes;
-        qdot_row *row = &sc->rows[c];
+qk_decode_group(const lethe_cpu_qweight *w, int32_t j, int nr, int nb, qdot_scratch *sc, int bias,
+                int is_signed, qk_unit_fn unit) {
+    for (int g = 0; g < QDOT_G; g++) {
+        const uint8_t *r = w->data + (size_t)(j + LETHE_MIN(g, nr - 1)) * w->row_bytes;
         for (int u = 0; u < nb; u++) {
-            float lo, hi;
+            float lo, hi, mn = 0.0f;
             __m256i wl, wh;
-            qk_widen(unit(r, u, &lo, &hi, row->wo + 2 * u), is_signed, &wl, &wh);
-            _mm256_storeu_si256((__m256i *)(row->wq + 32 * u), wl);
-            _mm256_storeu_si256((__m256i *)(row->wq + 32 * u + 16), wh);
-            sc->s4[(2 * u) * QDOT_QR + c] = lo, sc->s4[(2 * u + 1) * QDOT_QR + c] = hi;
+            qk_widen(unit(r, u, &lo, &hi, &mn), bias, is_signed, &wl, &wh);
+            int32_t t[16];
+            _mm256_storeu_si256((__m256i *)t, wl);
+            _mm256_storeu_si256((__m256i *)(t + 8), wh);
+            int32_t *dst = sc->wq + (size_t)u * 16 * QDOT_G + g;
+            for (int k = 0; k < 16; k++) dst[k * QDOT_G] = t[k];
+            sc->ws[(2 * u) * QDOT_G + g] = lo, sc->ws[(2 * u + 1) * QDOT_G + g] = hi;
+            sc->wm[u * QDOT_G + g] = mn;
         }
-        for (int h = 2 * nb; h < ns; h++) row->wo[h] = 0.0f;
     }
 }
 
-/* p [nb][2][xt][QDOT_QR] = the scale of each (unit, half, x row, W row):
- * s4 times the x row's block scale, the very product (one f32 multiply)
- * that the decode path computes in registers; the tile loops read it back
- * as a broadcast from memory, a load instead of a multiply and a shuffle */
-static inline __attribute__((always_inline)) void
-qk_products(const qdot_scratch *sc, const float *const *xd, int nb, int split) {
-    const float *restrict s4 = sc->s4;
-    float *restrict p = sc->p;
-    const float *restrict d0 = xd[0], *restrict d1 = xd[1];
-#if QDOT_XT == 4
-    const float *restrict d2 = xd[2], *restrict d3 = xd[3];
-#endif
-    for (int u = 0; u < nb; u++)
-        for (int h = 0; h < (split ? 2 : 1); h++) {
-            const __m128 v = _mm_loadu_ps(s4 + (2 * u + h) * QDOT_QR);
-            float *q = p + (2 * u + h) * QDOT_XT * QDOT_QR;
-            _mm_storeu_ps(q, _mm_mul_ps(v, _mm_set1_ps(d0[u])));
-            _mm_storeu_ps(q + QDOT_QR, _mm_mul_ps(v, _mm_set1_ps(d1[u])));
-#if QDOT_XT == 4
-            _mm_storeu_ps(q + 2 * QDOT_QR, _mm_mul_ps(v, _mm_set1_ps(d2[u])));
-            _mm_storeu_ps(q + 3 * QDOT_QR, _mm_mul_ps(v, _mm_set1_ps(d3[u])));
-#endif
-        }
-}
-
-/* acc += the unit's dot with the scales read from p */
-#define QK_TILE_ACC(acc, wl, wh, xl, xh, pl, ph)                                                  \
+#if QDOT_ZMM
+/* The tile on 512-bit vectors: QDOT_G W rows in the lanes x QK_T x rows,
+ * QK_T integer and QK_T float accumulators (named: an array would live in
+ * memory). Integer sums restart per unit (per half for split formats). */
+#define QK_T 8
+#define QK_XB(t, k) _mm512_set1_epi32(qk_ld32(xq##t + 32 * u + 2 * (k)))
+#define QK_FIRST(k) /* vpdpwssd into zero: vpmaddwd on 512 bits would need AVX-512BW */        \
     do {                                                                                          \
-        if (!split) {                                                                             \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT2(wl, xl, wh, xh)),                 \
-                                  _mm256_set1_ps(*(pl)), acc);                                    \
-        } else {                                                                                  \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT1(wl, xl)), _mm256_set1_ps(*(pl)), acc); \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QDOT_DOT1(wh, xh)), _mm256_set1_ps(*(ph)), acc); \
-        }                                                                                         \
+        i0 = i1 = i2 = i3 = i4 = i5 = i6 = i7 = _mm512_setzero_si512();                           \
+        QK_STEP(k);                                                                               \
+    } while (0)
+#define QK_STEP(k)                                                                                \
+    do {                                                                                          \
+        const __m512i wk = _mm512_load_si512(W + (k));                                            \
+        i0 = _mm512_dpwssd_epi32(i0, wk, QK_XB(0, k)), i1 = _mm512_dpwssd_epi32(i1, wk, QK_XB(1, k)); \
+        i2 = _mm512_dpwssd_epi32(i2, wk, QK_XB(2, k)), i3 = _mm512_dpwssd_epi32(i3, wk, QK_XB(3, k)); \
+        i4 = _mm512_dpwssd_epi32(i4, wk, QK_XB(4, k)), i5 = _mm512_dpwssd_epi32(i5, wk, QK_XB(5, k)); \
+        i6 = _mm512_dpwssd_epi32(i6, wk, QK_XB(6, k)), i7 = _mm512_dpwssd_epi32(i7, wk, QK_XB(7, k)); \
+    } while (0)
+#define QK_STEPS8(k0)                                                                             \
+    QK_STEP(k0 + 1); QK_STEP(k0 + 2); QK_STEP(k0 + 3); QK_STEP(k0 + 4); QK_STEP(k0 + 5);           \
+    QK_STEP(k0 + 6); QK_STEP(k0 + 7)
+/* f_t = fma(float(i_t), ws * d_t, f_t) for every x row t */
+#define QK_SCALE1(t, ws) f##t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i##t), _mm512_mul_ps(ws, _mm512_set1_ps(xd##t[u])), f##t)
+#define QK_SCALE(ws)                                                                              \
+    QK_SCALE1(0, ws); QK_SCALE1(1, ws); QK_SCALE1(2, ws); QK_SCALE1(3, ws);                       \
+    QK_SCALE1(4, ws); QK_SCALE1(5, ws); QK_SCALE1(6, ws); QK_SCALE1(7, ws)
+#define QK_MIN1(t) f##t = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs##t[u]), f##t)
+
+static inline __attribute__((always_inline)) void
+qk_tile(const qdot_scratch *sc, const lethe_qx_rows *x, int32_t i, int m, int nr, float *y,
+        int32_t ldy, int split, int has_min) {
+    const int nb = x->cols / 32;
+    const int16_t *xq0, *xq1, *xq2, *xq3, *xq4, *xq5, *xq6, *xq7;
+    const float *xd0, *xd1, *xd2, *xd3, *xd4, *xd5, *xd6, *xd7;
+    const float *xs0, *xs1, *xs2, *xs3, *xs4, *xs5, *xs6, *xs7;
+#define QK_XROW(t)                                                                                \
+    do { /* rows past m repeat the last (not stored) */                                           \
+        const int32_t r = i + LETHE_MIN(t, m - 1);                                                \
+        xq##t = x->q + (size_t)r * x->cols, xd##t = x->d + (size_t)r * nb;                        \
+        xs##t = x->s + (size_t)r * nb;                                                            \
+    } while (0)
+    QK_XROW(0); QK_XROW(1); QK_XROW(2); QK_XROW(3);
+    QK_XROW(4); QK_XROW(5); QK_XROW(6); QK_XROW(7);
+#undef QK_XROW
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0;
+    for (int u = 0; u < nb; u++) {
+        const __m512i *W = (const __m512i *)(sc->wq + (size_t)u * 16 * QDOT_G);
+        __m512i i0, i1, i2, i3, i4, i5, i6, i7;
+        if (!split) {
+            QK_FIRST(0); QK_STEPS8(0); QK_STEP(8); QK_STEPS8(8);
+            const __m512 ws = _mm512_load_ps(sc->ws + (size_t)(2 * u) * QDOT_G);
+            QK_SCALE(ws);
+        } else {
+            QK_FIRST(0); QK_STEPS8(0);
+            const __m512 wsl = _mm512_load_ps(sc->ws + (size_t)(2 * u) * QDOT_G);
+            QK_SCALE(wsl);
+            QK_FIRST(8); QK_STEPS8(8);
+            const __m512 wsh = _mm512_load_ps(sc->ws + (size_t)(2 * u + 1) * QDOT_G);
+            QK_SCALE(wsh);
+        }
+        if (has_min) {
+            const __m512 wm = _mm512_load_ps(sc->wm + (size_t)u * QDOT_G);
+            QK_MIN1(0); QK_MIN1(1); QK_MIN1(2); QK_MIN1(3);
+            QK_MIN1(4); QK_MIN1(5); QK_MIN1(6); QK_MIN1(7);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    float *yi = y + (size_t)i * ldy;
+#define QK_STORE(t)                                                                               \
+    if (m > t) _mm512_mask_storeu_ps(yi + (size_t)(t) * ldy, keep, f##t)
+    QK_STORE(0); QK_STORE(1); QK_STORE(2); QK_STORE(3);
+    QK_STORE(4); QK_STORE(5); QK_STORE(6); QK_STORE(7);
+#undef QK_STORE
+}
+#undef QK_XB
+#undef QK_FIRST
+#undef QK_STEP
+#undef QK_STEPS8
+#undef QK_SCALE1
+#undef QK_SCALE
+#undef QK_MIN1
+#else
+/* The tile on 256-bit vectors: QDOT_G W rows as two halves (a: rows 0-7,
+ * b: 8-15) x QK_T = 2 x rows; vpmaddwd then vpaddd */
+#define QK_T 2
+#define QK_XB(t, k) _mm256_set1_epi32(qk_ld32(xq##t + 32 * u + 2 * (k)))
+#define QK_FIRST(k)                                                                               \
+    do {                                                                                          \
+        const __m256i wa = _mm256_load_si256(W + 2 * (k)), wb = _mm256_load_si256(W + 2 * (k) + 1); \
+        const __m256i x0 = QK_XB(0, k), x1 = QK_XB(1, k);                                        \
+        ia0 = _mm256_madd_epi16(wa, x0), ib0 = _mm256_madd_epi16(wb, x0);                         \
+        ia1 = _mm256_madd_epi16(wa, x1), ib1 = _mm256_madd_epi16(wb, x1);                         \
+    } while (0)
+#define QK_STEP(k)                                                                                \
+    do {                                                                                          \
+        const __m256i wa = _mm256_load_si256(W + 2 * (k)), wb = _mm256_load_si256(W + 2 * (k) + 1); \
+        const __m256i x0 = QK_XB(0, k), x1 = QK_XB(1, k);                                        \
+        ia0 = _mm256_add_epi32(ia0, _mm256_madd_epi16(wa, x0));                                   \
+        ib0 = _mm256_add_epi32(ib0, _mm256_madd_epi16(wb, x0));                                   \
+        ia1 = _mm256_add_epi32(ia1, _mm256_madd_epi16(wa, x1));                                   \
+        ib1 = _mm256_add_epi32(ib1, _mm256_madd_epi16(wb, x1));                                   \
+    } while (0)
+#define QK_STEPS8(k0)                                                                             \
+    QK_STEP(k0 + 1); QK_STEP(k0 + 2); QK_STEP(k0 + 3); QK_STEP(k0 + 4); QK_STEP(k0 + 5);           \
+    QK_STEP(k0 + 6); QK_STEP(k0 + 7)
+#define QK_SCALE(h)                                                                               \
+    do {                                                                                          \
+        const float *s_ = sc->ws + (size_t)(2 * u + (h)) * QDOT_G;                                \
+        const __m256 wsa = _mm256_load_ps(s_), wsb = _mm256_load_ps(s_ + 8);                      \
+        const __m256 d0 = _mm256_set1_ps(xd0[u]), d1 = _mm256_set1_ps(xd1[u]);                   \
+        fa0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia0), _mm256_mul_ps(wsa, d0), fa0);              \
+        fb0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib0), _mm256_mul_ps(wsb, d0), fb0);              \
+        fa1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia1), _mm256_mul_ps(wsa, d1), fa1);              \
+        fb1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib1), _mm256_mul_ps(wsb, d1), fb1);              \
     } while (0)
 
-/* lethe_hsum8 of four vectors at once, the same additions in the same
- * tree: {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)} */
-static inline __m128 qk_hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    /* lanes 0-3 + lanes 4-7: [a0 | a1] and [a2 | a3] */
-    const __m256 t01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20),
-                                     _mm256_permute2f128_ps(a0, a1, 0x31));
-    const __m256 t23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20),
-                                     _mm256_permute2f128_ps(a2, a3, 0x31));
-    /* (0+4)+(2+6), (1+5)+(3+7): [a0, a0, a2, a2 | a1, a1, a3, a3] */
-    const __m256 q = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 r = _mm256_hadd_ps(q, q); /* [a0, a2, a0, a2 | a1, a3, a1, a3] */
-    return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
-}
-
-/* x row k's four accumulators (W rows 0-3): the offsets, then the sums to
- * y[0 .. nr) */
 static inline __attribute__((always_inline)) void
-qk_finish(__m256 a0, __m256 a1, __m256 a2, __m256 a3, const qdot_scratch *sc, const float *xs,
-          int ns, int nr, float *y) {
-    for (int h = 0; h < ns; h += 8) {
-        const __m256 v = _mm256_loadu_ps(xs + h);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[0].wo + h), v, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[1].wo + h), v, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[2].wo + h), v, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(sc->rows[3].wo + h), v, a3);
+qk_tile(const qdot_scratch *sc, const lethe_qx_rows *x, int32_t i, int m, int nr, float *y,
+        int32_t ldy, int split, int has_min) {
+    const int nb = x->cols / 32;
+    const int32_t r1 = i + LETHE_MIN(1, m - 1); /* row past m repeats the last (not stored) */
+    const int16_t *xq0 = x->q + (size_t)i * x->cols, *xq1 = x->q + (size_t)r1 * x->cols;
+    const float *xd0 = x->d + (size_t)i * nb, *xd1 = x->d + (size_t)r1 * nb;
+    const float *xs0 = x->s + (size_t)i * nb, *xs1 = x->s + (size_t)r1 * nb;
+    __m256 fa0 = _mm256_setzero_ps(), fb0 = fa0, fa1 = fa0, fb1 = fa0;
+    for (int u = 0; u < nb; u++) {
+        const __m256i *W = (const __m256i *)(sc->wq + (size_t)u * 16 * QDOT_G);
+        __m256i ia0, ib0, ia1, ib1;
+        if (!split) {
+            QK_FIRST(0); QK_STEPS8(0); QK_STEP(8); QK_STEPS8(8);
+            QK_SCALE(0);
+        } else {
+            QK_FIRST(0); QK_STEPS8(0);
+            QK_SCALE(0);
+            QK_FIRST(8); QK_STEPS8(8);
+            QK_SCALE(1);
+        }
+        if (has_min) {
+            const __m256 wma = _mm256_load_ps(sc->wm + (size_t)u * QDOT_G);
+            const __m256 wmb = _mm256_load_ps(sc->wm + (size_t)u * QDOT_G + 8);
+            const __m256 s0 = _mm256_set1_ps(xs0[u]), s1 = _mm256_set1_ps(xs1[u]);
+            fa0 = _mm256_fmadd_ps(wma, s0, fa0), fb0 = _mm256_fmadd_ps(wmb, s0, fb0);
+            fa1 = _mm256_fmadd_ps(wma, s1, fa1), fb1 = _mm256_fmadd_ps(wmb, s1, fb1);
+        }
     }
-    const __m128 r = qk_hsum8x4(a0, a1, a2, a3);
-    if (nr == QDOT_QR) {
-        _mm_storeu_ps(y, r);
-    } else {
-        float t[QDOT_QR];
-        _mm_storeu_ps(t, r);
-        for (int c = 0; c < nr; c++) y[c] = t[c];
-    }
+    float *yi = y + (size_t)i * ldy;
+    float t[2][QDOT_G];
+    _mm256_storeu_ps(t[0], fa0), _mm256_storeu_ps(t[0] + 8, fb0);
+    _mm256_storeu_ps(t[1], fa1), _mm256_storeu_ps(t[1] + 8, fb1);
+    for (int k = 0; k < m; k++)
+        for (int c = 0; c < nr; c++) yi[(size_t)k * ldy + c] = t[k][c];
 }
+#undef QK_XB
+#undef QK_FIRST
+#undef QK_STEP
+#undef QK_STEPS8
+#undef QK_SCALE
+#endif
 
-/* Rows [j0, j1) for any n: QDOT_QR rows decoded into scratch once, then
- * every x row against them, QDOT_XT at a time (2 on AVX2's 16 vector
- * registers, 4 with AVX-512VL's 32), QDOT_QR x QDOT_XT accumulators in
- * registers (named: an array would live in memory). The float operations
- * of each (W row, x row) pair are the decode path's, in its order. */
+/* Rows [j0, j1) for any n: QDOT_G rows of W decoded into scratch once,
+ * then every x row against them, QK_T at a time. (Chunking x to stay in L2,
+ * re-decoding each group per chunk, measured ~5% slower on SmolLM2's shapes.) */
 static inline __attribute__((always_inline)) void
 qk_decoded(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const lethe_qx_rows *x, float *y,
-           int32_t ldy, qdot_scratch *sc, int is_signed, int split,
-           __m256i (*unit)(const uint8_t *, int, float *, float *, float *)) {
-    enum { XT = QDOT_XT };
-    const int nb = x->cols / 32, ns = x->ns;
-    for (int32_t j = j0; j < j1; j += QDOT_QR) {
-        const int nr = LETHE_MIN(QDOT_QR, j1 - j);
-        qk_decode_rows(w, j, nr, nb, ns, sc, is_signed, unit);
-        const int16_t *wq0 = sc->rows[0].wq, *wq1 = sc->rows[1].wq, *wq2 = sc->rows[2].wq,
-                      *wq3 = sc->rows[3].wq;
-        for (int32_t i = 0; i < x->n; i += XT) {
-            const int m = LETHE_MIN(XT, x->n - i);
-            const int16_t *xq[XT];
-            const float *xd[XT], *xs[XT];
-            for (int k = 0; k < XT; k++) { /* rows past m repeat the last (not stored) */
-                const int32_t r = i + LETHE_MIN(k, m - 1);
-                xq[k] = x->q + (size_t)r * x->cols, xd[k] = x->d + (size_t)r * nb;
-                xs[k] = x->s + (size_t)r * ns;
-            }
-            qk_products(sc, xd, nb, split);
-            const float *p = sc->p;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            /* a{W row}{x row}; with QDOT_XT 2 the x rows 2, 3 stay unused */
-            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-            __m256 a30 = a00, a31 = a00, a32 = a00, a33 = a00;
-            for (int u = 0; u < nb; u++) {
-                const float *pl = p + (2 * u) * XT * QDOT_QR, *ph = pl + XT * QDOT_QR;
-                const __m256i x0l = _mm256_loadu_si256((const __m256i *)(xq[0] + 32 * u));
-                const __m256i x0h = _mm256_loadu_si256((const __m256i *)(xq[0] + 32 * u + 16));
-                const __m256i x1l = _mm256_loadu_si256((const __m256i *)(xq[1] + 32 * u));
-                const __m256i x1h = _mm256_loadu_si256((const __m256i *)(xq[1] + 32 * u + 16));
-#if QDOT_XT == 4
-                const __m256i x2l = _mm256_loadu_si256((const __m256i *)(xq[2] + 32 * u));
-                const __m256i x2h = _mm256_loadu_si256((const __m256i *)(xq[2] + 32 * u + 16));
-                const __m256i x3l = _mm256_loadu_si256((const __m256i *)(xq[3] + 32 * u));
-                const __m256i x3h = _mm256_loadu_si256((const __m256i *)(xq[3] + 32 * u + 16));
-#endif
-#if QDOT_XT == 4
-#define QK_XROWS(c, A0, A1, A2, A3)                                                               \
-    QK_TILE_ACC(A0, wl, wh, x0l, x0h, pl + 0 * QDOT_QR + c, ph + 0 * QDOT_QR + c);                \
-    QK_TILE_ACC(A1, wl, wh, x1l, x1h, pl + 1 * QDOT_QR + c, ph + 1 * QDOT_QR + c);                \
-    QK_TILE_ACC(A2, wl, wh, x2l, x2h, pl + 2 * QDOT_QR + c, ph + 2 * QDOT_QR + c);                \
-    QK_TILE_ACC(A3, wl, wh, x3l, x3h, pl + 3 * QDOT_QR + c, ph + 3 * QDOT_QR + c)
-#else
-#define QK_XROWS(c, A0, A1, A2, A3)                                                               \
-    QK_TILE_ACC(A0, wl, wh, x0l, x0h, pl + 0 * QDOT_QR + c, ph + 0 * QDOT_QR + c);                \
-    QK_TILE_ACC(A1, wl, wh, x1l, x1h, pl + 1 * QDOT_QR + c, ph + 1 * QDOT_QR + c)
-#endif
-#define QK_WROW(c, wqc, A0, A1, A2, A3)                                                           \
-    do {                                                                                          \
-        const __m256i wl = _mm256_loadu_si256((const __m256i *)(wqc + 32 * u));                   \
-        const __m256i wh = _mm256_loadu_si256((const __m256i *)(wqc + 32 * u + 16));              \
-        QK_XROWS(c, A0, A1, A2, A3);                                                              \
-    } while (0)
-                QK_WROW(0, wq0, a00, a01, a02, a03);
-                QK_WROW(1, wq1, a10, a11, a12, a13);
-                QK_WROW(2, wq2, a20, a21, a22, a23);
-                QK_WROW(3, wq3, a30, a31, a32, a33);
-#undef QK_WROW
-#undef QK_XROWS
-            }
-            float *yi = y + (size_t)i * ldy + (j - j0);
-            qk_finish(a00, a10, a20, a30, sc, xs[0], ns, nr, yi);
-            if (m > 1) qk_finish(a01, a11, a21, a31, sc, xs[1], ns, nr, yi + ldy);
-            if (m > 2) qk_finish(a02, a12, a22, a32, sc, xs[2], ns, nr, yi + 2 * (size_t)ldy);
-            if (m > 3) qk_finish(a03, a13, a23, a33, sc, xs[3], ns, nr, yi + 3 * (size_t)ldy);
-        }
+           int32_t ldy, qdot_scratch *sc, int bias, int is_signed, int split, int has_min,
+           qk_unit_fn unit) {
+    const int nb = x->cols / 32;
+    for (int32_t j = j0; j < j1; j += QDOT_G) {
+        const int nr = LETHE_MIN(QDOT_G, j1 - j);
+        qk_decode_group(w, j, nr, nb, sc, bias, is_signed, unit);
+        for (int32_t i = 0; i < x->n; i += QK_T)
+            qk_tile(sc, x, i, LETHE_MIN(QK_T, x->n - i), nr, y + (j - j0), ldy, split, has_min);
     }
 }
+#undef QK_T
 
-#define QK_CASE(T, fn, sg, split)                                                            \
-    case T:                                                                                  \
-        if (x->n <= 2) qk_fused(w, j0, j1, x, y, ldy, scratch->rows[0].wo, sg, split, fn);         \
-        else qk_decoded(w, j0, j1, x, y, ldy, scratch, sg, split, fn);                       \
+/* format: unit decoder, fixed offset, signed, split halves, min */
+#define QK_CASE(T, fn, bias, sg, split, mn)                                                       \
+    case T:                                                                                       \
+        if (x->n <= 2) qk_fused(w, j0, j1, x, y, ldy, bias, sg, split, mn, fn);                   \
+        else qk_decoded(w, j0, j1, x, y, ldy, scratch, bias, sg, split, mn, fn);                  \
         return;
 
 void QDOT_NAME(const lethe_cpu_qweight *w, int32_t j0, int32_t j1, const lethe_qx_rows *x,
                float *y, int32_t ldy, qdot_scratch *scratch) {
     switch (w->type) {
-        QK_CASE(LETHE_GGML_Q4_0, qk_q4_0, 0, 0)
-        QK_CASE(LETHE_GGML_Q4_1, qk_q4_1, 0, 0)
-        QK_CASE(LETHE_GGML_Q5_0, qk_q5_0, 0, 0)
-        QK_CASE(LETHE_GGML_Q5_1, qk_q5_1, 0, 0)
-        QK_CASE(LETHE_GGML_Q8_0, qk_q8_0, 1, 0)
-        QK_CASE(LETHE_GGML_Q4_K, qk_q4_k, 0, 0)
-        QK_CASE(LETHE_GGML_Q5_K, qk_q5_k, 0, 0)
-        QK_CASE(LETHE_GGML_Q6_K, qk_q6_k, 0, 1)
+        QK_CASE(LETHE_GGML_Q4_0, qk_q4_0, 8, 0, 0, 0)
+        QK_CASE(LETHE_GGML_Q4_1, qk_q4_1, 0, 0, 0, 1)
+        QK_CASE(LETHE_GGML_Q5_0, qk_q5_0, 16, 0, 0, 0)
+        QK_CASE(LETHE_GGML_Q5_1, qk_q5_1, 0, 0, 0, 1)
+        QK_CASE(LETHE_GGML_Q8_0, qk_q8_0, 0, 1, 0, 0)
+        QK_CASE(LETHE_GGML_Q4_K, qk_q4_k, 0, 0, 0, 1)
+        QK_CASE(LETHE_GGML_Q5_K, qk_q5_k, 0, 0, 0, 1)
+        QK_CASE(LETHE_GGML_Q6_K, qk_q6_k, 32, 0, 1, 0)
     default: LETHE_ASSERT(!"qdot: format without a kernel");
     }
 }

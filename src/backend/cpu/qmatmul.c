@@ -206,9 +206,11 @@ void lethe_cpu_qmatmul(lethe_backend *be, const lethe_cpu_qweight *w, float *y, 
         const double flops = 2.0 * n * w->rows * w->cols;
         const int nt = flops < 2e5 ? 1 : lethe_cpu_threads(be);
         /* long contiguous row ranges (4 per thread): each thread streams W in
-         * memory order, which is what the prefetchers follow */
+         * memory order, which is what the prefetchers follow; whole groups of
+         * QDOT_G rows for the prefill tile */
         int32_t per = LETHE_MAX(SMALL_ROWS, LETHE_CEIL_DIV(w->rows, 4 * nt));
-        qjob j = {c, w, isa, true, (per + 3) / 4 * 4, n, y, x, quantize_x(c, x, n, w->cols, &xq)};
+        qjob j = {c, w, isa, true, LETHE_CEIL_DIV(per, QDOT_G) * QDOT_G, n, y, x,
+                  quantize_x(c, x, n, w->cols, &xq)};
         lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(w->rows, j.per), qtask, &j);
         return;
     }
