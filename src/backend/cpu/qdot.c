@@ -1,9 +1,9 @@
 /* qdot.c - matmul on stored-format weights with 16-bit activations: the
  * quantization of x, the portable C twin of the SIMD kernels
  * (qdot_kernel.h) and the tier dispatch. The design and its error bound are
- * in qdot.h; the portable twin below runs the very float operations of the
- * SIMD body (lane by lane, fmaf for the FMA, lethe_hsum8's reduction tree),
- * so every tier gives the same bits. */
+ * in qdot.h; the portable twin below runs qdot.h's float order (fmaf for
+ * the FMA, exact integer unit sums), the very operations of the SIMD body's
+ * lanes, so every tier gives the same bits. */
 #include <math.h>
 #include <string.h>
 
