@@ -6,7 +6,8 @@
 # table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,prefillprof,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs,graphs
 # (default: build,test,bench,dev,peer,plot,profile; the others only when named).
 # LETHE_GPU_TESTS=name,name makes the test phase run only those tests of
-# `make test-gpu` (all of them take ~9 min; test_cuda_graph_sparse ~4 of it).
+# `make test-gpu` (all of them take ~9 min; test_cuda_graph_sparse ~4 of it;
+# LETHE_TEST_METHODS=quest,h2o limits that test to the named methods).
 #
 #   quality every method vs dense on the real SmolLM2-135M (Q4_1 GGUF, 98 MB:
 #           more than one call carries, so it travels as models/parts/p1, p2,
