@@ -13,8 +13,9 @@
  *  - padded decode batches (the CPU stand-in for CUDA-graph buckets): the
  *    scratch state slot serves the dummies, logits bit-identical;
  *  - abort mid-prefill and mid-decode: every state slot comes back;
- *  - refusals: a method with its own output projection (palu), the Chain
- *    Cache (prefix hits from state snapshots: test_hybrid_prefix), a step budget below one chunk, states over the KV
+ *  - refusals: a method with its own output projection (palu), alone or in
+ *    a PREFILL+DECODE pair, the Chain Cache (prefix hits from state
+ *    snapshots: test_hybrid_prefix), a step budget below one chunk, states over the KV
  *    budget; methods that combine run on the attention layer: FP8 KV, and
  *    per-layer SnapKV (prompts whose final chunk would be shorter than its
  *    window past the last multiple of 64 the budget reaches: the scheduler
@@ -274,6 +275,17 @@ static void test_refusals(void) {
     CHECK_MSG(strstr(lethe_engine_last_error(), "cannot use method palu") &&
                   strstr(lethe_engine_last_error(), "output gate"),
               "%s", lethe_engine_last_error());
+    /* either method of a pair: palu as the decode method is refused for the model, not for the pair */
+    const char *pairs[] = {"flashprefill+palu", "omnikv_prefill+palu"};
+    for (int i = 0; i < 2; i++) {
+        CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .method = pairs[i], .method_cfg = "palu_factors=@identity"},
+                 &e) != 0);
+        CHECK_MSG(strstr(lethe_engine_last_error(), "cannot use method ") &&
+                      strstr(lethe_engine_last_error(), pairs[i]) &&
+                      strstr(lethe_engine_last_error(), ": palu: it folds") &&
+                      strstr(lethe_engine_last_error(), "output gate"),
+                  "%s", lethe_engine_last_error());
+    }
     CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .pc_mode = "chain"}, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "Chain Cache is not available"), "%s",
               lethe_engine_last_error());

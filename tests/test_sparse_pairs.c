@@ -17,7 +17,10 @@
  *  - Chain Cache: three turns of one chain (the decode method's per-request
  *    state snapshot at each turn's end and restored at the next) give the
  *    same tokens, logits and per-layer resident positions as the decode
- *    method alone.
+ *    method alone;
+ *  - hybrid models: every method of a pair is asked whether it refuses them
+ *    (ops->hybrid_refusal), the pair's table carries the refusal, and an own
+ *    output projection must declare it.
  * The pairs come from the registry (the test's throwaway methods included):
  * a new method of either axis needs no edit here. LETHE_TEST_DEVICE=cuda
  * runs the same expectations on the CUDA backend (tests/gpu/run.sh does);
@@ -350,6 +353,55 @@ static void test_pair_names(void) {
     CHECK(m == NULL);
 }
 
+/* hybrid models: a method declares that it cannot run on them
+ * (ops->hybrid_refusal), and every method of a pair is asked, whether the
+ * pair combines or not; the engine side is test_engine_hybrid */
+static const lethe_block_sparse *no_bsp(const lethe_sparse_method *m, int32_t layer,
+                                        const lethe_sparse_step *st) {
+    return NULL;
+}
+static const lethe_sparse_ops refusing_prefill = {
+    .name = "refusing_prefill",
+    .summary = "test: a prefill-axis method that declares it cannot run on hybrid models",
+    .kind = LETHE_SPARSE_KIND_SELECTION,
+    .flags = LETHE_SPARSE_PREFILL_AXIS,
+    .block_sparse = no_bsp,
+    .test_configs = {.identity = "", .small = ""}, /* (no knobs; never run by the generic loops) */
+    .hybrid_refusal = "a test method refuses hybrid models",
+};
+
+static void test_hybrid_refusals(void) {
+    const lethe_sparse_ops *palu = lethe_sparse_find("palu"), *who = NULL;
+    CHECK(palu && palu->hybrid_refusal);
+    CHECK(lethe_sparse_hybrid_refusal(palu) == palu->hybrid_refusal);
+    CHECK(lethe_sparse_hybrid_refusal_of("palu", &who) == palu->hybrid_refusal && who == palu);
+    /* palu as the decode method of a pair (which combine refuses for its own reason) */
+    CHECK(lethe_sparse_hybrid_refusal_of("flashprefill+palu", &who) == palu->hybrid_refusal && who == palu);
+    CHECK(lethe_sparse_hybrid_refusal_of("omnikv_prefill+palu", &who) == palu->hybrid_refusal && who == palu);
+    const char *fine[] = {"dense", "snapkv", "flashprefill+snapkv", "omnikv_prefill+quest", "no_such_method",
+                          "flashprefill+no_such_method", NULL};
+    for (int i = 0; fine[i]; i++) {
+        CHECK_MSG(lethe_sparse_hybrid_refusal_of(fine[i], &who) == NULL && who == NULL, "%s", fine[i]);
+    }
+    /* a refusing PREFILL method in a pair that combines: the pair's table carries it */
+    CHECK_MSG(lethe_sparse_register_extra(&refusing_prefill) == LETHE_OK, "%s", lethe_last_error());
+    CHECK(lethe_sparse_hybrid_refusal_of("refusing_prefill+dense", &who) == refusing_prefill.hybrid_refusal &&
+          who == &refusing_prefill);
+    CHECK(lethe_sparse_hybrid_refusal_of("refusing_prefill+snapkv", &who) == refusing_prefill.hybrid_refusal);
+    lethe_sparse_env env = {.n_layers = 2, .n_heads = 4, .n_kv_heads = 2, .head_dim = 16, .max_model_len = 256};
+    lethe_sparse_method *m = NULL;
+    CHECK_MSG(lethe_sparse_create("refusing_prefill+snapkv", NULL, &env, &m) == LETHE_OK, "%s", lethe_last_error());
+    CHECK(lethe_sparse_hybrid_refusal(m->ops) == refusing_prefill.hybrid_refusal);
+    lethe_sparse_destroy(m);
+    /* an own output projection without the declaration is refused at registration */
+    lethe_sparse_ops undeclared = *palu;
+    undeclared.name = "palu_undeclared";
+    memset(undeclared.aliases, 0, sizeof(undeclared.aliases));
+    undeclared.hybrid_refusal = NULL;
+    CHECK(lethe_sparse_validate(&undeclared) == LETHE_ERR_INVALID);
+    CHECK_STR_CONTAINS(lethe_last_error(), "kv_out_proj needs hybrid_refusal");
+}
+
 int main(void) {
     if (getenv("LETHE_TEST_DEVICE")) g_device = getenv("LETHE_TEST_DEVICE");
     CHECK_MSG(lethe_sparse_register_extra(&throwaway_recent_window) == LETHE_OK, "%s", lethe_last_error());
@@ -357,5 +409,6 @@ int main(void) {
     TEST_RUN(test_pair_names);
     TEST_RUN(test_pairs);
     TEST_RUN(test_quest_heads_pairs);
+    TEST_RUN(test_hybrid_refusals); /* last: it registers a method the pair loops would run */
     return 0;
 }

@@ -14,10 +14,11 @@
  * env.n_layers count the full-attention layers alone, in model order
  * (arch_hybrid.c numbers them), so rows per layer or per KV head, per-layer
  * budgets (PyramidKV's schedule runs over the attention layers) and payloads
- * of a method's own apply unchanged. Refused, with the reason
- * (lethe_sparse_hybrid_refusal, also printed by `lethe methods`), before the
- * method is built: a method with its own output projection (the gated
- * attention's output gate multiplies the per-head outputs it never forms).
+ * of a method's own apply unchanged. Refused, with the reason the method
+ * declares (ops->hybrid_refusal, also printed by `lethe methods`), before it
+ * is built, for every method the name holds (both of a PREFILL+DECODE pair):
+ * a method with its own output projection (the gated attention's output gate
+ * multiplies the per-head outputs it never forms).
  *
  * Prefill chunks that do not reach the prompt's end stop at multiples of
  * LETHE_GDN_CHUNK positions (the scheduler's chunk_align), so the
@@ -45,14 +46,20 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "--max-num-batched-tokens %d: hybrid model %s needs at least %d (prefill "
                             "chunks of its linear-attention layers end at multiples of %d positions)",
                             e->p.max_num_batched_tokens, c->arch, LETHE_GDN_CHUNK, LETHE_GDN_CHUNK);
-    const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method); /* NULL: create names the error */
-    const char *why = ops ? lethe_sparse_hybrid_refusal(ops) : NULL;
-    if (why)
+    /* the refusal: every method the name holds (both of a pair); unknown names: create names
+     * the error */
+    const lethe_sparse_ops *who = NULL;
+    const char *why = lethe_sparse_hybrid_refusal_of(e->sparse_method, &who);
+    if (why) {
+        const bool pair = strchr(e->sparse_method, '+') != NULL;
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                             "model %s (%s: %d of %d layers are linear attention with per-request "
-                            "states) cannot use method %s: %s",
+                            "states) cannot use method %s: %s%s%s",
                             e->model_path ? e->model_path : c->arch, c->arch, c->n_linear_layers,
-                            c->n_layers, ops->name, why);
+                            c->n_layers, pair ? e->sparse_method : who->name, pair ? who->name : "",
+                            pair ? ": " : "", why);
+    }
+    const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method); /* NULL for a pair */
     /* default: the step budget, so a long prompt prefilled alone is cut nowhere it
      * would not be anyway (its chunks end at multiples of the budget) */
     const int32_t every = e->p.state_snapshot_interval

@@ -370,6 +370,7 @@ static void build_table(combo *c, const lethe_sparse_ops *p, const lethe_sparse_
     o->kv_reserve_bytes = d->kv_reserve_bytes ? cb_kv_reserve : NULL;
     o->page_meta_floats = d->page_meta_floats;
     o->block_sparse = p->block_sparse ? cb_block_sparse : NULL;
+    o->hybrid_refusal = p->hybrid_refusal ? p->hybrid_refusal : d->hybrid_refusal;
     o->init = cb_init;
     o->configure = cb_configure;
     o->destroy = cb_destroy;

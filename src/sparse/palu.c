@@ -393,4 +393,6 @@ const lethe_sparse_ops lethe_sparse_palu = {
     .kv_store = palu_store,
     .kv_attend = palu_attend,
     .kv_out_proj = palu_out_proj,
+    .hybrid_refusal = "it folds its value factors into the output projection, so the per-head "
+                      "attention outputs the output gate multiplies are never formed",
 };

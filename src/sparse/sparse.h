@@ -278,6 +278,11 @@ struct lethe_sparse_ops {
     const lethe_sparse_knob *knob_table; /* method knobs (values reach set_knob); default none */
     int32_t n_knob_table;
     lethe_sparse_test_configs test_configs; /* what the generic test suites run (above) */
+    /* hybrid models (linear-attention layers with per-request states): why
+     * the method cannot run on them, one clause for the refusal and `lethe
+     * methods`; default NULL: it runs on their full-attention layers. A method
+     * with kv_out_proj must declare it (validate.c) */
+    const char *hybrid_refusal;
 
     /* ---- capacity questions: asked before the pool exists (env.pool NULL) ---- */
     /* admission bound: most slots one layer of the request may hold at once
@@ -616,8 +621,12 @@ extern const lethe_sparse_ops lethe_sparse_dense;
 /* Hybrid models (linear-attention layers with per-request states): NULL when
  * the method applies to their full-attention layers (it then sees only
  * those: env.n_layers, layer indices and budgets count full-attention
- * layers), else why it cannot (its own output projection). `lethe methods`
- * prints it; the engine refuses with it (engine_hybrid.c). */
+ * layers), else why it cannot (ops->hybrid_refusal). `lethe methods` prints
+ * it. lethe_sparse_hybrid_refusal_of asks every method a --sparse-method
+ * names (both of a PREFILL+DECODE pair) and returns the first refusal, with
+ * the refusing method in *who; NULL for names that do not resolve (creation
+ * reports those). The engine refuses with it (engine_hybrid.c). */
 const char *lethe_sparse_hybrid_refusal(const lethe_sparse_ops *ops);
+const char *lethe_sparse_hybrid_refusal_of(const char *name, const lethe_sparse_ops **who);
 
 #endif /* LETHE_SPARSE_H */

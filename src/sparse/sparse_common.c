@@ -16,13 +16,32 @@
 /* Hybrid models: the method sees the full-attention layers only (the pool,
  * the hooks and env.n_layers count them alone, kv_pool.h), so rows per
  * layer or per KV head, budgets per layer and payloads of its own all apply.
- * What cannot: an output projection of the method's own (palu folds its value
- * factors into W_o, so the per-head attention outputs that the gated
- * attention's output gate multiplies are never formed). */
+ * What cannot is declared by the method (ops->hybrid_refusal; e.g. an output
+ * projection of its own). */
 const char *lethe_sparse_hybrid_refusal(const lethe_sparse_ops *ops) {
-    if (ops->kv_out_proj)
-        return "it folds its value factors into the output projection, so the per-head attention "
-               "outputs the output gate multiplies are never formed";
+    return ops ? ops->hybrid_refusal : NULL;
+}
+
+const char *lethe_sparse_hybrid_refusal_of(const char *name, const lethe_sparse_ops **who) {
+    *who = NULL;
+    const char *plus = name ? strchr(name, '+') : NULL;
+    char first[64];
+    const char *names[2] = {name, NULL};
+    if (plus) { /* each method of a PREFILL+DECODE pair, whether the pair combines or not */
+        const size_t n = (size_t)(plus - name);
+        if (n >= sizeof(first)) return NULL;
+        memcpy(first, name, n);
+        first[n] = '\0';
+        names[0] = first;
+        names[1] = plus + 1;
+    }
+    for (int i = 0; i < 2 && names[i]; i++) {
+        const lethe_sparse_ops *o = lethe_sparse_find(names[i]);
+        if (o && o->hybrid_refusal) {
+            *who = o;
+            return o->hybrid_refusal;
+        }
+    }
     return NULL;
 }
 

@@ -145,6 +145,9 @@ lethe_status lethe_sparse_validate(const lethe_sparse_ops *o) {
          "kv_layout, kv_store and kv_attend come together (the model reads a layout only through them)");
     RULE(o->kv_layout || (!o->kv_out_proj && !(o->flags & LETHE_SPARSE_KV_PRE_ROPE)),
          "kv_out_proj and LETHE_SPARSE_KV_PRE_ROPE need kv_layout");
+    RULE(!o->kv_out_proj || (o->hybrid_refusal && o->hybrid_refusal[0]),
+         "kv_out_proj needs hybrid_refusal: a hybrid model's gated attention multiplies the "
+         "per-head outputs an own output projection never forms");
     RULE(!o->kv_layout || !uniform, "a method with kv_layout must not be LETHE_SPARSE_UNIFORM (its "
          "layers store and attend through kv_store / kv_attend)");
     RULE(!(o->flags & LETHE_SPARSE_OFFLOADS) ||
