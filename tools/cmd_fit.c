@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "commands.h"
 #include "core/util.h"
@@ -297,6 +298,82 @@ lethe_status lethe_fit_write_safetensors(const char *path, const lethe_fit_tenso
     ok = fclose(f) == 0 && ok;
     free(h.s);
     return ok ? LETHE_OK : lethe_errorf(LETHE_ERR_IO, "lethe fit: writing %s failed", path);
+}
+
+/* ---- the command lines of the methods ---- */
+
+int lethe_fit_opts_calib(lethe_opt *rows, const char **calib) {
+    rows[0] = (lethe_opt){"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH",
+                          "calibration text: a file or a folder of .txt, or token ids (*.ids, "
+                          "whitespace-separated; repeatable)", 1, 0};
+    return 1;
+}
+
+int lethe_fit_opts_common(lethe_opt *rows, lethe_fit_params *fp, const char **out, const char *out_help) {
+    int n = 0;
+    rows[n++] = (lethe_opt){"--samples", NULL, LETHE_OPT_INT, &fp->samples, "N", "calibration windows", 1, 1 << 20};
+    rows[n++] = (lethe_opt){"--seq-len", NULL, LETHE_OPT_INT, &fp->seq_len, "T", "tokens per calibration window",
+                            16, 1 << 16};
+    rows[n++] = (lethe_opt){"--out", "-o", LETHE_OPT_STR, out, "DIR", out_help, 1, 0};
+    rows[n++] = (lethe_opt){"--load-format", NULL, LETHE_OPT_STR, &fp->load_format, "F", "auto | gguf | hf | dummy",
+                            1, 0};
+    rows[n++] = (lethe_opt){"--tokenizer", NULL, LETHE_OPT_STR, &fp->tokenizer, "PATH",
+                            "tokenizer folder / .gguf instead of the model's own (dummy weights)", 1, 0};
+    rows[n++] = (lethe_opt){"--device", NULL, LETHE_OPT_STR, &fp->device, "DEV",
+                            "cpu | cuda: where the calibration forward runs (default cpu)", 1, 0};
+    rows[n++] = (lethe_opt){"--seed", NULL, LETHE_OPT_U64, &fp->seed, "S", "weights seed with --load-format dummy",
+                            1, 0};
+    rows[n++] = (lethe_opt){"--threads", NULL, LETHE_OPT_INT, &fp->threads, "N", "CPU threads (0 = all cores)", 0,
+                            1024};
+    return n;
+}
+
+int lethe_fit_args(const char *method, const char *const *pos, int n_pos, const char *const *calib,
+                   lethe_fit_params *fp) {
+    if (n_pos != 1 || !calib[0]) {
+        fprintf(stderr, "lethe fit %s: needs MODEL and at least one --calib PATH (see --help)\n", method);
+        return 2;
+    }
+    fp->model = pos[0];
+    for (int i = 0; i < LETHE_MAX_STOP && calib[i] && fp->n_calib < LETHE_FIT_MAX_CALIB; i++)
+        fp->calib[fp->n_calib++] = calib[i];
+    return 0;
+}
+
+lethe_status lethe_fit_out_dir(const char *method, const char *out, const char *model, const char *suffix,
+                               char *dir, size_t cap) {
+    if (out) {
+        snprintf(dir, cap, "%s", out);
+    } else {
+        size_t n = strlen(model);
+        while (n > 1 && model[n - 1] == '/') n--;
+        if (n > 5 && !strncmp(model + n - 5, ".gguf", 5)) n -= 5;
+        snprintf(dir, cap, "%.*s%s", (int)n, model, suffix);
+    }
+    if (mkdir(dir, 0755) && errno != EEXIST)
+        return lethe_errorf(LETHE_ERR_IO, "lethe fit %s: mkdir %s: %s", method, dir, strerror(errno));
+    return LETHE_OK;
+}
+
+cJSON *lethe_fit_json_calibration(cJSON *j, const lethe_fit_params *fp, const lethe_fit_ctx *c, int64_t n_tok) {
+    cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
+    cJSON *files = cJSON_AddArrayToObject(cal, "paths");
+    for (int i = 0; i < fp->n_calib; i++) cJSON_AddItemToArray(files, cJSON_CreateString(fp->calib[i]));
+    cJSON_AddNumberToObject(cal, "samples", c->n_samples);
+    cJSON_AddNumberToObject(cal, "seq_len", fp->seq_len);
+    cJSON_AddNumberToObject(cal, "tokens", (double)n_tok);
+    return cal;
+}
+
+lethe_status lethe_fit_write_json(const char *method, const char *path, const cJSON *j) {
+    char *txt = cJSON_Print(j);
+    lethe_status st = LETHE_OK;
+    FILE *f = fopen(path, "w");
+    if (!f || fputs(txt, f) < 0 || fputc('\n', f) < 0)
+        st = lethe_errorf(LETHE_ERR_IO, "lethe fit %s: cannot write %s", method, path);
+    if (f && fclose(f) && st == LETHE_OK) st = lethe_errorf(LETHE_ERR_IO, "lethe fit %s: writing %s failed", method, path);
+    free(txt);
+    return st;
 }
 
 /* ---- the command ---- */

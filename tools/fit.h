@@ -12,6 +12,7 @@
 #include "core/json.h"
 #include "core/status.h"
 #include "model/model.h"
+#include "options.h"
 #include "tokenizer/tokenizer.h"
 
 #define LETHE_FIT_MAX_CALIB 16
@@ -60,6 +61,27 @@ typedef struct lethe_fit_tensor {
 /* writes the tensors as a safetensors file with {"__metadata__": meta_json} */
 lethe_status lethe_fit_write_safetensors(const char *path, const lethe_fit_tensor *e, size_t n_e,
                                          const char *meta_json);
+
+/* ---- what every `lethe fit METHOD` command line shares ---- */
+
+/* the --calib row (first in every method's table) and the rows after the
+ * method's own: --samples, --seq-len, --out (out_help), --load-format,
+ * --tokenizer, --device, --seed, --threads; each returns the rows written */
+int lethe_fit_opts_calib(lethe_opt *rows, const char **calib);
+int lethe_fit_opts_common(lethe_opt *rows, lethe_fit_params *fp, const char **out, const char *out_help);
+/* after parsing: MODEL and the --calib paths into fp; 0, or 2 after a
+ * usage message naming the method */
+int lethe_fit_args(const char *method, const char *const *pos, int n_pos, const char *const *calib,
+                   lethe_fit_params *fp);
+/* the output folder: out, or next to the model "<model without .gguf><suffix>";
+ * created if missing */
+lethe_status lethe_fit_out_dir(const char *method, const char *out, const char *model, const char *suffix,
+                               char *dir, size_t cap);
+/* the asset JSON's "calibration" object (paths, samples, seq_len, tokens),
+ * added to j and returned for method-specific fields */
+cJSON *lethe_fit_json_calibration(cJSON *j, const lethe_fit_params *fp, const lethe_fit_ctx *c, int64_t n_tok);
+/* writes j (pretty-printed, newline-terminated) to path */
+lethe_status lethe_fit_write_json(const char *method, const char *path, const cJSON *j);
 
 int lethe_fit_palu(int argc, char **argv);    /* fit_palu.c */
 int lethe_fit_deltakv(int argc, char **argv); /* fit_deltakv.c */

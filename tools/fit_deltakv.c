@@ -93,47 +93,30 @@ static void acc_kv(void *user, int32_t layer, const float *k, const float *v, in
     free(cent), free(cn), free(d);
 }
 
-/* default output folder: next to the model, "<model without .gguf>.deltakv-<latent>" */
-static void default_out(const char *model, int32_t latent, char *out, size_t cap) {
-    size_t n = strlen(model);
-    while (n > 1 && model[n - 1] == '/') n--;
-    if (n > 5 && !strncmp(model + n - 5, ".gguf", 5)) n -= 5;
-    snprintf(out, cap, "%.*s.deltakv-%d", (int)n, model, latent);
-}
-
 int lethe_fit_deltakv(int argc, char **argv) {
     lethe_fit_params fp = {.samples = 8, .seq_len = 512, .threads = 0, .seed = 0};
     int32_t latent = 128, K = 4, sink = 64;
     float ratio = 0.1f;
     const char *out = NULL, *calib[LETHE_MAX_STOP] = {0};
-    const lethe_opt opts[] = {
-        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt, or token ids (*.ids, whitespace-separated; repeatable)", 1, 0},
-        {"--latent", NULL, LETHE_OPT_INT, &latent, "R", "latent dims per token (at most 2 x KV heads x head_dim)", 1, 65536},
-        {"--neighbors", NULL, LETHE_OPT_INT, &K, "K", "fathers per token (the method's deltakv_neighbors)", 1, 16},
-        {"--center-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "F", "share of tokens that are centers (deltakv_center_ratio)", 0.001, 1},
-        {"--sink-tokens", NULL, LETHE_OPT_INT, &sink, "S", "first tokens kept raw (sink_keep_tokens)", 0, 1 << 20},
-        {"--samples", NULL, LETHE_OPT_INT, &fp.samples, "N", "calibration windows", 1, 1 << 20},
-        {"--seq-len", NULL, LETHE_OPT_INT, &fp.seq_len, "T", "tokens per calibration window", 16, 1 << 16},
-        {"--out", "-o", LETHE_OPT_STR, &out, "DIR", "output folder (default: next to the model, MODEL.deltakv-R)", 1, 0},
-        {"--load-format", NULL, LETHE_OPT_STR, &fp.load_format, "F", "auto | gguf | hf | dummy", 1, 0},
-        {"--tokenizer", NULL, LETHE_OPT_STR, &fp.tokenizer, "PATH", "tokenizer folder / .gguf instead of the model's own (dummy weights)", 1, 0},
-        {"--device", NULL, LETHE_OPT_STR, &fp.device, "DEV", "cpu | cuda: where the calibration forward runs (default cpu)", 1, 0},
-        {"--seed", NULL, LETHE_OPT_U64, &fp.seed, "S", "weights seed with --load-format dummy", 1, 0},
-        {"--threads", NULL, LETHE_OPT_INT, &fp.threads, "N", "CPU threads (0 = all cores)", 0, 1024},
-    };
+    lethe_opt opts[16];
+    int no = lethe_fit_opts_calib(opts, calib);
+    opts[no++] = (lethe_opt){"--latent", NULL, LETHE_OPT_INT, &latent, "R",
+                             "latent dims per token (at most 2 x KV heads x head_dim)", 1, 65536};
+    opts[no++] = (lethe_opt){"--neighbors", NULL, LETHE_OPT_INT, &K, "K",
+                             "fathers per token (the method's deltakv_neighbors)", 1, 16};
+    opts[no++] = (lethe_opt){"--center-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "F",
+                             "share of tokens that are centers (deltakv_center_ratio)", 0.001, 1};
+    opts[no++] = (lethe_opt){"--sink-tokens", NULL, LETHE_OPT_INT, &sink, "S",
+                             "first tokens kept raw (sink_keep_tokens)", 0, 1 << 20};
+    no += lethe_fit_opts_common(opts + no, &fp, &out, "output folder (default: next to the model, MODEL.deltakv-R)");
     const char *pos[2];
     int n_pos = 0;
-    int rc = lethe_opts_parse(opts, (int)LETHE_ARRAY_LEN(opts), argc, argv,
+    int rc = lethe_opts_parse(opts, no, argc, argv,
                               "lethe fit deltakv MODEL --calib PATH [options]",
                               "DeltaKV compressor (PCA of each token's KV minus the mean of its nearest centers) for "
                               "--sparse-method deltakv --sparse-config deltakv_compressor=DIR.", pos, &n_pos, 1);
     if (rc) return rc > 0 ? 0 : 2;
-    if (n_pos != 1 || !calib[0]) {
-        fprintf(stderr, "lethe fit deltakv: needs MODEL and at least one --calib PATH (see --help)\n");
-        return 2;
-    }
-    fp.model = pos[0];
-    for (int i = 0; i < LETHE_MAX_STOP && calib[i]; i++) fp.calib[fp.n_calib++] = calib[i];
+    if ((rc = lethe_fit_args("deltakv", pos, n_pos, calib, &fp))) return rc;
     lethe_fit_ctx c;
     lethe_status st = lethe_fit_open(&fp, &c);
     const lethe_model_config *cfg = &c.model.cfg;
@@ -156,11 +139,9 @@ int lethe_fit_deltakv(int argc, char **argv) {
     a.C = lethe_xcalloc((size_t)a.L * a.D * a.D, sizeof(double));
     a.n_res = lethe_xcalloc((size_t)a.L, sizeof(int64_t));
     st = lethe_fit_forward(&c, &fp, acc_kv, &a);
-    char dir[2048], path[2100];
-    if (out) snprintf(dir, sizeof(dir), "%s", out);
-    else default_out(fp.model, latent, dir, sizeof(dir));
-    if (st == LETHE_OK && mkdir(dir, 0755) && errno != EEXIST)
-        st = lethe_errorf(LETHE_ERR_IO, "lethe fit deltakv: mkdir %s: %s", dir, strerror(errno));
+    char dir[2048], path[2100], suffix[32];
+    snprintf(suffix, sizeof(suffix), ".deltakv-%d", latent);
+    if (st == LETHE_OK) st = lethe_fit_out_dir("deltakv", out, fp.model, suffix, dir, sizeof(dir));
     const int32_t D = a.D, R = latent;
     float *w = lethe_xmalloc((size_t)a.L * 2 * R * D * sizeof(float));
     double *kept = lethe_xcalloc((size_t)a.L, sizeof(double));
@@ -217,23 +198,13 @@ int lethe_fit_deltakv(int argc, char **argv) {
         cJSON_AddNumberToObject(j, "sink_tokens", sink);
         cJSON_AddStringToObject(j, "fit", "linear: top eigenvectors of the second moment of x - mean(nearest centers), "
                                           "x = [k ; v] pre-RoPE, from the calibration forward (tools/fit_deltakv.c)");
-        cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
-        cJSON *files = cJSON_AddArrayToObject(cal, "paths");
-        for (int i = 0; i < fp.n_calib; i++) cJSON_AddItemToArray(files, cJSON_CreateString(fp.calib[i]));
-        cJSON_AddNumberToObject(cal, "samples", c.n_samples);
-        cJSON_AddNumberToObject(cal, "seq_len", fp.seq_len);
-        cJSON_AddNumberToObject(cal, "tokens", (double)a.n_tok);
+        cJSON *cal = lethe_fit_json_calibration(j, &fp, &c, a.n_tok);
         cJSON_AddNumberToObject(cal, "residuals_per_layer", (double)a.n_res[0]);
         cJSON *en = cJSON_AddObjectToObject(j, "energy_kept");
         cJSON_AddNumberToObject(en, "mean", kmean);
         cJSON_AddNumberToObject(en, "min", kmin);
-        char *txt = cJSON_Print(j);
         snprintf(path, sizeof(path), "%s/deltakv.json", dir);
-        FILE *f = fopen(path, "w");
-        if (!f || fputs(txt, f) < 0 || fputc('\n', f) < 0)
-            st = lethe_errorf(LETHE_ERR_IO, "lethe fit deltakv: cannot write %s", path);
-        if (f && fclose(f) && st == LETHE_OK) st = lethe_errorf(LETHE_ERR_IO, "lethe fit deltakv: writing %s failed", path);
-        free(txt);
+        st = lethe_fit_write_json("deltakv", path, j);
         cJSON_Delete(j);
     }
     if (st == LETHE_OK)

@@ -87,43 +87,25 @@ static int32_t rank_of(int32_t gd, int32_t hd, double ratio) {
 }
 
 /* default output folder: next to the model, "<model without .gguf>.palu-<ratio>" */
-static void default_out(const char *model, double ratio, char *out, size_t cap) {
-    size_t n = strlen(model);
-    while (n > 1 && model[n - 1] == '/') n--;
-    if (n > 5 && !strncmp(model + n - 5, ".gguf", 5)) n -= 5;
-    snprintf(out, cap, "%.*s.palu-%.2f", (int)n, model, ratio);
-}
-
 int lethe_fit_palu(int argc, char **argv) {
     lethe_fit_params fp = {.samples = 8, .seq_len = 512, .threads = 0, .seed = 0};
     float ratio = 0.5f;
     int32_t gs = 1;
     const char *out = NULL, *calib[LETHE_MAX_STOP] = {0};
-    const lethe_opt opts[] = {
-        {"--calib", NULL, LETHE_OPT_STRLIST, calib, "PATH", "calibration text: a file or a folder of .txt, or token ids (*.ids, whitespace-separated; repeatable)", 1, 0},
-        {"--rank-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "R", "kept rank / (group size x head_dim), K and V", 0.01, 1},
-        {"--group-size", NULL, LETHE_OPT_INT, &gs, "G", "KV heads per factor group (must divide the KV heads)", 1, 64},
-        {"--samples", NULL, LETHE_OPT_INT, &fp.samples, "N", "calibration windows", 1, 1 << 20},
-        {"--seq-len", NULL, LETHE_OPT_INT, &fp.seq_len, "T", "tokens per calibration window", 16, 1 << 16},
-        {"--out", "-o", LETHE_OPT_STR, &out, "DIR", "output folder (default: next to the model, MODEL.palu-R)", 1, 0},
-        {"--load-format", NULL, LETHE_OPT_STR, &fp.load_format, "F", "auto | gguf | hf | dummy", 1, 0},
-        {"--tokenizer", NULL, LETHE_OPT_STR, &fp.tokenizer, "PATH", "tokenizer folder / .gguf instead of the model's own (dummy weights)", 1, 0},
-        {"--device", NULL, LETHE_OPT_STR, &fp.device, "DEV", "cpu | cuda: where the calibration forward runs (default cpu)", 1, 0},
-        {"--seed", NULL, LETHE_OPT_U64, &fp.seed, "S", "weights seed with --load-format dummy", 1, 0},
-        {"--threads", NULL, LETHE_OPT_INT, &fp.threads, "N", "CPU threads (0 = all cores)", 0, 1024},
-    };
+    lethe_opt opts[16];
+    int no = lethe_fit_opts_calib(opts, calib);
+    opts[no++] = (lethe_opt){"--rank-ratio", NULL, LETHE_OPT_FLOAT, &ratio, "R",
+                             "kept rank / (group size x head_dim), K and V", 0.01, 1};
+    opts[no++] = (lethe_opt){"--group-size", NULL, LETHE_OPT_INT, &gs, "G",
+                             "KV heads per factor group (must divide the KV heads)", 1, 64};
+    no += lethe_fit_opts_common(opts + no, &fp, &out, "output folder (default: next to the model, MODEL.palu-R)");
     const char *pos[2];
     int n_pos = 0;
-    int rc = lethe_opts_parse(opts, (int)LETHE_ARRAY_LEN(opts), argc, argv, "lethe fit palu MODEL --calib PATH [options]",
+    int rc = lethe_opts_parse(opts, no, argc, argv, "lethe fit palu MODEL --calib PATH [options]",
                               "Palu factors (whitened SVD per KV head group) for --sparse-method palu "
                               "--sparse-config palu_factors=DIR.", pos, &n_pos, 1);
     if (rc) return rc > 0 ? 0 : 2;
-    if (n_pos != 1 || !calib[0]) {
-        fprintf(stderr, "lethe fit palu: needs MODEL and at least one --calib PATH (see --help)\n");
-        return 2;
-    }
-    fp.model = pos[0];
-    for (int i = 0; i < LETHE_MAX_STOP && calib[i]; i++) fp.calib[fp.n_calib++] = calib[i];
+    if ((rc = lethe_fit_args("palu", pos, n_pos, calib, &fp))) return rc;
     lethe_fit_ctx c;
     lethe_status st = lethe_fit_open(&fp, &c);
     const lethe_model_config *cfg = &c.model.cfg;
@@ -141,11 +123,9 @@ int lethe_fit_palu(int argc, char **argv) {
     a.cv = lethe_xcalloc((size_t)a.L * per_layer, sizeof(double));
     st = lethe_fit_forward(&c, &fp, acc_kv, &a);
     const int32_t r = rank_of(a.gd, a.hd, ratio);
-    char dir[2048], path[2100];
-    if (out) snprintf(dir, sizeof(dir), "%s", out);
-    else default_out(fp.model, ratio, dir, sizeof(dir));
-    if (st == LETHE_OK && mkdir(dir, 0755) && errno != EEXIST)
-        st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: mkdir %s: %s", dir, strerror(errno));
+    char dir[2048], path[2100], suffix[32];
+    snprintf(suffix, sizeof(suffix), ".palu-%.2f", ratio);
+    if (st == LETHE_OK) st = lethe_fit_out_dir("palu", out, fp.model, suffix, dir, sizeof(dir));
     lethe_fit_tensor *ents = lethe_xcalloc((size_t)a.L * 4, sizeof(lethe_fit_tensor));
     float *bufs = lethe_xmalloc((size_t)a.L * 4 * a.ng * r * a.gd * sizeof(float));
     double ek = 0, ev = 0, ek_min = 1, ev_min = 1;
@@ -187,24 +167,15 @@ int lethe_fit_palu(int argc, char **argv) {
         for (int32_t l = 0; l < a.L; l++) cJSON_AddItemToArray(rk, cJSON_CreateNumber(r));
         cJSON_AddStringToObject(j, "fit", "whitened SVD per KV head group from the pre-RoPE key / value "
                                           "covariance of the calibration forward (tools/fit_palu.c)");
-        cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
-        cJSON *files = cJSON_AddArrayToObject(cal, "paths");
-        for (int i = 0; i < fp.n_calib; i++) cJSON_AddItemToArray(files, cJSON_CreateString(fp.calib[i]));
-        cJSON_AddNumberToObject(cal, "samples", c.n_samples);
-        cJSON_AddNumberToObject(cal, "seq_len", fp.seq_len);
-        cJSON_AddNumberToObject(cal, "tokens", (double)a.n_tok);
+        lethe_fit_json_calibration(j, &fp, &c, a.n_tok);
         cJSON *en = cJSON_AddObjectToObject(j, "energy_kept");
         cJSON_AddNumberToObject(en, "k_mean", ek / n_groups_total);
         cJSON_AddNumberToObject(en, "k_min", ek_min);
         cJSON_AddNumberToObject(en, "v_mean", ev / n_groups_total);
         cJSON_AddNumberToObject(en, "v_min", ev_min);
         cJSON_AddNumberToObject(j, "latent_fraction", (double)r / a.gd);
-        char *txt = cJSON_Print(j);
         snprintf(path, sizeof(path), "%s/palu.json", dir);
-        FILE *f = fopen(path, "w");
-        if (!f || fputs(txt, f) < 0 || fputc('\n', f) < 0) st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: cannot write %s", path);
-        if (f && fclose(f) && st == LETHE_OK) st = lethe_errorf(LETHE_ERR_IO, "lethe fit palu: writing %s failed", path);
-        free(txt);
+        st = lethe_fit_write_json("palu", path, j);
         cJSON_Delete(j);
     }
     if (st == LETHE_OK)
