@@ -32,14 +32,28 @@ size_t lethe_cpu_qx_bytes(int32_t n, int32_t cols) {
     return q + (size_t)n * (size_t)(cols / 32) * 2 * sizeof(float);
 }
 
-void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t cols,
-                           void *scratch, lethe_qx_rows *out) {
+void lethe_cpu_qx_layout(int32_t n, int32_t cols, void *scratch, lethe_qx_rows *out) {
     LETHE_ASSERT(n >= 0 && cols > 0 && cols % 32 == 0);
     const int32_t nb = cols / 32;
     int16_t *q = scratch;
     float *d = (float *)((uint8_t *)scratch + ((size_t)n * (size_t)cols * 2 + 63) / 64 * 64);
-    float *s = d + (size_t)n * nb;
-    *out = (lethe_qx_rows){q, d, s, n, cols};
+    *out = (lethe_qx_rows){q, d, d + (size_t)n * nb, n, cols};
+}
+
+void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t cols,
+                           void *scratch, lethe_qx_rows *out) {
+    lethe_cpu_qx_layout(n, cols, scratch, out);
+    lethe_cpu_qx_quantize_rows(isa, x, out, 0, n);
+}
+
+void lethe_cpu_qx_quantize_rows(lethe_cpu_isa isa, const float *x_all, const lethe_qx_rows *out,
+                                int32_t r0, int32_t r1) {
+    LETHE_ASSERT(0 <= r0 && r0 <= r1 && r1 <= out->n);
+    const int32_t cols = out->cols, nb = cols / 32, n = r1 - r0;
+    const float *x = x_all + (size_t)r0 * cols;
+    /* the rows [r0, r1) of the layout (written through: out owns the scratch) */
+    int16_t *q = (int16_t *)out->q + (size_t)r0 * cols;
+    float *d = (float *)out->d + (size_t)r0 * nb, *s = (float *)out->s + (size_t)r0 * nb;
     if (isa >= LETHE_ISA_AVX2) {
         lethe_cpu_qx_quantize_avx2(x, n, cols, q, d, s);
         return;

@@ -68,6 +68,11 @@ bool lethe_cpu_qdot_supported(lethe_ggml_type t, int32_t cols);
 size_t lethe_cpu_qx_bytes(int32_t n, int32_t cols);
 void lethe_cpu_qx_quantize(lethe_cpu_isa isa, const float *x, int32_t n, int32_t cols,
                            void *scratch, lethe_qx_rows *out);
+/* the same in two steps, so threads can share the rows: *out laid out in
+ * scratch for x [n, cols], then rows [r0, r1) of x quantized into it */
+void lethe_cpu_qx_layout(int32_t n, int32_t cols, void *scratch, lethe_qx_rows *out);
+void lethe_cpu_qx_quantize_rows(lethe_cpu_isa isa, const float *x, const lethe_qx_rows *out,
+                                int32_t r0, int32_t r1);
 /* scratch for QDOT_G decoded rows of `cols` and their scales */
 size_t lethe_cpu_qdot_scratch_bytes(int32_t cols);
 /* y[i*ldy + j - j0] = x row i . W row j for i < x->n, j in [j0, j1) */

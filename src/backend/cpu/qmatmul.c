@@ -29,6 +29,7 @@
 #define SMALL_N 2     /* rows of x the register kernels take at once */
 #define PANEL 48      /* rows of W per dequantized panel */
 #define SMALL_ROWS 16 /* rows of W per task on the register path */
+#define QX_ROWS 32    /* rows of x per task of the 16-bit rounding */
 
 static lethe_cpu_ctx *ctx_of(const lethe_backend *be) { return be->ctx; }
 
@@ -183,9 +184,22 @@ static void qtask(void *ctx, int t, int worker) {
     }
 }
 
-/* x rounded to 16 bits into the context's scratch */
-static const lethe_qx_rows *quantize_x(lethe_cpu_ctx *c, const float *x, int32_t n, int32_t cols,
-                                       lethe_qx_rows *out) {
+typedef struct qxjob {
+    lethe_cpu_isa isa;
+    const float *x;
+    const lethe_qx_rows *xq;
+} qxjob;
+
+static void qxtask(void *ctx, int t, int worker) {
+    const qxjob *j = ctx;
+    const int32_t r0 = t * QX_ROWS, r1 = LETHE_MIN(j->xq->n, r0 + QX_ROWS);
+    lethe_cpu_qx_quantize_rows(j->isa, j->x, j->xq, r0, r1);
+}
+
+/* x rounded to 16 bits into the context's scratch, QX_ROWS rows per task
+ * (rows are independent: the same bits however they are shared) */
+static const lethe_qx_rows *quantize_x(lethe_backend *be, lethe_cpu_ctx *c, const float *x,
+                                       int32_t n, int32_t cols, int nt, lethe_qx_rows *out) {
     const size_t need = lethe_cpu_qx_bytes(n, cols);
     if (c->qx_cap < need) {
         free(c->qx);
@@ -193,7 +207,13 @@ static const lethe_qx_rows *quantize_x(lethe_cpu_ctx *c, const float *x, int32_t
         LETHE_ASSERT(c->qx); /* 2 n x cols bytes: ops cannot fail */
         c->qx_cap = need;
     }
-    lethe_cpu_qx_quantize(c->isa, x, n, cols, c->qx, out);
+    lethe_cpu_qx_layout(n, cols, c->qx, out);
+    if (n <= QX_ROWS) {
+        lethe_cpu_qx_quantize_rows(c->isa, x, out, 0, n);
+    } else {
+        qxjob j = {c->isa, x, out};
+        lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(n, QX_ROWS), qxtask, &j);
+    }
     return out;
 }
 
@@ -210,7 +230,7 @@ void lethe_cpu_qmatmul(lethe_backend *be, const lethe_cpu_qweight *w, float *y, 
          * QDOT_G rows for the prefill tile */
         int32_t per = LETHE_MAX(SMALL_ROWS, LETHE_CEIL_DIV(w->rows, 4 * nt));
         qjob j = {c, w, isa, true, LETHE_CEIL_DIV(per, QDOT_G) * QDOT_G, n, y, x,
-                  quantize_x(c, x, n, w->cols, &xq)};
+                  quantize_x(be, c, x, n, w->cols, nt, &xq)};
         lethe_cpu_parallel(be, nt, LETHE_CEIL_DIV(w->rows, j.per), qtask, &j);
         return;
     }
