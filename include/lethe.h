@@ -230,7 +230,8 @@ typedef struct lethe_engine_params {
      * at the prompt's last multiple of 64; prefill chunks end there. The
      * snapshots take at most state_snapshot_bytes (--state-snapshot-bytes;
      * 0 = an eighth of the KV budget) off the KV budget, least recently
-     * used out first. Other models ignore both. */
+     * used out first. In chain mode the same budget holds idle chains'
+     * states (LRU chains beyond it are reclaimed). Other models ignore both. */
     int32_t state_snapshot_interval;
     size_t state_snapshot_bytes;
 } lethe_engine_params;

@@ -14,9 +14,9 @@
  *    scratch state slot serves the dummies, logits bit-identical;
  *  - abort mid-prefill and mid-decode: every state slot comes back;
  *  - refusals: a method with its own output projection (palu), alone or in
- *    a PREFILL+DECODE pair, the Chain Cache (prefix hits from state
- *    snapshots: test_hybrid_prefix), a step budget below one chunk, states over the KV
- *    budget; methods that combine run on the attention layer: FP8 KV, and
+ *    a PREFILL+DECODE pair, a step budget below one chunk, states over the
+ *    KV budget (prefix caching: test_hybrid_prefix, test_hybrid_chain);
+ *    methods that combine run on the attention layer: FP8 KV, and
  *    per-layer SnapKV (prompts whose final chunk would be shorter than its
  *    window past the last multiple of 64 the budget reaches: the scheduler
  *    then cuts unaligned rather than waiting forever). The per-method suite
@@ -286,9 +286,6 @@ static void test_refusals(void) {
                       strstr(lethe_engine_last_error(), "output gate"),
                   "%s", lethe_engine_last_error());
     }
-    CHECK(mk(&(cfg){.budget = 64, .max_seqs = 4, .pc_mode = "chain"}, &e) != 0);
-    CHECK_MSG(strstr(lethe_engine_last_error(), "Chain Cache is not available"), "%s",
-              lethe_engine_last_error());
     CHECK(mk(&(cfg){.budget = 32, .max_seqs = 4}, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "needs at least 64"), "%s", lethe_engine_last_error());
     CHECK(mk(&(cfg){.kv_bytes = 4096, .budget = 64, .max_seqs = 4}, &e) != 0);

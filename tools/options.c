@@ -216,8 +216,8 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
         "and at the prompt's last multiple of "
         "64; a hit resumes from the deepest snapshot", 0, 1 << 24);
     ROW("--state-snapshot-bytes", NULL, LETHE_OPT_BYTES, &p->state_snapshot_bytes, "SIZE",
-        "hybrid models: memory for those snapshots, taken off the KV budget, LRU (0 = an eighth "
-        "of the KV budget)", 1, 0);
+        "hybrid models: memory for those snapshots (chain mode: idle chains' states), taken off "
+        "the KV budget, LRU (0 = an eighth of the KV budget)", 1, 0);
     ROW("--sparse-method", NULL, LETHE_OPT_STR, &p->sparse_method, "NAME",
         "sparse attention / KV method (see `lethe methods`)", 1, 0);
     ROW("--sparse-config", NULL, LETHE_OPT_STR, &p->sparse_config, "K=V,...",

@@ -624,6 +624,24 @@ void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tok
     pthread_mutex_unlock(&t->mu);
 }
 
+int32_t lethe_chain_limit_idle(lethe_chain_table *t, int32_t max_idle) {
+    pthread_mutex_lock(&t->mu);
+    if (t->n_recs > t->cap_cand) {
+        t->cap_cand = t->n_recs;
+        t->cand = lethe_xrealloc(t->cand, (size_t)t->cap_cand * sizeof(*t->cand));
+    }
+    int32_t nc = 0;
+    for (int32_t i = 0; i < t->n_recs; i++)
+        if (t->recs[i]->state == LETHE_CHAIN_IDLE && t->recs[i]->payload && t->recs[i]->host == HOST_NONE)
+            t->cand[nc++] = t->recs[i];
+    qsort(t->cand, (size_t)nc, sizeof(*t->cand), cmp_lru);
+    const int32_t k = LETHE_MAX(nc - max_idle, 0);
+    for (int32_t i = 0; i < k; i++) drop(t, t->cand[i]);
+    t->st.n_reclaimed += k;
+    pthread_mutex_unlock(&t->mu);
+    return k;
+}
+
 void lethe_chain_abandon(lethe_chain_table *t, const char *id, void *payload) {
     pthread_mutex_lock(&t->mu);
     queue_release(t, payload);

@@ -171,6 +171,13 @@ void lethe_chain_for_each_payload(lethe_chain_table *t, void (*visit)(void *ctx,
 void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tokens, int32_t n_tokens,
                         int32_t processed, const int32_t *resident, void *payload);
 
+/* Reclaims IDLE chains holding a resident payload, least recently used
+ * first, until at most max_idle are left (a hybrid model's chains each hold
+ * one state slot of a fixed number, chain_cache.c); returns how many. The
+ * victims are tombstoned and their payloads queued for release, as by
+ * capacity reclaim without a host tier. */
+int32_t lethe_chain_limit_idle(lethe_chain_table *t, int32_t max_idle);
+
 /* The turn failed or was aborted: the chain is invalidated (tombstoned) and
  * payload (may be NULL) is queued for release. */
 void lethe_chain_abandon(lethe_chain_table *t, const char *id, void *payload);

@@ -50,7 +50,17 @@
  * state into one blob (demote_kv) and frees its row; the chain keeps its
  * shared-block references. Its next turn claims the blob (the table's
  * claim callback, at admission) and acquire restores it into a fresh row
- * before the suffix runs (restore_kv), bit for bit. */
+ * before the suffix runs (restore_kv), bit for bit.
+ *
+ * Hybrid models (the pool has per-request states, kv_pool.h): a row owns
+ * its state slot, so a chain's payload row keeps the linear-attention states
+ * after its processed boundary with its KV, and a resumed turn continues
+ * from them without recompute. The pool has max_idle_states state slots for
+ * IDLE chains besides the running requests' (the engine sizes them with
+ * --state-snapshot-bytes); when a finished turn would leave more IDLE chains
+ * with a row, the least recently used ones are reclaimed (tombstoned, as by
+ * capacity reclaim). The engine refuses branching and the host tier for
+ * these models (neither keeps states). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,6 +120,8 @@ typedef struct chain_cache {
     lethe_radix_block **match;
     int32_t n_match, n_host, cap_match;
     uint64_t match_id;
+    bool states;             /* hybrid model: rows own state slots (file comment) */
+    int32_t max_idle_states; /* IDLE chains that may keep a row (and its states) */
 } chain_cache;
 
 static chain_cache *cc_of(lethe_prefix_cache *pc) { return (chain_cache *)pc; }
@@ -431,6 +443,10 @@ static void cc_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_e
         *s->method_state = NULL;
     }
     blocks_drop(cc, &c->shared); /* (none left when a row was kept) */
+    if (how == LETHE_PC_END_OK && k && cc->states && cc->max_idle_states == 0) {
+        kv_free(cc, k); /* no state slot for an idle chain: its next turn recomputes */
+        k = NULL;
+    }
     if (how == LETHE_PC_END_FAILED) { /* on the engine thread: the KV goes now */
         lethe_chain_abandon(cc->t, c->id, NULL);
         kv_free(cc, k);
@@ -446,6 +462,8 @@ static void cc_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_e
         lethe_chain_finish(cc->t, c->id, s->tokens, s->n_tokens, k ? s->n_computed : 0, resident,
                            k);
         free(resident);
+        /* hybrid: at most max_idle_states idle rows hold states; LRU ones go now */
+        if (cc->states && lethe_chain_limit_idle(cc->t, cc->max_idle_states) > 0) cc_drain(pc);
     }
     free(c);
     *s->ref = NULL;
@@ -633,6 +651,9 @@ lethe_prefix_cache *lethe_chain_cache_create(const lethe_pc_params *p) {
                                     .snapshot_state = p->snapshot_state,
                                     .restore_state = p->restore_state};
     cc->tier = p->host_tier;
+    cc->states = lethe_kv_has_states(p->pool);
+    cc->max_idle_states = p->snapshot_slots;
+    LETHE_ASSERT(!cc->states || !p->host_tier);
     lethe_chain_table_params cp = {.n_spaces = lethe_kv_n_spaces(p->pool),
                                    .slots_per_space = lethe_kv_n_slots(p->pool),
                                    .share_block = LETHE_RADIX_BLOCK,

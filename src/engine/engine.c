@@ -185,15 +185,15 @@ static lethe_status size_pool(lethe_engine *e, int32_t *n_slots) {
         budget -= reserve;
         e->kv_reserve = reserve;
     }
-    if (c->n_linear_layers > 0 && e->snap_every > 0) {
-        /* the radix cache's state snapshots (engine_hybrid.c): state slots of their own */
+    if (c->n_linear_layers > 0 && e->cache_states) {
+        /* the prefix cache's state slots (engine_hybrid.c): radix snapshots, idle chains */
         const size_t one = eng_state_bytes(e, 1);
         const size_t want = e->p.state_snapshot_bytes ? e->p.state_snapshot_bytes : budget / 8;
         e->n_snap_slots = (int32_t)LETHE_MIN((int64_t)(want / one), (int64_t)ENG_MAX_SNAPSHOTS);
         e->n_state_slots += e->n_snap_slots;
         if (e->n_snap_slots == 0)
-            LOG_WARN("engine: state snapshots of %.1f MB do not fit in %zu bytes (--state-snapshot-bytes): "
-                     "no prefix hits for hybrid model %s", (double)one / 1e6, want, c->arch);
+            LOG_WARN("engine: states of %.1f MB do not fit in %zu bytes (--state-snapshot-bytes): no "
+                     "prefix hits or resident chains for hybrid model %s", (double)one / 1e6, want, c->arch);
     }
     if (c->n_linear_layers > 0) {
         const size_t sb = eng_state_bytes(e, e->n_state_slots);
@@ -381,7 +381,7 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     eng_publish_stats(e);
     if (c->n_linear_layers > 0)
         LOG_INFO("engine: %d of %d layers are linear attention: no KV, %d state slots of %.1f MB (%.1f MB; "
-                 "%d for prefix snapshots every %d tokens)",
+                 "%d for the prefix cache, snapshots every %d tokens)",
                  c->n_linear_layers, c->n_layers, e->n_state_slots, (double)eng_state_bytes(e, 1) / 1e6,
                  (double)eng_state_bytes(e, e->n_state_slots) / 1e6, e->n_snap_slots, e->snap_every);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",

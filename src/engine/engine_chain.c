@@ -139,6 +139,11 @@ static int chain_submit(lethe_engine *e, const lethe_request_params *p, const le
         if (c->share_prefix_tokens < 0)
             return refuse(res, LETHE_CHAIN_INVALID_REQUEST, LETHE_ERR_INVALID,
                           "share_prefix_tokens must be >= 0");
+        /* a shared prefix's blocks come without the linear-attention states at their end */
+        if (c->share_prefix_tokens > 0 && e->runner.cfg.n_linear_layers > 0)
+            return refuse(res, LETHE_CHAIN_INVALID_REQUEST, LETHE_ERR_UNSUPPORTED,
+                          "share_prefix_tokens: chains of a hybrid (linear-attention) model cannot "
+                          "branch from a shared prefix; send the chain without it");
         if ((st = eng_validate(e, p)) != LETHE_OK) /* sampling, token ids */
             return refuse(res, LETHE_CHAIN_INVALID_REQUEST, st, lethe_last_error());
     }

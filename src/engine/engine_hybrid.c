@@ -31,9 +31,12 @@
  * state_snapshot_interval tokens and the prompt's last multiple of
  * LETHE_GDN_CHUNK) in state slots the engine adds to the pool for them
  * (state_snapshot_bytes, engine.c size_pool), and a hit resumes from the
- * deepest snapshot of the matched blocks. The host tier keeps no snapshots
- * and is refused. The Chain Cache is not offered yet: in auto mode with a
- * method whose KV depends on history, prefix caching is off. */
+ * deepest snapshot of the matched blocks. The Chain Cache keeps each idle
+ * chain's row, and a row owns its state slot, so a turn continues from the
+ * states after the chain's boundary; the same budget gives the state slots
+ * of idle chains (chain_cache.c, LRU beyond it). Refused: the host tier
+ * (it keeps no states) and branching chains (a shared prefix's blocks come
+ * without the states at their end). */
 #include <string.h>
 
 #include "core/log.h"
@@ -73,23 +76,14 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
     if (!e->p.enable_prefix_caching) return LETHE_OK;
     const char *mode = e->p.prefix_cache_mode && e->p.prefix_cache_mode[0] ? e->p.prefix_cache_mode : "auto";
     const bool shareable = ops && (ops->flags & LETHE_SPARSE_PREFIX_CACHE);
-    if (!strcmp(mode, "chain") || (!strcmp(mode, "auto") && !shareable)) {
-        if (strcmp(mode, "auto"))
-            return lethe_errorf(LETHE_ERR_UNSUPPORTED,
-                                "--prefix-cache-mode %s: the Chain Cache is not available for hybrid "
-                                "model %s (its chains do not keep linear-attention states yet)",
-                                mode, c->arch);
-        LOG_INFO("engine: prefix caching off for hybrid model %s with method %s (its KV depends "
-                 "on history: the Chain Cache does not keep linear-attention states yet)",
-                 c->arch, ops ? ops->name : "?");
-        e->p.enable_prefix_caching = false;
-        return LETHE_OK;
-    }
     if (e->p.host_cache_bytes > 0)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
-                            "--host-cache-bytes: the host tier keeps no linear-attention state "
-                            "snapshots, which every prefix hit of hybrid model %s needs; leave it off",
+                            "--host-cache-bytes: the host tier keeps no linear-attention states "
+                            "(snapshots, idle chains), which every prefix hit of hybrid model %s "
+                            "needs; leave it off",
                             c->arch);
-    e->snap_every = every;
+    e->cache_states = true;
+    const bool chain = !strcmp(mode, "chain") || (!strcmp(mode, "auto") && !shareable);
+    if (!chain) e->snap_every = every;
     return LETHE_OK;
 }

@@ -15,6 +15,9 @@
  *    deepest snapshot), 8 greedy tokens with bit-identical logits;
  *  - a prompt that shares 180 tokens with the cached one, snapshots every
  *    128: resumes from 128, bit-identical;
+ *  - a chain (--prefix-cache-mode chain) whose first turn of 128 tokens
+ *    generates one token keeps its row and the states it owns; its second
+ *    turn continues from 128 and equals the cold run of its full prompt;
  *  - the invariant checker after every step (the held state slots are the
  *    snapshots the cache lists) and no state slot held but theirs at the end. */
 #include <stdio.h>
@@ -46,7 +49,7 @@ static void on_event(void *user, const lethe_event *ev) {
     if (ev->finished) o->done = true;
 }
 
-static lethe_engine *mk(bool cache, int32_t every) {
+static lethe_engine *mk_mode(bool cache, int32_t every, const char *mode) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
     p.model = TINY;
@@ -56,6 +59,7 @@ static lethe_engine *mk(bool cache, int32_t every) {
     p.max_num_seqs = 4;
     p.enable_prefix_caching = cache;
     p.state_snapshot_interval = every;
+    if (mode) p.prefix_cache_mode = mode;
     p.check_invariants = true;
     p.max_model_len = 512;
     lethe_engine *e = NULL;
@@ -63,12 +67,16 @@ static lethe_engine *mk(bool cache, int32_t every) {
     return e;
 }
 
-static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
+static lethe_engine *mk(bool cache, int32_t every) { return mk_mode(cache, every, NULL); }
+
+/* one request (chain: a chain turn, id NULL creates; the id comes back in cr) */
+static void run_req(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_tokens,
+                    const lethe_chain_params *chain, lethe_chain_result *cr, out *o) {
     memset(o, 0, sizeof(*o));
     lethe_request_params rp = {0};
     lethe_sampling_default_params(&rp.sampling);
     rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = MAXT;
+    rp.sampling.max_tokens = max_tokens;
     rp.sampling.ignore_eos = true;
     rp.prompt = prompt;
     rp.n_prompt = n;
@@ -76,13 +84,21 @@ static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
     rp.cb = on_event;
     rp.user = o;
     uint64_t id;
-    CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
+    if (chain)
+        CHECK_MSG(lethe_engine_add_request_chain(e, &rp, chain, cr, &id) == 0, "%s", lethe_engine_last_error());
+    else
+        CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
     while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-    CHECK(o->done && o->n == MAXT);
+    CHECK(o->done && o->n == max_tokens);
+}
+
+static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
+    run_req(e, prompt, n, MAXT, NULL, NULL, o);
 }
 
 static void same(const out *a, const out *b, const char *what) {
-    for (int32_t t = 0; t < MAXT; t++) {
+    CHECK(a->n == b->n);
+    for (int32_t t = 0; t < a->n; t++) {
         CHECK_MSG(a->tokens[t] == b->tokens[t], "%s token %d: %d vs %d", what, t, a->tokens[t], b->tokens[t]);
         float worst = 0;
         for (int v = 0; v < NV; v++) worst = LETHE_MAX(worst, fabsf(a->logits[t][v] - b->logits[t][v]));
@@ -134,8 +150,34 @@ static void test_hits(void) {
     fprintf(stderr, "    cuda: resumed from the snapshot at 128 of a 176-token match: bit-identical\n");
 }
 
+static void test_chain(void) {
+    static int32_t p2[300];
+    static out o, cold;
+    lethe_chain_result cr;
+    lethe_chain_params cp = {0};
+    lethe_engine *e = mk_mode(true, 0, "chain");
+    CHECK(!strcmp(lethe_engine_prefix_cache_mode(e), "chain"));
+    run_req(e, g_a, 128, 1, &cp, &cr, &o); /* boundary 128: prefill states only */
+    memcpy(p2, g_a, 128 * sizeof(int32_t));
+    p2[128] = o.tokens[0];
+    memcpy(p2 + 129, g_b + 200, 100 * sizeof(int32_t));
+    char id[48];
+    snprintf(id, sizeof(id), "%s", cr.chain_id);
+    cp.chain_id = id;
+    run_req(e, p2, 229, MAXT, &cp, &cr, &o);
+    CHECK(!strcmp(cr.status, "resumed") && cr.reused_tokens == 128);
+    CHECK(eng_check(e) == LETHE_OK && lethe_kv_state_n_held(e->pool) == 0);
+    lethe_engine_destroy(e);
+    e = mk(false, 0);
+    run1(e, p2, 229, &cold);
+    lethe_engine_destroy(e);
+    same(&o, &cold, "chain turn 2");
+    fprintf(stderr, "    cuda: chain turn continued from its states at 128: bit-identical to cold\n");
+}
+
 int main(void) {
     TEST_RUN(test_hits);
+    TEST_RUN(test_chain);
     fprintf(stderr, "test_cuda_hybrid_prefix: ok\n");
     return 0;
 }
