@@ -26,7 +26,9 @@
  *    identical to cold, every state slot accounted;
  *  - release: abort mid-prefill and finish leave only the snapshots held;
  *    evicting every block gives every snapshot back; a state slot held
- *    behind the cache's back is an invariant failure. */
+ *    behind the cache's back is an invariant failure;
+ *  - refusals: an interval that is not a multiple of 64, the host tier,
+ *    snapshots over the KV budget, pruning. */
 #include <string.h>
 
 #include "cache/radix.h"
@@ -315,6 +317,17 @@ static void test_refusals(void) {
     p.state_snapshot_bytes = (size_t)1 << 40;
     CHECK(lethe_engine_create(&p, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "snapshots"), "%s", lethe_engine_last_error());
+    /* pruning's scoring pass would need the states at the end of the cached prefix */
+    e = mk(&(cfg){.cache = true, .budget = 2048, .every = 64});
+    static out o;
+    run1(e, g_a, 250, &o);
+    const lethe_token_range rr = {0, 64};
+    lethe_prune_params pp = {.tokens = g_a, .n_tokens = 250, .ranges = &rr, .n_ranges = 1, .keep_tokens = 32,
+                             .policy = LETHE_PRUNE_SNAPKV_GLOBAL, .observation_tokens = 16};
+    lethe_prune_result pr;
+    CHECK(lethe_engine_prune(e, &pp, &pr) != 0);
+    CHECK_MSG(strstr(lethe_engine_last_error(), "not available for hybrid"), "%s", lethe_engine_last_error());
+    lethe_engine_destroy(e);
 }
 
 int main(void) {

@@ -492,8 +492,20 @@ static void run_async(lethe_engine *e, void *arg) {
     job_free(j);
 }
 
+/* hybrid models: the scoring pass runs the window after the cached prefix,
+ * which would need the linear-attention states at the prefix's end */
+static lethe_status refuse_hybrid(const lethe_engine *e) {
+    if (e->runner.cfg.n_linear_layers == 0) return LETHE_OK;
+    return lethe_errorf(LETHE_ERR_UNSUPPORTED,
+                        "prune: not available for hybrid model %s (its scoring pass would need the "
+                        "linear-attention states at the end of the cached prefix)",
+                        e->runner.cfg.arch);
+}
+
 int lethe_engine_prune(lethe_engine *e, const lethe_prune_params *p, lethe_prune_result *out) {
-    lethe_status st = lethe_prune_validate(p, NULL, NULL);
+    lethe_status st = refuse_hybrid(e);
+    if (st != LETHE_OK) return st;
+    st = lethe_prune_validate(p, NULL, NULL);
     if (st != LETHE_OK) return st;
     prune_job *j = job_new(p);
     eng_call_wait(e, run_sync, j);
@@ -504,7 +516,9 @@ int lethe_engine_prune(lethe_engine *e, const lethe_prune_params *p, lethe_prune
 
 int lethe_engine_prune_submit(lethe_engine *e, const lethe_prune_params *p, lethe_prune_cb done,
                               void *user, uint32_t *prune_id) {
-    lethe_status st = lethe_prune_validate(p, NULL, NULL);
+    lethe_status st = refuse_hybrid(e);
+    if (st != LETHE_OK) return st;
+    st = lethe_prune_validate(p, NULL, NULL);
     if (st != LETHE_OK) return st;
     prune_job *j = job_new(p);
     j->done = done;
@@ -522,7 +536,7 @@ int lethe_engine_prune_submit(lethe_engine *e, const lethe_prune_params *p, leth
  * it runs at the start of the next step, after the request's references are
  * gone; a failure (e.g. keep below the window) only counts in the stats. */
 void eng_prune_hints(lethe_engine *e, const eng_req *q) {
-    if (!lethe_radix_cache_tree(e->pcache)) return;
+    if (!lethe_radix_cache_tree(e->pcache) || e->runner.cfg.n_linear_layers > 0) return;
     const int32_t B = LETHE_PREFIX_BLOCK;
     bool *done = lethe_xcalloc((size_t)q->n_prunable, sizeof(bool));
     for (int32_t i = 0; i < q->n_prunable; i++) {
