@@ -381,9 +381,10 @@ int lethe_engine_create_with(const lethe_engine_params *pin, lethe_runner *runne
     eng_publish_stats(e);
     if (c->n_linear_layers > 0)
         LOG_INFO("engine: %d of %d layers are linear attention: no KV, %d state slots of %.1f MB (%.1f MB; "
-                 "%d for the prefix cache, snapshots every %d tokens)",
+                 "%d for the %s prefix cache; radix snapshots every %d tokens)",
                  c->n_linear_layers, c->n_layers, e->n_state_slots, (double)eng_state_bytes(e, 1) / 1e6,
-                 (double)eng_state_bytes(e, e->n_state_slots) / 1e6, e->n_snap_slots, e->snap_every);
+                 (double)eng_state_bytes(e, e->n_state_slots) / 1e6, e->n_snap_slots,
+                 lethe_pcache_mode(e->pcache), e->snap_every);
     LOG_INFO("engine: %s, %d layers, KV %d slots per layer (%s rows, %s), max_model_len %d, method %s%s%s%s",
              e->model_name, c->n_layers, n_slots, pp.per_layer ? "per-layer" : "shared",
              e->kv_layouts ? ops->name : lethe_kv_format_name(pp.format), e->max_model_len,

@@ -62,7 +62,6 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             c->n_layers, pair ? e->sparse_method : who->name, pair ? who->name : "",
                             pair ? ": " : "", why);
     }
-    const lethe_sparse_ops *ops = lethe_sparse_find(e->sparse_method); /* NULL for a pair */
     /* default: the step budget, so a long prompt prefilled alone is cut nowhere it
      * would not be anyway (its chunks end at multiples of the budget) */
     const int32_t every = e->p.state_snapshot_interval
@@ -74,16 +73,14 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "linear-attention layers' prefill segments)",
                             e->p.state_snapshot_interval, LETHE_GDN_CHUNK);
     if (!e->p.enable_prefix_caching) return LETHE_OK;
-    const char *mode = e->p.prefix_cache_mode && e->p.prefix_cache_mode[0] ? e->p.prefix_cache_mode : "auto";
-    const bool shareable = ops && (ops->flags & LETHE_SPARSE_PREFIX_CACHE);
     if (e->p.host_cache_bytes > 0)
         return lethe_errorf(LETHE_ERR_UNSUPPORTED,
                             "--host-cache-bytes: the host tier keeps no linear-attention states "
                             "(snapshots, idle chains), which every prefix hit of hybrid model %s "
                             "needs; leave it off",
                             c->arch);
+    /* the radix cache snapshots every `every` tokens; the Chain Cache keeps rows instead */
     e->cache_states = true;
-    const bool chain = !strcmp(mode, "chain") || (!strcmp(mode, "auto") && !shareable);
-    if (!chain) e->snap_every = every;
+    e->snap_every = every;
     return LETHE_OK;
 }

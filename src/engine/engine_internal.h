@@ -191,7 +191,8 @@ struct lethe_engine {
     int32_t n_state_slots;            /* hybrid models: per-request state slots (engine_hybrid.c),
                                        * the radix cache's snapshots included */
     bool cache_states;                /* hybrid + prefix caching: the cache keeps states */
-    int32_t snap_every;               /* hybrid + radix cache: tokens between state snapshots, else 0 */
+    int32_t snap_every;               /* hybrid + prefix caching: tokens between the radix cache's
+                                       * state snapshots, else 0 */
     int32_t n_snap_slots;             /* of n_state_slots, the prefix cache's: radix snapshots or
                                        * idle chains' states (engine.c size_pool) */
     lethe_kv_layout *kv_layouts;      /* [n_layers] the method's payload layout, or NULL */
