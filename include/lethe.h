@@ -322,6 +322,9 @@ typedef struct lethe_engine_stats {
     /* prefix cache (src/engine/engine_prune.c) */
     int64_t
         kv_slots_resident; /* slots holding KV (requests and the prefix cache), summed over spaces */
+    int64_t kv_tokens_resident; /* the same per layer: kv_slots_resident / slot spaces. With one
+                                 * shared space (dense) equal to it; a method that compacts layers
+                                 * apart has one space per layer, so this is what compares */
     int64_t prune_jobs;    /* prune jobs committed */
     int64_t prune_freed_slots; /* slots per space they freed */
     /* host tier (--host-cache-bytes; all 0 without it) */

@@ -420,6 +420,15 @@ static void snap_turns(bool threaded, snap_run *out) {
             for (int32_t k = 0; k < 16 + 5; k++) CHECK_EQ_INT(p[n - 1 - k], last - k);
             for (int32_t i = 1; i < n; i++) CHECK(p[i] > p[i - 1]);
         }
+        /* the idle chain holds the only KV: one slot space per layer, so the
+         * per-layer gauge is the slots summed over layers / layers */
+        lethe_engine_stats es;
+        lethe_engine_get_stats(e, &es);
+        int64_t held = 0;
+        for (int32_t l = 0; l < n_layers; l++) held += out->n_pos[t][l];
+        CHECK_EQ_INT(lethe_kv_n_spaces(e->pool), n_layers);
+        CHECK_EQ_INT(es.kv_slots_resident, held);
+        CHECK_EQ_INT(es.kv_tokens_resident, held / n_layers);
         if (threaded && t + 1 < NTURN) CHECK(lethe_engine_start(e) == 0);
     }
     lethe_engine_destroy(e);

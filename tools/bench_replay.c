@@ -33,7 +33,8 @@
  * Reported per configuration: end-to-end time, per-turn TTFT percentiles,
  * prompt tokens, tokens reused (usage.prompt_tokens_details.cached_tokens)
  * vs computed, chain statuses, the server's prefill counter delta, and the
- * resident KV (lethe:kv_resident_slots sampled every 0.25 s: mean, peak).
+ * resident KV (lethe:kv_resident_tokens, per layer, and lethe:kv_resident_slots,
+ * summed over slot spaces, sampled every 0.25 s: mean, peak).
  *
  * Tool-result pruning (anchor §9.4, client side), cache "radix+prune" in
  * --configs (or --prune-lag N against --base-url in full mode): tool bodies
@@ -111,7 +112,8 @@ typedef struct rp_run {
     double prune_wait_s;
     /* resident KV sampler */
     volatile bool sampling;
-    double resident_sum, resident_peak;
+    double resident_sum, resident_peak; /* lethe:kv_resident_slots (summed over slot spaces) */
+    double rtok_sum, rtok_peak;         /* lethe:kv_resident_tokens (per layer: what compares) */
     int64_t n_resident;
 } rp_run;
 
@@ -580,10 +582,13 @@ static void *sampler(void *arg) {
     rp_run *R = arg;
     while (R->sampling) {
         double v = metric(R->base, "kv_resident_slots");
-        if (isfinite(v)) {
+        double tk = metric(R->base, "kv_resident_tokens");
+        if (isfinite(v) && isfinite(tk)) {
             pthread_mutex_lock(&R->mu);
             R->resident_sum += v;
             R->resident_peak = LETHE_MAX(R->resident_peak, v);
+            R->rtok_sum += tk;
+            R->rtok_peak = LETHE_MAX(R->rtok_peak, tk);
             R->n_resident++;
             pthread_mutex_unlock(&R->mu);
         }
@@ -719,6 +724,9 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
     const double res_mean = R.n_resident ? R.resident_sum / (double)R.n_resident : NAN;
     cJSON_AddNumberToObject(r, "resident_kv_slots_mean", res_mean);
     cJSON_AddNumberToObject(r, "resident_kv_slots_peak", R.n_resident ? R.resident_peak : NAN);
+    const double rtok_mean = R.n_resident ? R.rtok_sum / (double)R.n_resident : NAN;
+    cJSON_AddNumberToObject(r, "resident_kv_tokens_mean", rtok_mean);
+    cJSON_AddNumberToObject(r, "resident_kv_tokens_peak", R.n_resident ? R.rtok_peak : NAN);
     if (prune) {
         cJSON *pr = cJSON_AddObjectToObject(r, "pruning");
         cJSON_AddNumberToObject(pr, "lag", o->prune_lag);
@@ -759,7 +767,9 @@ static int replay_once(const rp_opts *o, const lethe_trace *t, const char *base,
                "again: %d (%d "
                "sends)\n",
                st[0], st[1], st[2], gone, retried, retries);
-    printf("%-22s resident KV slots mean %.0f peak %.0f\n", "", res_mean,
+    printf("%-22s resident KV tokens per layer mean %.0f peak %.0f (slots over all spaces mean "
+           "%.0f peak %.0f)\n",
+           "", rtok_mean, R.n_resident ? R.rtok_peak : NAN, res_mean,
            R.n_resident ? R.resident_peak : NAN);
     printf("%-22s %.3f turns/s, preemptions %.0f\n", "", wall > 0 ? ok / wall : NAN, preempt);
     if (prune)

@@ -728,6 +728,7 @@ void eng_publish_stats(lethe_engine *e) {
     int64_t reclaim = lethe_pcache_reclaimable(e->pcache) * n_sp;
     s->kv_slots_used = s->kv_slots_total - lethe_kv_total_free(e->pool) - reclaim;
     s->kv_slots_resident = s->kv_slots_total - lethe_kv_total_free(e->pool);
+    s->kv_tokens_resident = s->kv_slots_resident / n_sp;
     s->kv_usage = s->kv_slots_total ? (double)s->kv_slots_used / (double)s->kv_slots_total : 0.0;
     const lethe_sched_stats *ss = lethe_sched_get_stats(e->sched);
     s->prefix_queries_tokens = ss->prefix_queries_tokens;

@@ -160,6 +160,10 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
             &b, "kv_resident_slots",
             "KV slots holding KV (running requests and the prefix cache), summed over slot spaces.",
             model, (double)st->kv_slots_resident);
+        gauge(&b, "kv_resident_tokens",
+              "KV held per layer, in tokens: kv_resident_slots over the slot spaces (one shared "
+              "space, or one per layer when a method compacts layers apart).",
+              model, (double)st->kv_tokens_resident);
         counter(&b, "prefix_cache_prune_jobs_total", "Prefix-cache prune jobs committed.", model,
                 (double)st->prune_jobs);
         counter(&b, "prefix_cache_pruned_slots_total",
