@@ -22,12 +22,17 @@
  *    the least recently used chain is reclaimed (its next turn is gone);
  *    with none, a finished chain keeps no row and its next turn recomputes
  *    (equal to the cold run);
- *  - an aborted turn frees its row and state slot; branching is refused. */
+ *  - an aborted turn frees its row and state slot; branching is refused;
+ *  - PREFILL+DECODE pairs take the prefix cache mode they take on a dense
+ *    model (tests/data/tiny-qwen3), in auto and explicit modes, from the
+ *    pair's resolved table; a pair's chain turn resumes and equals the cold
+ *    run of its full prompt with the same pair. */
 #include <math.h>
 #include <string.h>
 
 #include "core/util.h"
 #include "engine/engine_internal.h"
+#include "sparse/sparse.h"
 #include "test.h"
 
 #define TINY "tests/data/tiny-qwen3_5"
@@ -306,8 +311,103 @@ static void test_abort_and_refusals(void) {
     lethe_engine_destroy(e);
 }
 
+/* an engine with `method`, or NULL with the reason in *err (model: tiny hybrid or dense) */
+static lethe_engine *mk_method(const char *model, int32_t max_len, const char *method, const char *mode,
+                               bool caching, char *err, size_t cap) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = model;
+    p.kv_cache_bytes = 64u << 20;
+    p.max_num_batched_tokens = 64;
+    p.max_num_seqs = 4;
+    p.max_model_len = max_len;
+    p.enable_prefix_caching = caching;
+    if (mode) p.prefix_cache_mode = mode;
+    p.sparse_method = method;
+    p.check_invariants = true;
+    p.n_threads = 2;
+    lethe_engine *e = NULL;
+    if (lethe_engine_create(&p, &e) != 0) {
+        snprintf(err, cap, "%s", lethe_engine_last_error());
+        return NULL;
+    }
+    return e;
+}
+
+static void test_pairs_resolve_like_dense(void) {
+    const char *modes[] = {"auto", "radix", "chain"};
+    int32_t n_pairs = 0, n_refused = 0;
+    for (int32_t i = 0; i < lethe_sparse_n_methods(); i++) {
+        const lethe_sparse_ops *P = lethe_sparse_method_at(i);
+        if (!(P->flags & LETHE_SPARSE_PREFILL_AXIS)) continue;
+        for (int32_t j = 0; j < lethe_sparse_n_methods(); j++) {
+            const lethe_sparse_ops *D = lethe_sparse_method_at(j);
+            if (D->flags & LETHE_SPARSE_PREFILL_AXIS) continue;
+            char name[128];
+            snprintf(name, sizeof(name), "%s+%s", P->name, D->name);
+            const lethe_sparse_ops *p2, *d2;
+            if (lethe_sparse_combine(name, &p2, &d2) != LETHE_OK) continue; /* refused everywhere */
+            const lethe_sparse_ops *who = NULL;
+            const bool hybrid_ok = lethe_sparse_hybrid_refusal_of(name, &who) == NULL;
+            for (size_t m = 0; m < LETHE_ARRAY_LEN(modes); m++) {
+                char derr[512] = "", herr[512] = "";
+                lethe_engine *de = mk_method("tests/data/tiny-qwen3", 128, name, modes[m], true, derr, sizeof(derr));
+                lethe_engine *he = mk_method(TINY, 512, name, modes[m], true, herr, sizeof(herr));
+                if (!hybrid_ok) { /* refused with the method's reason, whatever the mode */
+                    CHECK_MSG(!he && strstr(herr, "cannot use method"), "%s: %s", name, herr);
+                    if (de) lethe_engine_destroy(de);
+                    n_refused += m == 0;
+                    continue;
+                }
+                const char *dm = de ? lethe_engine_prefix_cache_mode(de) : "error";
+                const char *hm = he ? lethe_engine_prefix_cache_mode(he) : "error";
+                CHECK_MSG(!strcmp(dm, hm), "%s mode %s: dense model %s (%s), hybrid %s (%s)", name, modes[m], dm,
+                          derr, hm, herr);
+                /* an impossible explicit mode names the flag on both */
+                if (!de) CHECK_MSG(strstr(derr, "prefix-cache-mode") && strstr(herr, "prefix-cache-mode"),
+                                   "%s: %s / %s", name, derr, herr);
+                if (de) lethe_engine_destroy(de);
+                if (he) lethe_engine_destroy(he);
+                n_pairs += m == 0;
+            }
+        }
+    }
+    CHECK(n_pairs > 0);
+    fprintf(stderr, "    %d pairs take the mode of the dense model in auto, radix and chain; %d refused on hybrid\n",
+            n_pairs, n_refused);
+    /* a pair's chain turn on the hybrid model resumes and equals its cold run */
+    const char *pairs[] = {"flashprefill+dense", "omnikv_prefill+quest"};
+    for (size_t k = 0; k < LETHE_ARRAY_LEN(pairs); k++) {
+        char err[512];
+        lethe_engine *e = mk_method(TINY, 512, pairs[k], "auto", true, err, sizeof(err));
+        lethe_engine *ce = mk_method(TINY, 512, pairs[k], NULL, false, err, sizeof(err));
+        CHECK_MSG(e && ce, "%s: %s", pairs[k], err);
+        CHECK(!strcmp(lethe_engine_prefix_cache_mode(e), "chain"));
+        static int32_t prompt[MAXP];
+        static out o, c;
+        lethe_chain_result cr;
+        memcpy(prompt, g_p, 128 * sizeof(int32_t));
+        int32_t n = 128;
+        CHECK(turn(e, NULL, prompt, n, 1, &o, &cr) == LETHE_CHAIN_OK);
+        cold(ce, prompt, n, 1, &c);
+        same(&o, &c, "pair turn 1");
+        char id[48];
+        snprintf(id, sizeof(id), "%s", cr.chain_id);
+        n = extend(prompt, n, &o, 128, 63);
+        CHECK(turn(e, id, prompt, n, MAXT, &o, &cr) == LETHE_CHAIN_OK);
+        CHECK(!strcmp(cr.status, "resumed") && cr.reused_tokens == 128);
+        cold(ce, prompt, n, MAXT, &c);
+        same(&o, &c, "pair turn 2");
+        states_accounted(e, 1);
+        fprintf(stderr, "    %s: chain turn resumed at 128, logits bit-identical to its cold run\n", pairs[k]);
+        lethe_engine_destroy(e);
+        lethe_engine_destroy(ce);
+    }
+}
+
 int main(void) {
     make_tokens();
+    TEST_RUN(test_pairs_resolve_like_dense);
     TEST_RUN(test_prefill_boundaries_equal_cold);
     TEST_RUN(test_decoded_history);
     TEST_RUN(test_idle_state_budget);
