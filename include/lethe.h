@@ -341,6 +341,15 @@ typedef struct lethe_engine_stats {
     /* cumulative: admissions put off because another running request was
      * computing a prefix they share (they attach it once it is published) */
     int64_t prefix_inflight_waits;
+    /* hybrid models (linear-attention states, --state-snapshot-bytes; all 0
+     * otherwise): state snapshots the prefix cache holds now (radix:
+     * snapshots; chain mode: idle chains' states), their bytes and the budget;
+     * radix, cumulative: snapshots taken, hits resumed from one, the matched
+     * prompt tokens after a hit's snapshot that it recomputed, and snapshots
+     * dropped for room (LRU) */
+    int64_t state_snapshots, state_snapshot_bytes, state_snapshot_capacity_bytes;
+    int64_t state_snapshots_taken, state_snapshot_hits, state_snapshot_recomputed_tokens;
+    int64_t state_snapshots_evicted;
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */

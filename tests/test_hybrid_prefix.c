@@ -27,6 +27,9 @@
  *  - release: abort mid-prefill and finish leave only the snapshots held;
  *    evicting every block gives every snapshot back; a state slot held
  *    behind the cache's back is an invariant failure;
+ *  - the engine's snapshot statistics (lethe_engine_stats, /metrics) move
+ *    by the exact counts of each case: held, bytes, budget, taken, hits,
+ *    tokens recomputed after a hit's snapshot, evicted;
  *  - refusals: an interval that is not a multiple of 64, the host tier,
  *    snapshots over the KV budget, pruning. */
 #include <string.h>
@@ -130,6 +133,21 @@ static lethe_pc_stats snap_stats(lethe_engine *e) {
     return s;
 }
 
+/* the engine's published snapshot statistics are exactly these */
+static void engine_snaps(lethe_engine *e, int64_t held, int64_t taken, int64_t hits, int64_t recomputed,
+                         int64_t evicted) {
+    lethe_engine_stats st;
+    lethe_engine_get_stats(e, &st);
+    const int64_t one = (int64_t)eng_state_bytes(e, 1);
+    CHECK_EQ_INT(st.state_snapshots, held);
+    CHECK_EQ_INT(st.state_snapshot_bytes, held * one);
+    CHECK_EQ_INT(st.state_snapshot_capacity_bytes, (int64_t)e->n_snap_slots * one);
+    CHECK_EQ_INT(st.state_snapshots_taken, taken);
+    CHECK_EQ_INT(st.state_snapshot_hits, hits);
+    CHECK_EQ_INT(st.state_snapshot_recomputed_tokens, recomputed);
+    CHECK_EQ_INT(st.state_snapshots_evicted, evicted);
+}
+
 /* every state slot not owned by a row is free, but the snapshots' */
 static void only_snapshots_held(lethe_engine *e) {
     const int32_t scratch = lethe_kv_scratch_state(e->pool) >= 0;
@@ -177,12 +195,14 @@ static void test_hit_at_snapshot(void) {
         lethe_pc_stats s = snap_stats(e);
         CHECK_EQ_INT(s.snapshots, 3);
         CHECK_EQ_INT(s.snapshots_taken, 3);
+        engine_snaps(e, 3, 3, 0, 0, 0);
         run1(e, g_b, 300, &ob); /* shares 200 tokens: 12 blocks matched, the deepest snapshot at 192 */
         CHECK_EQ_INT(ob.cached, 192);
         same(&ob, &g_cold_b, "hit at 192");
         s = snap_stats(e);
         CHECK_EQ_INT(s.snapshot_hits, 1);
         CHECK_EQ_INT(s.snapshots, 4); /* b's own at 256 (also its prompt's last multiple of 64) */
+        engine_snaps(e, 4, 4, 1, 0, 0); /* 12 blocks matched, the snapshot at the last: none recomputed */
         only_snapshots_held(e);
         fprintf(stderr, "    budget %d: hit of 192 tokens from a snapshot, logits bit-identical to cold\n",
                 budgets[k]);
@@ -202,6 +222,8 @@ static void test_hit_between_snapshots(void) {
     run1(e, b180, 300, &ob); /* 11 blocks (176 tokens) match: resumes from 128 */
     CHECK_EQ_INT(ob.cached, 128);
     same(&ob, &g_cold_b180, "hit between snapshots");
+    /* b180's own at 256 (its last multiple of 64); tokens 128 .. 176 were cached but recomputed */
+    engine_snaps(e, 3, 3, 1, 176 - 128, 0);
     only_snapshots_held(e);
     fprintf(stderr, "    176 tokens matched, resumed from the snapshot at 128: bit-identical to cold\n");
     lethe_engine_destroy(e);
@@ -218,6 +240,7 @@ static void test_snapshot_lru(void) {
     same(&o, &g_cold_a, "a");
     lethe_pc_stats s = snap_stats(e);
     CHECK(s.snapshots == 2 && s.snapshots_taken == 3 && s.snapshots_evicted == 1);
+    engine_snaps(e, 2, 3, 0, 0, 1);
     run1(e, g_c, 130, &o); /* c's snapshots at 64 and 128 replace a's */
     s = snap_stats(e);
     CHECK(s.snapshots == 2 && s.snapshots_evicted == 3);
@@ -228,6 +251,9 @@ static void test_snapshot_lru(void) {
     run1(e, g_b, 300, &o);
     CHECK_EQ_INT(o.cached, 256);
     same(&o, &g_cold_b, "hit after LRU");
+    /* b: 64 .. 256 four times taken, two evicted each for the other; its hit at 256 of 18
+     * matched blocks (288 tokens) recomputes 32 */
+    engine_snaps(e, 2, 3 + 2 + 4, 1, 288 - 256, 1 + 2 + 4);
     only_snapshots_held(e);
     fprintf(stderr, "    2 snapshots: LRU drops the oldest; a miss and a hit both bit-identical to cold\n");
     lethe_engine_destroy(e);

@@ -122,9 +122,10 @@ typedef struct lethe_pc_stats {
     int64_t host_demoted, host_promoted, host_promoted_tokens;
     int64_t chain_restored_tokens; /* chain mode: KV entries restored from demoted chains */
     /* radix cache of a hybrid model: state snapshots held now, taken, dropped
-     * for room (LRU), resumed from (cumulative) */
+     * for room (LRU), resumed from, and the matched tokens after the snapshot
+     * a hit resumed from, which it recomputed (cumulative) */
     int32_t snapshots;
-    int64_t snapshots_taken, snapshots_evicted, snapshot_hits;
+    int64_t snapshots_taken, snapshots_evicted, snapshot_hits, snapshot_recomputed_tokens;
 } lethe_pc_stats;
 
 typedef struct lethe_prefix_cache_ops {

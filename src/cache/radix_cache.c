@@ -40,6 +40,8 @@ typedef struct radix_cache {
      * pool, then n_host in the host tier (promoted by acquire) */
     lethe_radix_block **match;
     int32_t n_match, n_host, cap_match;
+    int32_t n_matched;  /* hybrid: blocks matched before stepping back to a snapshot */
+    int64_t snap_recomputed; /* hybrid: tokens of hits' matched blocks after their snapshot */
     uint64_t match_id;
     bool states;        /* hybrid model: hits need a snapshot (above) */
     int32_t snap_every; /* tokens between snapshot points (a multiple of LETHE_GDN_CHUNK) */
@@ -62,6 +64,7 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     }
     int32_t nb = lethe_radix_match(rc->tree, s->tokens, s->n_tokens, rc->match, max_blocks);
     int32_t host_res = 0; /* demoted blocks after them: restored into fresh slots */
+    rc->n_matched = nb;
     if (rc->states) { /* resume from the deepest snapshot (no host tier with states) */
         while (nb > 0 && lethe_radix_block_snapshot(rc->match[nb - 1]) < 0) nb--;
         rc->n_host = 0;
@@ -129,9 +132,11 @@ static void rc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const leth
     lethe_radix_acquire(rc->tree, ref->blocks, ref->n, *s->row);
     *s->ref = ref;
     /* the states at the end of the hit: the row continues from its own copy */
-    if (rc->states)
+    if (rc->states) {
         lethe_radix_snapshot_restore(rc->tree, ref->blocks[ref->n - 1],
                                      lethe_kv_row_state(pc->pool, *s->row));
+        rc->snap_recomputed += (int64_t)(rc->n_matched - ref->n) * LETHE_RADIX_BLOCK;
+    }
 }
 
 static void rc_commit(lethe_prefix_cache *pc, const lethe_pc_seq *s) {
@@ -193,6 +198,7 @@ static void rc_stats(lethe_prefix_cache *pc, lethe_pc_stats *out) {
     out->snapshots = lethe_radix_n_snapshots(t);
     lethe_radix_snapshot_counts(t, &out->snapshots_taken, &out->snapshots_evicted,
                                 &out->snapshot_hits);
+    out->snapshot_recomputed_tokens = rc_of(pc)->snap_recomputed;
 }
 
 static void rc_destroy(lethe_prefix_cache *pc) {

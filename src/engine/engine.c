@@ -755,6 +755,19 @@ void eng_publish_stats(lethe_engine *e) {
         s->host_cache_restore_seconds = hc.load_s;
         s->host_cache_copy_bytes_per_s = e->host_copy_bps;
     }
+    if (e->cache_states) { /* hybrid: the prefix cache's state slots */
+        lethe_pc_stats ps;
+        lethe_pcache_stats(e->pcache, &ps);
+        const bool radix = lethe_radix_cache_tree(e->pcache) != NULL;
+        const int64_t one = (int64_t)eng_state_bytes(e, 1);
+        s->state_snapshots = radix ? ps.snapshots : lethe_pcache_rows_held(e->pcache);
+        s->state_snapshot_bytes = s->state_snapshots * one;
+        s->state_snapshot_capacity_bytes = (int64_t)e->n_snap_slots * one;
+        s->state_snapshots_taken = ps.snapshots_taken;
+        s->state_snapshot_hits = ps.snapshot_hits;
+        s->state_snapshot_recomputed_tokens = ps.snapshot_recomputed_tokens;
+        s->state_snapshots_evicted = ps.snapshots_evicted;
+    }
     e->stats.sparse.evicted_slots = lethe_kv_dropped(e->pool);
     e->stats.sparse.n_steps = s->n_steps;
     const int64_t per_space = s->kv_slots_total / n_sp;

@@ -200,6 +200,28 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
         counter(&b, "host_cache_evicted_total",
                 "Blobs dropped from the host-memory tier to stay within its budget (LRU).", model,
                 (double)st->host_cache_evicted);
+        gauge(&b, "state_snapshots",
+              "Hybrid models: linear-attention state snapshots the prefix cache holds (radix: "
+              "snapshots; chain mode: idle chains' states).",
+              model, (double)st->state_snapshots);
+        gauge(&b, "state_snapshot_bytes", "Hybrid models: bytes of those states.", model,
+              (double)st->state_snapshot_bytes);
+        gauge(&b, "state_snapshot_capacity_bytes",
+              "Hybrid models: the prefix cache's state budget (--state-snapshot-bytes).", model,
+              (double)st->state_snapshot_capacity_bytes);
+        counter(&b, "state_snapshots_taken_total",
+                "Hybrid models, radix: state snapshots taken at prompt snapshot points.", model,
+                (double)st->state_snapshots_taken);
+        counter(&b, "state_snapshot_hits_total",
+                "Hybrid models, radix: prefix hits resumed from a state snapshot.", model,
+                (double)st->state_snapshot_hits);
+        counter(&b, "state_snapshot_recomputed_tokens_total",
+                "Hybrid models, radix: matched prompt tokens after the snapshot a hit resumed "
+                "from, recomputed.",
+                model, (double)st->state_snapshot_recomputed_tokens);
+        counter(&b, "state_snapshots_evicted_total",
+                "Hybrid models, radix: state snapshots dropped to stay within their budget (LRU).",
+                model, (double)st->state_snapshots_evicted);
     }
     pthread_mutex_lock(&m->mu);
     static const char *const reasons[] = {"none", "stop", "length", "abort", "error"};

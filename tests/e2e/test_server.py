@@ -630,3 +630,34 @@ def test_dummy_model_token_ids(request):
         err_of(post(s, "/v1/completions", {"prompt": [1, 10 ** 8]}), 400, contains="vocabulary")
     finally:
         finish(request, s)
+
+
+# ---- a hybrid linear-attention model: state snapshot statistics in /metrics ----
+
+def test_hybrid_snapshot_metrics(request):
+    s = Server("--device", "cpu", "--max-model-len", "512", "--kv-cache-bytes", "16M",
+               "--state-snapshot-interval", "64", model="tests/data/tiny-qwen3_5")
+    try:
+        prompt = [(7 * k + 3) % 256 for k in range(150)]
+        body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+        m0 = s.metrics()
+        assert m0["lethe:state_snapshots"] == 0 and m0["lethe:state_snapshot_capacity_bytes"] > 0
+        first = post(s, "/v1/completions", body)
+        assert first.status_code == 200, first.text
+        # snapshots at 64 and 128 (the prompt's last multiple of 64); stats are published
+        # at the end of the step, which may come after the response
+        m1 = wait_metrics(s, lambda m: m["lethe:state_snapshots_taken_total"] >= 2)
+        assert m1["lethe:state_snapshots"] == 2 and m1["lethe:state_snapshots_taken_total"] == 2
+        one = m1["lethe:state_snapshot_bytes"] / 2
+        assert one > 0 and m1["lethe:state_snapshot_capacity_bytes"] % one == 0
+        again = post(s, "/v1/completions", body)
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 128
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        # 9 blocks (144 tokens) matched, resumed from 128: 16 recomputed
+        m2 = wait_metrics(s, lambda m: m["lethe:state_snapshot_hits_total"] >= 1)
+        assert m2["lethe:state_snapshot_hits_total"] == 1
+        assert m2["lethe:state_snapshot_recomputed_tokens_total"] == 16
+        assert m2["lethe:state_snapshots"] == 2 and m2["lethe:state_snapshots_evicted_total"] == 0
+    finally:
+        finish(request, s)
