@@ -345,11 +345,12 @@ typedef struct lethe_engine_stats {
      * otherwise): state snapshots the prefix cache holds now (radix:
      * snapshots; chain mode: idle chains' states), their bytes and the budget;
      * radix, cumulative: snapshots taken, hits resumed from one, the matched
-     * prompt tokens after a hit's snapshot that it recomputed, and snapshots
-     * dropped for room (LRU) */
+     * prompt tokens after a hit's snapshot that it recomputed, snapshots
+     * dropped for room (LRU), and with --host-cache-bytes the snapshots
+     * demoted to the host tier with their blocks and restored with them */
     int64_t state_snapshots, state_snapshot_bytes, state_snapshot_capacity_bytes;
     int64_t state_snapshots_taken, state_snapshot_hits, state_snapshot_recomputed_tokens;
-    int64_t state_snapshots_evicted;
+    int64_t state_snapshots_evicted, state_snapshots_demoted, state_snapshots_restored;
 } lethe_engine_stats;
 
 /* Thread-safe snapshot (updated at the end of every step). */

@@ -30,10 +30,17 @@
  *  - the engine's snapshot statistics (lethe_engine_stats, /metrics) move
  *    by the exact counts of each case: held, bytes, budget, taken, hits,
  *    tokens recomputed after a hit's snapshot, evicted;
- *  - refusals: an interval that is not a multiple of 64, the host tier,
- *    snapshots over the KV budget, pruning. */
+ *  - the host tier (--host-cache-bytes): evicted blocks take their
+ *    snapshots along (the blob carries the states), a hit on demoted blocks
+ *    promotes them up to the deepest demoted snapshot and resumes there,
+ *    bit-identical to cold; a small tier keeps within its bytes; the
+ *    checker verifies every host blob's size against its snapshot flag;
+ *    preemption with demotions under way stays identical to cold;
+ *  - refusals: an interval that is not a multiple of 64, the host tier in
+ *    chain mode, snapshots over the KV budget, pruning. */
 #include <string.h>
 
+#include "cache/host_tier.h"
 #include "cache/radix.h"
 #include "core/util.h"
 #include "engine/engine_internal.h"
@@ -69,7 +76,7 @@ static void on_event(void *user, const lethe_event *ev) {
 typedef struct cfg {
     bool cache;
     int32_t budget, max_seqs, every, max_len;
-    size_t kv_bytes, snap_bytes;
+    size_t kv_bytes, snap_bytes, host_bytes;
 } cfg;
 
 static lethe_engine *mk(const cfg *c) {
@@ -82,6 +89,7 @@ static lethe_engine *mk(const cfg *c) {
     p.enable_prefix_caching = c->cache;
     p.state_snapshot_interval = c->every;
     p.state_snapshot_bytes = c->snap_bytes;
+    p.host_cache_bytes = c->host_bytes;
     p.check_invariants = true;
     p.n_threads = 2;
     p.max_model_len = c->max_len ? c->max_len : 512;
@@ -259,7 +267,7 @@ static void test_snapshot_lru(void) {
     lethe_engine_destroy(e);
 }
 
-static void test_shared_prefix_preemption(void) {
+static void shared_prefix_preemption(bool host) {
     enum { N = 8, LEN = 240 };
     static int32_t prompts[N][LEN];
     static out cold[N], warm[N];
@@ -276,7 +284,8 @@ static void test_shared_prefix_preemption(void) {
     const size_t one = eng_state_bytes(probe, 1);
     lethe_engine_destroy(probe);
     e = mk(&(cfg){.cache = true, .budget = 128, .max_seqs = N, .every = 64, .snap_bytes = 16 * one,
-                  .kv_bytes = states + 16 * one + 300 * 512, .max_len = 256});
+                  .kv_bytes = states + 16 * one + 300 * 512, .max_len = 256,
+                  .host_bytes = host ? 64u << 20 : 0});
     for (int i = 0; i < N; i++) submit(e, prompts[i], LEN, MAXT, &warm[i]);
     drain(e);
     lethe_engine_stats st;
@@ -288,8 +297,102 @@ static void test_shared_prefix_preemption(void) {
     }
     CHECK_MSG(hits > 0 && st.n_preemptions > 0, "%d hits, %lld preemptions", hits, (long long)st.n_preemptions);
     only_snapshots_held(e);
-    fprintf(stderr, "    %d requests over a 136-token prefix (KV for 300 tokens): %d hits, %lld preemptions, identical to cold\n", N,
-            hits, (long long)st.n_preemptions);
+    if (host) CHECK(st.host_cache_demoted_blocks > 0);
+    fprintf(stderr, "    %d requests over a 136-token prefix (KV for 300 tokens%s): %d hits, %lld preemptions, "
+            "%lld blocks demoted, %lld promoted, identical to cold\n", N, host ? ", host tier" : "", hits,
+            (long long)st.n_preemptions, (long long)st.host_cache_demoted_blocks,
+            (long long)st.host_cache_promoted_blocks);
+    lethe_engine_destroy(e);
+}
+
+static void test_shared_prefix_preemption(void) {
+    shared_prefix_preemption(false);
+    shared_prefix_preemption(true);
+}
+
+/* the largest blob of the host tier (a block with its snapshot) */
+static uint64_t largest_host_blob(lethe_host_tier *t, size_t *n) {
+    uint64_t keys[256], best = 0;
+    const int64_t nk = lethe_host_tier_keys(t, LETHE_HOST_TIER_RADIX, keys, 256);
+    *n = 0;
+    for (int64_t i = 0; i < LETHE_MIN(nk, 256); i++) {
+        const size_t sz = lethe_host_tier_read(t, LETHE_HOST_TIER_RADIX, keys[i], NULL, 0);
+        if (sz > *n) {
+            *n = sz;
+            best = keys[i];
+        }
+    }
+    return best;
+}
+
+static void test_host_tier(void) {
+    lethe_engine *e = mk(&(cfg){.cache = true, .budget = 2048, .every = 64, .host_bytes = 64u << 20});
+    const int64_t one = (int64_t)eng_state_bytes(e, 1);
+    static out o;
+    run1(e, g_a, 250, &o); /* 16 blocks (250 prompt + 7 computed generated tokens), snapshots at 64, 128, 192 */
+    same(&o, &g_cold_a, "a");
+    lethe_pcache_evict(e->pcache, INT32_MAX); /* every block to the host, each snapshot with its block */
+    lethe_pc_stats s = snap_stats(e);
+    CHECK(s.snapshots == 0 && s.snapshots_demoted == 3 && s.host_demoted == 16);
+    CHECK(lethe_radix_n_blocks(lethe_radix_cache_tree(e->pcache)) == 0);
+    lethe_host_tier_stats hs;
+    lethe_host_tier_get_stats(e->host_tier, &hs);
+    CHECK(hs.entries == 16 && (int64_t)hs.used_bytes > 3 * one);
+    only_snapshots_held(e);
+    /* b shares 12 blocks with a: promoted up to the demoted snapshot at 192, resumed there */
+    run1(e, g_b, 300, &o);
+    CHECK_EQ_INT(o.cached, 192);
+    same(&o, &g_cold_b, "hit on demoted blocks");
+    s = snap_stats(e);
+    CHECK(s.snapshots_restored == 3 && s.host_promoted == 12 && s.snapshot_hits == 1);
+    engine_snaps(e, 4, 4, 1, 0, 0); /* the 3 restored and b's own at 256 */
+    lethe_engine_stats es;
+    lethe_engine_get_stats(e, &es);
+    CHECK(es.state_snapshots_demoted == 3 && es.state_snapshots_restored == 3);
+    only_snapshots_held(e);
+    /* again, between snapshots: 11 host blocks match, resumed from the one at 128 */
+    lethe_pcache_evict(e->pcache, INT32_MAX);
+    static int32_t b180[300];
+    memcpy(b180, g_a, 180 * sizeof(int32_t));
+    memcpy(b180 + 180, g_b + 200, 120 * sizeof(int32_t));
+    run1(e, b180, 300, &o);
+    CHECK_EQ_INT(o.cached, 128);
+    same(&o, &g_cold_b180, "hit between demoted snapshots");
+    s = snap_stats(e);
+    CHECK(s.snapshot_hits == 2 && s.snapshot_recomputed_tokens == 176 - 128);
+    only_snapshots_held(e);
+    /* the checker reads every host blob: one without its snapshot's bytes is caught */
+    size_t n = 0;
+    const uint64_t key = largest_host_blob(e->host_tier, &n);
+    CHECK(n > (size_t)one);
+    uint8_t *blob = lethe_host_tier_take(e->host_tier, LETHE_HOST_TIER_RADIX, key, &n);
+    uint8_t *cut = lethe_xmalloc(n - (size_t)one);
+    memcpy(cut, blob, n - (size_t)one);
+    CHECK(lethe_host_tier_put(e->host_tier, LETHE_HOST_TIER_RADIX, key, cut, n - (size_t)one));
+    CHECK(eng_check(e) != LETHE_OK);
+    CHECK_MSG(strstr(lethe_last_error(), "a state snapshot"), "%s", lethe_last_error());
+    CHECK(lethe_host_tier_put(e->host_tier, LETHE_HOST_TIER_RADIX, key, blob, n));
+    CHECK(eng_check(e) == LETHE_OK);
+    fprintf(stderr, "    demoted snapshots: hits at 192 and 128 restored from the host tier, bit-identical to cold\n");
+    lethe_engine_destroy(e);
+    /* a tier for about 3 blocks with snapshots: it stays within its bytes (LRU across plain
+     * blocks and snapshot-carrying ones); whatever it kept, a hit resumes at a snapshot, equal
+     * to cold */
+    const size_t cap = 3 * ((size_t)one + 16 * 512 + 256);
+    e = mk(&(cfg){.cache = true, .budget = 2048, .every = 64, .host_bytes = cap});
+    run1(e, g_a, 250, &o);
+    lethe_pcache_evict(e->pcache, INT32_MAX);
+    lethe_host_tier_get_stats(e->host_tier, &hs);
+    CHECK(hs.used_bytes <= cap && hs.evictions > 0 && hs.entries > 0 && hs.entries < 16);
+    only_snapshots_held(e);
+    run1(e, g_b, 300, &o);
+    CHECK(o.cached % 64 == 0 && o.cached <= 192);
+    same(&o, &g_cold_b, "small tier");
+    lethe_host_tier_get_stats(e->host_tier, &hs);
+    CHECK(hs.used_bytes <= cap);
+    only_snapshots_held(e);
+    fprintf(stderr, "    a tier of %zu bytes: %lld blobs kept, %lld dropped (LRU); the hit resumed at %d, "
+            "identical to cold\n", cap, (long long)hs.entries, (long long)hs.evictions, o.cached);
     lethe_engine_destroy(e);
 }
 
@@ -337,9 +440,12 @@ static void test_refusals(void) {
     CHECK_MSG(strstr(lethe_engine_last_error(), "multiple of 64"), "%s", lethe_engine_last_error());
     p.state_snapshot_interval = 0;
     p.host_cache_bytes = 1u << 20;
+    p.prefix_cache_mode = "chain"; /* the host tier holds radix blocks, not idle chains' states */
     CHECK(lethe_engine_create(&p, &e) != 0);
-    CHECK_MSG(strstr(lethe_engine_last_error(), "host tier keeps no"), "%s", lethe_engine_last_error());
+    CHECK_MSG(strstr(lethe_engine_last_error(), "not idle chains' linear-attention states"), "%s",
+              lethe_engine_last_error());
     p.host_cache_bytes = 0;
+    p.prefix_cache_mode = "auto";
     p.state_snapshot_bytes = (size_t)1 << 40;
     CHECK(lethe_engine_create(&p, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "snapshots"), "%s", lethe_engine_last_error());
@@ -364,6 +470,7 @@ int main(void) {
     TEST_RUN(test_snapshot_lru);
     TEST_RUN(test_shared_prefix_preemption);
     TEST_RUN(test_release);
+    TEST_RUN(test_host_tier);
     TEST_RUN(test_refusals);
     fprintf(stderr, "test_hybrid_prefix: ok\n");
     return 0;

@@ -204,7 +204,8 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
         "CUDA: fraction of device memory for weights + KV", 0.01, 1.0);
     ROW("--host-cache-bytes", NULL, LETHE_OPT_BYTES, &p->host_cache_bytes, "SIZE",
         "host-memory tier under the prefix cache (e.g. 4G): prefix blocks evicted from the KV "
-        "cache are kept there (LRU) and restored on a hit instead of recomputed; 0 = off", 1, 0);
+        "cache are kept there (LRU) and restored on a hit instead of recomputed (hybrid models: "
+        "radix blocks with their state snapshots); 0 = off", 1, 0);
     ROW("--enable-prefix-caching", NULL, LETHE_OPT_BOOL, &p->enable_prefix_caching, NULL,
         "reuse KV of shared prompt prefixes (--no-enable-prefix-caching to disable)", 1, 0);
     ROW("--prefix-cache-mode", NULL, LETHE_OPT_STR, &p->prefix_cache_mode, "MODE",

@@ -126,6 +126,7 @@ typedef struct lethe_pc_stats {
      * a hit resumed from, which it recomputed (cumulative) */
     int32_t snapshots;
     int64_t snapshots_taken, snapshots_evicted, snapshot_hits, snapshot_recomputed_tokens;
+    int64_t snapshots_demoted, snapshots_restored; /* with their blocks, to / from the host tier */
 } lethe_pc_stats;
 
 typedef struct lethe_prefix_cache_ops {

@@ -86,6 +86,7 @@ struct lethe_radix {
     lethe_radix_block **snaps;
     int32_t n_snaps, max_snaps;
     int64_t n_snap_taken, n_snap_evicted, n_snap_hits;
+    int64_t n_snap_demoted, n_snap_restored; /* with their blocks, to / from the host tier */
 };
 
 /* a demoted block's header; its payload follows: per slot space the host
@@ -94,6 +95,7 @@ typedef struct host_hdr {
     uint64_t hash, parent_hash; /* parent_hash 0 for a first block */
     int32_t depth, n_res, priority;
     uint32_t pin, prune_id;
+    int32_t snap; /* 1: the block's state snapshot follows the KV payload (kv_pool.h host image) */
     int32_t tokens[LETHE_RADIX_BLOCK];
     uint8_t offs[LETHE_RADIX_BLOCK];
 } host_hdr;
@@ -418,17 +420,23 @@ static size_t payload_bytes(const lethe_radix *r, int32_t n_res) {
     return n;
 }
 
-/* copies b (header + slots' payload) into the host tier */
+/* a demoted block's blob: header, KV payload, its snapshot's states */
+static size_t blob_bytes(const lethe_radix *r, const host_hdr *h) {
+    return sizeof(*h) + payload_bytes(r, h->n_res) + (h->snap ? lethe_kv_state_host_bytes(r->pool) : 0);
+}
+
+/* copies b (header + slots' payload + its snapshot) into the host tier */
 static void demote(lethe_radix *r, const lethe_radix_block *b) {
-    const size_t n = sizeof(host_hdr) + payload_bytes(r, b->n_res);
-    uint8_t *blob = lethe_xmalloc(n);
     host_hdr h = {.hash = b->hash,
                   .parent_hash = b->parent ? b->parent->hash : 0,
                   .depth = b->depth,
                   .n_res = b->n_res,
                   .priority = b->priority,
                   .pin = b->pin,
-                  .prune_id = b->prune_id};
+                  .prune_id = b->prune_id,
+                  .snap = b->snap >= 0};
+    const size_t n = blob_bytes(r, &h);
+    uint8_t *blob = lethe_xmalloc(n);
     memcpy(h.tokens, b->tokens, sizeof(h.tokens));
     memcpy(h.offs, b->offs, sizeof(h.offs));
     memcpy(blob, &h, sizeof(h));
@@ -437,7 +445,11 @@ static void demote(lethe_radix *r, const lethe_radix_block *b) {
         lethe_kv_slots_save(r->pool, sp, b->slots + sp * LETHE_RADIX_BLOCK, b->n_res, blob + off);
         off += (size_t)b->n_res * lethe_kv_space_slot_bytes(r->pool, sp);
     }
-    if (lethe_host_tier_put(r->tier, LETHE_HOST_TIER_RADIX, b->hash, blob, n)) r->n_demoted++;
+    if (h.snap) lethe_kv_state_save(r->pool, b->snap, blob + off);
+    if (lethe_host_tier_put(r->tier, LETHE_HOST_TIER_RADIX, b->hash, blob, n)) {
+        r->n_demoted++;
+        r->n_snap_demoted += h.snap;
+    }
 }
 
 /* the header of the host block after `parent_hash` (0: first) with these
@@ -456,21 +468,45 @@ void lethe_radix_set_host_tier(lethe_radix *r, lethe_host_tier *t) {
     r->tier = t;
 }
 
-int32_t lethe_radix_match_host(const lethe_radix *r, const int32_t *tokens, int32_t n,
-                               lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
-                               int32_t *resident) {
+/* consecutive host blocks after blocks[0..n_dev); snap: only up to the
+ * deepest one carrying a snapshot */
+static int32_t match_host(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                          lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks, bool snap,
+                          int32_t *resident, int32_t *n_seen) {
     *resident = 0;
+    if (n_seen) *n_seen = 0;
     if (!r->tier || n <= 0) return 0;
     const int32_t limit = LETHE_MIN((n - 1) / LETHE_RADIX_BLOCK, max_blocks);
     uint64_t parent = n_dev ? blocks[n_dev - 1]->hash : 0;
-    int32_t k = n_dev;
+    int32_t k = n_dev, res = 0, upto = n_dev, res_upto = 0;
     for (host_hdr h; k < limit; k++) {
         if (!host_find(r, parent, k, tokens + (size_t)k * LETHE_RADIX_BLOCK, &h)) break;
-        *resident += h.n_res;
+        res += h.n_res;
         parent = h.hash;
+        if (!snap || h.snap) {
+            upto = k + 1;
+            res_upto = res;
+        }
     }
-    return k - n_dev;
+    if (n_seen) *n_seen = k - n_dev;
+    *resident = res_upto;
+    return upto - n_dev;
 }
+
+int32_t lethe_radix_match_host(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                               lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
+                               int32_t *resident) {
+    return match_host(r, tokens, n, blocks, n_dev, max_blocks, false, resident, NULL);
+}
+
+int32_t lethe_radix_match_host_snap(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                                    lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
+                                    int32_t *resident, int32_t *n_seen) {
+    return match_host(r, tokens, n, blocks, n_dev, max_blocks, true, resident, n_seen);
+}
+
+static int32_t snap_slot_new(lethe_radix *r);
+static void snap_list(lethe_radix *r, lethe_radix_block *b);
 
 int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_block **blocks,
                             int32_t n_dev, int32_t n_host) {
@@ -484,7 +520,7 @@ int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_b
         if (!host_find(r, parent, k, tokens + (size_t)k * LETHE_RADIX_BLOCK, &h)) break;
         size_t nb = 0;
         blob[got] = lethe_host_tier_take(r->tier, LETHE_HOST_TIER_RADIX, h.hash, &nb);
-        LETHE_ASSERT(blob[got] && nb == sizeof(h) + payload_bytes(r, h.n_res));
+        LETHE_ASSERT(blob[got] && nb == blob_bytes(r, &h));
         need += h.n_res;
         parent = h.hash;
     }
@@ -511,6 +547,14 @@ int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_b
             lethe_kv_slots_load(r->pool, sp, sl, h.n_res, blob[done] + off);
             off += (size_t)h.n_res * lethe_kv_space_slot_bytes(r->pool, sp);
         }
+        /* its snapshot into a fresh snapshot slot (the LRU one makes room) */
+        if (h.snap && r->max_snaps > 0) {
+            const int32_t slot = snap_slot_new(r);
+            lethe_kv_state_load(r->pool, slot, blob[done] + off);
+            b->snap = slot;
+            snap_list(r, b);
+            r->n_snap_restored++;
+        }
         b->last_access = ++r->clock;
         r->n_unref++;
         r->unref_slots += b->n_res;
@@ -524,8 +568,7 @@ int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_b
     for (int32_t i = done; i < got; i++) {
         host_hdr h;
         memcpy(&h, blob[i], sizeof(h));
-        lethe_host_tier_put(r->tier, LETHE_HOST_TIER_RADIX, h.hash, blob[i],
-                            sizeof(h) + payload_bytes(r, h.n_res));
+        lethe_host_tier_put(r->tier, LETHE_HOST_TIER_RADIX, h.hash, blob[i], blob_bytes(r, &h));
     }
     free(blob);
     /* the new leaf is evictable; the temporary references go */
@@ -539,6 +582,11 @@ void lethe_radix_host_counts(const lethe_radix *r, int64_t *demoted, int64_t *pr
     *demoted = r->n_demoted;
     *promoted = r->n_promoted;
     *promoted_tokens = r->promoted_tokens;
+}
+
+void lethe_radix_host_snapshot_counts(const lethe_radix *r, int64_t *demoted, int64_t *restored) {
+    *demoted = r->n_snap_demoted;
+    *restored = r->n_snap_restored;
 }
 
 /* drops the demoted blocks below the deleted hashes del[0..n) (transitively) */
@@ -621,13 +669,12 @@ static void snap_drop(lethe_radix *r, lethe_radix_block *b) {
     b->snap = -1;
 }
 
-bool lethe_radix_snapshot(lethe_radix *r, lethe_radix_block *b, int32_t state) {
-    if (b->snap >= 0) { /* the same content's states: the one held stays */
-        b->snap_access = ++r->clock;
-        return true;
-    }
-    if (r->max_snaps == 0) return false;
-    if (r->n_snaps == r->max_snaps) { /* the least recently used one makes room */
+/* a held state slot listed as a snapshot (the caller sets b->snap = it and
+ * fills it; listed at snaps[n_snaps - 1]): the least recently used snapshot
+ * makes room when max_snaps are held */
+static int32_t snap_slot_new(lethe_radix *r) {
+    LETHE_ASSERT(r->max_snaps > 0);
+    if (r->n_snaps == r->max_snaps) {
         lethe_radix_block *v = r->snaps[0];
         for (int32_t i = 1; i < r->n_snaps; i++)
             if (r->snaps[i]->snap_access < v->snap_access) v = r->snaps[i];
@@ -636,10 +683,25 @@ bool lethe_radix_snapshot(lethe_radix *r, lethe_radix_block *b, int32_t state) {
     }
     const int32_t slot = lethe_kv_state_take(r->pool);
     LETHE_ASSERT(slot >= 0); /* the engine sized the state pool for max_snaps of them */
-    lethe_kv_state_copy(r->pool, slot, state);
-    b->snap = slot;
+    return slot;
+}
+
+/* b (its snap set) joins the snapshot list as the most recently used */
+static void snap_list(lethe_radix *r, lethe_radix_block *b) {
     b->snap_access = ++r->clock;
     r->snaps[r->n_snaps++] = b;
+}
+
+bool lethe_radix_snapshot(lethe_radix *r, lethe_radix_block *b, int32_t state) {
+    if (b->snap >= 0) { /* the same content's states: the one held stays */
+        b->snap_access = ++r->clock;
+        return true;
+    }
+    if (r->max_snaps == 0) return false;
+    const int32_t slot = snap_slot_new(r);
+    lethe_kv_state_copy(r->pool, slot, state);
+    b->snap = slot;
+    snap_list(r, b);
     r->n_snap_taken++;
     return true;
 }
@@ -766,6 +828,29 @@ lethe_status lethe_radix_check(const lethe_radix *r) {
             if (r->snaps[j] == b || r->snaps[j]->snap == b->snap)
                 st = lethe_errorf(LETHE_ERR_INVALID,
                                   "radix check: snapshot state slot %d listed twice", b->snap);
+    }
+    /* demoted blocks: each blob is its header, KV payload and (flagged) snapshot */
+    if (st == LETHE_OK && r->tier) {
+        int64_t nk = lethe_host_tier_keys(r->tier, LETHE_HOST_TIER_RADIX, NULL, 0);
+        uint64_t *keys = lethe_xmalloc((size_t)LETHE_MAX(nk, 1) * sizeof(*keys));
+        nk = LETHE_MIN(nk, lethe_host_tier_keys(r->tier, LETHE_HOST_TIER_RADIX, keys, nk));
+        for (int64_t i = 0; i < nk && st == LETHE_OK; i++) {
+            host_hdr h;
+            const size_t n = lethe_host_tier_read(r->tier, LETHE_HOST_TIER_RADIX, keys[i], &h, sizeof(h));
+            if (n < sizeof(h) || h.hash != keys[i] || (h.snap != 0 && h.snap != 1))
+                st = lethe_errorf(LETHE_ERR_INVALID, "radix check: host block %016llx: bad header",
+                                  (unsigned long long)keys[i]);
+            else if (h.snap && !lethe_kv_has_states(r->pool))
+                st = lethe_errorf(LETHE_ERR_INVALID,
+                                  "radix check: host block %016llx carries a state snapshot, the pool "
+                                  "has no states", (unsigned long long)keys[i]);
+            else if (n != blob_bytes(r, &h))
+                st = lethe_errorf(LETHE_ERR_INVALID,
+                                  "radix check: host block %016llx: %zu bytes, expected %zu (%d tokens%s)",
+                                  (unsigned long long)keys[i], n, blob_bytes(r, &h), h.n_res,
+                                  h.snap ? " + a state snapshot" : "");
+        }
+        free(keys);
     }
     if (st == LETHE_OK && pinned_slots != r->pinned_unref_slots)
         st = lethe_errorf(LETHE_ERR_INVALID,

@@ -121,7 +121,11 @@ void lethe_radix_acquire_refs(lethe_radix *r, lethe_radix_block *const *blocks, 
 /* ---- host tier (host_tier.h) ----
  * With a tier, blocks evicted under memory pressure are demoted (header +
  * their slots' payload) instead of dropped; deletion drops them and their
- * demoted descendants. The pool must pass lethe_kv_host_copy_check. */
+ * demoted descendants. The pool must pass lethe_kv_host_copy_check.
+ * A block's state snapshot (hybrid models, below) goes with it: its states
+ * follow the KV payload in the blob (lethe_kv_state_save), so the tier's
+ * byte cap and LRU order cover both, and promotion restores it into a fresh
+ * snapshot slot (the least recently used snapshot makes room). */
 typedef struct lethe_host_tier lethe_host_tier;
 void lethe_radix_set_host_tier(lethe_radix *r, lethe_host_tier *t); /* NULL: none */
 /* After a match blocks[0..n_dev) of tokens[0..n): how many of the next
@@ -130,6 +134,13 @@ void lethe_radix_set_host_tier(lethe_radix *r, lethe_host_tier *t); /* NULL: non
 int32_t lethe_radix_match_host(const lethe_radix *r, const int32_t *tokens, int32_t n,
                                lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
                                int32_t *resident);
+/* The same for a hybrid model, whose hits need a snapshot: the next host
+ * blocks up to and including the deepest one that carries a snapshot (0
+ * when none does), *resident their slots; *n_seen = every consecutive host
+ * block (for the recomputed-token count). Read-only. */
+int32_t lethe_radix_match_host_snap(const lethe_radix *r, const int32_t *tokens, int32_t n,
+                                    lethe_radix_block *const *blocks, int32_t n_dev, int32_t max_blocks,
+                                    int32_t *resident, int32_t *n_seen);
 /* Restores those n_host blocks from the tier into fresh slots (evicting
  * other unreferenced blocks for room: the caller counted their slots as
  * needed), back in the tree as unreferenced blocks at blocks[n_dev ..];
@@ -139,6 +150,8 @@ int32_t lethe_radix_promote(lethe_radix *r, const int32_t *tokens, lethe_radix_b
 /* cumulative: blocks demoted, blocks promoted, tokens they cover */
 void lethe_radix_host_counts(const lethe_radix *r, int64_t *demoted, int64_t *promoted,
                              int64_t *promoted_tokens);
+/* cumulative: state snapshots demoted with their blocks, restored with them */
+void lethe_radix_host_snapshot_counts(const lethe_radix *r, int64_t *demoted, int64_t *restored);
 
 /* ---- state snapshots (hybrid models: kv_pool.h "per-request states") ----
  * A block may hold a snapshot: one state slot held from the pool

@@ -19,7 +19,10 @@
  * cached chain that holds a snapshot ("a hit resumes from the nearest
  * snapshot at or before the match"; the tokens after it are recomputed and
  * their blocks found again on publishing), and acquire copies that snapshot
- * into the row's own state slot. */
+ * into the row's own state slot. With the host tier a demoted block carries
+ * its snapshot (radix.h): match looks past the resident blocks for the
+ * deepest demoted one with a snapshot, acquire promotes the blocks up to it
+ * (KV and snapshot) and resumes from there. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,9 +68,15 @@ static void rc_match(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_mat
     int32_t nb = lethe_radix_match(rc->tree, s->tokens, s->n_tokens, rc->match, max_blocks);
     int32_t host_res = 0; /* demoted blocks after them: restored into fresh slots */
     rc->n_matched = nb;
-    if (rc->states) { /* resume from the deepest snapshot (no host tier with states) */
-        while (nb > 0 && lethe_radix_block_snapshot(rc->match[nb - 1]) < 0) nb--;
-        rc->n_host = 0;
+    if (rc->states) {
+        /* resume from the deepest snapshot: on a demoted block after the
+         * resident ones (promoted with it), else on a resident block */
+        int32_t seen = 0;
+        rc->n_host = lethe_radix_match_host_snap(rc->tree, s->tokens, s->n_tokens, rc->match, nb,
+                                                 max_blocks, &host_res, &seen);
+        rc->n_matched = nb + seen;
+        if (rc->n_host == 0)
+            while (nb > 0 && lethe_radix_block_snapshot(rc->match[nb - 1]) < 0) nb--;
     } else {
         rc->n_host = lethe_radix_match_host(rc->tree, s->tokens, s->n_tokens, rc->match, nb,
                                             max_blocks, &host_res);
@@ -122,6 +131,8 @@ static void rc_acquire(lethe_prefix_cache *pc, const lethe_pc_seq *s, const leth
         LETHE_ASSERT(got == rc->n_host);
         rc->n_match += got;
         rc->n_host = 0;
+        /* hybrid: the last one brought its snapshot back (match stopped there) */
+        LETHE_ASSERT(!rc->states || lethe_radix_block_snapshot(rc->match[rc->n_match - 1]) >= 0);
     }
     if (rc->n_match == 0) return;
     radix_ref *ref = lethe_xcalloc(1, sizeof(*ref));
@@ -198,6 +209,7 @@ static void rc_stats(lethe_prefix_cache *pc, lethe_pc_stats *out) {
     out->snapshots = lethe_radix_n_snapshots(t);
     lethe_radix_snapshot_counts(t, &out->snapshots_taken, &out->snapshots_evicted,
                                 &out->snapshot_hits);
+    lethe_radix_host_snapshot_counts(t, &out->snapshots_demoted, &out->snapshots_restored);
     out->snapshot_recomputed_tokens = rc_of(pc)->snap_recomputed;
 }
 
@@ -237,8 +249,8 @@ lethe_prefix_cache *lethe_radix_cache_create(const lethe_pc_params *p) {
     uint64_t fp = lethe_hash64(&block, sizeof(block), lethe_hash64(d, strlen(d), 0x1e7e));
     rc->tree = lethe_radix_create(p->pool, fp);
     rc->states = lethe_kv_has_states(p->pool);
-    if (rc->states) { /* the engine refuses the host tier here: it keeps no snapshots */
-        LETHE_ASSERT(!p->host_tier && p->snapshot_slots >= 0 && p->snapshot_every > 0 &&
+    if (rc->states) {
+        LETHE_ASSERT(p->snapshot_slots >= 0 && p->snapshot_every > 0 &&
                      p->snapshot_every % LETHE_GDN_CHUNK == 0);
         rc->snap_every = p->snapshot_every;
         lethe_radix_set_snapshots(rc->tree, p->snapshot_slots);

@@ -767,6 +767,8 @@ void eng_publish_stats(lethe_engine *e) {
         s->state_snapshot_hits = ps.snapshot_hits;
         s->state_snapshot_recomputed_tokens = ps.snapshot_recomputed_tokens;
         s->state_snapshots_evicted = ps.snapshots_evicted;
+        s->state_snapshots_demoted = ps.snapshots_demoted;
+        s->state_snapshots_restored = ps.snapshots_restored;
     }
     e->stats.sparse.evicted_slots = lethe_kv_dropped(e->pool);
     e->stats.sparse.n_steps = s->n_steps;

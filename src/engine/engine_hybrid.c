@@ -34,9 +34,12 @@
  * deepest snapshot of the matched blocks. The Chain Cache keeps each idle
  * chain's row, and a row owns its state slot, so a turn continues from the
  * states after the chain's boundary; the same budget gives the state slots
- * of idle chains (chain_cache.c, LRU beyond it). Refused: the host tier
- * (it keeps no states) and branching chains (a shared prefix's blocks come
- * without the states at their end). */
+ * of idle chains (chain_cache.c, LRU beyond it). The host tier
+ * (--host-cache-bytes) holds radix blocks with their snapshots: a demoted
+ * block's blob carries its snapshot's states, a hit on demoted blocks
+ * restores both (radix.h). Refused: the host tier in chain mode (an idle
+ * chain's states stay in its row; prefix_cache.c) and branching chains (a
+ * shared prefix's blocks come without the states at their end). */
 #include <string.h>
 
 #include "core/log.h"
@@ -73,13 +76,8 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "linear-attention layers' prefill segments)",
                             e->p.state_snapshot_interval, LETHE_GDN_CHUNK);
     if (!e->p.enable_prefix_caching) return LETHE_OK;
-    if (e->p.host_cache_bytes > 0)
-        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
-                            "--host-cache-bytes: the host tier keeps no linear-attention states "
-                            "(snapshots, idle chains), which every prefix hit of hybrid model %s "
-                            "needs; leave it off",
-                            c->arch);
-    /* the radix cache snapshots every `every` tokens; the Chain Cache keeps rows instead */
+    /* the radix cache snapshots every `every` tokens; the Chain Cache keeps rows instead
+     * (the host tier: radix only, lethe_pcache_create says so) */
     e->cache_states = true;
     e->snap_every = every;
     return LETHE_OK;

@@ -104,6 +104,52 @@ void lethe_kv_slots_load(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, 
     copy_space(pool, sp, slots, n, (uint8_t *)src, false);
 }
 
+size_t lethe_kv_state_host_bytes(const lethe_kv_pool *pool) {
+    return (size_t)pool->p.n_state_layers * (pool->p.state_k_bytes + pool->p.state_v_bytes);
+}
+
+/* one state row of buf (row_bytes each) <-> host[row_bytes] */
+static void copy_state_row(lethe_kv_pool *pool, void *buf, size_t row_bytes, int32_t slot, uint8_t *host,
+                           bool to_host) {
+    lethe_backend *be = pool->p.be;
+    uint8_t *dev = (uint8_t *)buf + (size_t)slot * row_bytes;
+    if (be->ops->caps & LETHE_BE_HOST_MEMORY) {
+        if (to_host) memcpy(host, dev, row_bytes);
+        else memcpy(dev, host, row_bytes);
+    } else if (to_host) {
+        be->ops->rows_to_host(be, host, buf, row_bytes, &slot, 1);
+    } else {
+        be->ops->rows_from_host(be, buf, row_bytes, &slot, 1, host);
+    }
+}
+
+static void copy_state(lethe_kv_pool *pool, int32_t slot, uint8_t *host, bool to_host) {
+    LETHE_ASSERT(lethe_kv_has_states(pool) && lethe_kv_host_copy_check(pool) == LETHE_OK);
+    LETHE_ASSERT(slot >= 0 && slot < pool->p.n_state_slots);
+    const double t0 = lethe_time_s();
+    size_t off = 0;
+    for (int32_t i = 0; i < pool->p.n_state_layers; i++) {
+        copy_state_row(pool, pool->state_k[i], pool->p.state_k_bytes, slot, host + off, to_host);
+        off += pool->p.state_k_bytes;
+        copy_state_row(pool, pool->state_v[i], pool->p.state_v_bytes, slot, host + off, to_host);
+        off += pool->p.state_v_bytes;
+    }
+    const double dt = lethe_time_s() - t0;
+    if (to_host) {
+        pool->host_saved_bytes += (int64_t)off;
+        pool->host_save_s += dt;
+    } else {
+        pool->host_loaded_bytes += (int64_t)off;
+        pool->host_load_s += dt;
+    }
+}
+
+void lethe_kv_state_save(lethe_kv_pool *pool, int32_t slot, void *dst) { copy_state(pool, slot, dst, true); }
+
+void lethe_kv_state_load(lethe_kv_pool *pool, int32_t slot, const void *src) {
+    copy_state(pool, slot, (uint8_t *)src, false);
+}
+
 bool lethe_kv_slots_take(lethe_kv_pool *pool, int32_t sp, int32_t n, int32_t *out) {
     kv_space *s = &pool->spaces[sp];
     if (n < 0 || s->n_free < n) return false;

@@ -251,6 +251,14 @@ lethe_status lethe_kv_host_copy_check(const lethe_kv_pool *pool);
 size_t lethe_kv_space_slot_bytes(const lethe_kv_pool *pool, int32_t sp);
 void lethe_kv_slots_save(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, void *dst);
 void lethe_kv_slots_load(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, const void *src);
+/* A state slot's states to / from host memory (a hybrid model's state
+ * snapshots in the host tier): host image [state layer][recurrent | conv],
+ * lethe_kv_state_host_bytes bytes (0 without states); the slot must be held
+ * (lethe_kv_state_take) or owned by a row. Same backend ops and counters as
+ * the slot copies; synchronous, ordered after the stream's earlier work. */
+size_t lethe_kv_state_host_bytes(const lethe_kv_pool *pool);
+void lethe_kv_state_save(lethe_kv_pool *pool, int32_t slot, void *dst);
+void lethe_kv_state_load(lethe_kv_pool *pool, int32_t slot, const void *src);
 /* n free slots of space sp with one reference each, held by the caller (as
  * lethe_kv_ref; dropped with lethe_kv_unref); false (nothing taken) when
  * fewer are free */

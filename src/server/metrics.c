@@ -222,6 +222,13 @@ char *srv_metrics_render(srv_metrics *m, const lethe_engine_stats *st, const cha
         counter(&b, "state_snapshots_evicted_total",
                 "Hybrid models, radix: state snapshots dropped to stay within their budget (LRU).",
                 model, (double)st->state_snapshots_evicted);
+        counter(&b, "state_snapshots_demoted_total",
+                "Hybrid models, radix: state snapshots moved to the host-memory tier with their "
+                "blocks.",
+                model, (double)st->state_snapshots_demoted);
+        counter(&b, "state_snapshots_restored_total",
+                "Hybrid models, radix: state snapshots restored from the host-memory tier on a hit.",
+                model, (double)st->state_snapshots_restored);
     }
     pthread_mutex_lock(&m->mu);
     static const char *const reasons[] = {"none", "stop", "length", "abort", "error"};

@@ -18,8 +18,13 @@
  *  - a chain (--prefix-cache-mode chain) whose first turn of 128 tokens
  *    generates one token keeps its row and the states it owns; its second
  *    turn continues from 128 and equals the cold run of its full prompt;
+ *  - the host tier (--host-cache-bytes): every block of the cached prompt
+ *    evicted to host memory, its snapshots with it (device -> host through
+ *    rows_to_host); the hits at 192 and, after another eviction, at 128
+ *    restore KV and snapshot (rows_from_host) and are bit-identical to cold;
  *  - the invariant checker after every step (the held state slots are the
- *    snapshots the cache lists) and no state slot held but theirs at the end. */
+ *    snapshots the cache lists; every host blob's size matches its snapshot
+ *    flag) and no state slot held but theirs at the end. */
 #include <stdio.h>
 #include <string.h>
 
@@ -49,6 +54,8 @@ static void on_event(void *user, const lethe_event *ev) {
     if (ev->finished) o->done = true;
 }
 
+static size_t g_host_bytes; /* --host-cache-bytes of the next engine */
+
 static lethe_engine *mk_mode(bool cache, int32_t every, const char *mode) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
@@ -60,6 +67,7 @@ static lethe_engine *mk_mode(bool cache, int32_t every, const char *mode) {
     p.enable_prefix_caching = cache;
     p.state_snapshot_interval = every;
     if (mode) p.prefix_cache_mode = mode;
+    p.host_cache_bytes = g_host_bytes;
     p.check_invariants = true;
     p.max_model_len = 512;
     lethe_engine *e = NULL;
@@ -148,6 +156,30 @@ static void test_hits(void) {
     only_snapshots_held(e);
     lethe_engine_destroy(e);
     fprintf(stderr, "    cuda: resumed from the snapshot at 128 of a 176-token match: bit-identical\n");
+
+    g_host_bytes = 64u << 20;
+    e = mk(true, 64);
+    g_host_bytes = 0;
+    run1(e, g_a, 250, &o); /* snapshots at 64, 128, 192 */
+    lethe_pcache_evict(e->pcache, INT32_MAX); /* every block and its snapshot to the host */
+    lethe_pc_stats s;
+    lethe_pcache_stats(e->pcache, &s);
+    CHECK(s.snapshots == 0 && s.snapshots_demoted == 3);
+    only_snapshots_held(e);
+    run1(e, g_b, 300, &o); /* 12 demoted blocks promoted up to the snapshot at 192 */
+    CHECK_EQ_INT(o.cached, 192);
+    same(&o, &cold_b, "hit at 192 from the host tier");
+    lethe_pcache_stats(e->pcache, &s);
+    CHECK(s.snapshots_restored == 3 && s.host_promoted == 12);
+    only_snapshots_held(e);
+    lethe_pcache_evict(e->pcache, INT32_MAX);
+    run1(e, g_b180, 300, &o); /* 11 demoted blocks match: promoted up to the snapshot at 128 */
+    CHECK_EQ_INT(o.cached, 128);
+    same(&o, &cold_b180, "hit at 128 from the host tier");
+    only_snapshots_held(e);
+    lethe_engine_destroy(e);
+    fprintf(stderr, "    cuda: hits at 192 and 128 from blocks and snapshots demoted to the host tier: "
+                    "bit-identical to cold\n");
 }
 
 static void test_chain(void) {
