@@ -22,6 +22,11 @@
  *    the least recently used chain is reclaimed (its next turn is gone);
  *    with none, a finished chain keeps no row and its next turn recomputes
  *    (equal to the cold run);
+ *  - with the host tier (--host-cache-bytes) a chain reclaimed beyond the
+ *    idle-state budget is demoted with its row's states instead of
+ *    dropped; its next turn restores KV and states and equals the cold run
+ *    of its full prompt; with no idle-state budget at all every finished
+ *    chain goes to the host and comes back the same way;
  *  - an aborted turn frees its row and state slot; branching is refused;
  *  - PREFILL+DECODE pairs take the prefix cache mode they take on a dense
  *    model (tests/data/tiny-qwen3), in auto and explicit modes, from the
@@ -61,6 +66,8 @@ static void on_event(void *user, const lethe_event *ev) {
     }
 }
 
+static size_t g_host_bytes; /* --host-cache-bytes of the next engine */
+
 static lethe_engine *mk(const char *mode, int32_t budget, size_t snap_bytes) {
     lethe_engine_params p;
     lethe_engine_default_params(&p);
@@ -71,6 +78,7 @@ static lethe_engine *mk(const char *mode, int32_t budget, size_t snap_bytes) {
     p.enable_prefix_caching = mode != NULL;
     if (mode) p.prefix_cache_mode = mode;
     p.state_snapshot_bytes = snap_bytes;
+    p.host_cache_bytes = g_host_bytes;
     p.check_invariants = true;
     p.n_threads = 2;
     p.max_model_len = 512;
@@ -277,6 +285,48 @@ static void test_idle_state_budget(void) {
     lethe_engine_destroy(e);
 }
 
+/* A's first turn, B's first turn (A, the least recently used, leaves the pool),
+ * A's second turn from its boundary at 128, against cold runs */
+static void host_round(size_t snap_bytes, int32_t idle_after) {
+    g_host_bytes = 64u << 20;
+    lethe_engine *e = mk("chain", 64, snap_bytes);
+    g_host_bytes = 0;
+    lethe_engine *ce = mk(NULL, 2048, 0);
+    static int32_t pa[MAXP];
+    static out o, c;
+    lethe_chain_result cr;
+    memcpy(pa, g_p, 128 * sizeof(int32_t));
+    CHECK(turn(e, NULL, pa, 128, 1, &o, &cr) == LETHE_CHAIN_OK); /* boundary 128 */
+    char id[48];
+    snprintf(id, sizeof(id), "%s", cr.chain_id);
+    CHECK(turn(e, NULL, g_p + 200, 130, 2, &c, &cr) == LETHE_CHAIN_OK); /* B */
+    states_accounted(e, idle_after);
+    lethe_engine_chain_stats cs;
+    lethe_engine_get_chain_stats(e, &cs);
+    CHECK_MSG(cs.n_on_host == 2 - idle_after && cs.n_demoted == 2 - idle_after, "%d on host, %lld demoted",
+              cs.n_on_host, (long long)cs.n_demoted);
+    const int32_t n = extend(pa, 128, &o, 128, 63); /* 192 tokens */
+    CHECK(turn(e, id, pa, n, MAXT, &o, &cr) == LETHE_CHAIN_OK);
+    CHECK(!strcmp(cr.status, "resumed") && cr.reused_tokens == 128);
+    cold(ce, pa, n, MAXT, &c);
+    same(&o, &c, "turn restored from the host tier");
+    lethe_engine_get_chain_stats(e, &cs);
+    CHECK_EQ_INT(cs.n_restored, 1);
+    states_accounted(e, idle_after);
+    lethe_engine_destroy(ce);
+    lethe_engine_destroy(e);
+}
+
+static void test_host_tier(void) {
+    lethe_engine *probe = mk(NULL, 64, 0);
+    const size_t one = eng_state_bytes(probe, 1);
+    lethe_engine_destroy(probe);
+    host_round(one + one / 2, 1); /* one idle chain keeps its row: A is demoted for B */
+    host_round(1, 0);             /* none: both are demoted as they finish */
+    fprintf(stderr, "    host tier: chains demoted with their states (budget 1 and 0), the restored turn "
+                    "bit-identical to cold\n");
+}
+
 static void test_abort_and_refusals(void) {
     lethe_engine *e = mk("chain", 64, 0);
     static out o;
@@ -411,6 +461,7 @@ int main(void) {
     TEST_RUN(test_prefill_boundaries_equal_cold);
     TEST_RUN(test_decoded_history);
     TEST_RUN(test_idle_state_budget);
+    TEST_RUN(test_host_tier);
     TEST_RUN(test_abort_and_refusals);
     fprintf(stderr, "test_hybrid_chain: ok\n");
     return 0;

@@ -36,8 +36,8 @@
  *    bit-identical to cold; a small tier keeps within its bytes; the
  *    checker verifies every host blob's size against its snapshot flag;
  *    preemption with demotions under way stays identical to cold;
- *  - refusals: an interval that is not a multiple of 64, the host tier in
- *    chain mode, snapshots over the KV budget, pruning. */
+ *  - refusals: an interval that is not a multiple of 64, snapshots over the
+ *    KV budget, pruning. */
 #include <string.h>
 
 #include "cache/host_tier.h"
@@ -439,13 +439,6 @@ static void test_refusals(void) {
     CHECK(lethe_engine_create(&p, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "multiple of 64"), "%s", lethe_engine_last_error());
     p.state_snapshot_interval = 0;
-    p.host_cache_bytes = 1u << 20;
-    p.prefix_cache_mode = "chain"; /* the host tier holds radix blocks, not idle chains' states */
-    CHECK(lethe_engine_create(&p, &e) != 0);
-    CHECK_MSG(strstr(lethe_engine_last_error(), "not idle chains' linear-attention states"), "%s",
-              lethe_engine_last_error());
-    p.host_cache_bytes = 0;
-    p.prefix_cache_mode = "auto";
     p.state_snapshot_bytes = (size_t)1 << 40;
     CHECK(lethe_engine_create(&p, &e) != 0);
     CHECK_MSG(strstr(lethe_engine_last_error(), "snapshots"), "%s", lethe_engine_last_error());

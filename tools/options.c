@@ -205,7 +205,7 @@ int lethe_opts_engine(lethe_opt *rows, lethe_engine_params *p) {
     ROW("--host-cache-bytes", NULL, LETHE_OPT_BYTES, &p->host_cache_bytes, "SIZE",
         "host-memory tier under the prefix cache (e.g. 4G): prefix blocks evicted from the KV "
         "cache are kept there (LRU) and restored on a hit instead of recomputed (hybrid models: "
-        "radix blocks with their state snapshots); 0 = off", 1, 0);
+        "radix blocks and idle chains with their linear-attention states); 0 = off", 1, 0);
     ROW("--enable-prefix-caching", NULL, LETHE_OPT_BOOL, &p->enable_prefix_caching, NULL,
         "reuse KV of shared prompt prefixes (--no-enable-prefix-caching to disable)", 1, 0);
     ROW("--prefix-cache-mode", NULL, LETHE_OPT_STR, &p->prefix_cache_mode, "MODE",

@@ -314,6 +314,20 @@ static int cmp_lru(const void *a, const void *b) {
     return x->last_access < y->last_access ? -1 : x->last_access > y->last_access;
 }
 
+/* An IDLE chain's KV leaves the pool: to the host tier when there is one
+ * (the record stays, its slots go once the engine thread copied them), else
+ * the chain is dropped. */
+static void reclaim(lethe_chain_table *t, chain_rec *v) {
+    if (t->p.demote && v->payload) {
+        memcpy(v->host_resident, v->resident, (size_t)t->p.n_spaces * sizeof(int32_t));
+        memset(v->resident, 0, (size_t)t->p.n_spaces * sizeof(int32_t));
+        v->host = HOST_QUEUED;
+        push_ptr(&t->demote, &t->n_demote, &t->cap_demote, v->payload);
+    } else {
+        drop(t, v);
+    }
+}
+
 /* Makes room for `need` (per space) besides `self`: picks IDLE victims in
  * LRU order; reclaims them only if that suffices. Returns victims reclaimed,
  * or -1 when it cannot fit (nothing reclaimed). */
@@ -335,17 +349,7 @@ static int32_t make_room(lethe_chain_table *t, const chain_rec *self, const int3
         k++;
     }
     if (!fits(t, need)) return -1;
-    for (int32_t i = 0; i < k; i++) {
-        chain_rec *v = t->cand[i];
-        if (t->p.demote && v->payload) { /* to the host tier: the record stays, its slots go */
-            memcpy(v->host_resident, v->resident, (size_t)t->p.n_spaces * sizeof(int32_t));
-            memset(v->resident, 0, (size_t)t->p.n_spaces * sizeof(int32_t));
-            v->host = HOST_QUEUED;
-            push_ptr(&t->demote, &t->n_demote, &t->cap_demote, v->payload);
-        } else {
-            drop(t, v);
-        }
-    }
+    for (int32_t i = 0; i < k; i++) reclaim(t, t->cand[i]);
     t->st.n_reclaimed += k;
     return k;
 }
@@ -636,7 +640,7 @@ int32_t lethe_chain_limit_idle(lethe_chain_table *t, int32_t max_idle) {
             t->cand[nc++] = t->recs[i];
     qsort(t->cand, (size_t)nc, sizeof(*t->cand), cmp_lru);
     const int32_t k = LETHE_MAX(nc - max_idle, 0);
-    for (int32_t i = 0; i < k; i++) drop(t, t->cand[i]);
+    for (int32_t i = 0; i < k; i++) reclaim(t, t->cand[i]);
     t->st.n_reclaimed += k;
     pthread_mutex_unlock(&t->mu);
     return k;

@@ -174,8 +174,9 @@ void lethe_chain_finish(lethe_chain_table *t, const char *id, const int32_t *tok
 /* Reclaims IDLE chains holding a resident payload, least recently used
  * first, until at most max_idle are left (a hybrid model's chains each hold
  * one state slot of a fixed number, chain_cache.c); returns how many. The
- * victims are tombstoned and their payloads queued for release, as by
- * capacity reclaim without a host tier. */
+ * victims go as by capacity reclaim: queued for demotion with a host tier
+ * (lethe_chain_take_demotions), else tombstoned with their payloads queued
+ * for release. */
 int32_t lethe_chain_limit_idle(lethe_chain_table *t, int32_t max_idle);
 
 /* The turn failed or was aborted: the chain is invalidated (tombstoned) and

@@ -50,7 +50,8 @@
  * state into one blob (demote_kv) and frees its row; the chain keeps its
  * shared-block references. Its next turn claims the blob (the table's
  * claim callback, at admission) and acquire restores it into a fresh row
- * before the suffix runs (restore_kv), bit for bit.
+ * before the suffix runs (restore_kv), bit for bit. A hybrid model's
+ * chain takes its row's linear-attention states along (the blob's tail).
  *
  * Hybrid models (the pool has per-request states, kv_pool.h): a row owns
  * its state slot, so a chain's payload row keeps the linear-attention states
@@ -58,9 +59,10 @@
  * from them without recompute. The pool has max_idle_states state slots for
  * IDLE chains besides the running requests' (the engine sizes them with
  * --state-snapshot-bytes); when a finished turn would leave more IDLE chains
- * with a row, the least recently used ones are reclaimed (tombstoned, as by
- * capacity reclaim). The engine refuses branching and the host tier for
- * these models (neither keeps states). */
+ * with a row, the least recently used ones are reclaimed as by capacity
+ * reclaim: demoted with their states when there is a host tier, else
+ * tombstoned. The engine refuses branching for these models (a shared
+ * prefix's blocks come without the states at their end). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,11 +91,13 @@ typedef struct chain_kv {
 } chain_kv;
 
 /* the blob: header, then per slot space [n_priv] positions and the slots'
- * payload (kv_host.c), then [2 n_prot] protected ranges, then the state */
+ * payload (kv_host.c), then [2 n_prot] protected ranges, then the method
+ * state, then (hybrid models) the row's linear-attention states */
 typedef struct chain_blob_hdr {
     uint32_t magic;
     int32_t n_spaces, n_shared, n_prot;
     uint64_t state_bytes; /* UINT64_MAX: no state */
+    uint64_t lin_bytes;   /* the row's states (lethe_kv_state_save), 0: the pool has none */
 } chain_blob_hdr;
 #define CHAIN_BLOB_MAGIC 0x6c434b56u
 
@@ -195,8 +199,9 @@ static bool demote_kv(chain_cache *cc, chain_kv *k) {
     }
     const int32_t *prot = NULL;
     const int32_t n_prot = lethe_kv_row_protected(pool, k->row, &prot);
+    const size_t lin = cc->states ? lethe_kv_state_host_bytes(pool) : 0;
     size_t size = sizeof(chain_blob_hdr) + (size_t)n_prot * 2 * sizeof(int32_t) +
-                  (state_bytes == UINT64_MAX ? 0 : (size_t)state_bytes);
+                  (state_bytes == UINT64_MAX ? 0 : (size_t)state_bytes) + lin;
     for (int32_t sp = 0; sp < n_sp; sp++) {
         const int32_t n = lethe_kv_row_len(pool, sp, k->row) - nsh;
         LETHE_ASSERT(n >= 0 && (nsh == 0 || lethe_kv_row_pos(pool, sp, k->row)[nsh - 1] == nsh - 1));
@@ -204,7 +209,7 @@ static bool demote_kv(chain_cache *cc, chain_kv *k) {
     }
     uint8_t *blob = lethe_xmalloc(size), *at = blob;
     const chain_blob_hdr h = {.magic = CHAIN_BLOB_MAGIC, .n_spaces = n_sp, .n_shared = nsh,
-                              .n_prot = n_prot, .state_bytes = state_bytes};
+                              .n_prot = n_prot, .state_bytes = state_bytes, .lin_bytes = lin};
     memcpy(at, &h, sizeof(h));
     at += sizeof(h);
     for (int32_t sp = 0; sp < n_sp; sp++) {
@@ -222,6 +227,8 @@ static bool demote_kv(chain_cache *cc, chain_kv *k) {
         LETHE_ASSERT(cc->base.snapshot_state(cc->base.release_ctx, k->state, at, state_bytes) ==
                      state_bytes);
     at += state_bytes == UINT64_MAX ? 0 : state_bytes;
+    if (lin) lethe_kv_state_save(pool, lethe_kv_row_state(pool, k->row), at);
+    at += lin;
     LETHE_ASSERT((size_t)(at - blob) == size);
     if (!lethe_host_tier_put(cc->tier, LETHE_HOST_TIER_CHAIN, host_key(k), blob, size)) return false;
     lethe_kv_row_release(pool, k->row); /* the shared slots stay with their blocks */
@@ -258,11 +265,13 @@ static void restore_kv(chain_cache *cc, chain_kv *k) {
     chain_blob_hdr h;
     memcpy(&h, k->blob, sizeof(h));
     LETHE_ASSERT(h.magic == CHAIN_BLOB_MAGIC && h.n_spaces == lethe_kv_n_spaces(pool) &&
-                 h.n_shared == k->shared.n * LETHE_RADIX_BLOCK);
+                 h.n_shared == k->shared.n * LETHE_RADIX_BLOCK &&
+                 h.lin_bytes == (cc->states ? lethe_kv_state_host_bytes(pool) : 0));
     int32_t priv = 0;
     blob_entries(pool, k, &priv);
     if (lethe_kv_min_free(pool) < priv) lethe_radix_evict(cc->tree, priv);
     LETHE_ASSERT(lethe_kv_min_free(pool) >= priv);
+    LETHE_ASSERT(lethe_kv_state_n_free(pool) > 0); /* admission checked it (a row owns a state slot) */
     k->row = lethe_kv_row_alloc(pool);
     /* the shared prefix: the chain's references move from the payload to the row's attach */
     lethe_radix_release(cc->tree, k->shared.b, k->shared.n);
@@ -289,6 +298,9 @@ static void restore_kv(chain_cache *cc, chain_kv *k) {
         LETHE_ASSERT(st == LETHE_OK); /* the bytes are the ones its snapshot wrote */
         at += h.state_bytes;
     }
+    /* hybrid: the states after the chain's boundary, into the fresh row's slot */
+    if (h.lin_bytes) lethe_kv_state_load(pool, lethe_kv_row_state(pool, k->row), at);
+    at += h.lin_bytes;
     LETHE_ASSERT((size_t)(at - (const uint8_t *)k->blob) == k->blob_n);
     free(k->blob);
     k->blob = NULL;
@@ -443,9 +455,9 @@ static void cc_release(lethe_prefix_cache *pc, const lethe_pc_seq *s, lethe_pc_e
         *s->method_state = NULL;
     }
     blocks_drop(cc, &c->shared); /* (none left when a row was kept) */
-    if (how == LETHE_PC_END_OK && k && cc->states && cc->max_idle_states == 0) {
+    if (how == LETHE_PC_END_OK && k && cc->states && cc->max_idle_states == 0 && !cc->tier) {
         kv_free(cc, k); /* no state slot for an idle chain: its next turn recomputes */
-        k = NULL;
+        k = NULL;       /* (with a host tier it is demoted below, its states with it) */
     }
     if (how == LETHE_PC_END_FAILED) { /* on the engine thread: the KV goes now */
         lethe_chain_abandon(cc->t, c->id, NULL);
@@ -556,6 +568,7 @@ static int32_t cc_rows_held(lethe_prefix_cache *pc) {
 }
 
 typedef struct check_ctx {
+    chain_cache *cc;
     const lethe_kv_pool *pool;
     uint8_t *seen; /* [max_rows] */
     int32_t bad_row;
@@ -571,6 +584,20 @@ static void check_payload(void *vctx, void *payload) {
     if (k->on_host) { /* no row, no state: the KV is in the host tier or claimed back */
         if (k->row >= 0 || k->state) x->why = "is demoted but still holds a row or a state";
         x->bad_row = k->row;
+        /* its blob (still in the tier or claimed) carries the row's states exactly when the
+         * pool has states */
+        chain_blob_hdr h;
+        size_t n = 0;
+        if (k->blob && k->blob_n >= sizeof(h)) {
+            memcpy(&h, k->blob, sizeof(h));
+            n = k->blob_n;
+        } else if (!k->blob) {
+            n = lethe_host_tier_read(x->cc->tier, LETHE_HOST_TIER_CHAIN, host_key(k), &h, sizeof(h));
+        }
+        const size_t lin = x->cc->states ? lethe_kv_state_host_bytes(x->pool) : 0;
+        if (!x->why && n >= sizeof(h) &&
+            (h.magic != CHAIN_BLOB_MAGIC || h.lin_bytes != lin || n < sizeof(h) + lin))
+            x->why = "is demoted to a blob without the row's linear-attention states";
         return;
     }
     if (k->row < 0 || k->row >= lethe_kv_max_rows(x->pool) || !lethe_kv_row_in_use(x->pool, k->row))
@@ -589,7 +616,7 @@ static void sum_refs(void *ctx, const lethe_radix_block *b) {
  * request references are exactly the ones chains hold */
 static lethe_status cc_check(lethe_prefix_cache *pc) {
     chain_cache *cc = cc_of(pc);
-    check_ctx x = {.pool = pc->pool, .seen = lethe_xcalloc((size_t)lethe_kv_max_rows(pc->pool), 1)};
+    check_ctx x = {.cc = cc, .pool = pc->pool, .seen = lethe_xcalloc((size_t)lethe_kv_max_rows(pc->pool), 1)};
     lethe_chain_for_each_payload(cc->t, check_payload, &x);
     free(x.seen);
     if (x.why)
@@ -653,7 +680,6 @@ lethe_prefix_cache *lethe_chain_cache_create(const lethe_pc_params *p) {
     cc->tier = p->host_tier;
     cc->states = lethe_kv_has_states(p->pool);
     cc->max_idle_states = p->snapshot_slots;
-    LETHE_ASSERT(!cc->states || !p->host_tier);
     lethe_chain_table_params cp = {.n_spaces = lethe_kv_n_spaces(p->pool),
                                    .slots_per_space = lethe_kv_n_slots(p->pool),
                                    .share_block = LETHE_RADIX_BLOCK,

@@ -28,15 +28,6 @@ lethe_status lethe_pcache_create(const lethe_pc_params *p, lethe_prefix_cache **
             "--prefix-cache-mode chain or auto",
             p->method ? p->method : "?");
     bool radix = !strcmp(mode, "radix") || (!strcmp(mode, "auto") && p->shareable);
-    /* hybrid models: radix blocks take their state snapshots to the host tier
-     * (radix.h); an idle chain's states stay in its pool row */
-    if (!radix && p->host_tier && lethe_kv_has_states(p->pool))
-        return lethe_errorf(LETHE_ERR_UNSUPPORTED,
-                            "--host-cache-bytes with the Chain Cache (method %s, --prefix-cache-mode "
-                            "%s) on a hybrid model: the host tier holds radix blocks with their state "
-                            "snapshots, not idle chains' linear-attention states; leave it off, or use "
-                            "the radix cache (a method whose KV can be shared, mode auto or radix)",
-                            p->method ? p->method : "?", mode);
     *out = radix ? lethe_radix_cache_create(p) : lethe_chain_cache_create(p);
     if (!radix)
         LOG_INFO("prefix cache: chain mode (method %s, %d slot space(s) of %d slots)",

@@ -35,11 +35,12 @@
  * chain's row, and a row owns its state slot, so a turn continues from the
  * states after the chain's boundary; the same budget gives the state slots
  * of idle chains (chain_cache.c, LRU beyond it). The host tier
- * (--host-cache-bytes) holds radix blocks with their snapshots: a demoted
- * block's blob carries its snapshot's states, a hit on demoted blocks
- * restores both (radix.h). Refused: the host tier in chain mode (an idle
- * chain's states stay in its row; prefix_cache.c) and branching chains (a
- * shared prefix's blocks come without the states at their end). */
+ * (--host-cache-bytes) holds states too: a demoted radix block's blob
+ * carries its snapshot, a hit on demoted blocks restores both (radix.h);
+ * an idle chain reclaimed beyond the budget (or for KV room) is demoted
+ * with its row's states, and its next turn restores them (chain_cache.c).
+ * Refused: branching chains (a shared prefix's blocks come without the
+ * states at their end). */
 #include <string.h>
 
 #include "core/log.h"
@@ -76,8 +77,7 @@ lethe_status eng_check_hybrid(lethe_engine *e) {
                             "linear-attention layers' prefill segments)",
                             e->p.state_snapshot_interval, LETHE_GDN_CHUNK);
     if (!e->p.enable_prefix_caching) return LETHE_OK;
-    /* the radix cache snapshots every `every` tokens; the Chain Cache keeps rows instead
-     * (the host tier: radix only, lethe_pcache_create says so) */
+    /* the radix cache snapshots every `every` tokens; the Chain Cache keeps rows instead */
     e->cache_states = true;
     e->snap_every = every;
     return LETHE_OK;

@@ -18,6 +18,9 @@
  *  - a chain (--prefix-cache-mode chain) whose first turn of 128 tokens
  *    generates one token keeps its row and the states it owns; its second
  *    turn continues from 128 and equals the cold run of its full prompt;
+ *    again with the host tier and no idle-state budget: the finished first
+ *    turn is demoted with its row's states (device -> host) and the second
+ *    turn restores them (host -> device), equal to the same cold run;
  *  - the host tier (--host-cache-bytes): every block of the cached prompt
  *    evicted to host memory, its snapshots with it (device -> host through
  *    rows_to_host); the hits at 192 and, after another eviction, at 128
@@ -54,7 +57,7 @@ static void on_event(void *user, const lethe_event *ev) {
     if (ev->finished) o->done = true;
 }
 
-static size_t g_host_bytes; /* --host-cache-bytes of the next engine */
+static size_t g_host_bytes, g_snap_bytes; /* --host-cache-bytes, --state-snapshot-bytes of the next engine */
 
 static lethe_engine *mk_mode(bool cache, int32_t every, const char *mode) {
     lethe_engine_params p;
@@ -68,6 +71,7 @@ static lethe_engine *mk_mode(bool cache, int32_t every, const char *mode) {
     p.state_snapshot_interval = every;
     if (mode) p.prefix_cache_mode = mode;
     p.host_cache_bytes = g_host_bytes;
+    p.state_snapshot_bytes = g_snap_bytes;
     p.check_invariants = true;
     p.max_model_len = 512;
     lethe_engine *e = NULL;
@@ -182,12 +186,15 @@ static void test_hits(void) {
                     "bit-identical to cold\n");
 }
 
-static void test_chain(void) {
+static void chain_round(bool host) {
     static int32_t p2[300];
     static out o, cold;
     lethe_chain_result cr;
     lethe_chain_params cp = {0};
+    g_host_bytes = host ? 64u << 20 : 0;
+    g_snap_bytes = host ? 1 : 0; /* no idle chain keeps its row: the first turn goes to the host */
     lethe_engine *e = mk_mode(true, 0, "chain");
+    g_host_bytes = g_snap_bytes = 0;
     CHECK(!strcmp(lethe_engine_prefix_cache_mode(e), "chain"));
     run_req(e, g_a, 128, 1, &cp, &cr, &o); /* boundary 128: prefill states only */
     memcpy(p2, g_a, 128 * sizeof(int32_t));
@@ -199,12 +206,23 @@ static void test_chain(void) {
     run_req(e, p2, 229, MAXT, &cp, &cr, &o);
     CHECK(!strcmp(cr.status, "resumed") && cr.reused_tokens == 128);
     CHECK(eng_check(e) == LETHE_OK && lethe_kv_state_n_held(e->pool) == 0);
+    if (host) {
+        lethe_engine_chain_stats cs;
+        lethe_engine_get_chain_stats(e, &cs);
+        CHECK(cs.n_demoted == 2 && cs.n_restored == 1); /* turn 1, restored; turn 2 */
+    }
     lethe_engine_destroy(e);
     e = mk(false, 0);
     run1(e, p2, 229, &cold);
     lethe_engine_destroy(e);
     same(&o, &cold, "chain turn 2");
-    fprintf(stderr, "    cuda: chain turn continued from its states at 128: bit-identical to cold\n");
+    fprintf(stderr, "    cuda: chain turn continued from its states at 128%s: bit-identical to cold\n",
+            host ? " restored from the host tier" : "");
+}
+
+static void test_chain(void) {
+    chain_round(false);
+    chain_round(true);
 }
 
 int main(void) {
