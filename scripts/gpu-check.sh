@@ -3,7 +3,7 @@
 # one go: build with nvcc (make CUDA=1), `make test-gpu`, the engine
 # benchmark (dummy Llama-3.1-8B weights), the HF transformers / torch SDPA
 # peers, the plot; logs and JSON under $OUT (default ./gpu-out), a short
-# table last. PHASES: any of build,test,bench,dev,peer,plot,profile,sparse,prefill,prefillprof,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs,graphs
+# table last (everything packed into $OUT/results.tgz, see pack_out). PHASES: any of pack,build,test,bench,dev,peer,plot,profile,sparse,prefill,prefillprof,compress,stepprof,mmcmp,replay,kvcap,basecmp,hybrid,moe,moeprof,quality,docs,graphs
 # (default: build,test,bench,dev,peer,plot,profile; the others only when named).
 # LETHE_GPU_TESTS=name,name makes the test phase run only those tests of
 # `make test-gpu` (all of them take ~9 min; test_cuda_graph_sparse ~4 of it;
@@ -20,7 +20,8 @@
 #           <= 9 min (TOTAL_S). QUALITY_ENV adds settings (e.g. "JOBS=12 SAMPLES=8").
 #           -> $OUT/quality/*-grid-*.json, summary.txt, one log per job; a
 #           "FAIL" line per failed cell. Then on the dev machine:
-#           scripts/quality-grid.sh docs FILES_AT/quality (docs/results + quality.md).
+#           `cat FILES_AT/results.tgz* | tar xz -C /tmp/q`, then
+#           scripts/quality-grid.sh docs /tmp/q/quality (docs/results + quality.md).
 #   docs    after quality: scripts/gen_docs.py over a scratch copy of docs/ with
 #           the grid's result files -> $OUT/quality/quality.md (what the page
 #           will say; the repository's docs/ is left as it is).
@@ -168,6 +169,32 @@
 # are unpacked into .deb/root and passed through EXTRA_CFLAGS/EXTRA_LDFLAGS.
 set -u
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+# The device machine hands back at most 8 files of $OUT (16 MiB each). On
+# exit, also when a TERM (`timeout 500 bash scripts/gpu-check.sh ...`) ends the
+# run early, everything under $OUT is packed into results.tgz (split into
+# results.tgz.NN parts of 15 MiB when larger) next to a copy of summary.txt:
+# here `cat FILES_AT/results.tgz* | tar xz -C DIR`. PACK=1 / PACK=0 force it on
+# / off; by default it packs when $OUT is outside this checkout (the device's $OUT).
+pack_out() {
+    local pack=${PACK:-}
+    [ -z "$pack" ] && { case "$OUT" in "$PWD"/*) pack=0 ;; *) pack=1 ;; esac; }
+    [ "$pack" = 1 ] || return 0
+    local t=/tmp/gpu-check-results.$$
+    tar czf "$t.tgz" -C "$OUT" . 2>/dev/null || return 0
+    find "$OUT" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
+    [ -f "$t.tgz" ] && tar xzf "$t.tgz" -C "$OUT" ./summary.txt 2>/dev/null
+    if [ "$(stat -c %s "$t.tgz")" -gt $((15 << 20)) ]; then
+        split -b 15M -d "$t.tgz" "$OUT/results.tgz."
+    else
+        mv "$t.tgz" "$OUT/results.tgz"
+    fi
+    rm -f "$t.tgz"
+}
+trap pack_out EXIT
+trap 'echo "gpu-check: stopped by a signal; packing what there is"; exit 124' TERM INT
+# `gpu-check.sh pack` only packs: for a run cut off by a KILL (the device call's
+# own limit) use `timeout -k 5 N bash scripts/gpu-check.sh PHASES; bash scripts/gpu-check.sh pack`
+[ "${1:-}" = pack ] && exit 0
 phases=${1:-build,test,bench,dev,peer,plot,profile}
 has() { [[ ",$phases," == *",$1,"* ]]; }
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
