@@ -27,31 +27,13 @@
 #include "engine/engine_internal.h"
 #include "test.h"
 
-#define TINY "tests/data/tiny-qwen3_5"
 #define NREQ 16
 #define MAXT 64
 #define MAXP 300
-
-typedef struct out {
-    int32_t tokens[MAXT];
-    float logits[MAXT][8];
-    int32_t n;
-    bool done;
-    lethe_finish_reason why;
-} out;
-
-static void on_event(void *user, const lethe_event *ev) {
-    out *o = user;
-    if (ev->n_tokens) {
-        CHECK(o->n < MAXT);
-        if (ev->logits) memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
-        o->tokens[o->n++] = ev->token;
-    }
-    if (ev->finished) {
-        o->done = true;
-        o->why = ev->finish_reason;
-    }
-}
+#define HR_MAXT MAXT
+#define HR_NV 0   /* events need not carry logits */
+#define HR_KEEP 8 /* the first 8 logits of every token are compared */
+#include "hybrid_run.h"
 
 typedef struct cfg {
     size_t kv_bytes;
@@ -105,26 +87,6 @@ static void make_jobs(void) {
     }
 }
 
-static uint64_t submit(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_tokens, out *o) {
-    lethe_request_params rp = {0};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = max_tokens;
-    rp.sampling.ignore_eos = true;
-    rp.prompt = prompt;
-    rp.n_prompt = n;
-    rp.want_logits = true;
-    rp.cb = on_event;
-    rp.user = o;
-    uint64_t id;
-    CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
-    return id;
-}
-
-static void drain(lethe_engine *e) {
-    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-}
-
 /* every state slot is free but the radix cache's snapshots (prefix caching
  * is on by default: test_hybrid_prefix) */
 static void all_states_free(lethe_engine *e) {
@@ -149,13 +111,7 @@ static lethe_engine_stats run_all(lethe_engine *e, out *outs) {
 
 static void same(const out *a, const out *b, int i, const char *what) {
     CHECK(a->done && b->done);
-    CHECK_MSG(a->n == b->n, "%s request %d: %d vs %d tokens", what, i, a->n, b->n);
-    for (int32_t t = 0; t < a->n; t++) {
-        CHECK_MSG(a->tokens[t] == b->tokens[t], "%s request %d token %d: %d vs %d", what, i, t,
-                  a->tokens[t], b->tokens[t]);
-        CHECK_MSG(!memcmp(a->logits[t], b->logits[t], sizeof(a->logits[t])),
-                  "%s request %d token %d: logits differ", what, i, t);
-    }
+    hr_same(a, b, i, what);
 }
 
 /* HF generate's 64 greedy tokens after seq0 (tests/data/hf-ref/tiny-qwen3_5.bin,

@@ -40,31 +40,12 @@
 #include "sparse/sparse.h"
 #include "test.h"
 
-#define TINY "tests/data/tiny-qwen3_5"
 #define NV 256
 #define MAXT 8
 #define MAXP 400
-
-typedef struct out {
-    int32_t tokens[MAXT];
-    float logits[MAXT][NV];
-    int32_t n;
-    bool done;
-    lethe_finish_reason why;
-} out;
-
-static void on_event(void *user, const lethe_event *ev) {
-    out *o = user;
-    if (ev->n_tokens) {
-        CHECK(o->n < MAXT && ev->logits && ev->n_vocab == NV);
-        memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
-        o->tokens[o->n++] = ev->token;
-    }
-    if (ev->finished) {
-        o->done = true;
-        o->why = ev->finish_reason;
-    }
-}
+#define HR_MAXT MAXT
+#define HR_NV NV
+#include "hybrid_run.h"
 
 static size_t g_host_bytes; /* --host-cache-bytes of the next engine */
 
@@ -87,22 +68,8 @@ static lethe_engine *mk(const char *mode, int32_t budget, size_t snap_bytes) {
     return e;
 }
 
-static lethe_request_params req(const int32_t *prompt, int32_t n, int32_t max_tokens, out *o) {
-    memset(o, 0, sizeof(*o));
-    lethe_request_params rp = {.prompt = prompt, .n_prompt = n, .cb = on_event, .user = o, .want_logits = true};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = max_tokens;
-    rp.sampling.ignore_eos = true;
-    return rp;
-}
-
-static void drain(lethe_engine *e) {
-    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-}
-
 static void cold(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_tokens, out *o) {
-    lethe_request_params rp = req(prompt, n, max_tokens, o);
+    lethe_request_params rp = hr_greedy(prompt, n, max_tokens, o);
     uint64_t id;
     CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
     drain(e);
@@ -112,7 +79,7 @@ static void cold(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_
 /* one chain turn (full prompt); id NULL creates; returns the result code */
 static lethe_chain_code turn(lethe_engine *e, const char *id, const int32_t *prompt, int32_t n, int32_t max_tokens,
                              out *o, lethe_chain_result *cr) {
-    lethe_request_params rp = req(prompt, n, max_tokens, o);
+    lethe_request_params rp = hr_greedy(prompt, n, max_tokens, o);
     lethe_chain_params cp = {.chain_id = id};
     if (lethe_engine_add_request_chain(e, &rp, &cp, cr, NULL) != 0) return cr->code;
     drain(e);
@@ -120,14 +87,7 @@ static lethe_chain_code turn(lethe_engine *e, const char *id, const int32_t *pro
     return cr->code;
 }
 
-static void same(const out *a, const out *b, const char *what) {
-    CHECK(a->n == b->n);
-    for (int32_t t = 0; t < a->n; t++) {
-        CHECK_MSG(a->tokens[t] == b->tokens[t], "%s token %d: %d vs %d", what, t, a->tokens[t], b->tokens[t]);
-        CHECK_MSG(!memcmp(a->logits[t], b->logits[t], sizeof(a->logits[t])), "%s token %d: logits differ", what,
-                  t);
-    }
-}
+static void same(const out *a, const out *b, const char *what) { hr_same(a, b, -1, what); }
 
 static float max_diff(const out *a, const out *b) {
     float d = 0;
@@ -331,7 +291,7 @@ static void test_abort_and_refusals(void) {
     lethe_engine *e = mk("chain", 64, 0);
     static out o;
     lethe_chain_result cr;
-    lethe_request_params rp = req(g_p, 300, MAXT, &o);
+    lethe_request_params rp = hr_greedy(g_p, 300, MAXT, &o);
     lethe_chain_params cp = {0};
     uint64_t rid;
     CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, &rid) == 0);
@@ -340,7 +300,7 @@ static void test_abort_and_refusals(void) {
     CHECK(o.done && o.why == LETHE_FINISH_ABORT);
     states_accounted(e, 0);
     /* branching needs the states at the shared prefix's end: refused */
-    rp = req(g_p, 100, 2, &o);
+    rp = hr_greedy(g_p, 100, 2, &o);
     cp.share_prefix_tokens = 64;
     CHECK(lethe_engine_add_request_chain(e, &rp, &cp, &cr, &rid) != 0);
     CHECK(cr.code == LETHE_CHAIN_INVALID_REQUEST && strstr(cr.message, "cannot branch"));

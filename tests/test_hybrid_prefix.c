@@ -46,32 +46,12 @@
 #include "engine/engine_internal.h"
 #include "test.h"
 
-#define TINY "tests/data/tiny-qwen3_5"
 #define NV 256
 #define MAXT 8
 #define MAXP 400
-
-typedef struct out {
-    int32_t tokens[MAXT];
-    float logits[MAXT][NV];
-    int32_t n, cached;
-    bool done;
-    lethe_finish_reason why;
-} out;
-
-static void on_event(void *user, const lethe_event *ev) {
-    out *o = user;
-    if (ev->n_tokens) {
-        CHECK(o->n < MAXT && ev->logits && ev->n_vocab == NV);
-        memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
-        o->tokens[o->n++] = ev->token;
-    }
-    o->cached = ev->cached_tokens;
-    if (ev->finished) {
-        o->done = true;
-        o->why = ev->finish_reason;
-    }
-}
+#define HR_MAXT MAXT
+#define HR_NV NV
+#include "hybrid_run.h"
 
 typedef struct cfg {
     bool cache;
@@ -99,27 +79,6 @@ static lethe_engine *mk(const cfg *c) {
     return e;
 }
 
-static uint64_t submit(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_tokens, out *o) {
-    memset(o, 0, sizeof(*o));
-    lethe_request_params rp = {0};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = max_tokens;
-    rp.sampling.ignore_eos = true;
-    rp.prompt = prompt;
-    rp.n_prompt = n;
-    rp.want_logits = true;
-    rp.cb = on_event;
-    rp.user = o;
-    uint64_t id;
-    CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
-    return id;
-}
-
-static void drain(lethe_engine *e) {
-    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
-}
-
 static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
     submit(e, prompt, n, MAXT, o);
     drain(e);
@@ -128,11 +87,7 @@ static void run1(lethe_engine *e, const int32_t *prompt, int32_t n, out *o) {
 
 static void same(const out *a, const out *b, const char *what) {
     CHECK(a->done && b->done && a->n == b->n);
-    for (int32_t t = 0; t < a->n; t++) {
-        CHECK_MSG(a->tokens[t] == b->tokens[t], "%s token %d: %d vs %d", what, t, a->tokens[t], b->tokens[t]);
-        CHECK_MSG(!memcmp(a->logits[t], b->logits[t], sizeof(a->logits[t])), "%s token %d: logits differ", what,
-                  t);
-    }
+    hr_same(a, b, -1, what);
 }
 
 static lethe_pc_stats snap_stats(lethe_engine *e) {

@@ -35,27 +35,11 @@
 #include "engine/engine_internal.h"
 #include "test.h"
 
-#define TINY "tests/data/tiny-qwen3_5"
 #define NV 256
 #define MAXT 8
-
-typedef struct out {
-    int32_t tokens[MAXT];
-    float logits[MAXT][NV];
-    int32_t n, cached;
-    bool done;
-} out;
-
-static void on_event(void *user, const lethe_event *ev) {
-    out *o = user;
-    if (ev->n_tokens) {
-        CHECK(o->n < MAXT && ev->logits && ev->n_vocab == NV);
-        memcpy(o->logits[o->n], ev->logits, sizeof(o->logits[0]));
-        o->tokens[o->n++] = ev->token;
-    }
-    o->cached = ev->cached_tokens;
-    if (ev->finished) o->done = true;
-}
+#define HR_MAXT MAXT
+#define HR_NV NV
+#include "hybrid_run.h"
 
 static size_t g_host_bytes, g_snap_bytes; /* --host-cache-bytes, --state-snapshot-bytes of the next engine */
 
@@ -84,23 +68,13 @@ static lethe_engine *mk(bool cache, int32_t every) { return mk_mode(cache, every
 /* one request (chain: a chain turn, id NULL creates; the id comes back in cr) */
 static void run_req(lethe_engine *e, const int32_t *prompt, int32_t n, int32_t max_tokens,
                     const lethe_chain_params *chain, lethe_chain_result *cr, out *o) {
-    memset(o, 0, sizeof(*o));
-    lethe_request_params rp = {0};
-    lethe_sampling_default_params(&rp.sampling);
-    rp.sampling.temperature = 0;
-    rp.sampling.max_tokens = max_tokens;
-    rp.sampling.ignore_eos = true;
-    rp.prompt = prompt;
-    rp.n_prompt = n;
-    rp.want_logits = true;
-    rp.cb = on_event;
-    rp.user = o;
+    lethe_request_params rp = hr_greedy(prompt, n, max_tokens, o);
     uint64_t id;
     if (chain)
         CHECK_MSG(lethe_engine_add_request_chain(e, &rp, chain, cr, &id) == 0, "%s", lethe_engine_last_error());
     else
         CHECK_MSG(lethe_engine_add_request(e, &rp, &id) == 0, "%s", lethe_engine_last_error());
-    while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
+    drain(e);
     CHECK(o->done && o->n == max_tokens);
 }
 
