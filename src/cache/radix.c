@@ -22,7 +22,9 @@
  * tier is exclusive: a promoted blob leaves it. LRU spans both tiers: the
  * pool's least recently used leaf goes to the host, the host's least
  * recently used blob is dropped. Deleting a subtree drops its demoted
- * descendants too. */
+ * descendants too. A block's state snapshot (hybrid models) rides in its
+ * blob after the payload (host_hdr.snap) and is restored with it into a
+ * fresh snapshot slot. */
 #include "cache/radix.h"
 
 #include <stdlib.h>
