@@ -59,7 +59,8 @@
 #           retro_infer) vs dense at ${RETRO_BATCH:-8} x ${RETRO_INPUT:-32768}
 #           (RETRO_METHODS, default retroinfer,retro_infer) -> sparse-retroinfer.json.
 #           ~3-4 min of GPU time (+ ~3 min RetroInfer). SPARSE_SET=retro runs only the
-#           RetroInfer part. SPARSE_ARGS adds/overrides flags (e.g. "--matched-input
+#           RetroInfer part; SPARSE_SET=evict only kvzip, rkv and skipkv vs dense at matched
+#           batch 8 x 32K (decode tok/s, slots kept; -> sparse-evict.json; not timed, ~3 min). SPARSE_ARGS adds/overrides flags (e.g. "--matched-input
 #           16384" to halve the matched part).
 #           Issue 17's list (compression + RetroInfer host tier at 32K / 128K), ~4-5 min:
 #             COMPRESS_INPUTS="2x32768 1x130560" SPARSE_SET=retro RETRO_BATCH=1 \
@@ -297,11 +298,23 @@ EOF2
 }
 if has sparse; then
     t0=$(date +%s)
-    [ "${SPARSE_SET:-all}" = retro ] || ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+    if [ "${SPARSE_SET:-all}" = evict ]; then
+        # the eviction methods without a graph path of their own yet: decode tok/s vs dense at
+        # matched batch 8 x 32K and the slots each keeps after compaction (192 decode steps, past
+        # rkv / skipkv's 128-step compaction interval)
+        ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
+            --parts matched --budget 2048 --matched-methods kvzip,rkv,skipkv --matched-batch 8 \
+            --matched-input 32768 --matched-output 192 --no-progress \
+            --method-config kvzip:kvzip_token_budget=2048 ${SPARSE_ARGS:-} \
+            --json "$OUT/sparse-evict.json" 2>&1 | tee "$OUT/sparse-evict.log"
+        add_gpu "$OUT/sparse-evict.json"
+    fi
+    case "${SPARSE_SET:-all}" in retro|evict) ;; *) ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
         --budget 2048 --capacity-method snapkv --capacity-inputs ${SPARSE_INPUTS:-32768,130560} --capacity-output 256 \
         --engine-tokens 131072 --matched-methods quest,omnikv --matched-batch 8 --matched-input 32768 \
         --matched-output 64 ${SPARSE_ARGS:-} --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.log"
-    add_gpu "$OUT/sparse.json"
+    add_gpu "$OUT/sparse.json" ;; esac
+    [ "${SPARSE_SET:-all}" = evict ] || {
     # RetroInfer: decode vs dense at matched batch RETRO_BATCH x RETRO_INPUT (dense, the device
     # index, the host tier through the alias retro_infer), each engine's pool slots per layer and
     # the device slots a request holds after its prompt (capacity)
@@ -310,7 +323,7 @@ if has sparse; then
         --matched-batch ${RETRO_BATCH:-8} --matched-input ${RETRO_INPUT:-32768} --matched-output 64 --no-progress \
         --method-config retro_infer:retroinfer_host_kv=true,retroinfer_host_gib=96 \
         ${SPARSE_ARGS:-} --json "$OUT/sparse-retroinfer.json" 2>&1 | tee "$OUT/sparse-retroinfer.log"
-    add_gpu "$OUT/sparse-retroinfer.json"
+    add_gpu "$OUT/sparse-retroinfer.json"; }
     log "sparse: ($(( $(date +%s) - t0 ))s)"
 fi
 if has graphs; then
