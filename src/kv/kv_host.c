@@ -66,6 +66,19 @@ static void copy_rows(lethe_kv_pool *pool, int32_t l, int32_t i, const int32_t *
     }
 }
 
+/* the copy statistics: the copies are synchronous, so the wall time since t0
+ * is transfer time */
+static void count_copy(lethe_kv_pool *pool, size_t bytes, double t0, bool to_host) {
+    const double dt = lethe_time_s() - t0;
+    if (to_host) {
+        pool->host_saved_bytes += (int64_t)bytes;
+        pool->host_save_s += dt;
+    } else {
+        pool->host_loaded_bytes += (int64_t)bytes;
+        pool->host_load_s += dt;
+    }
+}
+
 static void copy_space(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, int32_t n, uint8_t *host,
                        bool to_host) {
     LETHE_ASSERT(lethe_kv_host_copy_check(pool) == LETHE_OK && n >= 0);
@@ -78,15 +91,7 @@ static void copy_space(lethe_kv_pool *pool, int32_t sp, const int32_t *slots, in
             copy_rows(pool, l, i, slots, n, host + off, to_host);
             off += (size_t)n * pool->layout[l].planes[i].slot_bytes;
         }
-    /* the copies are synchronous: wall time is transfer time */
-    const double dt = lethe_time_s() - t0;
-    if (to_host) {
-        pool->host_saved_bytes += (int64_t)off;
-        pool->host_save_s += dt;
-    } else {
-        pool->host_loaded_bytes += (int64_t)off;
-        pool->host_load_s += dt;
-    }
+    count_copy(pool, off, t0, to_host);
 }
 
 void lethe_kv_host_copy_stats(const lethe_kv_pool *pool, lethe_kv_host_copies *out) {
@@ -134,14 +139,7 @@ static void copy_state(lethe_kv_pool *pool, int32_t slot, uint8_t *host, bool to
         copy_state_row(pool, pool->state_v[i], pool->p.state_v_bytes, slot, host + off, to_host);
         off += pool->p.state_v_bytes;
     }
-    const double dt = lethe_time_s() - t0;
-    if (to_host) {
-        pool->host_saved_bytes += (int64_t)off;
-        pool->host_save_s += dt;
-    } else {
-        pool->host_loaded_bytes += (int64_t)off;
-        pool->host_load_s += dt;
-    }
+    count_copy(pool, off, t0, to_host);
 }
 
 void lethe_kv_state_save(lethe_kv_pool *pool, int32_t slot, void *dst) { copy_state(pool, slot, dst, true); }
