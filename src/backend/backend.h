@@ -678,8 +678,8 @@ typedef struct lethe_backend_ops {
      * i.e. the mean similarity of a key to the others, where the newest copy
      * of near-duplicates does not count its older copies (R-KV keeps the
      * newest). out: HOST float [n_kv_heads, n], written when the op returns
-     * (synchronous). O(n^2 head_dim) per head in tiles, O(n) memory: no
-     * n x n matrix exists. */
+     * (synchronous). O(n^2 head_dim) per head in tiles; no n x n matrix
+     * exists (the CPU holds O(n d), CUDA a fixed-size tile of dots). */
     void (*key_redundancy)(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
                            int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
     /* ---- key clusters (lethe_cluster_attn_args above) ---- */
