@@ -89,6 +89,9 @@
 #           projections with the real shapes, speed only; s 64, r 512) at
 #           batch 8 x 32K and batch 2 x 128K (COMPRESS_INPUTS). Prints KV bytes
 #           per token, tokens per GiB, slots, reserve, decode tok/s per method.
+#           COMPRESS_METHODS (default turboquant,palu,deltakv) picks the methods
+#           (the palu fit runs only when palu is among them), e.g.
+#           COMPRESS_METHODS=deltakv COMPRESS_INPUTS="1x130560" scripts/gpu-check.sh compress.
 #           -> $OUT/compress-L.{log,json}. COMPRESS_ARGS adds flags.
 #   stepprof  ncu over one real decode step (LETHE_PROFILE_STEP=${PROF_STEP:-20})
 #           of each engine of `lethe bench sparse --parts matched` (dense,
@@ -386,14 +389,19 @@ fi
 if has compress; then
     t0=$(date +%s)
     cfg=configs/llama-3.1-8b-instruct/config.json
-    ./build/lethe fit palu $cfg --load-format dummy --tokenizer .deb/tokenizers/llama3 --device cuda \
-        --calib README.md --calib docs/architecture.md --samples 2 --seq-len 1024 --rank-ratio 0.5 \
-        --out /tmp/palu-dummy-0.50 >"$OUT/compress-fit.log" 2>&1 || echo "compress: fit palu rc=$?" >>"$OUT/summary.txt"
+    cmethods=${COMPRESS_METHODS:-turboquant,palu,deltakv}
+    palu_cfg=()
+    if [[ ",$cmethods," == *,palu,* ]]; then
+        ./build/lethe fit palu $cfg --load-format dummy --tokenizer .deb/tokenizers/llama3 --device cuda \
+            --calib README.md --calib docs/architecture.md --samples 2 --seq-len 1024 --rank-ratio 0.5 \
+            --out /tmp/palu-dummy-0.50 >"$OUT/compress-fit.log" 2>&1 || echo "compress: fit palu rc=$?" >>"$OUT/summary.txt"
+        palu_cfg=(--method-config palu:palu_factors=/tmp/palu-dummy-0.50)
+    fi
     for spec in ${COMPRESS_INPUTS:-8x32768 2x130560}; do
         b=${spec%x*}; L=${spec#*x}
         ./build/lethe bench sparse -m $cfg --load-format dummy --device cuda --parts matched --budget 2048 \
-            --matched-methods turboquant,palu,deltakv --matched-batch "$b" --matched-input "$L" --matched-output 64 \
-            --method-config turboquant:turboquant_bits=4 --method-config palu:palu_factors=/tmp/palu-dummy-0.50 \
+            --matched-methods "$cmethods" --matched-batch "$b" --matched-input "$L" --matched-output 64 \
+            --method-config turboquant:turboquant_bits=4 ${palu_cfg[@]+"${palu_cfg[@]}"} \
             --method-config deltakv:deltakv_compressor=@random,deltakv_latent=128 \
             --no-progress ${COMPRESS_ARGS:-} --json "$OUT/compress-$L.json" 2>&1 | tee "$OUT/compress-$L.log"
         add_gpu "$OUT/compress-$L.json"
