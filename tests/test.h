@@ -74,14 +74,31 @@ static inline double rel_err(const float *a, const float *b, size_t n) {
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-/* LETHE_TEST_ONLY=substring runs only the tests whose name contains it (a
- * test-runner convenience while developing; unset runs everything) */
-#define TEST_RUN(fn)                                       \
-    do {                                                   \
-        const char *only_ = getenv("LETHE_TEST_ONLY");     \
-        if (only_ && *only_ && !strstr(#fn, only_)) break; \
-        fprintf(stderr, "  %s\n", #fn);                    \
-        fn();                                              \
+/* LETHE_TEST_ONLY=sub[,sub...] runs only the tests whose name contains one
+ * of the comma-separated substrings (a test-runner convenience while
+ * developing; unset or empty runs everything; empty items are ignored) */
+static inline int test_selected_(const char *name) {
+    const char *only = getenv("LETHE_TEST_ONLY");
+    if (!only || !*only) return 1;
+    int any = 0;
+    for (const char *p = only; *p;) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n > 0) {
+            any = 1;
+            for (const char *h = name; strlen(h) >= n; h++)
+                if (strncmp(h, p, n) == 0) return 1;
+        }
+        p += n;
+        if (*p == ',') p++;
+    }
+    return !any; /* only commas: as if unset */
+}
+#define TEST_RUN(fn)                        \
+    do {                                    \
+        if (!test_selected_(#fn)) break;    \
+        fprintf(stderr, "  %s\n", #fn);     \
+        fn();                               \
     } while (0)
 
 #endif /* LETHE_TEST_H */
