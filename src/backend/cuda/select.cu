@@ -12,7 +12,7 @@
  * nothing: the host arrays (segment bounds, expand requests) go through the
  * staging ring, or are read in place when they are backend memory
  * (lethe_cuda_stage_idx). row_topk is synchronous (its output is a host
- * array); its bias and output also go through the ring.
+ * array); its limits, bias and output share one region of the ring.
  *
  * topk must equal lethe_topk_indices (backend/topk.c) exactly, ties included, so it is
  * an exact selection, not an approximate one. Each float maps to a uint32
@@ -327,18 +327,19 @@ extern "C" void lethe_cuda_row_topk(lethe_backend *be, int32_t *out, const void 
         for (size_t i = 0; i < (size_t)n * k; i++) out[i] = -1;
         return;
     }
-    const int32_t *d_lim = lethe_cuda_stage_idx(c, lim, (size_t)n);
-    const float *d_bias = NULL;
-    if (bias) { /* only the columns some row reads */
-        void *h;
-        float *d = (float *)lethe_cuda_ring_alloc(c, (size_t)max_lim * sizeof(float), &h);
-        memcpy(h, bias, (size_t)max_lim * sizeof(float));
-        CU_CHECK(cudaMemcpyAsync(d, h, (size_t)max_lim * sizeof(float), cudaMemcpyHostToDevice, c->stream));
-        d_bias = d;
-    }
+    /* one ring region: lim [n] and bias [max_lim] up, out [n, k] down (one
+     * allocation, so no later one of this call can wrap the ring over it) */
+    const size_t lim_bytes = (size_t)n * sizeof(int32_t), bias_bytes = bias ? (size_t)max_lim * sizeof(float) : 0;
     const size_t out_bytes = (size_t)n * k * sizeof(int32_t);
-    void *h_out;
-    int32_t *d_out = (int32_t *)lethe_cuda_ring_alloc(c, out_bytes, &h_out);
+    void *h;
+    char *d = (char *)lethe_cuda_ring_alloc(c, lim_bytes + bias_bytes + out_bytes, &h);
+    memcpy(h, lim, lim_bytes);
+    if (bias) memcpy((char *)h + lim_bytes, bias, bias_bytes); /* only the columns some row reads */
+    CU_CHECK(cudaMemcpyAsync(d, h, lim_bytes + bias_bytes, cudaMemcpyHostToDevice, c->stream));
+    const int32_t *d_lim = (const int32_t *)d;
+    const float *d_bias = bias ? (const float *)(d + lim_bytes) : NULL;
+    int32_t *d_out = (int32_t *)(d + lim_bytes + bias_bytes);
+    void *h_out = (char *)h + lim_bytes + bias_bytes;
     const bf16 *x = (const bf16 *)scores;
     if (k <= 4)
         row_topk_kernel<4><<<(unsigned)n, ROWTOPK_THREADS, 0, c->stream>>>(d_out, x, m, d_lim, k, alpha, d_bias);
