@@ -463,8 +463,9 @@ static void test_attention(void) {
         {"gemm d32 mha", 6, 6, 32, 2, {250, 16}, {250, 3000}, 0, 0},
         {"gemm d32 gqa2 consecutive", 8, 4, 32, 2, {90, 300}, {1000, 300}, ATTN_CONSECUTIVE, 0},
         {"gemm d32 gqa8 sparse", 16, 2, 32, 2, {129, 31}, {2049, 700}, 1, 0},
-        /* one KV head of 64 query heads: S of 3000 keys x 64 heads is 1.2
-         * MB a row, so the 600 queries take several row blocks */
+        /* one KV head of 64 query heads: S + P of 3000 keys are 18 KB a row
+         * and head, so the 64 heads run in two batches of 32 and the 600
+         * queries in two row blocks */
         {"gemm d32 mqa64 row blocks", 64, 1, 32, 1, {600}, {3000}, 0, 0},
         /* per-KV-head selections (attention_varlen.cu vs the CPU's per-head lists) */
         {"varlen decode", 32, 8, 128, 4, {1, 1, 1, 1}, {1, 40, 700, 3000}, 0, 1},
@@ -484,6 +485,15 @@ static void test_attention(void) {
     run_attn_case(&cases[27], 0);
     run_attn_case(&cases[35], 0); /* gemm d256 gqa6 chunks */
     run_attn_case(&cases[38], 1); /* gemm d256 + decode rows, staged arrays */
+    /* the GEMM path's blocking at small sizes: S + P scratch 1 MiB (row
+     * blocks of tens of rows, batches of 1-2 heads), gather scratch 6.5 MiB
+     * (the D 256 cases gather their 4 KV heads in groups of 2) */
+    setenv("LETHE_ATTN_GEMM_SP_BYTES", "1048576", 1);
+    setenv("LETHE_ATTN_GEMM_GATHER_BYTES", "6815744", 1);
+    fprintf(stderr, "    GEMM scratch bounds 1 MiB (S + P) / 6.5 MiB (gather):\n");
+    for (size_t i = 35; i <= 45; i++) run_attn_case(&cases[i], 0);
+    unsetenv("LETHE_ATTN_GEMM_SP_BYTES");
+    unsetenv("LETHE_ATTN_GEMM_GATHER_BYTES");
     run_attn_case(&cases[LETHE_ARRAY_LEN(cases) - 5], 1); /* varlen, staged arrays */
 }
 

@@ -22,9 +22,13 @@
  *                accumulation, bf16 out
  *   nk = the block's last visible key + 1 (the causal part of the block only).
  *   The batch runs over the group's KV heads for one member g of each group
- *   (q stride G * D, K stride D; G calls) when G <= nh, else over the G query
+ *   (q stride G * D, K stride D; G units) when G <= nh, else over the G query
  *   heads of one KV head (q stride D, K stride 0: they read the same rows; nh
- *   calls) -- one call for MHA (G = 1) and for one KV head (MQA / latent).
+ *   units) -- one unit for MHA (G = 1) and for one KV head (MQA / latent).
+ *   A unit's batch is cut into equal chunks when all of it would leave fewer
+ *   than GEMM_RB_TARGET rows a block (long n_k): every row block re-reads K,
+ *   so wide blocks keep the K traffic below the S traffic.
+ * LETHE_ATTN_GEMM_SP_BYTES / _GATHER_BYTES lower the two bounds (tests).
  * Sequences with fewer than GEMM_MIN_Q queries (the decode rows of a mixed
  * call, short verify chunks), or whose scratch would pass the bounds above,
  * go to split_kernel by item list (attention.cu): the same attention.
@@ -41,10 +45,22 @@
 #define GEMM_SP_BYTES ((size_t)256 << 20)     /* S fp32 + P bf16 of one row block */
 #define GEMM_GATHER_BYTES ((size_t)256 << 20) /* Kg + Vg of one group of KV heads */
 #define GEMM_MIN_Q 8                          /* fewer queries: split_kernel */
+#define GEMM_RB_TARGET 256 /* rows per block the batch width gives way to (K reads per S element) */
 #define SM_THREADS 256
 #define GATHER_THREADS 256
 
 static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+/* a scratch bound: the default, or a smaller one from the environment
+ * (LETHE_ATTN_GEMM_SP_BYTES / LETHE_ATTN_GEMM_GATHER_BYTES: tests use it to
+ * reach the row blocks, batch chunks and KV head groups at small sizes) */
+static size_t gemm_bound(const char *env, size_t dflt) {
+    const char *v = getenv(env);
+    if (!v || !*v) return dflt;
+    char *end;
+    unsigned long long n = strtoull(v, &end, 10);
+    return *end == 0 && n >= 4096 && n < dflt ? (size_t)n : dflt;
+}
 
 /* leading dimension of S / P rows of nk keys: a multiple of 8, so every P
  * row (the PV GEMM's operand) is 16-byte aligned for the tensor cores */
@@ -128,12 +144,14 @@ static void gemm_ok(cublasStatus_t st, const char *what, int32_t m, int32_t n, i
 typedef struct gemm_plan {
     bool contig;        /* the selection is consecutive slots: K / V read in place */
     int nh;             /* KV heads per group (n_kv when contig) */
+    int nb;             /* heads per batched GEMM (at most max(G, nh)) */
     int32_t rb;         /* query rows per block */
     size_t gather_bytes, sp_bytes; /* Kg + Vg of a group; S + P of a block */
 } gemm_plan;
 
 /* false: the sequence goes to split_kernel (few queries, or past the scratch bounds) */
-static bool gemm_plan_seq(const lethe_attn_args *a, int s, gemm_plan *p) {
+static bool gemm_plan_seq(const lethe_attn_args *a, int s, size_t sp_cap, size_t gather_cap,
+                          gemm_plan *p) {
     const int KV = a->n_kv_heads, D = a->head_dim, G = a->n_heads / KV;
     const int32_t n_q = a->q_begin[s + 1] - a->q_begin[s];
     const int32_t k0 = a->sel_begin[s], n_k = a->sel_begin[s + 1] - k0;
@@ -147,22 +165,35 @@ static bool gemm_plan_seq(const lethe_attn_args *a, int s, gemm_plan *p) {
         p->nh = KV;
         p->gather_bytes = 0;
     } else {
-        if (head_gather > GEMM_GATHER_BYTES) return false;
-        const size_t fit = GEMM_GATHER_BYTES / head_gather;
+        if (head_gather > gather_cap) return false;
+        const size_t fit = gather_cap / head_gather;
         p->nh = fit < (size_t)KV ? (int)fit : KV;
         p->gather_bytes = align256(head_gather * (size_t)p->nh);
     }
-    const int nb_max = G > p->nh ? G : p->nh; /* the widest batched GEMM (see the head comment) */
-    const size_t per_row = (size_t)nb_max * sp_ld(n_k) * (sizeof(float) + sizeof(bf16));
-    if (per_row + 256 > GEMM_SP_BYTES) return false;
-    int64_t rb = (int64_t)((GEMM_SP_BYTES - 256) / per_row);
-    p->rb = (int32_t)(rb > n_q ? n_q : rb);
-    p->sp_bytes = (size_t)p->rb * per_row + 256;
+    /* batch width: all max(G, nh) heads of a unit (see gemm_group) unless that
+     * leaves fewer than min(n_q, GEMM_RB_TARGET) rows a block; then as many
+     * as keep that many rows, in equal chunks */
+    const int width = G > p->nh ? G : p->nh;
+    const size_t per_head_row = (size_t)sp_ld(n_k) * (sizeof(float) + sizeof(bf16));
+    if (per_head_row + 256 > sp_cap) return false;
+    const size_t avail = sp_cap - 256;
+    const size_t want_rows = (size_t)(n_q < GEMM_RB_TARGET ? n_q : GEMM_RB_TARGET);
+    size_t nb = avail / (per_head_row * want_rows);
+    nb = nb < 1 ? 1 : nb > (size_t)width ? (size_t)width : nb;
+    const int n_chunks = (int)((width + nb - 1) / nb);
+    p->nb = (width + n_chunks - 1) / n_chunks;
+    const size_t rb = avail / ((size_t)p->nb * per_head_row);
+    p->rb = rb > (size_t)n_q ? n_q : (int32_t)rb; /* >= 1: nb * per_head_row <= avail */
+    p->sp_bytes = (size_t)p->rb * p->nb * per_head_row + 256;
     return true;
 }
 
 /* sequence s over KV heads [kv0, kv0 + nh): kv points at head kv0's K of key
- * 0 (V at vv), row stride ld_kv elements */
+ * 0 (V at vv), row stride ld_kv elements. The group's nh * G query heads are
+ * (kv0 + hh) * G + g; a unit fixes the shorter of the two indices (g when
+ * G <= nh, else hh) and its heads along the other run in batched GEMMs of at
+ * most p->nb: along hh (q stride G * D, K stride D) or along g (q stride D,
+ * K stride 0: the G heads read the same rows). */
 static void gemm_group(cuda_ctx *c, const lethe_attn_args *a, int s, const gemm_plan *p, int kv0,
                        int nh, const bf16 *kv, const bf16 *vv, int ld_kv, char *sp) {
     const int H = a->n_heads, D = a->head_dim, G = H / a->n_kv_heads;
@@ -171,10 +202,8 @@ static void gemm_group(cuda_ctx *c, const lethe_attn_args *a, int s, const gemm_
     const int q_ld = H * D;
     const int32_t q0 = a->q_begin[s], n_q = a->q_begin[s + 1] - q0;
     const int32_t n_k = a->sel_begin[s + 1] - a->sel_begin[s];
-    /* batch over the group's KV heads for one g (G <= nh), or over the G query
-     * heads of one KV head */
     const bool by_g = G <= nh;
-    const int n_units = by_g ? G : nh, nb = by_g ? nh : G;
+    const int n_units = by_g ? G : nh, n_along = by_g ? nh : G;
     const long long q_bs = by_g ? (long long)G * D : (long long)D, k_bs = by_g ? (long long)D : 0;
     const float one = 1.0f, zero = 0.0f;
     for (int32_t i0 = 0; i0 < n_q; i0 += p->rb) {
@@ -182,31 +211,34 @@ static void gemm_group(cuda_ctx *c, const lethe_attn_args *a, int s, const gemm_
         const int32_t lim0 = n_k - n_q + i0;    /* last key row i0 sees */
         const int32_t nk = min(n_k, lim0 + nr); /* keys any row of the block sees */
         const int32_t ld = sp_ld(nk);
-        float *S = (float *)sp;
-        bf16 *P = (bf16 *)(sp + align256((size_t)nb * nr * ld * sizeof(float)));
-        for (int u = 0; u < n_units; u++) {
-            /* unit u's first head: (kv0 + hh) * G + g with (hh, g) = (0, u) or (u, 0) */
-            const size_t q_off = by_g ? ((size_t)kv0 * G + u) * D : (size_t)(kv0 + u) * G * D;
-            const size_t k_off = by_g ? 0 : (size_t)u * D;
-            const size_t row_off = (size_t)(q0 + i0) * q_ld + q_off;
-            /* column-major: S_b^T [nk, nr] (ld) = K_b [nk, D] q_b^T [D, nr] */
-            gemm_ok(cublasGemmStridedBatchedEx(
-                        c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, nk, nr, D, &a->scale, kv + k_off,
-                        CUDA_R_16BF, ld_kv, k_bs, q + row_off, CUDA_R_16BF, q_ld, q_bs, &zero, S,
-                        CUDA_R_32F, ld, (long long)nr * ld, nb, CUBLAS_COMPUTE_32F,
-                        CUBLAS_GEMM_DEFAULT),
-                    "scores", nk, nr, D);
-            gemm_softmax_kernel<<<dim3((unsigned)nr, (unsigned)nb), SM_THREADS, 0, c->stream>>>(
-                S, P, nr, nk, ld, lim0);
-            CU_LAUNCH_CHECK();
-            /* out_b^T [D, nr] = V_b^T [D, nk] P_b^T [nk, nr] (ld) */
-            gemm_ok(cublasGemmStridedBatchedEx(
-                        c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, D, nr, nk, &one, vv + k_off,
-                        CUDA_R_16BF, ld_kv, k_bs, P, CUDA_R_16BF, ld, (long long)nr * ld, &zero,
-                        out + row_off, CUDA_R_16BF, q_ld, q_bs, nb, CUBLAS_COMPUTE_32F,
-                        CUBLAS_GEMM_DEFAULT),
-                    "pv", D, nr, nk);
-        }
+        for (int u = 0; u < n_units; u++)
+            for (int b0 = 0; b0 < n_along; b0 += p->nb) {
+                const int nb = min(p->nb, n_along - b0);
+                float *S = (float *)sp;
+                bf16 *P = (bf16 *)(sp + align256((size_t)nb * nr * ld * sizeof(float)));
+                /* the first head of the batch: (hh, g) = (b0, u) or (u, b0) */
+                const int hh = by_g ? b0 : u, g = by_g ? u : b0;
+                const size_t q_off = ((size_t)(kv0 + hh) * G + g) * D;
+                const size_t k_off = (size_t)hh * D;
+                const size_t row_off = (size_t)(q0 + i0) * q_ld + q_off;
+                /* column-major: S_b^T [nk, nr] (ld) = K_b [nk, D] q_b^T [D, nr] */
+                gemm_ok(cublasGemmStridedBatchedEx(
+                            c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, nk, nr, D, &a->scale, kv + k_off,
+                            CUDA_R_16BF, ld_kv, k_bs, q + row_off, CUDA_R_16BF, q_ld, q_bs, &zero,
+                            S, CUDA_R_32F, ld, (long long)nr * ld, nb, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT),
+                        "scores", nk, nr, D);
+                gemm_softmax_kernel<<<dim3((unsigned)nr, (unsigned)nb), SM_THREADS, 0,
+                                      c->stream>>>(S, P, nr, nk, ld, lim0);
+                CU_LAUNCH_CHECK();
+                /* out_b^T [D, nr] = V_b^T [D, nk] P_b^T [nk, nr] (ld) */
+                gemm_ok(cublasGemmStridedBatchedEx(
+                            c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, D, nr, nk, &one, vv + k_off,
+                            CUDA_R_16BF, ld_kv, k_bs, P, CUDA_R_16BF, ld, (long long)nr * ld,
+                            &zero, out + row_off, CUDA_R_16BF, q_ld, q_bs, nb,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                        "pv", D, nr, nk);
+            }
     }
 }
 
@@ -218,10 +250,12 @@ void lethe_cuda_attn_gemm(cuda_ctx *c, const lethe_attn_args *a, const int32_t *
     gemm_plan *plan = (gemm_plan *)malloc((size_t)S_n * sizeof(gemm_plan));
     bool *on = (bool *)malloc((size_t)S_n * sizeof(bool));
     LETHE_ASSERT(plan && on);
+    const size_t sp_cap = gemm_bound("LETHE_ATTN_GEMM_SP_BYTES", GEMM_SP_BYTES);
+    const size_t gather_cap = gemm_bound("LETHE_ATTN_GEMM_GATHER_BYTES", GEMM_GATHER_BYTES);
     int32_t n_split = 0;
     size_t ws_need = 0;
     for (int s = 0; s < S_n; s++) {
-        on[s] = gemm_plan_seq(a, s, &plan[s]);
+        on[s] = gemm_plan_seq(a, s, sp_cap, gather_cap, &plan[s]);
         if (on[s]) {
             const size_t need = plan[s].gather_bytes + plan[s].sp_bytes;
             if (need > ws_need) ws_need = need;
