@@ -1,6 +1,7 @@
 /* hybrid_run.h - what the engine tests on the tiny hybrid model share
  * (tests/data/tiny-qwen3_5: test_engine_hybrid, test_hybrid_prefix,
- * test_hybrid_chain, gpu/test_cuda_hybrid_prefix): a greedy request's result
+ * test_hybrid_chain, gpu/test_cuda_hybrid_prefix): the engine parameters
+ * they start from, a greedy request's result
  * (tokens, the first HR_KEEP logits of every generated token, cached
  * tokens, how it finished), its event callback, submitting one, stepping an
  * engine until it is idle, and comparing two results bit for bit.
@@ -74,6 +75,21 @@ static inline uint64_t submit(lethe_engine *e, const int32_t *prompt, int32_t n,
 /* steps until nothing is left */
 static inline void drain(lethe_engine *e) {
     while (lethe_engine_has_work(e)) CHECK_MSG(lethe_engine_step(e) == 0, "%s", lethe_engine_last_error());
+}
+
+/* the parameters every engine of these tests starts from: the tiny model, a
+ * 64 MiB KV pool, 4 sequences of up to 512 tokens, the invariant checker on,
+ * 2 threads; a test changes what it varies */
+static inline lethe_engine_params hr_params(void) {
+    lethe_engine_params p;
+    lethe_engine_default_params(&p);
+    p.model = TINY;
+    p.kv_cache_bytes = 64u << 20;
+    p.max_num_seqs = 4;
+    p.max_model_len = 512;
+    p.check_invariants = true;
+    p.n_threads = 2;
+    return p;
 }
 
 /* the same token count, tokens and kept logits (bit for bit); `what` and

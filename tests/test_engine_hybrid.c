@@ -43,10 +43,8 @@ typedef struct cfg {
 } cfg;
 
 static int mk(const cfg *c, lethe_engine **e) {
-    lethe_engine_params p;
-    lethe_engine_default_params(&p);
-    p.model = TINY;
-    p.kv_cache_bytes = c->kv_bytes ? c->kv_bytes : 64u << 20;
+    lethe_engine_params p = hr_params();
+    if (c->kv_bytes) p.kv_cache_bytes = c->kv_bytes;
     p.max_num_batched_tokens = c->budget;
     p.max_num_seqs = c->max_seqs;
     p.split_prefill_decode = c->split;
@@ -55,9 +53,6 @@ static int mk(const cfg *c, lethe_engine **e) {
     if (c->method_cfg) p.sparse_config = c->method_cfg;
     if (c->pc_mode) p.prefix_cache_mode = c->pc_mode;
     p.enable_prefix_caching = !c->no_cache;
-    p.check_invariants = true;
-    p.n_threads = 2;
-    p.max_model_len = 512;
     *e = NULL;
     return lethe_engine_create(&p, e);
 }

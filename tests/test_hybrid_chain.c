@@ -50,19 +50,12 @@
 static size_t g_host_bytes; /* --host-cache-bytes of the next engine */
 
 static lethe_engine *mk(const char *mode, int32_t budget, size_t snap_bytes) {
-    lethe_engine_params p;
-    lethe_engine_default_params(&p);
-    p.model = TINY;
-    p.kv_cache_bytes = 64u << 20;
+    lethe_engine_params p = hr_params();
     p.max_num_batched_tokens = budget;
-    p.max_num_seqs = 4;
     p.enable_prefix_caching = mode != NULL;
     if (mode) p.prefix_cache_mode = mode;
     p.state_snapshot_bytes = snap_bytes;
     p.host_cache_bytes = g_host_bytes;
-    p.check_invariants = true;
-    p.n_threads = 2;
-    p.max_model_len = 512;
     lethe_engine *e = NULL;
     CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
     return e;
@@ -306,12 +299,7 @@ static void test_abort_and_refusals(void) {
     CHECK(cr.code == LETHE_CHAIN_INVALID_REQUEST && strstr(cr.message, "cannot branch"));
     lethe_engine_destroy(e);
     /* auto with an eviction method takes the Chain Cache */
-    lethe_engine_params p;
-    lethe_engine_default_params(&p);
-    p.model = TINY;
-    p.kv_cache_bytes = 64u << 20;
-    p.max_num_seqs = 4;
-    p.max_model_len = 512;
+    lethe_engine_params p = hr_params();
     p.sparse_method = "snapkv";
     p.sparse_config = "sink_keep_tokens=4,recent_keep_tokens=16,decode_keep_tokens=24";
     CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
@@ -324,18 +312,13 @@ static void test_abort_and_refusals(void) {
 /* an engine with `method`, or NULL with the reason in *err (model: tiny hybrid or dense) */
 static lethe_engine *mk_method(const char *model, int32_t max_len, const char *method, const char *mode,
                                bool caching, char *err, size_t cap) {
-    lethe_engine_params p;
-    lethe_engine_default_params(&p);
+    lethe_engine_params p = hr_params();
     p.model = model;
-    p.kv_cache_bytes = 64u << 20;
     p.max_num_batched_tokens = 64;
-    p.max_num_seqs = 4;
     p.max_model_len = max_len;
     p.enable_prefix_caching = caching;
     if (mode) p.prefix_cache_mode = mode;
     p.sparse_method = method;
-    p.check_invariants = true;
-    p.n_threads = 2;
     lethe_engine *e = NULL;
     if (lethe_engine_create(&p, &e) != 0) {
         snprintf(err, cap, "%s", lethe_engine_last_error());

@@ -60,19 +60,15 @@ typedef struct cfg {
 } cfg;
 
 static lethe_engine *mk(const cfg *c) {
-    lethe_engine_params p;
-    lethe_engine_default_params(&p);
-    p.model = TINY;
-    p.kv_cache_bytes = c->kv_bytes ? c->kv_bytes : 64u << 20;
+    lethe_engine_params p = hr_params();
+    if (c->kv_bytes) p.kv_cache_bytes = c->kv_bytes;
     p.max_num_batched_tokens = c->budget;
-    p.max_num_seqs = c->max_seqs ? c->max_seqs : 4;
+    if (c->max_seqs) p.max_num_seqs = c->max_seqs;
     p.enable_prefix_caching = c->cache;
     p.state_snapshot_interval = c->every;
     p.state_snapshot_bytes = c->snap_bytes;
     p.host_cache_bytes = c->host_bytes;
-    p.check_invariants = true;
-    p.n_threads = 2;
-    p.max_model_len = c->max_len ? c->max_len : 512;
+    if (c->max_len) p.max_model_len = c->max_len;
     lethe_engine *e = NULL;
     CHECK_MSG(lethe_engine_create(&p, &e) == 0, "%s", lethe_engine_last_error());
     CHECK(!strcmp(lethe_engine_prefix_cache_mode(e), c->cache ? "radix" : "off"));
@@ -383,12 +379,7 @@ static void test_release(void) {
 }
 
 static void test_refusals(void) {
-    lethe_engine_params p;
-    lethe_engine_default_params(&p);
-    p.model = TINY;
-    p.kv_cache_bytes = 64u << 20;
-    p.max_num_seqs = 4;
-    p.max_model_len = 512;
+    lethe_engine_params p = hr_params();
     lethe_engine *e = NULL;
     p.state_snapshot_interval = 100;
     CHECK(lethe_engine_create(&p, &e) != 0);
