@@ -182,6 +182,11 @@ static const uint8_t *blob_space(const lethe_kv_pool *pool, const uint8_t *at, i
     return at + (size_t)*n_priv * lethe_kv_space_slot_bytes(pool, sp);
 }
 
+/* bytes of a row's linear-attention states in a blob (0: the pool has none) */
+static size_t blob_lin_bytes(const chain_cache *cc) {
+    return cc->states ? lethe_kv_state_host_bytes(cc->base.pool) : 0;
+}
+
 /* Copies k's private entries ([n_shared, len) of each space: the shared
  * prefix [0, n_shared) is uncompacted and stays with its blocks), its pins
  * and its method state into one blob in the host tier, then frees the row
@@ -199,7 +204,7 @@ static bool demote_kv(chain_cache *cc, chain_kv *k) {
     }
     const int32_t *prot = NULL;
     const int32_t n_prot = lethe_kv_row_protected(pool, k->row, &prot);
-    const size_t lin = cc->states ? lethe_kv_state_host_bytes(pool) : 0;
+    const size_t lin = blob_lin_bytes(cc);
     size_t size = sizeof(chain_blob_hdr) + (size_t)n_prot * 2 * sizeof(int32_t) +
                   (state_bytes == UINT64_MAX ? 0 : (size_t)state_bytes) + lin;
     for (int32_t sp = 0; sp < n_sp; sp++) {
@@ -266,7 +271,7 @@ static void restore_kv(chain_cache *cc, chain_kv *k) {
     memcpy(&h, k->blob, sizeof(h));
     LETHE_ASSERT(h.magic == CHAIN_BLOB_MAGIC && h.n_spaces == lethe_kv_n_spaces(pool) &&
                  h.n_shared == k->shared.n * LETHE_RADIX_BLOCK &&
-                 h.lin_bytes == (cc->states ? lethe_kv_state_host_bytes(pool) : 0));
+                 h.lin_bytes == blob_lin_bytes(cc));
     int32_t priv = 0;
     blob_entries(pool, k, &priv);
     if (lethe_kv_min_free(pool) < priv) lethe_radix_evict(cc->tree, priv);
@@ -594,7 +599,7 @@ static void check_payload(void *vctx, void *payload) {
         } else if (!k->blob) {
             n = lethe_host_tier_read(x->cc->tier, LETHE_HOST_TIER_CHAIN, host_key(k), &h, sizeof(h));
         }
-        const size_t lin = x->cc->states ? lethe_kv_state_host_bytes(x->pool) : 0;
+        const size_t lin = blob_lin_bytes(x->cc);
         if (!x->why && n >= sizeof(h) &&
             (h.magic != CHAIN_BLOB_MAGIC || h.lin_bytes != lin || n < sizeof(h) + lin))
             x->why = "is demoted to a blob without the row's linear-attention states";
