@@ -10,6 +10,11 @@
  *                  a tail page of new tokens) and OmniKV-like (unit 1, head =
  *                  sink = pick_off, recent tail) layouts in one call, rows
  *                  that are sub-ranges of one array
+ *   row_topk       against the same full-sort reference per row over the
+ *                  columns below the row's limit of alpha x + bias: ties,
+ *                  NaN, +-inf, +-0, limits 0, below k, equal to m; k 1..16,
+ *                  bias and no bias, alpha 2 and -1; entries past the limit
+ *                  -1, the entry after the output untouched
  * Fast (well under a second). */
 #include <math.h>
 #include <stdint.h>
@@ -182,12 +187,73 @@ static void test_select_expand(void) {
     CHECK(o2[11] == -7);
 }
 
+/* ---- row_topk ----------------------------------------------------------- */
+
+static void ref_row_topk(const float *x, int32_t lim, int32_t k, float alpha, const float *bias,
+                         int32_t *out) {
+    ranked *r = lethe_xmalloc((size_t)(lim ? lim : 1) * sizeof(*r));
+    for (int32_t c = 0; c < lim; c++) {
+        const float ax = alpha * x[c];
+        r[c] = (ranked){ax + (bias ? bias[c] : 0.0f), c};
+    }
+    qsort(r, (size_t)lim, sizeof(*r), cmp_ranked);
+    for (int32_t j = 0; j < k; j++) out[j] = j < lim ? r[j].i : -1; /* best-first */
+    free(r);
+}
+
+static void test_row_topk(void) {
+    static const int32_t ms[] = {1, 3, 17, 200, 1500};
+    static const int32_t ks[] = {1, 3, 4, 16};
+    for (size_t mi = 0; mi < LETHE_ARRAY_LEN(ms); mi++)
+        for (size_t ki = 0; ki < LETHE_ARRAY_LEN(ks); ki++)
+            for (int kind = 0; kind < 4; kind++)
+                for (int variant = 0; variant < 2; variant++) {
+                    const int32_t m = ms[mi], k = ks[ki], n = 9;
+                    const float alpha = variant ? -1.0f : 2.0f;
+                    float *x = lethe_xmalloc((size_t)n * m * sizeof(float)), *bias = lethe_xmalloc((size_t)m * sizeof(float));
+                    int32_t lim[9], *out = lethe_xmalloc(((size_t)n * k + 1) * sizeof(int32_t));
+                    int32_t want[LETHE_ROW_TOPK_MAX];
+                    for (int32_t i = 0; i < n; i++)
+                        for (int32_t c = 0; c < m; c++) x[(size_t)i * m + c] = draw((kind + i) % 4, c);
+                    /* bias from the same sets: ties between columns survive it */
+                    for (int32_t c = 0; c < m; c++) bias[c] = kind == 1 ? draw(1, c) : draw(0, c);
+                    /* limits: 0, 1, below k, k, m, and some in between */
+                    const int32_t l0[9] = {0, 1, LETHE_MAX(0, k - 1), LETHE_MIN(k, m), m, m / 2, m,
+                                           (int32_t)(lethe_splitmix64(&g_rng) % (uint64_t)(m + 1)), 0};
+                    for (int32_t i = 0; i < n; i++) lim[i] = LETHE_MIN(l0[i], m);
+                    for (size_t i = 0; i <= (size_t)n * k; i++) out[i] = -7;
+                    const float *b = variant ? NULL : bias;
+                    g_be->ops->row_topk(g_be, out, x, n, m, lim, k, alpha, b);
+                    CHECK(out[(size_t)n * k] == -7);
+                    for (int32_t i = 0; i < n; i++) {
+                        ref_row_topk(x + (size_t)i * m, lim[i], k, alpha, b, want);
+                        for (int32_t j = 0; j < k; j++)
+                            CHECK_MSG(out[(size_t)i * k + j] == want[j],
+                                      "m %d k %d kind %d variant %d row %d (lim %d) [%d]: op %d, ref %d", m, k,
+                                      kind, variant, i, lim[i], j, out[(size_t)i * k + j], want[j]);
+                    }
+                    free(x), free(bias), free(out);
+                }
+    /* by hand: row [1, NaN, 3, 3, -inf, -0, +0], alpha 1, no bias */
+    {
+        const float v[7] = {1.0f, NAN, 3.0f, 3.0f, -INFINITY, -0.0f, 0.0f};
+        int32_t lim = 7, o[7];
+        g_be->ops->row_topk(g_be, o, v, 1, 7, &lim, 7, 1.0f, NULL);
+        const int32_t w[7] = {2, 3, 0, 5, 6, 4, 1}; /* tie 3/3 to index 2; -0 ties +0; -inf; NaN last */
+        for (int j = 0; j < 7; j++) CHECK_MSG(o[j] == w[j], "by hand [%d]: %d, want %d", j, o[j], w[j]);
+        lim = 2; /* limit below k: the two columns, then -1 */
+        g_be->ops->row_topk(g_be, o, v, 1, 7, &lim, 4, 1.0f, NULL);
+        CHECK(o[0] == 0 && o[1] == 1 && o[2] == -1 && o[3] == -1);
+    }
+}
+
 int main(void) {
     lethe_backend_params p = {.device = "cpu", .n_threads = 0};
     CHECK(lethe_backend_cpu_create(&p, &g_be) == LETHE_OK);
-    CHECK(g_be->ops->topk && g_be->ops->select_expand);
+    CHECK(g_be->ops->topk && g_be->ops->select_expand && g_be->ops->row_topk);
     TEST_RUN(test_topk);
     TEST_RUN(test_select_expand);
+    TEST_RUN(test_row_topk);
     g_be->ops->destroy(g_be); /* not lethe_backend_destroy: keeps CUDA out of the link */
     fprintf(stderr, "test_select_ops: ok\n");
     return 0;

@@ -91,6 +91,16 @@ bool lethe_check_topk(int32_t n_segs, const int32_t *seg_begin, const int32_t *o
     return any;
 }
 
+int32_t lethe_check_row_topk(int32_t n, int32_t m, const int32_t *lim, int32_t k) {
+    LETHE_ASSERT(n >= 0 && m >= 0 && k >= 1 && k <= LETHE_ROW_TOPK_MAX);
+    int32_t max_lim = 0;
+    for (int32_t i = 0; i < n; i++) {
+        LETHE_ASSERT(lim[i] >= 0 && lim[i] <= m);
+        if (lim[i] > max_lim) max_lim = lim[i];
+    }
+    return max_lim;
+}
+
 lethe_expand_extent lethe_check_select_expand(const lethe_expand_seq *seqs, int32_t n_seqs,
                                               int32_t unit) {
     LETHE_ASSERT(unit >= 1 && n_seqs >= 0);

@@ -54,6 +54,10 @@ void lethe_check_page_scores(int32_t n_seqs, const int32_t *page_begin, int32_t 
  * writes nothing). */
 bool lethe_check_topk(int32_t n_segs, const int32_t *seg_begin, const int32_t *out_begin);
 
+/* row_topk: n >= 0, m >= 0, 1 <= k <= LETHE_ROW_TOPK_MAX, every lim[i] in
+ * [0, m]. Returns the largest lim[i] (0: no row has a column to rank). */
+int32_t lethe_check_row_topk(int32_t n, int32_t m, const int32_t *lim, int32_t k);
+
 /* How far a select_expand call reaches into its arrays (what a device backend
  * stages): the largest per-sequence output count, and the ends of the rows and
  * picks entries the sequences name. */

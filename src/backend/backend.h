@@ -678,8 +678,8 @@ typedef struct lethe_backend_ops {
      * i.e. the mean similarity of a key to the others, where the newest copy
      * of near-duplicates does not count its older copies (R-KV keeps the
      * newest). out: HOST float [n_kv_heads, n], written when the op returns
-     * (synchronous). O(n^2 head_dim) per head in tiles, O(n) memory: no
-     * n x n matrix exists. */
+     * (synchronous). O(n^2 head_dim) per head in tiles; no n x n matrix
+     * exists (the CPU holds O(n d), CUDA a fixed-size tile of dots). */
     void (*key_redundancy)(lethe_backend *be, float *out, const void *k_cache, const int32_t *slots,
                            int32_t n, int32_t n_kv_heads, int32_t head_dim, float threshold);
     /* ---- key clusters (lethe_cluster_attn_args above) ---- */
@@ -730,7 +730,26 @@ typedef struct lethe_backend_ops {
                          const int32_t *rows, int32_t n);
     void (*rows_from_host)(lethe_backend *be, void *buf, size_t row_bytes, const int32_t *rows,
                            int32_t n, const void *host);
+    /* ---- per-row top-k under a column limit (DeltaKV's father search;
+     * CPU twin backend/cpu/select.c, CUDA backend/cuda/select.cu) ----
+     * row_topk: for each row i < n of scores ([n, m] activations, row-major,
+     * backend memory), the k best columns c < lim[i] of
+     *   s(i, c) = alpha * (float)scores[i, c] + bias[c]
+     * (f32, the product and the sum each rounded once: no fused multiply-add,
+     * so every backend ranks bit-identical values; bias NULL: + 0), written
+     * best-first to out[i k .. i k + k) (HOST int32 [n, k]); "best" is
+     * lethe_rank_before (backend/topk.h: higher first, ties to the smaller
+     * column, NaN last). Entries j >= lim[i] are -1 (lim[i] 0: the whole row).
+     * lim: HOST int32 [n], each in [0, m]; bias: HOST f32 [m] or NULL;
+     * 1 <= k <= LETHE_ROW_TOPK_MAX. Synchronous: out is filled when the call
+     * returns (a host sync on a device backend); only out [n, k] crosses to
+     * the host, never the [n, m] scores. Not allowed during graph capture. */
+    void (*row_topk)(lethe_backend *be, int32_t *out, const void *scores, int32_t n, int32_t m,
+                     const int32_t *lim, int32_t k, float alpha, const float *bias);
 } lethe_backend_ops;
+
+/* the largest k of ops->row_topk */
+#define LETHE_ROW_TOPK_MAX 16
 
 /* most experts a model may have (routing keeps per-token arrays on the stack) */
 #define LETHE_MOE_MAX_EXPERTS 512

@@ -54,11 +54,20 @@
  * measurements only, not for quality. Without one the method refuses to
  * start, naming `lethe fit deltakv`.
  *
+ * Father search: per tile of up to TILE block tokens, the scores x . c
+ * [nt, ncc] against the candidates (sinks and centers before the tile's last
+ * token) are one product over k and v on the backend, and ops->row_topk
+ * ranks 2 x.c - |c|^2 per token over the candidates before it there: only
+ * the [nt, K] father indices reach the host (|c|^2 of each new center is
+ * computed once on the host, in double, and kept per raw row).
+ *
  * Limits: linear Down / Up only (the paper's MLP variants and latent int4
  * quantization are not implemented); the full layers keep KV at the native
- * type (no KIVI); father search and selection run on the host (scores copied
- * from the backend); no radix prefix reuse; slots must not be freed under a
- * live row (pruning clients / eviction do not combine with it). */
+ * type (no KIVI); the decode selection's top-K runs on the host (scores
+ * copied from the backend, one row per decode sequence); prefill chunks after
+ * the first reconstruct every earlier compressed token in every DeltaKV
+ * layer (full-prefill policy); no radix prefix reuse; slots must not be freed
+ * under a live row (pruning clients / eviction do not combine with it). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -103,8 +112,8 @@ typedef struct dkv_priv {
     /* scratch */
     lethe_dev_buf krot, ks, vs, zs, z2, sc, sc2;
     int32_t cap_h, *perm, *ridx, *cslot, *fidx, *spos;
-    float *hsc, *hrow;
-    int32_t cap_hsc, cap_hrow;
+    float *hrow;
+    int32_t cap_hrow;
 } dkv_priv;
 #define PRIV(m) ((dkv_priv *)(m)->priv)
 
@@ -155,7 +164,7 @@ static void dkv_destroy(lethe_sparse_method *m) {
     for (int i = 0; be && i < 7; i++) lethe_dev_buf_free(m, bufs[i]);
     free(p->layers), free(p->full), free(p->raw_of), free(p->state), free(p->slot_pos), free(p->raw_free), free(p->slot_of_raw);
     free(p->pick_begin), free(p->pick_n), free(p->buf_start), free(p->picks), free(p->valid);
-    free(p->perm), free(p->ridx), free(p->cslot), free(p->fidx), free(p->spos), free(p->hsc), free(p->hrow);
+    free(p->perm), free(p->ridx), free(p->cslot), free(p->fidx), free(p->spos), free(p->hrow);
     free(p);
     m->priv = NULL;
 }
@@ -581,14 +590,22 @@ static void compress_layer(lethe_sparse_method *m, int32_t layer, const int32_t 
     const int32_t kvd = p->kvd, K = p->K;
     const size_t as = be->ops->act_size;
     fill_norms(m, L, cand_raw, nc);
-    for (int32_t t0 = 0; t0 < nb; t0 += TILE) {
+    const int32_t tn = LETHE_MIN(TILE, nb);
+    /* host scratch of one tile: its raw rows, then slots; K best candidates; limits; -|c|^2 */
+    int32_t *rows = lethe_xmalloc((size_t)tn * sizeof(int32_t)), *fid = lethe_xmalloc((size_t)tn * K * sizeof(int32_t));
+    int32_t *best = lethe_xmalloc((size_t)tn * K * sizeof(int32_t)), *lim = lethe_xmalloc((size_t)tn * sizeof(int32_t));
+    float *bias = lethe_xmalloc((size_t)nc * sizeof(float));
+    for (int32_t c = 0; c < nc; c++) bias[c] = -L->cnorm[cand_raw[c]];
+    for (int32_t t0 = 0, ncc = 0; t0 < nb; t0 += TILE) {
         const int32_t nt = LETHE_MIN(TILE, nb - t0);
-        int32_t ncc = 0; /* candidates before the tile's last token */
-        while (ncc < nc && cand[ncc] < tok[t0 + nt - 1]) ncc++;
-        LETHE_ASSERT(ncc > 0);
-        int32_t *rows = lethe_xmalloc((size_t)nt * sizeof(int32_t)), *fid = lethe_xmalloc((size_t)nt * K * sizeof(int32_t));
+        /* per token the candidates before it (tokens ascend, so do the counts) */
+        for (int32_t i = 0; i < nt; i++) {
+            while (ncc < nc && cand[ncc] < tok[t0 + i]) ncc++;
+            lim[i] = ncc;
+            LETHE_ASSERT(ncc > 0);
+        }
         for (int32_t i = 0; i < nt; i++) rows[i] = p->raw_of[slots[tok[t0 + i]]];
-        /* scores x . c over k and v: [nt, ncc] */
+        /* scores x . c over k and v: [nt, ncc], ncc = the tile's last token's candidates */
         reserve(m, &p->ks, (size_t)nt * kvd, as);
         reserve(m, &p->vs, (size_t)nt * kvd, as);
         reserve(m, &p->zs, (size_t)ncc * kvd, as);
@@ -602,29 +619,14 @@ static void compress_layer(lethe_sparse_method *m, int32_t layer, const int32_t 
         be->ops->matmul(be, p->sc.p, p->ks.p, p->zs.p, nt, ncc, kvd);
         be->ops->matmul(be, p->sc2.p, p->vs.p, p->z2.p, nt, ncc, kvd);
         be->ops->add(be, p->sc.p, p->sc2.p, (size_t)nt * ncc);
-        if ((int64_t)nt * ncc > p->cap_hsc) {
-            p->cap_hsc = nt * ncc;
-            p->hsc = lethe_xrealloc(p->hsc, (size_t)p->cap_hsc * sizeof(float));
-        }
-        be->ops->act_to_host(be, p->hsc, p->sc.p, (size_t)nt * ncc);
         /* per token: the K best of 2 x.c - |c|^2 among candidates before it
-         * (ties to the earlier center); fewer candidates than K repeat the best */
+         * (ties to the earlier center), on the backend; fewer candidates than
+         * K repeat them in rank order */
+        be->ops->row_topk(be, best, p->sc.p, nt, ncc, lim, K, 2.0f, bias);
         for (int32_t i = 0; i < nt; i++) {
-            const int32_t e = tok[t0 + i];
-            int32_t best[16], nbst = 0;
-            float bs[16];
-            for (int32_t c = 0; c < ncc && cand[c] < e; c++) {
-                const float s = 2 * p->hsc[(size_t)i * ncc + c] - L->cnorm[cand_raw[c]];
-                int32_t j = nbst < K ? nbst++ : K;
-                while (j > 0 && lethe_rank_before(s, c, bs[j - 1], best[j - 1])) {
-                    if (j < K) bs[j] = bs[j - 1], best[j] = best[j - 1];
-                    j--;
-                }
-                if (j < K) bs[j] = s, best[j] = c;
-            }
-            LETHE_ASSERT(nbst > 0);
-            for (int32_t k = 0; k < K; k++) fid[(size_t)i * K + k] = cand_raw[best[k < nbst ? k : k % nbst]];
-            memcpy(L->fathers + (size_t)slots[e] * K, fid + (size_t)i * K, (size_t)K * sizeof(int32_t));
+            const int32_t nv = LETHE_MIN(K, lim[i]), *b = best + (size_t)i * K;
+            for (int32_t k = 0; k < K; k++) fid[(size_t)i * K + k] = cand_raw[b[k < nv ? k : k % nv]];
+            memcpy(L->fathers + (size_t)slots[tok[t0 + i]] * K, fid + (size_t)i * K, (size_t)K * sizeof(int32_t));
         }
         /* z = Dk (k - mean k_f) + Dv (v - mean v_f) into the plane */
         be->ops->gather_sum(be, p->ks.p, L->rawk, fid, nt, K, kvd, -1.0f / K);
@@ -637,8 +639,8 @@ static void compress_layer(lethe_sparse_method *m, int32_t layer, const int32_t 
         for (int32_t i = 0; i < nt; i++) rows[i] = slots[tok[t0 + i]];
         be->ops->copy_block(be, lethe_kv_plane_buf(m->env.pool, layer, 0), p->lat, 0, rows, p->zs.p, p->lat, nt,
                             p->lat);
-        free(rows), free(fid);
     }
+    free(rows), free(fid), free(best), free(lim), free(bias);
 }
 
 /* the first entry of the row's buffer (trailing entries never compressed) */

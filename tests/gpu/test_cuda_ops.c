@@ -296,6 +296,7 @@ static void test_rows(void) {
 /* ---- KV store + attention ------------------------------------------------ */
 
 #define ATTN_MAX_SEQS 24
+#define ATTN_CONSECUTIVE 2
 
 typedef struct attn_case {
     const char *name;
@@ -303,7 +304,9 @@ typedef struct attn_case {
     int n_seqs;     /* <= ATTN_MAX_SEQS */
     int n_q[ATTN_MAX_SEQS];   /* queries per sequence */
     int n_sel[ATTN_MAX_SEQS]; /* selection length (>= n_q) */
-    int sparse;     /* drop a random subset of the prefix */
+    int sparse;     /* 1: drop a random subset of the prefix; ATTN_CONSECUTIVE: each
+                     * sequence's selection is consecutive slots (read in place by the
+                     * GEMM path) instead of a random permutation */
     int per_head;   /* per-KV-head selections (varlen per head): each head drops its own subset */
 } attn_case;
 
@@ -320,7 +323,7 @@ static void run_attn_case(const attn_case *tc, int staged) {
     /* slots: a random permutation of the cache rows */
     int32_t *perm = lethe_xmalloc((size_t)n_slots * sizeof(int32_t));
     for (int i = 0; i < n_slots; i++) perm[i] = i;
-    for (int i = n_slots - 1; i > 0; i--) {
+    for (int i = n_slots - 1; tc->sparse != ATTN_CONSECUTIVE && i > 0; i--) {
         int j = (int)(lethe_splitmix64(&g_rng) % (uint64_t)(i + 1));
         int32_t t = perm[i];
         perm[i] = perm[j];
@@ -333,7 +336,7 @@ static void run_attn_case(const attn_case *tc, int staged) {
         int prefix = tc->n_sel[s] - tc->n_q[s];
         for (int e = 0; e < prefix; e++) {
             int32_t slot = perm[used++];
-            if (tc->sparse && e > 0 && lethe_splitmix64(&g_rng) % 3 == 0) continue;
+            if (tc->sparse == 1 && e > 0 && lethe_splitmix64(&g_rng) % 3 == 0) continue;
             sel[n_sel_tot++] = slot;
         }
         for (int j = 0; j < tc->n_q[s]; j++) {
@@ -409,7 +412,7 @@ static void test_attention(void) {
         {"prefill ragged", 8, 2, 128, 4, {1, 63, 64, 65}, {1, 63, 64, 65}, 0, 0},
         {"extend + decode", 8, 2, 128, 3, {1, 50, 130}, {900, 300, 130}, 0, 0},
         {"extend d64 gqa3", 9, 3, 64, 2, {33, 70}, {100, 500}, 0, 0},
-        {"extend d96 (row path)", 4, 2, 96, 2, {5, 20}, {40, 20}, 0, 0},
+        {"extend d96 (split + gemm)", 4, 2, 96, 2, {5, 20}, {40, 20}, 0, 0},
         {"sparse decode", 32, 8, 128, 2, {1, 1}, {600, 2000}, 1, 0},
         {"sparse extend", 8, 2, 128, 2, {17, 3}, {400, 90}, 1, 0},
         {"mixed d64", 8, 2, 64, 3, {1, 10, 4}, {50, 10, 70}, 0, 0},
@@ -444,6 +447,26 @@ static void test_attention(void) {
          * kernel (item list, split-K + merge by item) and the rest to prefill */
         {"mixed decode rows", 32, 8, 128, 6, {1, 1, 100, 1, 1, 1}, {3000, 17, 600, 1, 129, 5000}, 0, 0},
         {"mixed decode rows d64 sparse", 9, 3, 64, 4, {1, 7, 1, 1}, {20000, 300, 65, 2}, 1, 0},
+        /* prefill / extend at head_dims v2 does not take: attention_gemm.cu
+         * (cuBLAS S = QK^T, bf16 P, PV) over gathered scattered slots or
+         * consecutive slots in place; sequences with < 8 queries (decode rows
+         * of a mixed call) go to split_kernel by item list. Qwen3.5/3.6's
+         * shape (24 / 4 heads, D 256, G 6: batched over a KV head's 6 query
+         * heads), chunk offsets (n_q < n_sel), several sequences. */
+        {"gemm d256 gqa6 chunks", 24, 4, 256, 3, {300, 1000, 64}, {2500, 1000, 3000}, 0, 0},
+        {"gemm d256 gqa6 sparse", 24, 4, 256, 2, {100, 513}, {4000, 1500}, 1, 0},
+        {"gemm d256 gqa6 consecutive", 24, 4, 256, 2, {128, 500}, {128, 2000}, ATTN_CONSECUTIVE, 0},
+        {"gemm d256 gqa6 + decode rows", 24, 4, 256, 5, {1, 200, 1, 9, 5}, {3000, 1500, 40, 9, 700}, 0, 0},
+        {"gemm d96 mha", 4, 4, 96, 2, {64, 333}, {64, 1200}, 0, 0},
+        {"gemm d96 gqa2", 8, 4, 96, 2, {77, 8}, {2000, 8}, 0, 0},
+        {"gemm d96 gqa8 + decode", 16, 2, 96, 3, {150, 1, 40}, {150, 900, 1000}, 0, 0},
+        {"gemm d32 mha", 6, 6, 32, 2, {250, 16}, {250, 3000}, 0, 0},
+        {"gemm d32 gqa2 consecutive", 8, 4, 32, 2, {90, 300}, {1000, 300}, ATTN_CONSECUTIVE, 0},
+        {"gemm d32 gqa8 sparse", 16, 2, 32, 2, {129, 31}, {2049, 700}, 1, 0},
+        /* one KV head of 64 query heads: S + P of 3000 keys are 18 KB a row
+         * and head, so the 64 heads run in two batches of 32 and the 600
+         * queries in two row blocks */
+        {"gemm d32 mqa64 row blocks", 64, 1, 32, 1, {600}, {3000}, 0, 0},
         /* per-KV-head selections (attention_varlen.cu vs the CPU's per-head lists) */
         {"varlen decode", 32, 8, 128, 4, {1, 1, 1, 1}, {1, 40, 700, 3000}, 0, 1},
         {"varlen decode gqa3 d64", 9, 3, 64, 3, {1, 1, 1}, {2, 300, 1025}, 1, 1},
@@ -460,6 +483,17 @@ static void test_attention(void) {
     run_attn_case(&cases[7], 0);
     run_attn_case(&cases[19], 0);
     run_attn_case(&cases[27], 0);
+    run_attn_case(&cases[35], 0); /* gemm d256 gqa6 chunks */
+    run_attn_case(&cases[38], 1); /* gemm d256 + decode rows, staged arrays */
+    /* the GEMM path's blocking at small sizes: S + P scratch 1 MiB (row
+     * blocks of tens of rows, batches of 1-2 heads), gather scratch 6.5 MiB
+     * (the D 256 cases gather their 4 KV heads in groups of 2) */
+    setenv("LETHE_ATTN_GEMM_SP_BYTES", "1048576", 1);
+    setenv("LETHE_ATTN_GEMM_GATHER_BYTES", "6815744", 1);
+    fprintf(stderr, "    GEMM scratch bounds 1 MiB (S + P) / 6.5 MiB (gather):\n");
+    for (size_t i = 35; i <= 45; i++) run_attn_case(&cases[i], 0);
+    unsetenv("LETHE_ATTN_GEMM_SP_BYTES");
+    unsetenv("LETHE_ATTN_GEMM_GATHER_BYTES");
     run_attn_case(&cases[LETHE_ARRAY_LEN(cases) - 5], 1); /* varlen, staged arrays */
 }
 

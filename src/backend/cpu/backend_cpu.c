@@ -173,6 +173,7 @@ static const lethe_backend_ops cpu_ops = {
     .weight_upload_raw = lethe_cpu_weight_upload_raw,
     .rows_to_host = lethe_cpu_rows_to_host,
     .rows_from_host = lethe_cpu_rows_from_host,
+    .row_topk = lethe_cpu_row_topk,
 };
 
 lethe_status lethe_backend_cpu_create(const lethe_backend_params *p, lethe_backend **out) {

@@ -212,6 +212,8 @@ void lethe_cpu_topk(lethe_backend *be, int32_t *out, const float *scores, int32_
 void lethe_cpu_select_expand(lethe_backend *be, int32_t *out, const int32_t *rows,
                              const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                              int32_t unit);
+void lethe_cpu_row_topk(lethe_backend *be, int32_t *out, const void *scores, int32_t n, int32_t m,
+                        const int32_t *lim, int32_t k, float alpha, const float *bias);
 void lethe_cpu_sample(lethe_backend *be, const lethe_sample_args *a);
 /* moe.c: routing + expert FFNs (backend.h lethe_moe_args); the routing of one
  * token alone (ids, wts [k]), also the reference of the CUDA comparison test */

@@ -7,15 +7,19 @@
  * with G = n_heads / n_kv_heads; q, out [n_tokens, n_heads, D], caches
  * [n_slots, n_kv_heads, D], all bf16; softmax and accumulation in fp32.
  *
- * Dispatch (lethe_cuda_attention): quantized KV goes to attention_quant.cu;
- * dense per-sequence K / V (sel_dense) outside decode, for head_dims v2 does
- * not take, to attention_gemm.cu (cuBLAS GEMMs);
- * per-KV-head selections (head_sel_begin) to attention_varlen.cu;
- * head_dim 64 / 128 where the v2 kernels' shared memory fits the device goes
- * to attention_v2.cu (tensor-core decode and prefill; block-sparse prefill,
- * a->bsp, through attention_bsp.cu's plan into the same kernel); every other shape
- * (head_dim 8..256 in steps of 8; decode and prefill/extend alike) to the
- * generic kernel here:
+ * Dispatch (lethe_cuda_attention): latent KV to mla.cu; quantized KV to
+ * attention_quant.cu; per-KV-head selections (head_sel_begin) to
+ * attention_varlen.cu; head_dim 64 / 128 where the v2 kernels' shared memory
+ * fits the device to attention_v2.cu (tensor-core decode and prefill;
+ * block-sparse prefill, a->bsp, through attention_bsp.cu's plan into the same
+ * kernel). Every other head_dim (8..256 in steps of 8):
+ *  - prefill / extend outside graph capture: attention_gemm.cu (cuBLAS
+ *    S = QK^T, fp32 causal softmax to bf16 P, PV, over the selection read in
+ *    place or gathered; any GQA group). It hands sequences with few queries
+ *    (the decode rows of a mixed call) back to split_kernel by item list. A
+ *    block-sparse plan is ignored at these head_dims (dense, backend.h).
+ *  - decode, and prefill inside capture: the generic kernel here.
+ * The kernels of this file:
  *  - split_kernel: flash-decoding over query rows. A block = (query row, KV
  *    head, split); its G query heads share every K/V row it reads. The
  *    selection is cut into n_splits chunks of whole 128-key tiles; each block
@@ -23,7 +27,8 @@
  *    The grid (n_splits) is fixed from the batch size and the device, so a
  *    decode step can live in a CUDA graph; the effective split count of a
  *    row comes from its length, read on the device (blocks past it exit).
- *    Prefill/extend rows are items like decode rows (the "row path").
+ *    Prefill/extend rows are items like decode rows (the "row path"); an
+ *    item list (lethe_cuda_attn_split_items) runs a subset of the rows.
  *  - merge_kernel: the split-K LSE merge, also used by attention_v2.cu.
  *
  * split_kernel is the first generation's decode kernel; that generation's
@@ -44,13 +49,15 @@ __device__ __forceinline__ int32_t split_chunk(int32_t n_ent, int n_splits) {
     return split_chunk(n_ent, n_splits, SPLIT_TILE);
 }
 
-/* grid: x = item (query row), y = KV head * head chunks, z = split.
- * ws_o [items, n_heads, n_splits, D], ws_lse [items, n_heads, n_splits] (log2 domain) */
+/* grid: x = item, y = KV head * head chunks, z = split. Item i is query row
+ * items[i] (items NULL: row i). ws_o [items, n_heads, n_splits, D], ws_lse
+ * [items, n_heads, n_splits] (log2 domain) */
 template <int DMAX, bool EXACT>
 __global__ void __launch_bounds__(SPLIT_THREADS, DMAX <= 128 ? 4 : 2)
 split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,
              const int32_t *__restrict__ q_begin, const int32_t *__restrict__ sel_begin,
-             const int32_t *__restrict__ sel, int n_seqs, int decode, int n_heads, int n_kv,
+             const int32_t *__restrict__ sel, const int32_t *__restrict__ items, int n_seqs,
+             int decode, int n_heads, int n_kv,
              float scale_log2, int n_splits, float *__restrict__ ws_o, float *__restrict__ ws_lse) {
     /* D == DMAX when EXACT (the fast instantiations), else any D <= DMAX, D % 8 == 0 */
     const int D = EXACT ? DMAX : d_rt;
@@ -64,7 +71,7 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
     __shared__ float accs[SPLIT_THREADS / 32][SPLIT_GMAX][DMAX];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int32_t r = blockIdx.x;
+    const int32_t it = blockIdx.x, r = items ? items[it] : it;
     const int G_all = n_heads / n_kv, n_chunks = (G_all + SPLIT_GMAX - 1) / SPLIT_GMAX;
     const int kvh = blockIdx.y / n_chunks, h0 = kvh * G_all + (blockIdx.y % n_chunks) * SPLIT_GMAX;
     const int G = min(SPLIT_GMAX, kvh * G_all + G_all - h0);
@@ -217,7 +224,7 @@ split_kernel(int d_rt, const bf16 *__restrict__ q, const bf16 *__restrict__ kc, 
             l += red[w][g];
             o += accs[w][g][d];
         }
-        const size_t idx = ((size_t)r * n_heads + h0 + g) * n_splits + split;
+        const size_t idx = ((size_t)it * n_heads + h0 + g) * n_splits + split;
         ws_o[idx * D + d] = o / l;
         if (d == 0) ws_lse[idx] = m_run[g] + log2f(l);
     }
@@ -260,9 +267,9 @@ static int pick_splits(const cuda_ctx *c, int64_t base_blocks) {
 
 template <int DMAX, bool EXACT>
 static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
-                         const int32_t *d_sb, const int32_t *d_sel, bool decode) {
+                         const int32_t *d_sb, const int32_t *d_sel, bool decode,
+                         int32_t n_items, const int32_t *d_items) {
     const int D = a->head_dim;
-    const int32_t n_items = a->n_tokens;
     const int G = a->n_heads / a->n_kv_heads;
     const int n_chunks = (G + SPLIT_GMAX - 1) / SPLIT_GMAX;
     const int n_splits = pick_splits(c, (int64_t)n_items * a->n_kv_heads * n_chunks);
@@ -274,22 +281,29 @@ static void launch_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d
     dim3 grid((unsigned)n_items, (unsigned)(a->n_kv_heads * n_chunks), (unsigned)n_splits);
     split_kernel<DMAX, EXACT><<<grid, SPLIT_THREADS, 0, c->stream>>>(
         D, (const bf16 *)a->q, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache, d_qb, d_sb, d_sel,
-        a->n_seqs, decode ? 1 : 0, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
+        d_items, a->n_seqs, decode ? 1 : 0, a->n_heads, a->n_kv_heads, a->scale * LOG2E, n_splits, ws_o,
         ws_lse);
     CU_LAUNCH_CHECK();
     lethe_cuda_attn_merge(c, a->out, d_qb, d_sb, a->n_seqs, decode, n_items, a->n_heads, D,
-                          n_splits, SPLIT_TILE, false, NULL, ws_o, ws_lse);
+                          n_splits, SPLIT_TILE, false, d_items, ws_o, ws_lse);
+}
+
+void lethe_cuda_attn_split_items(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                 const int32_t *d_sb, const int32_t *d_sel, bool decode,
+                                 int32_t n_items, const int32_t *d_items) {
+    const int D = a->head_dim;
+    LETHE_ASSERT(n_items > 0 && (d_items || n_items == a->n_tokens));
+    if (D == 64) launch_split<64, true>(c, a, d_qb, d_sb, d_sel, decode, n_items, d_items);
+    else if (D == 128) launch_split<128, true>(c, a, d_qb, d_sb, d_sel, decode, n_items, d_items);
+    else if (D == 256) launch_split<256, true>(c, a, d_qb, d_sb, d_sel, decode, n_items, d_items);
+    else if (D < 64) launch_split<64, false>(c, a, d_qb, d_sb, d_sel, decode, n_items, d_items);
+    else if (D < 128) launch_split<128, false>(c, a, d_qb, d_sb, d_sel, decode, n_items, d_items);
+    else launch_split<256, false>(c, a, d_qb, d_sb, d_sel, decode, n_items, d_items);
 }
 
 void lethe_cuda_attn_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                            const int32_t *d_sb, const int32_t *d_sel, bool decode) {
-    const int D = a->head_dim;
-    if (D == 64) launch_split<64, true>(c, a, d_qb, d_sb, d_sel, decode);
-    else if (D == 128) launch_split<128, true>(c, a, d_qb, d_sb, d_sel, decode);
-    else if (D == 256) launch_split<256, true>(c, a, d_qb, d_sb, d_sel, decode);
-    else if (D < 64) launch_split<64, false>(c, a, d_qb, d_sb, d_sel, decode);
-    else if (D < 128) launch_split<128, false>(c, a, d_qb, d_sb, d_sel, decode);
-    else launch_split<256, false>(c, a, d_qb, d_sb, d_sel, decode);
+    lethe_cuda_attn_split_items(c, a, d_qb, d_sb, d_sel, decode, a->n_tokens, NULL);
 }
 
 void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const int32_t *d_sb,
@@ -319,13 +333,6 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     for (int s = 0; s < a->n_seqs; s++)
         if (a->q_begin[s + 1] - a->q_begin[s] != 1) decode = false;
     if (a->n_tokens == 0) return;
-    /* dense per-sequence K / V (latent attention's expanded prefill): GEMMs,
-     * unless the tensor-core v2 prefill kernel takes the head_dim */
-    if (a->sel_dense && !decode && !a->head_sel_begin && !a->bsp && !c->capturing && !lethe_cuda_attn_v2_fits(c, D) &&
-        (a->n_kv_heads == 1 || a->n_kv_heads == a->n_heads)) {
-        lethe_cuda_attn_gemm(c, a);
-        return;
-    }
     const int32_t *d_qb = lethe_cuda_stage_idx(c, a->q_begin, (size_t)a->n_seqs + 1);
     if (a->head_sel_begin) { /* per-KV-head selections: attention_varlen.cu */
         lethe_cuda_attn_varlen(c, a, d_qb);
@@ -333,6 +340,15 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
     }
     const int32_t *d_sb = lethe_cuda_stage_idx(c, a->sel_begin, (size_t)a->n_seqs + 1);
     const int32_t *d_sel = lethe_cuda_stage_idx(c, a->sel_slots, (size_t)a->sel_begin[a->n_seqs]);
+    /* prefill / extend at head_dims v2 does not take: tensor-core GEMMs
+     * (attention_gemm.cu; it hands short sequences, decode rows included, to
+     * split_kernel by item list). Outside graph capture only: its scratch may
+     * grow. Block-sparse plans exist for the v2 shapes only (backend.h): at
+     * these head_dims a->bsp is ignored (dense), as the generic kernel did. */
+    if (!decode && !c->capturing && !lethe_cuda_attn_v2_fits(c, D)) {
+        lethe_cuda_attn_gemm(c, a, d_qb, d_sb, d_sel);
+        return;
+    }
     if (lethe_cuda_attn_v2_fits(c, D)) {
         bool bsp = false; /* block-sparse prefill (attention_bsp.cu) for some sequence */
         for (int s = 0; a->bsp && !decode && !bsp && s < a->n_seqs; s++) bsp = lethe_bsp_seq_sparse(a, s);

@@ -1,7 +1,8 @@
 /* attention_common.cuh - helpers shared by the attention kernels (internal).
  *
- * attention.cu holds the dispatcher, the generic split-K kernel (any head_dim
- * the v2 kernels do not take) and the LSE merge; attention_v2.cu the v2
+ * attention.cu holds the dispatcher, the generic split-K kernel (decode at any
+ * head_dim the v2 kernels do not take) and the LSE merge; attention_gemm.cu
+ * prefill at those head_dims as cuBLAS GEMMs; attention_v2.cu the v2
  * kernels (mma.sync bf16 + cp.async pipelines, head_dim 64 / 128). Both
  * follow backend.h's lethe_attn_args semantics (the CPU twin is
  * backend/cpu/attention.c). dev/cuda/ builds on these launchers to compare
@@ -60,6 +61,12 @@ void lethe_cuda_attn_merge(cuda_ctx *c, void *out, const int32_t *d_qb, const in
  * merge. The dispatcher's path for shapes v2 does not take. */
 void lethe_cuda_attn_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
                            const int32_t *d_sb, const int32_t *d_sel, bool decode);
+/* the same over n_items query rows only: item i is row d_items[i] (device;
+ * d_items NULL: rows 0 .. n_items - 1, n_items == a->n_tokens); the other
+ * rows of out are left alone */
+void lethe_cuda_attn_split_items(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                                 const int32_t *d_sb, const int32_t *d_sel, bool decode,
+                                 int32_t n_items, const int32_t *d_items);
 
 /* v2 launchers (attention_v2.cu); D is 64 or 128. v2_fits: the shape is one
  * v2 takes (D 64/128) and both v2 kernels' shared memory fits this device's
@@ -68,9 +75,13 @@ void lethe_cuda_attn_split(cuda_ctx *c, const lethe_attn_args *a, const int32_t 
  * decode kernel (one block per KV head group and split instead of a 128-row
  * tile per head), the rest to the prefill kernel. */
 bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D);
-/* sel_dense prefill as cuBLAS GEMMs (attention_gemm.cu): n_kv_heads 1 or
- * n_heads, no per-head selections, not in graph capture */
-void lethe_cuda_attn_gemm(cuda_ctx *c, const lethe_attn_args *a);
+/* prefill / extend as cuBLAS GEMMs (attention_gemm.cu): any GQA group, any
+ * selection (gathered into contiguous scratch), no per-head selections, not
+ * in graph capture; sequences with few queries (decode rows of a mixed call)
+ * go to split_kernel by item list. d_qb / d_sb / d_sel: the staged q_begin,
+ * sel_begin, sel_slots. */
+void lethe_cuda_attn_gemm(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
+                          const int32_t *d_sb, const int32_t *d_sel);
 /* per-KV-head selections (attention_varlen.cu); d_qb: staged q_begin */
 void lethe_cuda_attn_varlen(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb);
 void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,

@@ -555,6 +555,8 @@ static const lethe_backend_ops cuda_ops = {
     /* host KV tier (transfer.cu) */
     /* .rows_to_host */ lethe_cuda_rows_to_host,
     /* .rows_from_host */ lethe_cuda_rows_from_host,
+    /* per-row top-k (select.cu) */
+    /* .row_topk */ lethe_cuda_row_topk,
 };
 
 #define INIT_CHECK(call, what)                                                              \

@@ -31,7 +31,7 @@
  *   pages.cu         Quest page bounds: page_minmax, page_scores
  *   clusters.cu      RetroInfer key clusters: cluster_assign, cluster_scores, cluster_attention
  *   sample.cu        GPU sampling (greedy / temperature / top-k / top-p / min-p)
- *   select.cu        device-side selection: segmented exact top-k, select_expand
+ *   select.cu        device-side selection: segmented exact top-k, select_expand, row_topk
  *   moe.cu           mixture-of-experts FFN: routing, expert sort, expert GEMV / cuBLAS GEMMs
  *   mla.cu           latent attention: per-head batched GEMM, block copy, latent-V split-K
  *   gdn.cu           Gated DeltaNet: causal conv, chunked / one-step delta rule, gated norm */
@@ -254,6 +254,8 @@ void lethe_cuda_sample(lethe_backend *be, const lethe_sample_args *a); /* sample
 /* device-side selection (select.cu) */
 void lethe_cuda_topk(lethe_backend *be, int32_t *out, const float *scores, int32_t n_segs,
                      const int32_t *seg_begin, const int32_t *out_begin);
+void lethe_cuda_row_topk(lethe_backend *be, int32_t *out, const void *scores, int32_t n, int32_t m,
+                         const int32_t *lim, int32_t k, float alpha, const float *bias);
 void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const int32_t *rows,
                               const int32_t *picks, const lethe_expand_seq *seqs, int32_t n_seqs,
                               int32_t unit);

@@ -5,10 +5,14 @@
  *                  out_begin[s] best entries as ascending segment-relative
  *                  indices to out[out_begin[s] ..] (int32)
  *   select_expand  lethe_expand_seq head / picked units / tail -> slot ids
+ *   row_topk       per row of a bf16 score matrix, the k best columns below
+ *                  the row's limit of alpha x + bias, best-first, to the host
  *
- * Both are asynchronous on the backend stream and allocate nothing: the host
- * arrays (segment bounds, expand requests) go through the staging ring, or
- * are read in place when they are backend memory (lethe_cuda_stage_idx).
+ * topk and select_expand are asynchronous on the backend stream and allocate
+ * nothing: the host arrays (segment bounds, expand requests) go through the
+ * staging ring, or are read in place when they are backend memory
+ * (lethe_cuda_stage_idx). row_topk is synchronous (its output is a host
+ * array); its limits, bias and output share one region of the ring.
  *
  * topk must equal lethe_topk_indices (backend/topk.c) exactly, ties included, so it is
  * an exact selection, not an approximate one. Each float maps to a uint32
@@ -31,6 +35,8 @@
  * sizes); histogram increments are warp-aggregated (__match_any_sync), since
  * real scores crowd a few bins (same exponent) and shared atomics on one
  * address serialize. */
+#include <string.h>
+
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/args.h"
 
@@ -232,4 +238,117 @@ extern "C" void lethe_cuda_select_expand(lethe_backend *be, int32_t *out, const 
     select_expand_kernel<<<grid, EXPAND_THREADS, 0, c->stream>>>(
         out, d_rows, d_picks, (const lethe_expand_seq *)d_seqs, unit);
     CU_LAUNCH_CHECK();
+}
+
+/* ---- row_topk ----------------------------------------------------------- */
+
+/* One block of ROWTOPK_THREADS per row (DeltaKV's tiles: n 1024 rows of up to
+ * ~16K columns, k 4): thread t keeps the best KM of columns t, t + T, .. in
+ * registers (a sorted list, insertion by compare-swap down the unrolled list;
+ * KM >= k, so the k best of the row are among the threads' lists), then k
+ * rounds pick the row's next best among the threads' list heads (a warp
+ * butterfly, then the warps' winners through shared memory); the owner pops
+ * its head. Empty list entries are (NaN, INT32_MAX): after every real entry,
+ * NaN ones included, and never a winner while a real entry is left. */
+#define ROWTOPK_THREADS 128
+#define ROWTOPK_WARPS (ROWTOPK_THREADS / 32)
+#define ROWTOPK_EMPTY 0x7fffffff
+
+/* lethe_rank_before on the device (NaN by a bit test: fast-math proof) */
+__device__ __forceinline__ bool rank_before_dev(float a, int32_t ia, float b, int32_t ib) {
+    const bool na = (__float_as_uint(a) & 0x7fffffffu) > 0x7f800000u;
+    const bool nb = (__float_as_uint(b) & 0x7fffffffu) > 0x7f800000u;
+    if (na != nb) return nb;
+    if (!na && a != b) return a > b;
+    return ia < ib;
+}
+
+template <int KM>
+__global__ void __launch_bounds__(ROWTOPK_THREADS)
+row_topk_kernel(int32_t *__restrict__ out, const bf16 *__restrict__ scores, int32_t m,
+                const int32_t *__restrict__ lim, int32_t k, float alpha,
+                const float *__restrict__ bias) {
+    __shared__ float s_v[ROWTOPK_WARPS];
+    __shared__ int32_t s_i[ROWTOPK_WARPS];
+    const int32_t row = blockIdx.x, L = lim[row];
+    const bf16 *x = scores + (size_t)row * m;
+    const float empty_v = __uint_as_float(0x7fffffffu);
+    float bv[KM];
+    int32_t bi[KM];
+#pragma unroll
+    for (int j = 0; j < KM; j++) bv[j] = empty_v, bi[j] = ROWTOPK_EMPTY;
+    for (int32_t c = threadIdx.x; c < L; c += ROWTOPK_THREADS) {
+        /* two rounded operations, as the CPU twin computes them */
+        const float ax = __fmul_rn(alpha, __bfloat162float(x[c]));
+        float v = __fadd_rn(ax, bias ? bias[c] : 0.0f);
+        int32_t id = c;
+        if (!rank_before_dev(v, id, bv[KM - 1], bi[KM - 1])) continue;
+#pragma unroll
+        for (int j = 0; j < KM; j++)
+            if (rank_before_dev(v, id, bv[j], bi[j])) {
+                const float tv = bv[j];
+                const int32_t ti = bi[j];
+                bv[j] = v, bi[j] = id, v = tv, id = ti;
+            }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int32_t r = 0; r < k; r++) {
+        float v = bv[0];
+        int32_t id = bi[0];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) { /* every lane ends with the warp's best */
+            const float v2 = __shfl_xor_sync(FULL_MASK, v, o);
+            const int32_t i2 = __shfl_xor_sync(FULL_MASK, id, o);
+            if (rank_before_dev(v2, i2, v, id)) v = v2, id = i2;
+        }
+        if (lane == 0) s_v[warp] = v, s_i[warp] = id;
+        __syncthreads();
+        v = s_v[0], id = s_i[0];
+#pragma unroll
+        for (int w = 1; w < ROWTOPK_WARPS; w++)
+            if (rank_before_dev(s_v[w], s_i[w], v, id)) v = s_v[w], id = s_i[w];
+        if (threadIdx.x == 0) out[(size_t)row * k + r] = id == ROWTOPK_EMPTY ? -1 : id;
+        if (id != ROWTOPK_EMPTY && bi[0] == id) { /* the owner pops its head (columns are unique) */
+#pragma unroll
+            for (int j = 0; j + 1 < KM; j++) bv[j] = bv[j + 1], bi[j] = bi[j + 1];
+            bv[KM - 1] = empty_v, bi[KM - 1] = ROWTOPK_EMPTY;
+        }
+        __syncthreads(); /* s_v / s_i are rewritten by the next round */
+    }
+}
+
+extern "C" void lethe_cuda_row_topk(lethe_backend *be, int32_t *out, const void *scores, int32_t n,
+                                    int32_t m, const int32_t *lim, int32_t k, float alpha,
+                                    const float *bias) {
+    cuda_ctx *c = cuda_ctx_of(be);
+    LETHE_ASSERT(!c->capturing && "row_topk is synchronous");
+    const int32_t max_lim = lethe_check_row_topk(n, m, lim, k);
+    if (max_lim == 0) { /* no row has a column: nothing to rank */
+        for (size_t i = 0; i < (size_t)n * k; i++) out[i] = -1;
+        return;
+    }
+    /* one ring region: lim [n] and bias [max_lim] up, out [n, k] down (one
+     * allocation, so no later one of this call can wrap the ring over it) */
+    const size_t lim_bytes = (size_t)n * sizeof(int32_t), bias_bytes = bias ? (size_t)max_lim * sizeof(float) : 0;
+    const size_t out_bytes = (size_t)n * k * sizeof(int32_t);
+    void *h;
+    char *d = (char *)lethe_cuda_ring_alloc(c, lim_bytes + bias_bytes + out_bytes, &h);
+    memcpy(h, lim, lim_bytes);
+    if (bias) memcpy((char *)h + lim_bytes, bias, bias_bytes); /* only the columns some row reads */
+    CU_CHECK(cudaMemcpyAsync(d, h, lim_bytes + bias_bytes, cudaMemcpyHostToDevice, c->stream));
+    const int32_t *d_lim = (const int32_t *)d;
+    const float *d_bias = bias ? (const float *)(d + lim_bytes) : NULL;
+    int32_t *d_out = (int32_t *)(d + lim_bytes + bias_bytes);
+    void *h_out = (char *)h + lim_bytes + bias_bytes;
+    const bf16 *x = (const bf16 *)scores;
+    if (k <= 4)
+        row_topk_kernel<4><<<(unsigned)n, ROWTOPK_THREADS, 0, c->stream>>>(d_out, x, m, d_lim, k, alpha, d_bias);
+    else if (k <= 8)
+        row_topk_kernel<8><<<(unsigned)n, ROWTOPK_THREADS, 0, c->stream>>>(d_out, x, m, d_lim, k, alpha, d_bias);
+    else
+        row_topk_kernel<16><<<(unsigned)n, ROWTOPK_THREADS, 0, c->stream>>>(d_out, x, m, d_lim, k, alpha, d_bias);
+    CU_LAUNCH_CHECK();
+    CU_CHECK(cudaMemcpyAsync(h_out, d_out, out_bytes, cudaMemcpyDeviceToHost, c->stream));
+    CU_CHECK(cudaStreamSynchronize(c->stream));
+    memcpy(out, h_out, out_bytes);
 }
