@@ -60,8 +60,9 @@
 #           (RETRO_METHODS, default retroinfer,retro_infer) -> sparse-retroinfer.json.
 #           ~3-4 min of GPU time (+ ~3 min RetroInfer). SPARSE_SET=retro runs only the
 #           RetroInfer part; SPARSE_SET=evict only kvzip, rkv and skipkv vs dense at matched
-#           batch 8 x 32K (decode tok/s, slots kept; -> sparse-evict.json; not timed, ~3 min). SPARSE_ARGS adds/overrides flags (e.g. "--matched-input
-#           16384" to halve the matched part).
+#           batch 8 x 32K (decode tok/s, slots kept; -> sparse-evict.json; kvzip alone ~2.5 min;
+#           EVICT_METHODS=rkv,skipkv picks them). SPARSE_ARGS adds/overrides flags (e.g.
+#           "--matched-input 16384" to halve the matched part).
 #           Issue 17's list (compression + RetroInfer host tier at 32K / 128K), ~4-5 min:
 #             COMPRESS_INPUTS="2x32768 1x130560" SPARSE_SET=retro RETRO_BATCH=1 \
 #             RETRO_INPUT=130560 RETRO_METHODS=retro_infer scripts/gpu-check.sh build,compress,sparse
@@ -306,7 +307,7 @@ if has sparse; then
         # matched batch 8 x 32K and the slots each keeps after compaction (192 decode steps, past
         # rkv / skipkv's 128-step compaction interval)
         ./build/lethe bench sparse -m configs/llama-3.1-8b-instruct/config.json --load-format dummy --device cuda \
-            --parts matched --budget 2048 --matched-methods kvzip,rkv,skipkv --matched-batch 8 \
+            --parts matched --budget 2048 --matched-methods ${EVICT_METHODS:-kvzip,rkv,skipkv} --matched-batch 8 \
             --matched-input 32768 --matched-output 192 --no-progress \
             --method-config kvzip:kvzip_token_budget=2048 ${SPARSE_ARGS:-} \
             --json "$OUT/sparse-evict.json" 2>&1 | tee "$OUT/sparse-evict.log"
