@@ -9,7 +9,8 @@
  *                        graph launch + device wait inside it (graph steps:
  *                        model/forward_uniform.c times graph_launch /
  *                        graph_end); logged as ms per step, with the
- *                        method's name, when the engine is destroyed. Host
+ *                        method's name and the slowest step (a method's
+ *                        compaction, a graph capture), when the engine is destroyed. Host
  *                        issue time = the forward call minus the graph
  *                        launch + wait: what the host spends planning,
  *                        staging and launching (on an eager step, every op
@@ -64,6 +65,7 @@ void eng_diag_step_end(lethe_engine *e) {
     d->t_fwd += d->t1 - d->t0;
     d->t_sample += t2 - d->t1;
     d->t_step += t2 - d->t0;
+    if (t2 - d->t0 > d->t_step_max) d->t_step_max = t2 - d->t0;
     d->t_graph += e->fwd.gs->t_graph - d->t_graph0;
     d->n_graph_steps += e->fwd.gs->n_replays + e->fwd.gs->n_captures != d->graphs0;
     d->timed = false;
@@ -76,8 +78,8 @@ void eng_diag_report(const lethe_engine *e) {
     const double host = d->t_fwd - d->t_graph;
     LOG_INFO("step times (LETHE_STEP_TIMES, method %s, %lld decode steps, %lld of them graphs, host ms "
              "per step): step %.3f = host issue %.3f (plan_layer %.3f) + graph launch/wait %.3f + "
-             "sample/wait %.3f; host share %.1f%%",
+             "sample/wait %.3f; host share %.1f%%; slowest step %.3f",
              e->method->ops->name, (long long)d->n_timed, (long long)d->n_graph_steps, d->t_step * k,
              host * k, d->t_plan * k, d->t_graph * k, d->t_sample * k,
-             d->t_step > 0 ? 100.0 * host / d->t_step : 0.0);
+             d->t_step > 0 ? 100.0 * host / d->t_step : 0.0, d->t_step_max * 1e3);
 }

@@ -147,6 +147,7 @@ typedef struct eng_diag {
     double t0, t1;                    /* the current step's begin and forward_done */
     int64_t n_timed;
     double t_step, t_fwd, t_plan, t_sample; /* sums over the timed steps */
+    double t_step_max;                      /* the slowest timed step (a compaction, a capture) */
     double t_graph, t_graph0;         /* graph launch + wait inside t_fwd; gs->t_graph at begin */
     int64_t n_graph_steps, graphs0;   /* timed steps that replayed / captured a graph */
     FILE *seldump;                    /* LETHE_DUMP_SELECTIONS (engine_seldump.c), NULL: off */
