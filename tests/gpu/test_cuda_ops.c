@@ -1195,6 +1195,19 @@ static void test_free_memory(void) {
     size_t f1 = g_gpu->ops->free_memory(g_gpu);
     CHECK(f1 + ((size_t)1 << 30) <= f0 + ((size_t)64 << 20));
     g_gpu->ops->release(g_gpu, p);
+    /* a refused allocation is a status and leaves no CUDA error behind for
+     * the next kernel's launch check: callers back off from NOMEM (bench
+     * points that do not fit, the pool planner) and go on */
+    void *big = NULL;
+    CHECK(g_gpu->ops->alloc(g_gpu, (size_t)1 << 50, &big) == LETHE_ERR_NOMEM);
+    CHECK(strstr(lethe_last_error(), "cannot allocate") != NULL);
+    float *a = rand_bf16(4096, 4), *b = rand_bf16(4096, 4);
+    pair pa = pair_act(a, 4096), pb = pair_act(b, 4096);
+    g_cpu->ops->add(g_cpu, pa.c, pb.c, 4096);
+    g_gpu->ops->add(g_gpu, pa.g, pb.g, 4096);
+    compare(&pa, 4096, 6e-3, "add after a refused allocation");
+    pair_free(&pa), pair_free(&pb);
+    free(a), free(b);
     CHECK(g_cpu->ops->free_memory(g_cpu) == 0);
     /* device memory, graphs, profiler (backend.h capabilities) */
     CHECK(g_gpu->ops->caps == (LETHE_BE_GRAPHS | LETHE_BE_PROFILER));

@@ -179,6 +179,10 @@ static lethe_status cuda_alloc(lethe_backend *be, size_t n_bytes, void **out) {
     cuda_ctx *c = cuda_ctx_of(be);
     cudaError_t e = cudaMalloc(out, n_bytes ? n_bytes : 256);
     if (e != cudaSuccess) {
+        /* a failed cudaMalloc also sets the thread's last error: clear it, or
+         * the next kernel's launch check reports this refusal as its own
+         * failure (a caller that backs off from NOMEM would then die) */
+        (void)cudaGetLastError();
         size_t fr = 0, tot = 0;
         cudaMemGetInfo(&fr, &tot);
         return lethe_errorf(LETHE_ERR_NOMEM,
