@@ -427,6 +427,11 @@ static void test_attention(void) {
         {"decode gqa8 d128", 16, 2, 128, 3, {1, 1, 1}, {1, 80, 4097}, 0, 0},
         {"decode gqa32 d64", 64, 2, 64, 2, {1, 1}, {100, 1500}, 0, 0},
         {"decode gqa12 d128", 24, 2, 128, 2, {1, 1}, {31, 333}, 0, 0},
+        /* decode_v2 at head_dim 256 (Qwen3.5/3.6's gated attention: 24 / 4
+         * heads), lengths off the tiles, long enough to split, and sparse */
+        {"decode gqa6 d256", 24, 4, 256, 4, {1, 1, 1, 1}, {1, 17, 1000, 20000}, 0, 0},
+        {"sparse decode gqa6 d256", 24, 4, 256, 2, {1, 1}, {300, 5000}, 1, 0},
+        {"decode gqa32 d256", 32, 1, 256, 2, {1, 1}, {63, 4100}, 0, 0},
         /* n_kv * batch past the device's one-wave block count: one split per
          * row, written without the merge pass */
         {"decode batch-wide", 32, 8, 128, 24,

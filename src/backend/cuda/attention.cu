@@ -18,7 +18,9 @@
  *    place or gathered; any GQA group). It hands sequences with few queries
  *    (the decode rows of a mixed call) back to split_kernel by item list. A
  *    block-sparse plan is ignored at these head_dims (dense, backend.h).
- *  - decode, and prefill inside capture: the generic kernel here.
+ *  - decode at head_dim 256: decode_v2_kernel (attention_v2.cu) where its
+ *    shared memory fits; other decode, and prefill inside capture: the
+ *    generic kernel here.
  * The kernels of this file:
  *  - split_kernel: flash-decoding over query rows. A block = (query row, KV
  *    head, split); its G query heads share every K/V row it reads. The
@@ -347,6 +349,10 @@ extern "C" void lethe_cuda_attention(lethe_backend *be, const lethe_attn_args *a
      * these head_dims a->bsp is ignored (dense), as the generic kernel did. */
     if (!decode && !c->capturing && !lethe_cuda_attn_v2_fits(c, D)) {
         lethe_cuda_attn_gemm(c, a, d_qb, d_sb, d_sel);
+        return;
+    }
+    if (decode && D == 256 && lethe_cuda_attn_decode_v2_fits(c, D)) {
+        lethe_cuda_attn_decode_v2(c, a, d_qb, d_sb, d_sel);
         return;
     }
     if (lethe_cuda_attn_v2_fits(c, D)) {

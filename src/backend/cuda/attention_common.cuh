@@ -68,13 +68,17 @@ void lethe_cuda_attn_split_items(cuda_ctx *c, const lethe_attn_args *a, const in
                                  const int32_t *d_sb, const int32_t *d_sel, bool decode,
                                  int32_t n_items, const int32_t *d_items);
 
-/* v2 launchers (attention_v2.cu); D is 64 or 128. v2_fits: the shape is one
+/* v2 launchers (attention_v2.cu); D is 64 or 128 (decode also 256). v2_fits: the shape is one
  * v2 takes (D 64/128) and both v2 kernels' shared memory fits this device's
  * opt-in limit. decode_v2: every sequence has one query (a->n_tokens ==
  * a->n_seqs). prefill_v2: any batch; sequences with a single query go to the
  * decode kernel (one block per KV head group and split instead of a 128-row
  * tile per head), the rest to the prefill kernel. */
 bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D);
+/* decode_v2 alone also takes D 256 (two pipeline stages a warp, no prefill
+ * kernel): true for 64 / 128 where v2_fits, and 256 where its shared memory
+ * fits the opt-in limit */
+bool lethe_cuda_attn_decode_v2_fits(const cuda_ctx *c, int D);
 /* prefill / extend as cuBLAS GEMMs (attention_gemm.cu): any GQA group, any
  * selection (gathered into contiguous scratch), no per-head selections, not
  * in graph capture; sequences with few queries (decode rows of a mixed call)

@@ -4,8 +4,9 @@
  * registers (FlashAttention-2 register layout: the S accumulator of QK^T is
  * reused as the A operand of PV without a shared-memory round trip).
  * Semantics: backend.h's lethe_attn_args, same as attention.cu and the CPU
- * twin backend/cpu/attention.c. head_dim 64 and 128; attention.cu keeps the
- * generic split-K kernel for every other shape.
+ * twin backend/cpu/attention.c. head_dim 64 and 128, and 256 for decode
+ * (Qwen3.5/3.6's gated attention layers); attention.cu keeps the generic
+ * split-K kernel for every other shape.
  *
  * decode_v2_kernel (one query row per sequence): a block = (row, KV head,
  * split) with the G <= 16 query heads of that KV head as the 16 rows of the
@@ -118,7 +119,9 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 template <int D>
 struct dv2_cfg {
-    static constexpr int NST = D == 64 ? 6 : 3;            /* pipeline stages per warp */
+    /* pipeline stages per warp; at D 256 a stage is 16.5 KB, two keep the
+     * four warps' pipelines at 132 KB (one block an SM, the splits fill it) */
+    static constexpr int NST = D == 64 ? 6 : D == 128 ? 3 : 2;
     static constexpr int LD = D + 8;                       /* bf16 per shared row */
     static constexpr int STAGE = 2 * DV2_KT * LD;          /* K tile then V tile, bf16 */
     static constexpr size_t WARP_BYTES = (size_t)NST * STAGE * 2;
@@ -369,7 +372,8 @@ void lethe_cuda_attn_decode_v2(cuda_ctx *c, const lethe_attn_args *a, const int3
     LETHE_ASSERT(a->n_tokens == a->n_seqs);
     if (a->head_dim == 64) launch_decode_v2<64>(c, a, d_qb, d_sb, d_sel, a->n_tokens, NULL);
     else if (a->head_dim == 128) launch_decode_v2<128>(c, a, d_qb, d_sb, d_sel, a->n_tokens, NULL);
-    else LETHE_ASSERT(!"decode v2: head_dim must be 64 or 128");
+    else if (a->head_dim == 256) launch_decode_v2<256>(c, a, d_qb, d_sb, d_sel, a->n_tokens, NULL);
+    else LETHE_ASSERT(!"decode v2: head_dim must be 64, 128 or 256");
 }
 
 /* ---- prefill / extend -------------------------------------------------------- */
@@ -689,6 +693,11 @@ bool lethe_cuda_attn_v2_fits(const cuda_ctx *c, int D) {
     const size_t dec = D == 64 ? dv2_cfg<64>::SMEM : dv2_cfg<128>::SMEM;
     const size_t pre = D == 64 ? pf2_cfg<64>::SMEM : pf2_cfg<128>::SMEM;
     return dec <= c->smem_optin && pre <= c->smem_optin;
+}
+
+bool lethe_cuda_attn_decode_v2_fits(const cuda_ctx *c, int D) {
+    if (D == 256) return dv2_cfg<256>::SMEM <= c->smem_optin;
+    return lethe_cuda_attn_v2_fits(c, D);
 }
 
 void lethe_cuda_attn_prefill_v2(cuda_ctx *c, const lethe_attn_args *a, const int32_t *d_qb,
