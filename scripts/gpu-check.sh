@@ -217,7 +217,7 @@ if [ -d .deb ]; then
     mkdir -p "$R" "$LK" "$FB"
     for f in .deb/*.deb; do dpkg -x "$f" "$R"; done
     # link time: a library the system has is linked from the system; else from the .deb
-    for lib in cjson pcre2-8 icuuc curl crypto microhttpd; do
+    for lib in cjson pcre2-8 icuuc curl crypto; do
         sys=$(ldconfig -p | grep -o "/[^ ]*/lib$lib\.so\.[0-9]*$" | head -1)
         # ICU suffixes its symbols with its version: the .deb headers need the .deb library
         [ "$lib" = icuuc ] && sys=
