@@ -556,6 +556,10 @@ prompts of L tokens: decode tokens/s = tokens produced in steps while every requ
 (all had their first token, none had finished) / the time of those steps. `--repeats N`
 (default 1) runs each configuration N times; decode tokens/s is the median (every run's value is in
 `decode_tok_s_runs`); `matched_output_requested` is `--matched-output` next to the `max_tokens` sent.
+The last two columns are the window's median step as a rate (tokens of an average full-batch step /
+the median step's time) and its slowest step: a method that compacts inside one decode step (R-KV's
+first pass over a long prompt, while the batch waits) lowers the window's rate but not the median's
+(— in files from before these fields).
 
 **Capacity through each method's own path (`--parts ownpath`).** For dense and each of
 `--ownpath-methods` (default SnapKV, PyramidKV, H2O, StreamingLLM; H2O gets
@@ -646,18 +650,23 @@ def sparse_section(results):
                        f"{mt.get('max_tokens')}.")
             out.append("")
             out.append("| method | knobs | prefill s | prefill tok/s | decode tok/s | full-batch steps | preemptions "
-                       "| vs dense |")
-            out.append("|---|---|---:|---:|---:|---:|---:|---:|")
+                       "| vs dense | median-step tok/s | slowest step ms |")
+            out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
             for x in mt.get("methods", []):
                 if x.get("error") and x.get("decode_tok_s") is None:
                     out.append(f"| {x.get('method')} | `{x.get('knobs') or '—'}` | failed: {x['error'][:120]} "
-                               "| | | | | |")
+                               "| | | | | | | |")
                     continue
                 vs = x.get("decode_vs_dense")
+                # the window's median step as a rate and its slowest step (files from before
+                # these fields: —)
+                p50 = x.get("decode_tok_s_p50_step")
+                mx = x.get("decode_step_max_ms")
                 out.append("| " + " | ".join([
                     x.get("method", "?"), f"`{x['knobs']}`" if x.get("knobs") else "—", fmt(x.get("prefill_s"), 2),
                     fmt(x.get("prefill_tok_s"), 0), fmt(x.get("decode_tok_s"), 1), str(x.get("decode_window_steps")),
-                    str(x.get("preemptions")), (fmt(vs, 2) + "x") if vs is not None else "—"]) +
+                    str(x.get("preemptions")), (fmt(vs, 2) + "x") if vs is not None else "—",
+                    fmt(p50, 1) if p50 is not None else "—", fmt(mx, 1) if mx is not None else "—"]) +
                     (" (failed: " + x["error"][:80] + ")" if x.get("error") else "") + " |")
             out.append("")
         out.append(f"Command: `{r.get('command', '?')}`")

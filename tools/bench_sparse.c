@@ -36,6 +36,10 @@
  *   every request was decoding (all had their first token, none had
  *   finished) / the time of those steps; max_tokens = --matched-output plus
  *   the prefill steps, so that window holds at least --matched-output steps.
+ *   Next to it the window's median step as a rate (tokens of an average full
+ *   step / the median step's time) and its slowest step: a method that
+ *   compacts inside one decode step (R-KV's first pass over a long prompt)
+ *   lowers the window's rate but not the median's.
  *   Also the most device slots any layer of a request holds when its first
  *   token is published (resident_after_prompt_max: below the input for a
  *   method that moves or frees KV after the prompt).
@@ -138,9 +142,15 @@ static void on_event(void *user, const lethe_event *ev) {
     }
 }
 
+static int cmp_dbl(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 typedef struct sb_run {
     int32_t n_req, input, max_tokens;
     double prefill_s, decode_tok_s, window_s, total_s;
+    double step_p50_s, step_max_s; /* full-batch steps: the median and the slowest */
     int64_t window_tokens, window_steps, steps, preemptions;
     int32_t res_min, res_max;
     double res_mean;
@@ -178,12 +188,15 @@ static int engine_run(lethe_engine *e, const char *label, int32_t n, int32_t inp
     }
     free(prompt);
     double t_started = 0, t_last_print = 0;
+    double *step_s = NULL; /* every full-batch step's seconds, for the median */
+    size_t step_cap = 0;
     while (lethe_engine_has_work(e)) {
         bool full = t.n_started == n && t.n_finished == 0; /* every request decodes in this step */
         t.step_tokens = 0;
         double ts = lethe_time_s();
         if (lethe_engine_step(e) != 0) {
             snprintf(r->error, sizeof(r->error), "step: %s", lethe_engine_last_error());
+            free(step_s);
             return -1;
         }
         double now = lethe_time_s();
@@ -191,7 +204,11 @@ static int engine_run(lethe_engine *e, const char *label, int32_t n, int32_t inp
         if (full) {
             r->window_s += now - ts;
             r->window_tokens += t.step_tokens;
-            r->window_steps++;
+            if ((size_t)r->window_steps == step_cap) {
+                step_cap = step_cap ? 2 * step_cap : 256;
+                step_s = lethe_xrealloc(step_s, step_cap * sizeof(double));
+            }
+            step_s[r->window_steps++] = now - ts;
         }
         if (!t_started && t.n_started == n) t_started = now;
         if (progress && now - t_last_print > 1.0) {
@@ -204,6 +221,17 @@ static int engine_run(lethe_engine *e, const char *label, int32_t n, int32_t inp
     r->total_s = lethe_time_s() - t0;
     r->prefill_s = t_started ? t_started - t0 : NAN;
     r->decode_tok_s = r->window_s > 0 ? (double)r->window_tokens / r->window_s : NAN;
+    /* the median step: a method that compacts inside a decode step (R-KV's
+     * first pass over a long prompt) shows as one slow step, which the
+     * window's mean spreads over every token; the median is its steady rate */
+    r->step_p50_s = r->step_max_s = NAN;
+    if (r->window_steps > 0) {
+        qsort(step_s, (size_t)r->window_steps, sizeof(double), cmp_dbl);
+        const int64_t w = r->window_steps;
+        r->step_p50_s = w % 2 ? step_s[w / 2] : 0.5 * (step_s[w / 2 - 1] + step_s[w / 2]);
+        r->step_max_s = step_s[w - 1];
+    }
+    free(step_s);
     lethe_engine_get_stats(e, &s1);
     r->preemptions = s1.n_preemptions - s0.n_preemptions;
     if (t.res_n) {
@@ -369,6 +397,13 @@ static cJSON *run_json(const sb_run *r) {
     cJSON_AddNumberToObject(j, "decode_window_steps", (double)r->window_steps);
     cJSON_AddNumberToObject(j, "decode_window_tokens", (double)r->window_tokens);
     cJSON_AddNumberToObject(j, "decode_window_s", r->window_s);
+    cJSON_AddNumberToObject(j, "decode_step_p50_ms", r->step_p50_s * 1e3);
+    cJSON_AddNumberToObject(j, "decode_step_max_ms", r->step_max_s * 1e3);
+    /* tokens of an average full step over the median step's time */
+    cJSON_AddNumberToObject(j, "decode_tok_s_p50_step",
+                            r->window_steps > 0 && r->step_p50_s > 0
+                                ? (double)r->window_tokens / (double)r->window_steps / r->step_p50_s
+                                : NAN);
     cJSON_AddNumberToObject(j, "steps", (double)r->steps);
     cJSON_AddNumberToObject(j, "total_s", r->total_s);
     cJSON_AddNumberToObject(j, "preemptions", (double)r->preemptions);
@@ -507,11 +542,6 @@ static int part_capacity(const sb_opts *o, cJSON *root) {
 }
 
 /* ---- part 3: capacity through each method's own engine path ------------------------ */
-
-static int cmp_dbl(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* median of the finite values of v[0..n) (NaN when none) */
 static double median_finite(const double *v, int n) {
@@ -676,8 +706,8 @@ static int part_matched(const sb_opts *o, cJSON *root) {
     cJSON_AddNumberToObject(mt, "repeats", LETHE_MIN(o->repeats, 64));
     cJSON *rows = cJSON_AddArrayToObject(mt, "methods");
     printf("\nmatched batch %d x %d input, greedy, ignore_eos, max_tokens %d\n", B, L, max_tokens);
-    printf("%-10s | %10s %12s | %12s %8s %6s | %7s\n", "method", "prefill s", "prefill t/s", "decode t/s", "steps",
-           "preem", "vs dense");
+    printf("%-10s | %10s %12s | %12s %8s %6s | %7s | %12s %11s\n", "method", "prefill s", "prefill t/s",
+           "decode t/s", "steps", "preem", "vs dense", "median-step", "slowest ms");
     double dense_tok_s = NAN;
     int rc = 0;
     char *save = NULL;
@@ -714,15 +744,21 @@ static int part_matched(const sb_opts *o, cJSON *root) {
                slot_b ? 1073741824.0 / slot_b : 0.0, lo.kv_slots_per_layer, lo.kv_reserve_bytes / 1073741824.0);
         sb_run r;
         /* --repeats runs of the same prompts; decode tokens/s is their median */
-        double runs_tok[64];
+        double runs_tok[64], runs_p50[64], runs_max[64];
         int n_runs = 0, er = 0;
         cJSON *rruns = cJSON_CreateArray();
         for (int k = 0; k < LETHE_MIN(o->repeats, 64) && er == 0; k++) {
             er = engine_run(e, m, B, L, max_tokens, o->seed, 1, !o->no_progress, &r);
-            if (er == 0) runs_tok[n_runs++] = r.decode_tok_s;
+            if (er == 0)
+                runs_tok[n_runs] = r.decode_tok_s, runs_p50[n_runs] = r.step_p50_s,
+                runs_max[n_runs++] = r.step_max_s;
             cJSON_AddItemToArray(rruns, cJSON_CreateNumber(r.decode_tok_s));
         }
-        if (er == 0) r.decode_tok_s = median_finite(runs_tok, n_runs);
+        if (er == 0) { /* the median over the runs of each */
+            r.decode_tok_s = median_finite(runs_tok, n_runs);
+            r.step_p50_s = median_finite(runs_p50, n_runs);
+            r.step_max_s = median_finite(runs_max, n_runs);
+        }
         lethe_engine_destroy(e);
         cJSON *rj = run_json(&r);
         cJSON *it;
@@ -745,9 +781,12 @@ static int part_matched(const sb_opts *o, cJSON *root) {
             fprintf(stderr, "lethe bench sparse: %s: %s\n", m, r.error);
             rc = 1;
         }
-        printf("%-10s | %10.2f %12.0f | %12.1f %8lld %6lld | %6.2fx%s\n", m, r.prefill_s,
+        const double p50_tok_s = r.window_steps > 0 && r.step_p50_s > 0
+                                     ? (double)r.window_tokens / (double)r.window_steps / r.step_p50_s
+                                     : NAN;
+        printf("%-10s | %10.2f %12.0f | %12.1f %8lld %6lld | %6.2fx | %12.1f %11.1f%s\n", m, r.prefill_s,
                r.prefill_s > 0 ? (double)B * L / r.prefill_s : NAN, r.decode_tok_s, (long long)r.window_steps,
-               (long long)r.preemptions, ratio, er ? "  (failed)" : "");
+               (long long)r.preemptions, ratio, p50_tok_s, r.step_max_s * 1e3, er ? "  (failed)" : "");
         fflush(stdout);
         write_json(o, root);
     }

@@ -92,6 +92,11 @@ def test_matched_batch(result):
         assert m["decode_window_steps"] >= 4 and m["decode_window_tokens"] == 2 * m["decode_window_steps"]
         assert m["decode_tok_s"] > 0
         assert m["decode_vs_dense"] == pytest.approx(m["decode_tok_s"] / dense["decode_tok_s"])
+        # the window's median step and slowest step, and the rate of the median step
+        assert 0 < m["decode_step_p50_ms"] <= m["decode_step_max_ms"]
+        per_step = m["decode_window_tokens"] / m["decode_window_steps"]
+        assert m["decode_tok_s_p50_step"] == pytest.approx(per_step / (m["decode_step_p50_ms"] / 1e3))
+        assert m["decode_step_max_ms"] / 1e3 <= m["decode_window_s"] + 1e-9
     assert mt["methods"][0]["knobs"] == "" and "decode_keep_tokens=64" in mt["methods"][1]["knobs"]
 
 
@@ -110,6 +115,7 @@ def test_docs_section(result, tmp_path):
     a = r["capacity"]["points"][1]["arithmetic"]
     assert f"| 1024 | 1, " in b and f"| {a['method_batch']} ({a['method_batch_pool_limit']}) |" in b
     assert "| quest | `sink_keep_tokens=8" in b and "Command: `lethe bench sparse" in b
+    assert "| vs dense | median-step tok/s | slowest step ms |" in b
     p = subprocess.run([sys.executable, gen, "--results", str(docs / "results"), "--docs", str(docs), "--no-plots",
                         "--check"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
