@@ -868,7 +868,8 @@ int lethe_bench_sparse(int argc, char **argv) {
         "Decode throughput of sparse methods vs dense. capacity: an eviction method's largest\n"
         "batch from the engine's KV planning (resident slots measured by a real engine run at each input\n"
         "length), decode tokens/s at that batch over synthetic resident KV, vs dense at its largest batch.\n"
-        "matched: real engine runs of dense and --matched-methods at the same batch and prompts.\n"
+        "matched: real engine runs of dense and --matched-methods at the same batch and prompts (window\n"
+        "tokens/s, and the median and slowest full-batch step).\n"
         "ownpath: each method's largest batch in a pool of K dense requests, run for real through its own\n"
         "engine path (--repeats runs, median).",
         pos, &n_pos, 0);
