@@ -131,8 +131,8 @@ void lethe_cpu_scores_rowmax_avx2(const float *qh, size_t q_stride, int32_t n_ro
 void lethe_cpu_scores_raw_avx2(const float *q, const float *kc, const int32_t *off, int32_t n, int D,
                                float scale, float *raw);
 /* redundancy_avx2.c: key_redundancy's AVX2 tier for one KV head (keys at
- * kc + slots[j] * stride + head_off). pack: kt [D][np] (keys transposed, np = n
- * rounded up to 8, zero padding) and nrm [np] = |k_j| + 1e-8; rows: for rows
+ * kc + slots[j] * stride + head_off). pack: kt [np / 8][D][8] (blocks of 8
+ * keys, np = n rounded up to 8, zero padding) and nrm [np] = |k_j| + 1e-8; rows: for rows
  * [i0, i1) the lane sums sum[i], last[i] (-1: none) and clast[i], bit-identical
  * to redundancy.c's portable pass (compiled with -mavx2 -mfma) */
 void lethe_cpu_redundancy_pack_avx2(const float *kc, const int32_t *slots, size_t stride, size_t head_off,

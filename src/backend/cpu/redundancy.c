@@ -9,7 +9,7 @@
  * c(i, last(i)) (the cosine is symmetric). The lanes are what the AVX2 tier
  * (redundancy_avx2.c, keys transposed so that a vector holds 8 keys) sums,
  * so both tiers give the same bits for any thread count. Work O(n^2 d) per
- * head, memory O(n d) for the transposed keys: the n x n similarity never
+ * head, memory O(n d) for the packed keys: the n x n similarity never
  * exists. Tasks: (KV head, block of rows) in parallel. */
 #include <math.h>
 #include <stdlib.h>
