@@ -175,8 +175,11 @@ dev:
 endif
 
 # The suite: deps + model first, then every C test, a short run of every fuzz
-# harness, then the Python/e2e tests.
-test: deps model all fuzz-build
+# harness, then the Python/e2e tests. The build runs one job per core: on
+# the 2-core CI machine the serial build (nvcc above all) was half the suite.
+NPROC := $(shell nproc 2>/dev/null || echo 1)
+test: deps model
+	@$(MAKE) --no-print-directory -j$(NPROC) all fuzz-build
 	@LETHE_FUZZ_BUILD=$(FUZZ_BUILD) bash tests/run.sh $(BUILD)
 
 test-c: all
