@@ -386,6 +386,13 @@ static void write_json(const sb_opts *o, cJSON *root) {
     free(s);
 }
 
+/* tokens of an average full-batch step over the median step's time */
+static double p50_step_tok_s(const sb_run *r) {
+    return r->window_steps > 0 && r->step_p50_s > 0
+               ? (double)r->window_tokens / (double)r->window_steps / r->step_p50_s
+               : NAN;
+}
+
 static cJSON *run_json(const sb_run *r) {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddNumberToObject(j, "requests", r->n_req);
@@ -399,11 +406,7 @@ static cJSON *run_json(const sb_run *r) {
     cJSON_AddNumberToObject(j, "decode_window_s", r->window_s);
     cJSON_AddNumberToObject(j, "decode_step_p50_ms", r->step_p50_s * 1e3);
     cJSON_AddNumberToObject(j, "decode_step_max_ms", r->step_max_s * 1e3);
-    /* tokens of an average full step over the median step's time */
-    cJSON_AddNumberToObject(j, "decode_tok_s_p50_step",
-                            r->window_steps > 0 && r->step_p50_s > 0
-                                ? (double)r->window_tokens / (double)r->window_steps / r->step_p50_s
-                                : NAN);
+    cJSON_AddNumberToObject(j, "decode_tok_s_p50_step", p50_step_tok_s(r));
     cJSON_AddNumberToObject(j, "steps", (double)r->steps);
     cJSON_AddNumberToObject(j, "total_s", r->total_s);
     cJSON_AddNumberToObject(j, "preemptions", (double)r->preemptions);
@@ -781,12 +784,9 @@ static int part_matched(const sb_opts *o, cJSON *root) {
             fprintf(stderr, "lethe bench sparse: %s: %s\n", m, r.error);
             rc = 1;
         }
-        const double p50_tok_s = r.window_steps > 0 && r.step_p50_s > 0
-                                     ? (double)r.window_tokens / (double)r.window_steps / r.step_p50_s
-                                     : NAN;
         printf("%-10s | %10.2f %12.0f | %12.1f %8lld %6lld | %6.2fx | %12.1f %11.1f%s\n", m, r.prefill_s,
                r.prefill_s > 0 ? (double)B * L / r.prefill_s : NAN, r.decode_tok_s, (long long)r.window_steps,
-               (long long)r.preemptions, ratio, p50_tok_s, r.step_max_s * 1e3, er ? "  (failed)" : "");
+               (long long)r.preemptions, ratio, p50_step_tok_s(&r), r.step_max_s * 1e3, er ? "  (failed)" : "");
         fflush(stdout);
         write_json(o, root);
     }
